@@ -1,0 +1,8 @@
+#pragma once
+// Umbrella header of the core layer: errors, type lists, registries, shared concepts.
+
+#include "difftrain/core/concepts.hpp"
+#include "difftrain/core/error.hpp"
+#include "difftrain/core/registry.hpp"
+#include "difftrain/core/type_list.hpp"
+#include "difftrain/core/version.hpp"

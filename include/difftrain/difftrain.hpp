@@ -1,0 +1,5 @@
+#pragma once
+// Everything difftrain offers. Each layer also has its own umbrella header
+// (`difftrain/core/core.hpp`, ...) for users who want to include less.
+
+#include "difftrain/core/core.hpp"

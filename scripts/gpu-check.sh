@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# On a machine with an NVIDIA GPU: builds against the torch that `python3` (or DIFFTRAIN_PYTHON)
+# holds, runs every test (the CUDA ones run there instead of skipping) and the benchmarks, and
+# writes the logs and JSON results into the folder given as the first argument.
+#
+#   scripts/gpu-check.sh RESULTS_DIR [benchmark filter regex]
+#   XTENSOR_PREFIX   an install prefix of xtensor + xtl + xsimd headers, where none is installed
+#   GTEST_PREFIX / BENCHMARK_PREFIX   likewise, where their CMake packages are elsewhere
+set -uo pipefail
+out=${1:?usage: scripts/gpu-check.sh RESULTS_DIR [benchmark filter]}
+filter=${2:-.}
+mkdir -p "$out"
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+python=${DIFFTRAIN_PYTHON:-python3}
+build=${BUILD_DIR:-build/gpu}
+prefixes="${XTENSOR_PREFIX:-};${GTEST_PREFIX:-};${BENCHMARK_PREFIX:-}"
+
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
+  "$python" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))'
+} | tee "$out/device.txt"
+
+start=$(date +%s)
+cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DDIFFTRAIN_PYTHON="$python" \
+  -DCMAKE_PREFIX_PATH="$prefixes" -DDIFFTRAIN_WERROR=ON 2>&1 | tee "$out/configure.log" | tail -3
+cmake --build "$build" 2>&1 | tee "$out/build.log" | tail -3
+echo "cold build: $(( $(date +%s) - start )) s on $(nproc) cores" | tee -a "$out/device.txt"
+
+"$build/tests/difftrain_tests" --gtest_output="json:$out/tests.json" 2>&1 | tee "$out/tests.log" | tail -15
+"$build/benchmarks/difftrain_bench" --benchmark_filter="$filter" \
+  --benchmark_out="$out/bench.json" --benchmark_out_format=json 2>&1 | tee "$out/bench.log" | tail -40

@@ -1,0 +1,28 @@
+# Installs difftrain into a scratch prefix, then configures, builds and runs a tiny consumer
+# project that only does `find_package(difftrain)` + `target_link_libraries(app difftrain::difftrain)`.
+file(REMOVE_RECURSE ${WORK_DIR})
+set(prefix ${WORK_DIR}/prefix)
+
+function(run_step what)
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "consumer test: ${what} failed (${rc}):\n${out}")
+  endif()
+  message(STATUS "${what}: ok")
+  set(last_output "${out}" PARENT_SCOPE)
+endfunction()
+
+run_step("install" ${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${prefix})
+if(EXISTS ${prefix}/include/difftrain/difftrain.hpp)
+  message(STATUS "headers installed")
+else()
+  message(FATAL_ERROR "consumer test: headers missing from the installed prefix")
+endif()
+run_step("configure consumer" ${CMAKE_COMMAND} -S ${SOURCE_DIR}/tests/consumer -B ${WORK_DIR}/build
+         -G ${GENERATOR} -DCMAKE_CXX_COMPILER=${CXX}
+         -DCMAKE_PREFIX_PATH=${prefix} -DTorch_DIR=${Torch_DIR})
+run_step("build consumer" ${CMAKE_COMMAND} --build ${WORK_DIR}/build)
+run_step("run consumer" ${WORK_DIR}/build/consumer)
+if(NOT last_output MATCHES "consumer ok")
+  message(FATAL_ERROR "consumer test: unexpected output:\n${last_output}")
+endif()
