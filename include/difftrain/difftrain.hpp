@@ -3,3 +3,4 @@
 // (`difftrain/core/core.hpp`, ...) for users who want to include less.
 
 #include "difftrain/core/core.hpp"
+#include "difftrain/nn/nn.hpp"

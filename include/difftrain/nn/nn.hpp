@@ -1,0 +1,5 @@
+#pragma once
+// Umbrella header of the nn layer.
+
+#include "difftrain/nn/activation.hpp"
+#include "difftrain/nn/init.hpp"

@@ -1,0 +1,48 @@
+#pragma once
+// Reading the golden values that tests/reference/ref_*.py write (the `reference.generate`
+// fixture runs them before the unit tests).
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+namespace difftrain::test {
+
+inline const nlohmann::json& golden(const std::string& file) {
+  static std::map<std::string, nlohmann::json> cache;
+  auto it = cache.find(file);
+  if (it == cache.end()) {
+    const std::string path = std::string(DIFFTRAIN_GOLDEN_DIR) + "/" + file;
+    std::ifstream in(path);
+    if (!in)
+      throw std::runtime_error("golden file missing: " + path +
+                               " (run the reference.generate test)");
+    it = cache.emplace(file, nlohmann::json::parse(in)).first;
+  }
+  return it->second;
+}
+
+/// A float64 tensor from a JSON list of numbers and a shape.
+inline at::Tensor tensor_from(const nlohmann::json& values, std::vector<std::int64_t> shape = {}) {
+  std::vector<double> v = values.get<std::vector<double>>();
+  if (shape.empty()) shape.push_back(static_cast<std::int64_t>(v.size()));
+  return at::tensor(v, at::kDouble).reshape(shape);
+}
+
+inline std::vector<std::int64_t> shape_from(const nlohmann::json& j) {
+  return j.get<std::vector<std::int64_t>>();
+}
+
+/// Largest |a - b| / max(|b|, floor): relative error that does not explode near zero.
+inline double max_rel_error(const at::Tensor& a, const at::Tensor& b, double floor = 1e-30) {
+  const at::Tensor ad = a.to(at::kDouble).flatten();
+  const at::Tensor bd = b.to(at::kDouble).flatten();
+  return ((ad - bd).abs() / bd.abs().clamp_min(floor)).max().item<double>();
+}
+
+}  // namespace difftrain::test
