@@ -1,7 +1,8 @@
 #pragma once
 // Prints, after the usual table, the ratio of each difftrain case to its baseline measured in the
 // same run. Pairing is by name: a benchmark whose name contains "/difftrain" is compared with the
-// one whose name has "/baseline" in that place (arguments after it must match).
+// one whose name has "/baseline" in that place (arguments after it must match). Timings are noisy
+// on a shared machine: run with --benchmark_repetitions=5 and the medians are compared.
 
 #include <benchmark/benchmark.h>
 
@@ -17,8 +18,13 @@ class RatioReporter : public benchmark::ConsoleReporter {
   void ReportRuns(const std::vector<Run>& runs) override {
     ConsoleReporter::ReportRuns(runs);
     for (const Run& run : runs) {
-      if (run.run_type != Run::RT_Iteration || run.error_occurred) continue;
-      times_[run.benchmark_name()] = run.GetAdjustedRealTime();
+      if (run.error_occurred) continue;
+      // With --benchmark_repetitions the median stands for the case; otherwise the single run.
+      if (run.run_type == Run::RT_Iteration && run.repetitions <= 1) {
+        times_[run.run_name.str()] = run.GetAdjustedRealTime();
+      } else if (run.run_type == Run::RT_Aggregate && run.aggregate_name == "median") {
+        times_[run.run_name.str()] = run.GetAdjustedRealTime();
+      }
     }
   }
 
