@@ -4,3 +4,4 @@
 
 #include "difftrain/core/core.hpp"
 #include "difftrain/nn/nn.hpp"
+#include "difftrain/schedule/schedule.hpp"

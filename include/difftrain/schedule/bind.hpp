@@ -1,0 +1,142 @@
+#pragma once
+// Binding a schedule to a torch optimizer. Each parameter group keeps its own base LR (captured
+// from the group when bound, like torch's `initial_lr`), and the schedule sets every group's LR
+// from it. Like torch's schedulers: binding sets the LR of step 0, each `step()` moves to the next.
+
+#include <torch/optim/optimizer.h>
+
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "difftrain/core/error.hpp"
+#include "difftrain/schedule/concepts.hpp"
+
+namespace difftrain::schedule {
+
+/// A schedule chosen at run time (by name, from a config file): type-erased, same interface.
+class AnySchedule {
+ public:
+  AnySchedule(std::string name, std::function<double(std::int64_t, double)> lr)
+      : name_(std::move(name)), lr_(std::move(lr)) {}
+  template <class S>
+  requires LrSchedule<S>
+  explicit AnySchedule(S schedule)
+      : name_(S::name),
+        lr_([s = std::move(schedule)](std::int64_t t, double b) { return s.lr(t, b); }) {}
+
+  [[nodiscard]] double lr(std::int64_t step, double base_lr) const { return lr_(step, base_lr); }
+  [[nodiscard]] const std::string& name() const noexcept { return name_; }
+
+ private:
+  std::string name_;
+  std::function<double(std::int64_t, double)> lr_;
+};
+
+namespace detail {
+template <class S>
+std::string schedule_name(const S& s) {
+  if constexpr (NamedPolicy<S>) {
+    (void)s;
+    return std::string(S::name);
+  } else {
+    return s.name();
+  }
+}
+}  // namespace detail
+
+template <class S>
+class LrScheduler {
+  static_assert(HasLrAt<S>,
+                "difftrain: LrScheduler needs a schedule with `double lr(std::int64_t step, double "
+                "base_lr) const`");
+
+ public:
+  /// Binds `schedule` to `optimizer` and sets the LR for step `last_step + 1` (0 for a new run).
+  LrScheduler(torch::optim::Optimizer& optimizer, S schedule, std::int64_t last_step = -1)
+      : optimizer_(&optimizer), schedule_(std::move(schedule)), last_step_(last_step) {
+    for (auto& group : optimizer.param_groups()) base_lrs_.push_back(group.options().get_lr());
+    step();
+  }
+
+  /// Moves to the next step and sets every group's LR for it.
+  void step() { set_step(last_step_ + 1); }
+
+  /// Jumps to `step` (a resumed run) and sets every group's LR for it.
+  void set_step(std::int64_t step) {
+    auto& groups = optimizer_->param_groups();
+    if (groups.size() != base_lrs_.size())
+      throw ConfigError("the optimizer has " + std::to_string(groups.size()) +
+                            " parameter groups, the scheduler was bound to " +
+                            std::to_string(base_lrs_.size()),
+                        "lr scheduler '" + detail::schedule_name(schedule_) + "'");
+    for (std::size_t i = 0; i < groups.size(); ++i) {
+      const double lr = schedule_.lr(step, base_lrs_[i]);
+      if (!std::isfinite(lr))
+        throw NumericError(
+            "learning rate is " + std::to_string(lr) + " for group " + std::to_string(i),
+            "lr scheduler '" + detail::schedule_name(schedule_) + "' at step " +
+                std::to_string(step));
+      groups[i].options().set_lr(lr);
+    }
+    last_step_ = step;
+  }
+
+  [[nodiscard]] std::int64_t last_step() const noexcept { return last_step_; }
+  [[nodiscard]] const std::vector<double>& base_lrs() const noexcept { return base_lrs_; }
+  [[nodiscard]] std::vector<double> last_lr() const {
+    std::vector<double> out;
+    for (auto& g : optimizer_->param_groups()) out.push_back(g.options().get_lr());
+    return out;
+  }
+  [[nodiscard]] const S& schedule() const noexcept { return schedule_; }
+
+  /// The scheduler's state, keyed as torch's `state_dict()` keys it.
+  [[nodiscard]] nlohmann::json state() const {
+    return {{"name", detail::schedule_name(schedule_)},
+            {"last_epoch", last_step_},
+            {"base_lrs", base_lrs_},
+            {"_last_lr", last_lr()}};
+  }
+
+  /// Restores a state written by `state()`; validates it against this schedule and optimizer
+  /// before changing anything.
+  void load_state(const nlohmann::json& s) {
+    const std::string where = "lr scheduler '" + detail::schedule_name(schedule_) + "' state";
+    std::string saved_name;
+    std::int64_t last = 0;
+    std::vector<double> bases;
+    try {
+      saved_name = s.at("name").get<std::string>();
+      last = s.at("last_epoch").get<std::int64_t>();
+      bases = s.at("base_lrs").get<std::vector<double>>();
+    } catch (const nlohmann::json::exception& e) {
+      throw FormatError(e.what(), where);
+    }
+    if (saved_name != detail::schedule_name(schedule_))
+      throw ConfigError("saved by schedule '" + saved_name + "'", where);
+    if (bases.size() != optimizer_->param_groups().size())
+      throw ConfigError("has " + std::to_string(bases.size()) + " base LRs for " +
+                            std::to_string(optimizer_->param_groups().size()) + " parameter groups",
+                        where);
+    for (double b : bases)
+      if (!std::isfinite(b) || b < 0)
+        throw FormatError("base LR " + std::to_string(b) + " is invalid", where);
+    if (last < -1) throw FormatError("last_epoch " + std::to_string(last) + " is below -1", where);
+    base_lrs_ = std::move(bases);
+    set_step(last);
+  }
+
+ private:
+  torch::optim::Optimizer* optimizer_;
+  S schedule_;
+  std::int64_t last_step_;
+  std::vector<double> base_lrs_;
+};
+
+}  // namespace difftrain::schedule
