@@ -38,7 +38,7 @@ class RatioReporter : public benchmark::ConsoleReporter {
       baseline.replace(at, 10, "/baseline");
       const auto it = times_.find(baseline);
       if (it == times_.end() || it->second <= 0) continue;
-      std::printf("%-60s %12.3f\n", name.c_str(), time / it->second);
+      std::printf("%-60s %12.4g\n", name.c_str(), time / it->second);
     }
   }
 
