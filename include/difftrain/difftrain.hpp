@@ -4,4 +4,6 @@
 
 #include "difftrain/core/core.hpp"
 #include "difftrain/nn/nn.hpp"
+#include "difftrain/ema/ema.hpp"
+#include "difftrain/io/io.hpp"
 #include "difftrain/schedule/schedule.hpp"

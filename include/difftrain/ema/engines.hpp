@@ -1,0 +1,153 @@
+#pragma once
+// EMA update engines. They receive the rule's action and the (shadow, parameter) pairs to average.
+//   PerTensor   one in-place lerp per tensor: the reference, simplest, any device mix
+//   MultiTensor torch's _foreach_ kernels, one call per (device, dtype) group
+//   Offloaded   shadows in (pinned) host memory; parameters staged to the host with non-blocking
+//               copies and averaged there, optionally on a worker thread that overlaps the next
+//               training step
+
+#include <ATen/ATen.h>
+#include <ATen/Functions.h>
+#include <c10/core/GradMode.h>
+#include <torch/cuda.h>
+
+#include <future>
+#include <map>
+#include <span>
+#include <string_view>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "difftrain/ema/concepts.hpp"
+
+namespace difftrain::ema {
+
+struct PerTensor {
+  static constexpr std::string_view name = "per_tensor";
+  struct Options {};
+  explicit PerTensor(const Options& /*unused*/ = {}) {}
+  [[nodiscard]] at::Tensor make_shadow(const at::Tensor& param) const {
+    return param.detach().clone();
+  }
+  void average(std::span<Pair> pairs, double weight) {
+    const at::NoGradGuard no_grad;
+    for (Pair& p : pairs)
+      p.shadow.lerp_(p.param.detach().to(p.shadow.device(), p.shadow.scalar_type()), weight);
+  }
+  void copy(std::span<Pair> pairs) {
+    const at::NoGradGuard no_grad;
+    for (Pair& p : pairs) p.shadow.copy_(p.param.detach());
+  }
+  void synchronize() {}
+};
+
+struct MultiTensor {
+  static constexpr std::string_view name = "multi_tensor";
+  struct Options {};
+  explicit MultiTensor(const Options& /*unused*/ = {}) {}
+  [[nodiscard]] at::Tensor make_shadow(const at::Tensor& param) const {
+    return param.detach().clone();
+  }
+
+  void average(std::span<Pair> pairs, double weight) {
+    const at::NoGradGuard no_grad;
+    for (auto& [key, group] : groups(pairs)) at::_foreach_lerp_(group.first, group.second, weight);
+  }
+  void copy(std::span<Pair> pairs) {
+    const at::NoGradGuard no_grad;
+    for (auto& [key, group] : groups(pairs)) at::_foreach_copy_(group.first, group.second);
+  }
+  void synchronize() {}
+
+ private:
+  using Key = std::tuple<int, int, int>;  // shadow device type, index, dtype
+  static std::map<Key, std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>>> groups(
+      std::span<Pair> pairs) {
+    std::map<Key, std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>>> out;
+    for (Pair& p : pairs) {
+      const Key key{static_cast<int>(p.shadow.device().type()), p.shadow.device().index(),
+                    static_cast<int>(p.shadow.scalar_type())};
+      auto& g = out[key];
+      g.first.push_back(p.shadow);
+      at::Tensor src = p.param.detach();
+      if (src.device() != p.shadow.device() || src.scalar_type() != p.shadow.scalar_type())
+        src = src.to(p.shadow.device(), p.shadow.scalar_type());
+      g.second.push_back(src);
+    }
+    return out;
+  }
+};
+
+struct Offloaded {
+  static constexpr std::string_view name = "offloaded";
+  struct Options {
+    bool pin_memory = true;  ///< pinned host shadows make the device→host copies asynchronous
+    bool overlap = true;     ///< average on a worker thread while training goes on
+  };
+  Offloaded() : o_() {}
+  explicit Offloaded(const Options& o) : o_(o) {}
+  Offloaded(const Offloaded&) = delete;
+  Offloaded& operator=(const Offloaded&) = delete;
+  Offloaded(Offloaded&&) = delete;
+  Offloaded& operator=(Offloaded&&) = delete;
+  ~Offloaded() { wait(); }
+
+  [[nodiscard]] at::Tensor make_shadow(const at::Tensor& param) const {
+    at::Tensor host = param.detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true);
+    if (o_.pin_memory && param.is_cuda()) host = host.pin_memory();
+    return host;
+  }
+
+  void average(std::span<Pair> pairs, double weight) {
+    launch(pairs, [weight](std::vector<at::Tensor>& shadows, std::vector<at::Tensor>& staged) {
+      at::_foreach_lerp_(shadows, staged, weight);
+    });
+  }
+  void copy(std::span<Pair> pairs) {
+    launch(pairs, [](std::vector<at::Tensor>& shadows, std::vector<at::Tensor>& staged) {
+      at::_foreach_copy_(shadows, staged);
+    });
+  }
+  /// Waits for an update still running on the worker thread.
+  void synchronize() { wait(); }
+
+ private:
+  template <class Op>
+  void launch(std::span<Pair> pairs, Op op) {
+    wait();  // one update in flight at a time; the staging buffers are reused
+    const at::NoGradGuard no_grad;
+    if (staged_.size() != pairs.size()) {
+      staged_.clear();
+      for (Pair& p : pairs) staged_.push_back(make_shadow(p.param));  // same shape, dtype, pinning
+    }
+    std::vector<at::Tensor> shadows;
+    bool any_cuda = false;
+    for (std::size_t i = 0; i < pairs.size(); ++i) {
+      any_cuda = any_cuda || pairs[i].param.is_cuda();
+      staged_[i].copy_(pairs[i].param.detach(), /*non_blocking=*/true);
+      shadows.push_back(pairs[i].shadow);
+    }
+    // Device→host copies into pinned memory are asynchronous: they must land before the host
+    // reads them. One synchronisation per update, after all copies were queued.
+    if (any_cuda) torch::cuda::synchronize();
+    auto work = [op, shadows = std::move(shadows), staged = staged_]() mutable {
+      const at::NoGradGuard guard;
+      op(shadows, staged);
+    };
+    if (o_.overlap) {
+      pending_ = std::async(std::launch::async, std::move(work));
+    } else {
+      work();
+    }
+  }
+  void wait() {
+    if (pending_.valid()) pending_.get();
+  }
+
+  Options o_;
+  std::vector<at::Tensor> staged_;
+  std::future<void> pending_;
+};
+
+}  // namespace difftrain::ema

@@ -1,0 +1,5 @@
+#pragma once
+// Umbrella header of the io layer.
+
+#include "difftrain/io/atomic_file.hpp"
+#include "difftrain/io/torch_pickle.hpp"

@@ -1,0 +1,253 @@
+#include <difftrain/ema/ema.hpp>
+
+#include <gtest/gtest.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "golden.hpp"
+
+namespace dt = difftrain;
+namespace ema = difftrain::ema;
+namespace tst = difftrain::test;
+
+namespace {
+
+// The reference's toy model: Linear, BatchNorm1d, ReLU, Linear with a frozen last bias.
+torch::nn::Sequential make_model() {
+  torch::nn::Sequential m(torch::nn::Linear(6, 12), torch::nn::BatchNorm1d(12), torch::nn::ReLU(),
+                          torch::nn::Linear(12, 3));
+  m->named_parameters()["3.bias"].set_requires_grad(false);
+  return m;
+}
+
+// Sets every parameter and floating-point buffer of `m` from a {name: flat values} JSON object.
+void assign(torch::nn::Module& m, const nlohmann::json& values) {
+  const at::NoGradGuard no_grad;
+  auto params = m.named_parameters(true);
+  auto buffers = m.named_buffers(true);
+  for (const auto& [name, v] : values.items()) {
+    at::Tensor* t = params.find(name);
+    if (t == nullptr) t = buffers.find(name);
+    ASSERT_NE(t, nullptr) << name;
+    t->copy_(tst::tensor_from(v).reshape(t->sizes()).to(t->scalar_type()));
+  }
+}
+
+// Replays the golden trajectory through `update` (called once per training step).
+template <class Update>
+void replay(torch::nn::Module& m, Update update) {
+  const auto& g = tst::golden("ema.json");
+  assign(m, g["initial"]);
+  for (const auto& step : g["trajectory"]) {
+    assign(m, step);
+    update();
+  }
+}
+
+// Every expected tensor agrees to 1e-6 (absolute + relative) in fp32.
+void expect_shadows(const nlohmann::json& want, auto&& shadow_of) {
+  for (const auto& [name, values] : want.items()) {
+    SCOPED_TRACE(name);
+    const at::Tensor got = shadow_of(name).to(at::kDouble).flatten();
+    const at::Tensor ref = tst::tensor_from(values);
+    ASSERT_EQ(got.numel(), ref.numel());
+    EXPECT_TRUE(at::allclose(got, ref, 1e-6, 1e-6)) << (got - ref).abs().max().item<double>();
+  }
+}
+
+template <class Rule, class Engine>
+void check_against(const std::string& result, const typename Rule::Options& options,
+                   ema::Tracking tracking = {}) {
+  SCOPED_TRACE(result + " with engine " + std::string(Engine::name));
+  auto model = make_model();
+  ema::Ema<Rule, Engine> e(*model, options, {}, tracking);
+  replay(*model, [&] { e.update(); });
+  e.engine().synchronize();
+  expect_shadows(tst::golden("ema.json")["results"][result],
+                 [&](const std::string& n) { return e.shadow(n); });
+}
+
+template <class Engine>
+void check_every_rule() {
+  check_against<ema::WarmupDecay, Engine>("diffusers_default", {});
+  check_against<ema::WarmupDecay, Engine>("diffusers_warmup", {.decay = 0.999,
+                                                               .min_decay = 0.1,
+                                                               .update_after_step = 5,
+                                                               .use_ema_warmup = true,
+                                                               .inv_gamma = 1.0,
+                                                               .power = 0.75});
+  check_against<ema::WarmupDecay, Engine>("diffusers_foreach",
+                                          {.decay = 0.99, .update_after_step = 3});
+  check_against<ema::LitEma, Engine>("lit_ema", {.decay = 0.995});
+  check_against<ema::EmaPytorch, Engine>(
+      "ema_pytorch", {.beta = 0.99, .update_after_step = 20, .update_every = 3, .power = 0.75},
+      {.buffers = ema::Buffers::average, .frozen = ema::Frozen::average});
+  check_against<ema::Karras, Engine>("karras", {.sigma_rel = 0.15, .update_every = 2},
+                                     {.frozen = ema::Frozen::average});
+}
+
+}  // namespace
+
+TEST(Ema, PerTensorEngineMatchesEveryReference) { check_every_rule<ema::PerTensor>(); }
+TEST(Ema, MultiTensorEngineMatchesEveryReference) { check_every_rule<ema::MultiTensor>(); }
+TEST(Ema, OffloadedEngineMatchesEveryReference) { check_every_rule<ema::Offloaded>(); }
+
+TEST(Ema, SigmaRelToGammaMatchesEmaPytorch) {
+  EXPECT_NEAR(ema::sigma_rel_to_gamma(0.15), tst::golden("ema.json")["karras_gamma"].get<double>(),
+              1e-12);
+  // σ_rel(γ) = sqrt((γ+1) / ((γ+2)²(γ+3))) inverts it.
+  for (double s : {0.01, 0.05, 0.1, 0.28}) {
+    const double g = ema::sigma_rel_to_gamma(s);
+    EXPECT_NEAR(std::sqrt((g + 1) / ((g + 2) * (g + 2) * (g + 3))), s, 1e-12);
+  }
+  EXPECT_THROW(ema::sigma_rel_to_gamma(0.0), dt::ConfigError);
+}
+
+TEST(Ema, PostHocSynthesisMatchesEmaPytorch) {
+  auto model = make_model();
+  ema::PostHocEma<> post(*model,
+                         {.sigma_rels = {0.05, 0.28},
+                          .update_every = 1,
+                          .snapshot_every = 20,
+                          .snapshot_dtype = at::kFloat},
+                         {.frozen = ema::Frozen::average});
+  replay(*model, [&] { post.update(); });
+  EXPECT_EQ(post.snapshots().size(), 2U * 10U);
+  const auto& results = tst::golden("ema.json")["results"];
+  const auto final_step = post.synthesize_sigma_rel(0.15);
+  expect_shadows(results["post_hoc_sigma_0.15"],
+                 [&](const std::string& n) { return final_step.at(n); });
+  const auto at_100 = post.synthesize_sigma_rel(0.1, 100);
+  expect_shadows(results["post_hoc_sigma_0.1_step_100"],
+                 [&](const std::string& n) { return at_100.at(n); });
+  EXPECT_THROW((void)post.synthesize(6.9, 500), dt::ConfigError);
+  EXPECT_THROW((ema::PostHocEma<>(*model, {.sigma_rels = {0.1}})), dt::ConfigError);
+}
+
+TEST(Ema, OnlyTrainableParametersAreAveragedOthersCopied) {
+  auto model = make_model();
+  ema::Ema<ema::Constant> e(*model, {.decay = 0.5});
+  const at::Tensor frozen = model->named_parameters()["3.bias"];
+  const at::Tensor weight = model->named_parameters()["0.weight"];
+  const at::Tensor w0 = weight.detach().clone();
+  {
+    const at::NoGradGuard no_grad;
+    frozen.add_(1.0);
+    weight.add_(2.0);
+  }
+  e.update();
+  EXPECT_TRUE(at::equal(e.shadow("3.bias"), frozen));               // copied
+  EXPECT_TRUE(at::allclose(e.shadow("0.weight"), w0 + 1.0));        // averaged halfway
+  EXPECT_THROW((void)e.shadow("1.running_mean"), dt::ConfigError);  // buffers ignored by default
+}
+
+TEST(Ema, ScopeSwapsWeightsInAndRestoresThemEvenOnException) {
+  auto model = make_model();
+  ema::Ema<ema::Constant> e(*model, {.decay = 0.0});
+  const at::Tensor w = model->named_parameters()["0.weight"];
+  {
+    const at::NoGradGuard no_grad;
+    w.fill_(3.0);
+  }
+  e.update();  // decay 0: the shadow is the current weight, 3
+  {
+    const at::NoGradGuard no_grad;
+    w.fill_(7.0);
+  }
+  try {
+    auto scope = e.scope();
+    EXPECT_EQ(w.mean().item<double>(), 3.0);
+    throw std::runtime_error("sampling failed");
+  } catch (const std::runtime_error&) {
+  }
+  EXPECT_EQ(w.mean().item<double>(), 7.0);
+  EXPECT_THROW(e.restore(), dt::ConfigError);  // nothing stored any more
+}
+
+TEST(Ema, StateSavesByNameAndLoadsBack) {
+  auto model = make_model();
+  const ema::WarmupDecay::Options options{.decay = 0.999,
+                                          .min_decay = 0.1,
+                                          .update_after_step = 5,
+                                          .use_ema_warmup = true,
+                                          .inv_gamma = 1.0,
+                                          .power = 0.75};
+  ema::Ema<ema::WarmupDecay, ema::MultiTensor> a(*model, options);
+  replay(*model, [&] { a.update(); });
+  const auto dir = std::filesystem::temp_directory_path() / "difftrain_ema_state";
+  a.save(dir / "ema.pt");
+  // tests/reference/check_cpp_ema_state.py asks for a copy and loads it into diffusers' EMAModel.
+  if (const char* out = std::getenv("DIFFTRAIN_EMA_STATE_OUT")) a.save(out);
+
+  auto other = make_model();
+  ema::Ema<ema::WarmupDecay, ema::MultiTensor> b(*other, {.decay = 0.5});
+  b.load(dir / "ema.pt");
+  EXPECT_EQ(b.rule().optimization_step(), 200);
+  EXPECT_EQ(b.rule().state()["decay"], 0.999);
+  for (const auto& n : a.names()) EXPECT_TRUE(at::equal(a.shadow(n), b.shadow(n))) << n;
+  // The state keys are diffusers' EMAModel.state_dict() keys.
+  const auto [scalars, shadows] = a.state();
+  for (const char* key : {"decay", "min_decay", "optimization_step", "update_after_step",
+                          "use_ema_warmup", "inv_gamma", "power"})
+    EXPECT_TRUE(scalars.contains(key)) << key;
+}
+
+TEST(Ema, LoadsAStateWrittenByDiffusersInPython) {
+  auto model = make_model();
+  ema::Ema<ema::WarmupDecay> e(*model, {});
+  e.load(std::string(DIFFTRAIN_GOLDEN_DIR) + "/ema_diffusers_state.pt");
+  const auto& g = tst::golden("ema.json");
+  EXPECT_EQ(e.rule().state()["optimization_step"],
+            g["diffusers_warmup_state"]["optimization_step"]);
+  EXPECT_EQ(e.rule().state()["min_decay"], 0.1);
+  expect_shadows(g["results"]["diffusers_warmup"],
+                 [&](const std::string& n) { return e.shadow(n); });
+}
+
+TEST(Ema, BadStatesAreTypedErrorsAndChangeNothing) {
+  auto model = make_model();
+  ema::Ema<ema::WarmupDecay> e(*model, {.decay = 0.9});
+  e.update();
+  auto [scalars, shadows] = e.state();
+  const at::Tensor before = e.shadow("0.weight").clone();
+  const auto rejects = [&](auto scalars2, auto shadows2, auto error_tag) {
+    using E = typename decltype(error_tag)::type;
+    EXPECT_THROW(e.load_state(scalars2, shadows2), E);
+    EXPECT_TRUE(at::equal(e.shadow("0.weight"), before));
+    EXPECT_EQ(e.rule().optimization_step(), 1);
+  };
+  auto missing = shadows;
+  missing.erase("0.weight");
+  rejects(scalars, missing, std::type_identity<dt::FormatError>{});
+  auto extra = shadows;
+  extra["4.weight"] = at::zeros({1});
+  rejects(scalars, extra, std::type_identity<dt::FormatError>{});
+  auto misshaped = shadows;
+  misshaped["0.weight"] = at::zeros({12, 5});
+  rejects(scalars, misshaped, std::type_identity<dt::ShapeError>{});
+  auto bad_decay = scalars;
+  bad_decay["decay"] = 1.5;
+  rejects(bad_decay, shadows, std::type_identity<dt::FormatError>{});
+  auto bad_type = scalars;
+  bad_type["optimization_step"] = "seven";
+  rejects(bad_type, shadows, std::type_identity<dt::FormatError>{});
+
+  const auto dir = std::filesystem::temp_directory_path() / "difftrain_ema_bad";
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir / "garbage.pt") << "this is not a torch file";
+  EXPECT_THROW(e.load(dir / "garbage.pt"), dt::FormatError);
+  EXPECT_THROW(e.load(dir / "missing.pt"), dt::FormatError);
+  EXPECT_TRUE(at::equal(e.shadow("0.weight"), before));
+}
+
+TEST(Ema, BadOptionsAreConfigErrors) {
+  auto model = make_model();
+  EXPECT_THROW((ema::Ema<ema::WarmupDecay>(*model, {.decay = 1.5})), dt::ConfigError);
+  EXPECT_THROW((ema::Ema<ema::EmaPytorch>(*model, {.update_every = 0})), dt::ConfigError);
+  EXPECT_THROW((ema::Ema<ema::LitEma>(*model, {.decay = -0.1})), dt::ConfigError);
+}
