@@ -3,7 +3,8 @@
 // (`difftrain/core/core.hpp`, ...) for users who want to include less.
 
 #include "difftrain/core/core.hpp"
-#include "difftrain/nn/nn.hpp"
+#include "difftrain/diffusion/diffusion.hpp"
 #include "difftrain/ema/ema.hpp"
 #include "difftrain/io/io.hpp"
+#include "difftrain/nn/nn.hpp"
 #include "difftrain/schedule/schedule.hpp"

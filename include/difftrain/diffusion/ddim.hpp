@@ -1,0 +1,78 @@
+#pragma once
+// DDIM (diffusers' DDIMScheduler): deterministic at eta = 0, DDPM-like at eta = 1.
+
+#include <ATen/ATen.h>
+#include <ATen/core/Generator.h>
+
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "difftrain/diffusion/sampler_common.hpp"
+
+namespace difftrain::diffusion {
+
+class Ddim {
+ public:
+  struct Options {
+    Prediction prediction_type = Prediction::epsilon;
+    Clipping clipping = {};
+    bool set_alpha_to_one = true;
+    std::int64_t steps_offset = 0;
+    TimestepSpacing timestep_spacing = TimestepSpacing::leading;
+    double eta = 0.0;
+    bool use_clipped_model_output = false;
+  };
+  static constexpr std::string_view name = "ddim";
+
+  Ddim(const NoiseSchedule& schedule, const Options& o) : schedule_(&schedule), o_(o) {
+    if (o.eta < 0) throw ConfigError("must be >= 0", "ddim option eta");
+  }
+
+  void set_timesteps(std::int64_t n) {
+    timesteps_ =
+        spaced_timesteps(schedule_->num_train_timesteps(), n, o_.timestep_spacing, o_.steps_offset);
+    num_inference_steps_ = n;
+  }
+  [[nodiscard]] const std::vector<std::int64_t>& timesteps() const noexcept { return timesteps_; }
+
+  [[nodiscard]] at::Tensor step(const at::Tensor& model_output, std::int64_t t,
+                                const at::Tensor& sample,
+                                std::optional<at::Generator> generator = std::nullopt,
+                                const std::optional<at::Tensor>& noise = std::nullopt) const {
+    if (num_inference_steps_ == 0)
+      throw ConfigError("call set_timesteps() before step()", "Ddim::step");
+    check_step_shapes(model_output, sample, "Ddim::step");
+    const std::int64_t prev_t = t - schedule_->num_train_timesteps() / num_inference_steps_;
+    const double a_t = schedule_->alpha_cumprod(t);
+    const double final_alpha = o_.set_alpha_to_one ? 1.0 : schedule_->alpha_cumprod(0);
+    const double a_prev = prev_t >= 0 ? schedule_->alpha_cumprod(prev_t) : final_alpha;
+    const double beta_t = 1 - a_t;
+    auto [x0, eps] = split_prediction(o_.prediction_type, model_output, sample, a_t);
+    x0 = clip_x0(x0, o_.clipping);
+    const double variance = ((1 - a_prev) / beta_t) * (1 - a_t / a_prev);
+    const double std_dev = o_.eta * std::pow(variance, 0.5);
+    if (o_.use_clipped_model_output)
+      eps = (sample - std::pow(a_t, 0.5) * x0) / std::pow(beta_t, 0.5);
+    const at::Tensor direction = std::pow(1 - a_prev - std_dev * std_dev, 0.5) * eps;
+    at::Tensor prev = std::pow(a_prev, 0.5) * x0 + direction;
+    if (o_.eta > 0) {
+      const at::Tensor z =
+          noise ? *noise : at::randn(model_output.sizes(), generator, model_output.options());
+      if (z.sizes() != sample.sizes())
+        throw ShapeError("noise has shape " + c10::str(z.sizes()), "Ddim::step noise");
+      prev = prev + std_dev * z;
+    }
+    return prev;
+  }
+
+ private:
+  const NoiseSchedule* schedule_;
+  Options o_;
+  std::vector<std::int64_t> timesteps_;
+  std::int64_t num_inference_steps_ = 0;
+};
+
+}  // namespace difftrain::diffusion

@@ -1,0 +1,10 @@
+#pragma once
+// Umbrella header of the diffusion layer.
+
+#include "difftrain/diffusion/ddim.hpp"
+#include "difftrain/diffusion/ddpm.hpp"
+#include "difftrain/diffusion/flow_matching.hpp"
+#include "difftrain/diffusion/guidance.hpp"
+#include "difftrain/diffusion/noise_schedule.hpp"
+#include "difftrain/diffusion/sampler_common.hpp"
+#include "difftrain/diffusion/weighting.hpp"

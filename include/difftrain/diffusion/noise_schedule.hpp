@@ -1,0 +1,252 @@
+#pragma once
+// The discrete noise schedule of DDPM-family models: betas, alphas and their cumulative product,
+// tabulated once (xtensor, float64 by default) and handed to LibTorch as tensors where a batch
+// needs them. `Precision::float32` reproduces diffusers' own tables (it builds them in float32),
+// for bit-level parity with models trained there.
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <numbers>
+#include <string>
+#include <string_view>
+#include <vector>
+#include <xtensor/xtensor.hpp>
+
+#include "difftrain/core/error.hpp"
+
+namespace difftrain::diffusion {
+
+enum class BetaSchedule { linear, scaled_linear, squaredcos_cap_v2, sigmoid };
+enum class Prediction { epsilon, v_prediction, sample };
+enum class Precision { float64, float32 };
+
+inline std::string_view to_string(Prediction p) {
+  switch (p) {
+    case Prediction::epsilon:
+      return "epsilon";
+    case Prediction::v_prediction:
+      return "v_prediction";
+    case Prediction::sample:
+      return "sample";
+  }
+  return "?";
+}
+
+class NoiseSchedule {
+ public:
+  struct Options {
+    std::int64_t num_train_timesteps = 1000;
+    double beta_start = 0.0001;
+    double beta_end = 0.02;
+    BetaSchedule beta_schedule = BetaSchedule::linear;
+    bool rescale_betas_zero_snr = false;
+    Precision precision = Precision::float64;
+  };
+
+  NoiseSchedule() : NoiseSchedule(Options()) {}
+  explicit NoiseSchedule(const Options& o) : o_(o) {
+    if (o.num_train_timesteps <= 0)
+      throw ConfigError("must be > 0, got " + std::to_string(o.num_train_timesteps),
+                        "noise schedule option num_train_timesteps");
+    if (!(o.beta_start > 0 && o.beta_end > o.beta_start && o.beta_end < 1))
+      throw ConfigError("need 0 < beta_start < beta_end < 1",
+                        "noise schedule options beta_start/beta_end");
+    const auto n = static_cast<std::size_t>(o.num_train_timesteps);
+    betas_ = xt::zeros<double>({n});
+    const auto round = [&](double v) {
+      return o_.precision == Precision::float32 ? double(float(v)) : v;
+    };
+    for (std::size_t i = 0; i < n; ++i) betas_(i) = round(beta(i, n));
+    if (o.rescale_betas_zero_snr) rescale_zero_terminal_snr();
+    alphas_ = xt::zeros<double>({n});
+    alphas_cumprod_ = xt::zeros<double>({n});
+    double prod = 1.0;  // torch's cumprod also accumulates in double and rounds each output
+    for (std::size_t i = 0; i < n; ++i) {
+      alphas_(i) = round(1.0 - betas_(i));
+      prod *= alphas_(i);
+      alphas_cumprod_(i) = round(prod);
+    }
+  }
+
+  [[nodiscard]] const Options& options() const noexcept { return o_; }
+  [[nodiscard]] std::int64_t num_train_timesteps() const noexcept { return o_.num_train_timesteps; }
+  [[nodiscard]] const xt::xtensor<double, 1>& betas() const noexcept { return betas_; }
+  [[nodiscard]] const xt::xtensor<double, 1>& alphas() const noexcept { return alphas_; }
+  [[nodiscard]] const xt::xtensor<double, 1>& alphas_cumprod() const noexcept {
+    return alphas_cumprod_;
+  }
+
+  /// ᾱ at timestep t (checked).
+  [[nodiscard]] double alpha_cumprod(std::int64_t t) const {
+    check_timestep(t);
+    return alphas_cumprod_(static_cast<std::size_t>(t));
+  }
+
+  /// ᾱ for a tensor of timesteps, shaped to broadcast against a (B, ...) tensor of `rank` dims.
+  [[nodiscard]] at::Tensor alphas_cumprod_at(const at::Tensor& timesteps, std::int64_t rank,
+                                             const at::TensorOptions& opts) const {
+    check_timesteps(timesteps);
+    const at::Tensor table =
+        at::from_blob(const_cast<double*>(alphas_cumprod_.data()), {o_.num_train_timesteps},
+                      at::kDouble)
+            .to(opts.device(), o_.precision == Precision::float32 ? at::kFloat : at::kDouble);
+    at::Tensor a =
+        table.index_select(0, timesteps.flatten().to(opts.device(), at::kLong)).to(opts.dtype());
+    std::vector<std::int64_t> shape{a.size(0)};
+    for (std::int64_t i = 1; i < rank; ++i) shape.push_back(1);
+    return a.reshape(shape);
+  }
+
+  /// diffusers' add_noise: √ᾱ·x₀ + √(1−ᾱ)·ε.
+  [[nodiscard]] at::Tensor add_noise(const at::Tensor& x0, const at::Tensor& noise,
+                                     const at::Tensor& timesteps) const {
+    check_same_shape(x0, noise, "add_noise");
+    const at::Tensor a = alphas_cumprod_at(timesteps, x0.dim(), x0.options());
+    return a.pow(0.5) * x0 + (1 - a).pow(0.5) * noise;
+  }
+
+  /// diffusers' get_velocity: √ᾱ·ε − √(1−ᾱ)·x₀.
+  [[nodiscard]] at::Tensor get_velocity(const at::Tensor& x0, const at::Tensor& noise,
+                                        const at::Tensor& timesteps) const {
+    check_same_shape(x0, noise, "get_velocity");
+    const at::Tensor a = alphas_cumprod_at(timesteps, x0.dim(), x0.options());
+    return a.pow(0.5) * noise - (1 - a).pow(0.5) * x0;
+  }
+
+  /// The training target for a prediction type.
+  [[nodiscard]] at::Tensor target(Prediction p, const at::Tensor& x0, const at::Tensor& noise,
+                                  const at::Tensor& timesteps) const {
+    switch (p) {
+      case Prediction::epsilon:
+        return noise;
+      case Prediction::v_prediction:
+        return get_velocity(x0, noise, timesteps);
+      case Prediction::sample:
+        return x0;
+    }
+    return noise;
+  }
+
+  /// diffusers' compute_snr: (√ᾱ / √(1−ᾱ))², float32.
+  [[nodiscard]] at::Tensor snr(const at::Tensor& timesteps) const {
+    check_timesteps(timesteps);
+    const at::Tensor table =
+        at::tensor(std::vector<double>(alphas_cumprod_.begin(), alphas_cumprod_.end()), at::kDouble)
+            .to(o_.precision == Precision::float32 ? at::kFloat : at::kDouble);
+    const at::Tensor idx = timesteps.to(at::kCPU, at::kLong);
+    const at::Tensor alpha =
+        table.pow(0.5).index_select(0, idx.flatten()).to(at::kFloat).reshape(timesteps.sizes());
+    const at::Tensor sigma = (1.0 - table)
+                                 .pow(0.5)
+                                 .index_select(0, idx.flatten())
+                                 .to(at::kFloat)
+                                 .reshape(timesteps.sizes());
+    return (alpha / sigma).pow(2).to(timesteps.device());
+  }
+
+  void check_timestep(std::int64_t t) const {
+    if (t < 0 || t >= o_.num_train_timesteps)
+      throw ConfigError("timestep " + std::to_string(t) + " is outside [0, " +
+                            std::to_string(o_.num_train_timesteps) + ")",
+                        "noise schedule");
+  }
+  void check_timesteps(const at::Tensor& t) const {
+    if (t.is_floating_point() || t.is_complex())
+      throw ConfigError(
+          "timesteps must be integers, got " + std::string(c10::toString(t.scalar_type())),
+          "noise schedule");
+    if (t.numel() == 0) return;
+    const std::int64_t lo = t.min().item<std::int64_t>();
+    const std::int64_t hi = t.max().item<std::int64_t>();
+    check_timestep(lo);
+    check_timestep(hi);
+  }
+
+ private:
+  static void check_same_shape(const at::Tensor& a, const at::Tensor& b, const char* what) {
+    if (a.sizes() != b.sizes())
+      throw ShapeError(
+          "sample has shape " + c10::str(a.sizes()) + " but noise has " + c10::str(b.sizes()),
+          std::string("noise schedule ") + what);
+  }
+
+  /// torch.linspace(a, b, n, dtype=float32)[i], with its float arithmetic (from both ends).
+  static float linspace_f32(double a, double b, std::size_t i, std::size_t n) {
+    const auto start = static_cast<float>(a);
+    const auto end = static_cast<float>(b);
+    if (n == 1) return start;
+    const float step = (end - start) / static_cast<float>(n - 1);
+    const auto halfway = static_cast<std::int64_t>(n / 2);
+    const auto ind = static_cast<std::int64_t>(i);
+    if (ind < halfway) return start + step * static_cast<float>(ind);
+    return end - step * static_cast<float>(static_cast<std::int64_t>(n) - ind - 1);
+  }
+
+  [[nodiscard]] double beta(std::size_t i, std::size_t n) const {
+    const auto N = static_cast<double>(n);
+    const auto x = static_cast<double>(i);
+    const auto lerp = [&](double a, double b) {
+      if (o_.precision == Precision::float32) return static_cast<double>(linspace_f32(a, b, i, n));
+      return n == 1 ? a : a + (b - a) * x / (N - 1);
+    };
+    switch (o_.beta_schedule) {
+      case BetaSchedule::linear:
+        return lerp(o_.beta_start, o_.beta_end);
+      case BetaSchedule::scaled_linear: {
+        const double r = lerp(std::sqrt(o_.beta_start), std::sqrt(o_.beta_end));
+        return o_.precision == Precision::float32 ? double(float(r) * float(r)) : r * r;
+      }
+      case BetaSchedule::squaredcos_cap_v2: {
+        const auto alpha_bar = [](double t) {
+          return std::pow(std::cos((t + 0.008) / 1.008 * std::numbers::pi / 2), 2);
+        };
+        return std::min(1 - alpha_bar((x + 1) / N) / alpha_bar(x / N), 0.999);
+      }
+      case BetaSchedule::sigmoid: {
+        const double s = 1.0 / (1.0 + std::exp(-lerp(-6.0, 6.0)));
+        return s * (o_.beta_end - o_.beta_start) + o_.beta_start;
+      }
+    }
+    return 0;
+  }
+
+  /// Lin et al., "Common Diffusion Noise Schedules and Sample Steps are Flawed", Algorithm 1. In
+  /// float32 mode every operation is rounded as diffusers' float32 tensors round it.
+  void rescale_zero_terminal_snr() {
+    if (o_.precision == Precision::float32) {
+      rescale_in<float>();
+    } else {
+      rescale_in<double>();
+    }
+  }
+  template <class T>
+  void rescale_in() {
+    const std::size_t n = betas_.size();
+    std::vector<T> sqrt_bar(n);
+    double prod = 1.0;  // cumprod accumulates in double in torch too
+    for (std::size_t i = 0; i < n; ++i) {
+      prod *= static_cast<double>(T(1) - static_cast<T>(betas_(i)));
+      sqrt_bar[i] = std::sqrt(static_cast<T>(prod));
+    }
+    const T first = sqrt_bar[0];
+    const T last = sqrt_bar[n - 1];
+    const T scale = first / (first - last);
+    for (std::size_t i = 0; i < n; ++i) sqrt_bar[i] = (sqrt_bar[i] - last) * scale;
+    T previous = 1;
+    for (std::size_t i = 0; i < n; ++i) {
+      const T bar = sqrt_bar[i] * sqrt_bar[i];
+      betas_(i) = static_cast<double>(T(1) - (i == 0 ? bar : bar / previous));
+      previous = bar;
+    }
+  }
+
+  Options o_;
+  xt::xtensor<double, 1> betas_;
+  xt::xtensor<double, 1> alphas_;
+  xt::xtensor<double, 1> alphas_cumprod_;
+};
+
+}  // namespace difftrain::diffusion

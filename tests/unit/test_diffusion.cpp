@@ -1,0 +1,245 @@
+#include <difftrain/diffusion/diffusion.hpp>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <gtest/gtest.h>
+
+#include "golden.hpp"
+
+namespace dt = difftrain;
+namespace df = difftrain::diffusion;
+namespace tst = difftrain::test;
+
+namespace {
+
+const nlohmann::json& g() { return tst::golden("diffusion.json"); }
+
+at::Tensor initial_sample() {
+  return at::sin(at::linspace(-1.5, 1.5, 2 * 3 * 4 * 4, at::kFloat).reshape({2, 3, 4, 4})) * 1.3;
+}
+
+at::Tensor fake_model(const at::Tensor& x, double t) { return 0.5 * at::tanh(x) + t * 1e-4; }
+
+df::NoiseSchedule sd_schedule(df::Precision p = df::Precision::float32) {
+  return df::NoiseSchedule({.beta_start = 0.00085,
+                            .beta_end = 0.012,
+                            .beta_schedule = df::BetaSchedule::scaled_linear,
+                            .precision = p});
+}
+
+void expect_close(const at::Tensor& got, const nlohmann::json& want, double rtol, double atol) {
+  const at::Tensor ref = tst::tensor_from(want);
+  ASSERT_EQ(got.numel(), ref.numel());
+  const at::Tensor d = got.to(at::kDouble).flatten();
+  EXPECT_TRUE(at::allclose(d, ref, rtol, atol))
+      << "max |diff| " << (d - ref).abs().max().item<double>();
+}
+
+at::Generator seeded(std::uint64_t seed) { return at::make_generator<at::CPUGeneratorImpl>(seed); }
+
+// Runs a DDPM-family sampler over the golden trace: every step within 1e-5.
+template <class Sampler>
+void check_trace(Sampler& s, std::int64_t steps, const nlohmann::json& ref,
+                 std::optional<std::uint64_t> seed) {
+  s.set_timesteps(steps);
+  ASSERT_EQ(s.timesteps().size(), ref["timesteps"].size());
+  for (std::size_t i = 0; i < s.timesteps().size(); ++i)
+    ASSERT_EQ(static_cast<double>(s.timesteps()[i]), ref["timesteps"][i].get<double>()) << i;
+  at::Tensor x = initial_sample();
+  std::optional<at::Generator> gen;
+  if (seed) gen = seeded(*seed);
+  for (std::size_t i = 0; i < s.timesteps().size(); ++i) {
+    SCOPED_TRACE("step " + std::to_string(i));
+    const auto t = s.timesteps()[i];
+    x = s.step(fake_model(x, static_cast<double>(t)), t, x, gen);
+    expect_close(x, ref["trace"][i], 1e-5, 1e-5);
+  }
+}
+
+}  // namespace
+
+TEST(NoiseSchedule, TablesMatchDiffusersInFloat32Mode) {
+  const std::map<std::string, df::BetaSchedule> kinds = {
+      {"linear", df::BetaSchedule::linear},
+      {"scaled_linear", df::BetaSchedule::scaled_linear},
+      {"squaredcos_cap_v2", df::BetaSchedule::squaredcos_cap_v2},
+      {"sigmoid", df::BetaSchedule::sigmoid}};
+  for (const auto& [key, ref] : g()["tables"].items()) {
+    SCOPED_TRACE(key);
+    const auto slash = key.find('/');
+    const df::NoiseSchedule s({.beta_start = 0.00085,
+                               .beta_end = 0.012,
+                               .beta_schedule = kinds.at(key.substr(0, slash)),
+                               .rescale_betas_zero_snr = key.substr(slash + 1) == "True",
+                               .precision = df::Precision::float32});
+    const at::Tensor betas =
+        at::tensor(std::vector<double>(s.betas().begin(), s.betas().end()), at::kDouble);
+    const at::Tensor cum = at::tensor(
+        std::vector<double>(s.alphas_cumprod().begin(), s.alphas_cumprod().end()), at::kDouble);
+    // Rescaling to zero terminal SNR recovers betas as 1 − ᾱ_t/ᾱ_{t−1}: in float32 that cancels,
+    // so one-ulp differences in torch's cumprod become ~1e-5 absolute there; those tables get
+    // 1e-4 / 1e-5 (the samplers built on them still agree to 1e-5 step by step).
+    const bool rescaled = key.ends_with("True");
+    expect_close(betas, ref["betas"], rescaled ? 1e-4 : 1e-5, rescaled ? 1e-5 : 1e-9);
+    expect_close(cum, ref["alphas_cumprod"], rescaled ? 1e-4 : 1e-5, rescaled ? 1e-5 : 1e-9);
+  }
+}
+
+TEST(NoiseSchedule, Float64TablesAreTheExactFormulas) {
+  const df::NoiseSchedule s({.beta_schedule = df::BetaSchedule::linear});
+  EXPECT_DOUBLE_EQ(s.betas()(0), 0.0001);
+  EXPECT_DOUBLE_EQ(s.betas()(999), 0.02);
+  double prod = 1.0;
+  for (std::size_t i = 0; i < 1000; ++i) prod *= 1.0 - s.betas()(i);
+  EXPECT_DOUBLE_EQ(s.alphas_cumprod()(999), prod);
+  const df::NoiseSchedule z({.rescale_betas_zero_snr = true});
+  EXPECT_NEAR(z.alphas_cumprod()(999), 0.0, 1e-15);  // zero terminal SNR
+}
+
+TEST(NoiseSchedule, AddNoiseVelocityAndSnrMatchDiffusers) {
+  const auto s = sd_schedule();
+  const at::Tensor x0 = tst::tensor_from(g()["x0"]).to(at::kFloat).reshape({2, 3, 4, 4});
+  const at::Tensor noise = tst::tensor_from(g()["noise"]).to(at::kFloat).reshape({2, 3, 4, 4});
+  const at::Tensor t = at::tensor(g()["timesteps"].get<std::vector<std::int64_t>>(), at::kLong);
+  expect_close(s.add_noise(x0, noise, t), g()["add_noise"], 1e-6, 1e-6);
+  expect_close(s.get_velocity(x0, noise, t), g()["velocity"], 1e-6, 1e-6);
+  expect_close(s.target(df::Prediction::v_prediction, x0, noise, t), g()["velocity"], 1e-6, 1e-6);
+  expect_close(s.snr(at::tensor({0, 1, 10, 250, 500, 999}, at::kLong)), g()["snr"], 1e-6, 1e-9);
+}
+
+TEST(NoiseSchedule, BadInputIsTyped) {
+  const auto s = sd_schedule();
+  const at::Tensor x = at::zeros({2, 3});
+  EXPECT_THROW((void)s.add_noise(x, x, at::tensor({0, 1000}, at::kLong)), dt::ConfigError);
+  EXPECT_THROW((void)s.add_noise(x, x, at::tensor({-1, 3}, at::kLong)), dt::ConfigError);
+  EXPECT_THROW((void)s.add_noise(x, at::zeros({2, 4}), at::tensor({0, 1}, at::kLong)),
+               dt::ShapeError);
+  EXPECT_THROW((void)s.add_noise(x, x, at::tensor({0.5, 1.0})), dt::ConfigError);
+  EXPECT_THROW(df::NoiseSchedule({.num_train_timesteps = 0}), dt::ConfigError);
+  EXPECT_THROW(df::NoiseSchedule({.beta_start = 0.1, .beta_end = 0.01}), dt::ConfigError);
+}
+
+TEST(Weighting, MinSnrSd3AndDensityMatchDiffusers) {
+  const auto s = sd_schedule();
+  const at::Tensor snr = s.snr(at::tensor({0, 10, 500, 999}, at::kLong));
+  for (double gamma : {1.0, 5.0}) {
+    const std::string k = gamma == 1.0 ? "1.0" : "5.0";
+    expect_close(df::min_snr_weights(snr, gamma, df::Prediction::epsilon),
+                 g()["min_snr"]["epsilon/" + k], 1e-6, 1e-9);
+    expect_close(df::min_snr_weights(snr, gamma, df::Prediction::v_prediction),
+                 g()["min_snr"]["v_prediction/" + k], 1e-6, 1e-9);
+  }
+  const at::Tensor sigmas = at::tensor({0.05F, 0.3F, 0.7F, 0.99F});
+  expect_close(df::sd3_loss_weighting(df::Sd3Weighting::sigma_sqrt, sigmas),
+               g()["sd3"]["sigma_sqrt"], 1e-6, 1e-9);
+  expect_close(df::sd3_loss_weighting(df::Sd3Weighting::cosmap, sigmas), g()["sd3"]["cosmap"], 1e-6,
+               1e-9);
+  expect_close(df::density_for_timestep_sampling(df::TimestepDensity::uniform, 6, {}, seeded(3)),
+               g()["density"]["uniform"], 1e-6, 1e-7);
+  expect_close(df::density_for_timestep_sampling(df::TimestepDensity::logit_normal, 6,
+                                                 {.logit_mean = 0.2, .logit_std = 1.1}, seeded(4)),
+               g()["density"]["logit_normal"], 1e-6, 1e-7);
+  expect_close(df::density_for_timestep_sampling(df::TimestepDensity::mode, 6, {.mode_scale = 1.29},
+                                                 seeded(5)),
+               g()["density"]["mode"], 1e-6, 1e-7);
+  EXPECT_THROW((void)df::min_snr_weights(snr, 0.0, df::Prediction::epsilon), dt::ConfigError);
+}
+
+TEST(Weighting, DreamMatchesDiffusers) {
+  const auto s = sd_schedule();
+  const at::Tensor x0 = tst::tensor_from(g()["x0"]).to(at::kFloat).reshape({2, 3, 4, 4});
+  const at::Tensor noise = tst::tensor_from(g()["noise"]).to(at::kFloat).reshape({2, 3, 4, 4});
+  const at::Tensor t = at::tensor(g()["timesteps"].get<std::vector<std::int64_t>>(), at::kLong);
+  const at::Tensor noisy = s.add_noise(x0, noise, t);
+  auto model = [](const at::Tensor& x, const at::Tensor& ts) {
+    return 0.3 * x + ts.to(at::kFloat).reshape({-1, 1, 1, 1}) * 1e-4;
+  };
+  const auto [n2, t2] =
+      df::dream_update(model, s, t, noise, noisy, noise.clone(), df::Prediction::epsilon, 0.8);
+  expect_close(n2, g()["dream"]["noisy"], 1e-5, 1e-6);
+  expect_close(t2, g()["dream"]["target"], 1e-5, 1e-6);
+  EXPECT_THROW(
+      (void)df::dream_update(model, s, t, noise, noisy, noise, df::Prediction::v_prediction),
+      dt::ConfigError);
+}
+
+TEST(Guidance, CfgAndRescaleMatchDiffusers) {
+  const at::Tensor cond = tst::tensor_from(g()["cfg"]["cond"]).to(at::kFloat).reshape({2, 3, 4, 4});
+  const at::Tensor uncond =
+      tst::tensor_from(g()["cfg"]["uncond"]).to(at::kFloat).reshape({2, 3, 4, 4});
+  expect_close(df::classifier_free_guidance(cond, uncond, 7.5), g()["cfg"]["plain"], 1e-6, 1e-6);
+  expect_close(df::classifier_free_guidance(cond, uncond, 7.5, 0.7), g()["cfg"]["rescaled"], 1e-5,
+               1e-6);
+  EXPECT_THROW((void)df::classifier_free_guidance(cond, uncond.narrow(0, 0, 1), 7.5),
+               dt::ShapeError);
+  const at::Tensor chunks =
+      df::in_chunks(10, 3, [](std::int64_t b, std::int64_t e) { return at::arange(b, e); });
+  EXPECT_TRUE(at::equal(chunks, at::arange(10)));
+}
+
+TEST(Samplers, DdpmMatchesDiffusersStepByStep) {
+  const auto s = sd_schedule();
+  df::Ddpm ddpm(s, {});
+  check_trace(ddpm, 25, g()["samplers"]["ddpm_eps_leading"], 11);
+  const df::NoiseSchedule lin({.precision = df::Precision::float32});
+  df::Ddpm v(lin, {.prediction_type = df::Prediction::v_prediction,
+                   .variance_type = df::Ddpm::Variance::fixed_large,
+                   .clipping = {.clip_sample = false},
+                   .timestep_spacing = df::TimestepSpacing::trailing});
+  check_trace(v, 20, g()["samplers"]["ddpm_v_trailing_large"], 12);
+}
+
+TEST(Samplers, DdimMatchesDiffusersStepByStep) {
+  const auto s = sd_schedule();
+  df::Ddim ddim(s,
+                {.clipping = {.clip_sample = false}, .set_alpha_to_one = false, .steps_offset = 1});
+  check_trace(ddim, 50, g()["samplers"]["ddim_eps_leading"], std::nullopt);
+  const df::NoiseSchedule zero(
+      {.rescale_betas_zero_snr = true, .precision = df::Precision::float32});
+  df::Ddim eta(zero, {.prediction_type = df::Prediction::v_prediction,
+                      .timestep_spacing = df::TimestepSpacing::trailing,
+                      .eta = 0.5});
+  check_trace(eta, 30, g()["samplers"]["ddim_v_trailing_eta"], 13);
+  const df::NoiseSchedule lin({.precision = df::Precision::float32});
+  df::Ddim thr(lin, {.prediction_type = df::Prediction::sample,
+                     .clipping = {.thresholding = true, .sample_max_value = 1.2},
+                     .timestep_spacing = df::TimestepSpacing::linspace});
+  check_trace(thr, 15, g()["samplers"]["ddim_sample_linspace_threshold"], std::nullopt);
+}
+
+TEST(Samplers, FlowMatchEulerMatchesDiffusers) {
+  df::FlowMatchEuler fm({.shift = 3.0});
+  const auto& ref = g()["samplers"]["flow_match_shift3"];
+  fm.set_timesteps(28);
+  ASSERT_EQ(fm.timesteps().size(), ref["timesteps"].size());
+  at::Tensor x = initial_sample();
+  for (std::size_t i = 0; i < fm.timesteps().size(); ++i) {
+    EXPECT_NEAR(fm.timesteps()[i], ref["timesteps"][i].get<double>(), 1e-3) << i;
+    x = fm.step(fake_model(x, fm.timesteps()[i]), x);
+    expect_close(x, ref["trace"][i], 1e-5, 1e-5);
+  }
+  EXPECT_THROW((void)fm.step(x, x), dt::ConfigError);  // every step taken
+  const at::Tensor idx = at::tensor({0, 10, 500, 999}, at::kLong);
+  expect_close(fm.sigmas_for(idx), g()["flow"]["sigmas"], 1e-6, 1e-7);
+  expect_close(fm.timesteps_for(idx), g()["flow"]["timesteps"], 1e-6, 1e-4);
+  EXPECT_THROW((void)fm.sigmas_for(at::tensor({1000}, at::kLong)), dt::ConfigError);
+  const at::Tensor x0 = at::ones({2, 3});
+  const at::Tensor n = at::zeros({2, 3});
+  EXPECT_TRUE(at::allclose(df::FlowMatchEuler::noisy_input(x0, n, at::tensor({0.25F, 1.0F})),
+                           at::tensor({0.75F, 0.0F}).reshape({2, 1}).expand({2, 3})));
+  EXPECT_TRUE(at::equal(df::FlowMatchEuler::target(x0, n), -x0));
+}
+
+TEST(Samplers, BadInputIsTyped) {
+  const auto s = sd_schedule();
+  df::Ddim ddim(s, {});
+  EXPECT_THROW(ddim.set_timesteps(1001), dt::ConfigError);
+  EXPECT_THROW((void)ddim.step(at::zeros({1}), 999, at::zeros({1})),
+               dt::ConfigError);  // no set_timesteps
+  ddim.set_timesteps(10);
+  EXPECT_THROW((void)ddim.step(at::zeros({1, 2}), 900, at::zeros({1, 3})), dt::ShapeError);
+  df::Ddpm ddpm(s, {});
+  ddpm.set_timesteps(10);
+  EXPECT_THROW((void)ddpm.step(at::zeros({1}), 901, at::zeros({1})),
+               dt::ConfigError);  // not a sampler timestep
+  EXPECT_THROW(df::spaced_timesteps(1000, 0, df::TimestepSpacing::leading), dt::ConfigError);
+}
