@@ -9,7 +9,8 @@ import warnings
 
 import numpy as np
 import torch
-from diffusers import DDIMScheduler, DDPMScheduler, FlowMatchEulerDiscreteScheduler
+from diffusers import (DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler, EulerDiscreteScheduler,
+                       FlowMatchEulerDiscreteScheduler)
 from diffusers.training_utils import (compute_density_for_timestep_sampling, compute_dream_and_update_latents,
                                       compute_loss_weighting_for_sd3, compute_snr)
 
@@ -39,6 +40,18 @@ def run_sampler(sched, steps, seed, use_generator=True, **step_kwargs):
         x = sched.step(out, t, x, **kwargs).prev_sample
         trace.append(flat(x))
     return {"timesteps": [float(t) for t in sched.timesteps], "trace": trace}
+
+
+def run_euler(sched, steps):
+    sched.set_timesteps(steps)
+    x = initial_sample()
+    trace = []
+    for t in sched.timesteps:
+        out = fake_model(sched.scale_model_input(x, t), t)
+        x = sched.step(out, t, x).prev_sample
+        trace.append(flat(x))
+    return {"timesteps": [float(t) for t in sched.timesteps], "sigmas": flat(sched.sigmas), "trace": trace,
+            "init_noise_sigma": float(sched.init_noise_sigma)}
 
 
 def generate(out):
@@ -100,6 +113,15 @@ def generate(out):
         "ddim_sample_linspace_threshold": run_sampler(DDIMScheduler(prediction_type="sample", timestep_spacing="linspace",
                                                                     thresholding=True, sample_max_value=1.2), 15, seed=0,
                                                       use_generator=False),
+        "euler_eps_linspace": run_euler(EulerDiscreteScheduler(beta_schedule="scaled_linear", beta_start=0.00085,
+                                                               beta_end=0.012), 30),
+        "euler_v_karras_leading": run_euler(EulerDiscreteScheduler(prediction_type="v_prediction", use_karras_sigmas=True,
+                                                                   timestep_spacing="leading", steps_offset=1), 25),
+        "dpm_eps_20": run_sampler(DPMSolverMultistepScheduler(beta_schedule="scaled_linear", beta_start=0.00085,
+                                                              beta_end=0.012), 20, seed=0, use_generator=False),
+        "dpm_v_karras_12": run_sampler(DPMSolverMultistepScheduler(prediction_type="v_prediction",
+                                                                   use_karras_sigmas=True), 12, seed=0,
+                                       use_generator=False),
         "flow_match_shift3": run_sampler(FlowMatchEulerDiscreteScheduler(shift=3.0), 28, seed=0, use_generator=False),
     }
     fm = FlowMatchEulerDiscreteScheduler(shift=3.0)

@@ -229,6 +229,54 @@ TEST(Samplers, FlowMatchEulerMatchesDiffusers) {
   EXPECT_TRUE(at::equal(df::FlowMatchEuler::target(x0, n), -x0));
 }
 
+TEST(Samplers, EulerMatchesDiffusers) {
+  const auto check = [](df::Euler& e, std::int64_t steps, const nlohmann::json& ref) {
+    e.set_timesteps(steps);
+    ASSERT_EQ(e.timesteps().size(), ref["timesteps"].size());
+    expect_close(at::tensor(e.sigmas()), ref["sigmas"], 1e-5, 1e-6);
+    EXPECT_NEAR(e.init_noise_sigma(), ref["init_noise_sigma"].get<double>(), 1e-4);
+    at::Tensor x = initial_sample();
+    for (std::size_t i = 0; i < e.timesteps().size(); ++i) {
+      SCOPED_TRACE("step " + std::to_string(i));
+      EXPECT_NEAR(e.timesteps()[i], ref["timesteps"][i].get<double>(), 1e-3);
+      x = e.step(fake_model(e.scale_model_input(x), e.timesteps()[i]), x);
+      expect_close(x, ref["trace"][i], 1e-5, 1e-5);
+    }
+    EXPECT_THROW((void)e.step(x, x), dt::ConfigError);
+  };
+  const auto s = sd_schedule();
+  df::Euler eps(s, {});
+  check(eps, 30, g()["samplers"]["euler_eps_linspace"]);
+  const df::NoiseSchedule lin({.precision = df::Precision::float32});
+  df::Euler karras(lin, {.prediction_type = df::Prediction::v_prediction,
+                         .timestep_spacing = df::TimestepSpacing::leading,
+                         .steps_offset = 1,
+                         .use_karras_sigmas = true});
+  check(karras, 25, g()["samplers"]["euler_v_karras_leading"]);
+}
+
+TEST(Samplers, DpmSolverPP2MMatchesDiffusers) {
+  const auto check = [](df::DpmSolverPP2M& d, std::int64_t steps, const nlohmann::json& ref) {
+    d.set_timesteps(steps);
+    ASSERT_EQ(d.timesteps().size(), ref["timesteps"].size());
+    at::Tensor x = initial_sample();
+    for (std::size_t i = 0; i < d.timesteps().size(); ++i) {
+      SCOPED_TRACE("step " + std::to_string(i));
+      ASSERT_EQ(static_cast<double>(d.timesteps()[i]), ref["timesteps"][i].get<double>());
+      x = d.step(fake_model(x, static_cast<double>(d.timesteps()[i])), x);
+      expect_close(x, ref["trace"][i], 1e-5, 1e-5);
+    }
+    EXPECT_THROW((void)d.step(x, x), dt::ConfigError);
+  };
+  const auto s = sd_schedule();
+  df::DpmSolverPP2M eps(s, {});
+  check(eps, 20, g()["samplers"]["dpm_eps_20"]);
+  const df::NoiseSchedule lin({.precision = df::Precision::float32});
+  df::DpmSolverPP2M karras(
+      lin, {.prediction_type = df::Prediction::v_prediction, .use_karras_sigmas = true});
+  check(karras, 12, g()["samplers"]["dpm_v_karras_12"]);
+}
+
 TEST(Samplers, BadInputIsTyped) {
   const auto s = sd_schedule();
   df::Ddim ddim(s, {});

@@ -3,6 +3,8 @@
 
 #include "difftrain/diffusion/ddim.hpp"
 #include "difftrain/diffusion/ddpm.hpp"
+#include "difftrain/diffusion/dpm_solver.hpp"
+#include "difftrain/diffusion/euler.hpp"
 #include "difftrain/diffusion/flow_matching.hpp"
 #include "difftrain/diffusion/guidance.hpp"
 #include "difftrain/diffusion/noise_schedule.hpp"

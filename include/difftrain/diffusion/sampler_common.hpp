@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -106,5 +107,61 @@ inline void check_step_shapes(const at::Tensor& out, const at::Tensor& x, const 
                          c10::str(x.sizes()),
                      who);
 }
+
+/// σ_t = √((1 − ᾱ_t)/ᾱ_t) of every training timestep (float32, as diffusers computes it), with
+/// the lookups the σ-space samplers share.
+class SigmaTable {
+ public:
+  explicit SigmaTable(const NoiseSchedule& schedule) {
+    const auto& ac = schedule.alphas_cumprod();
+    for (std::size_t i = 0; i < ac.size(); ++i) {
+      const auto a = static_cast<float>(ac(i));
+      sigmas_.push_back(std::pow((1.0F - a) / a, 0.5F));
+      log_sigmas_.push_back(std::log(static_cast<double>(sigmas_.back())));
+    }
+  }
+  [[nodiscard]] const std::vector<float>& sigmas() const noexcept { return sigmas_; }
+
+  /// np.interp(t, arange(N), σ).
+  [[nodiscard]] double interp(double t) const {
+    if (t <= 0) return sigmas_.front();
+    const auto lo = static_cast<std::size_t>(std::floor(t));
+    if (lo + 1 >= sigmas_.size()) return sigmas_.back();
+    const double w = t - static_cast<double>(lo);
+    return static_cast<double>(sigmas_[lo]) +
+           w * (static_cast<double>(sigmas_[lo + 1]) - sigmas_[lo]);
+  }
+
+  /// diffusers' _sigma_to_t: the fractional timestep of σ, interpolating in log σ.
+  [[nodiscard]] double sigma_to_t(double sigma) const {
+    const double log_sigma = std::log(std::max(sigma, 1e-10));
+    std::size_t low = 0;
+    for (std::size_t i = 0; i < log_sigmas_.size(); ++i)
+      if (log_sigma - log_sigmas_[i] >= 0) low = i;
+    low = std::min(low, log_sigmas_.size() - 2);
+    const double lo = log_sigmas_[low];
+    const double hi = log_sigmas_[low + 1];
+    const double w = std::clamp((lo - log_sigma) / (lo - hi), 0.0, 1.0);
+    return (1 - w) * static_cast<double>(low) + w * static_cast<double>(low + 1);
+  }
+
+  /// Karras et al.'s σ spacing (ρ = 7) between σ_max and σ_min, n values.
+  [[nodiscard]] static std::vector<double> karras(double sigma_max, double sigma_min,
+                                                  std::int64_t n) {
+    const double rho = 7.0;
+    std::vector<double> out;
+    for (std::int64_t i = 0; i < n; ++i) {
+      const double ramp = n == 1 ? 0.0 : static_cast<double>(i) / static_cast<double>(n - 1);
+      out.push_back(std::pow(std::pow(sigma_max, 1 / rho) + ramp * (std::pow(sigma_min, 1 / rho) -
+                                                                    std::pow(sigma_max, 1 / rho)),
+                             rho));
+    }
+    return out;
+  }
+
+ private:
+  std::vector<float> sigmas_;
+  std::vector<double> log_sigmas_;
+};
 
 }  // namespace difftrain::diffusion

@@ -1,0 +1,72 @@
+// A sampler step's own cost against the torch expression it computes, on the same tensors:
+// the DDIM update x_prev = √ᾱ_prev·x̂₀ + √(1−ᾱ_prev)·ε̂ written out by hand is the baseline.
+// Goal: ratio <= 1.1. Also a full 50-step DDIM run on a small convolutional model: the sampler's
+// share of the total time (model forward + sampler).
+#include <ATen/ATen.h>
+#include <benchmark/benchmark.h>
+#include <difftrain/diffusion/diffusion.hpp>
+
+#include <cmath>
+
+namespace {
+namespace df = difftrain::diffusion;
+
+const df::NoiseSchedule& schedule() {
+  static const df::NoiseSchedule s(
+      {.beta_start = 0.00085, .beta_end = 0.012, .beta_schedule = df::BetaSchedule::scaled_linear});
+  return s;
+}
+
+void ddim_step_baseline(benchmark::State& state) {
+  const at::Tensor x = at::randn({state.range(0), 4, 64, 64});
+  const at::Tensor eps = at::randn_like(x);
+  const double a_t = schedule().alpha_cumprod(981);
+  const double a_prev = schedule().alpha_cumprod(961);
+  for (auto _ : state) {
+    const at::Tensor x0 = (x - std::sqrt(1 - a_t) * eps) / std::sqrt(a_t);
+    at::Tensor prev = std::sqrt(a_prev) * x0 + std::sqrt(1 - a_prev) * eps;
+    benchmark::DoNotOptimize(prev.data_ptr());
+  }
+}
+
+void ddim_step_difftrain(benchmark::State& state) {
+  const at::Tensor x = at::randn({state.range(0), 4, 64, 64});
+  const at::Tensor eps = at::randn_like(x);
+  df::Ddim ddim(schedule(), {.clipping = {.clip_sample = false}, .steps_offset = 1});
+  ddim.set_timesteps(50);
+  for (auto _ : state) {
+    at::Tensor prev = ddim.step(eps, 981, x);
+    benchmark::DoNotOptimize(prev.data_ptr());
+  }
+}
+
+// A small convolutional "denoiser", so the sampler's share of a run is measured against real work.
+at::Tensor tiny_model(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2) {
+  return at::conv2d(at::silu(at::conv2d(x, w1, {}, 1, 1)), w2, {}, 1, 1);
+}
+
+void ddim_run_baseline(benchmark::State& state) {  // the model calls alone
+  const at::Tensor w1 = at::randn({32, 4, 3, 3}) * 0.1;
+  const at::Tensor w2 = at::randn({4, 32, 3, 3}) * 0.1;
+  const at::Tensor x = at::randn({4, 4, 32, 32});
+  for (auto _ : state)
+    for (int i = 0; i < 50; ++i) benchmark::DoNotOptimize(tiny_model(x, w1, w2).data_ptr());
+}
+
+void ddim_run_difftrain(benchmark::State& state) {  // model + sampler
+  const at::Tensor w1 = at::randn({32, 4, 3, 3}) * 0.1;
+  const at::Tensor w2 = at::randn({4, 32, 3, 3}) * 0.1;
+  df::Ddim ddim(schedule(), {.clipping = {.clip_sample = false}, .steps_offset = 1});
+  ddim.set_timesteps(50);
+  for (auto _ : state) {
+    at::Tensor x = at::randn({4, 4, 32, 32});
+    for (std::int64_t t : ddim.timesteps()) x = ddim.step(tiny_model(x, w1, w2), t, x);
+    benchmark::DoNotOptimize(x.data_ptr());
+  }
+}
+}  // namespace
+
+BENCHMARK(ddim_step_baseline)->Name("ddim_step/baseline")->Arg(1)->Arg(8)->UseRealTime();
+BENCHMARK(ddim_step_difftrain)->Name("ddim_step/difftrain")->Arg(1)->Arg(8)->UseRealTime();
+BENCHMARK(ddim_run_baseline)->Name("ddim_50_steps_model_share/baseline")->UseRealTime();
+BENCHMARK(ddim_run_difftrain)->Name("ddim_50_steps_model_share/difftrain")->UseRealTime();
