@@ -56,8 +56,10 @@ class Ddim {
     const double std_dev = o_.eta * std::pow(variance, 0.5);
     if (o_.use_clipped_model_output)
       eps = (sample - std::pow(a_t, 0.5) * x0) / std::pow(beta_t, 0.5);
-    const at::Tensor direction = std::pow(1 - a_prev - std_dev * std_dev, 0.5) * eps;
-    at::Tensor prev = std::pow(a_prev, 0.5) * x0 + direction;
+    // √ᾱ_prev·x̂₀ + √(1 − ᾱ_prev − σ²)·ε̂, fused: x̂₀ is a temporary of ours, scaled in place.
+    at::Tensor prev = (x0.is_same(model_output) ? x0.clone() : x0)
+                          .mul_(std::pow(a_prev, 0.5))
+                          .add_(eps, std::pow(1 - a_prev - std_dev * std_dev, 0.5));
     if (o_.eta > 0) {
       const at::Tensor z =
           noise ? *noise : at::randn(model_output.sizes(), generator, model_output.options());
