@@ -70,3 +70,28 @@ BENCHMARK(ddim_step_baseline)->Name("ddim_step/baseline")->Arg(1)->Arg(8)->UseRe
 BENCHMARK(ddim_step_difftrain)->Name("ddim_step/difftrain")->Arg(1)->Arg(8)->UseRealTime();
 BENCHMARK(ddim_run_baseline)->Name("ddim_50_steps_model_share/baseline")->UseRealTime();
 BENCHMARK(ddim_run_difftrain)->Name("ddim_50_steps_model_share/difftrain")->UseRealTime();
+
+namespace {
+void dpm_run_baseline(benchmark::State& state) {  // the model calls alone
+  const at::Tensor w1 = at::randn({32, 4, 3, 3}) * 0.1;
+  const at::Tensor w2 = at::randn({4, 32, 3, 3}) * 0.1;
+  const at::Tensor x = at::randn({4, 4, 32, 32});
+  for (auto _ : state)
+    for (int i = 0; i < 20; ++i) benchmark::DoNotOptimize(tiny_model(x, w1, w2).data_ptr());
+}
+
+void dpm_run_difftrain(benchmark::State& state) {  // model + sampler
+  const at::Tensor w1 = at::randn({32, 4, 3, 3}) * 0.1;
+  const at::Tensor w2 = at::randn({4, 32, 3, 3}) * 0.1;
+  df::DpmSolverPP2M dpm(schedule(), {});
+  for (auto _ : state) {
+    dpm.set_timesteps(20);
+    at::Tensor x = at::randn({4, 4, 32, 32});
+    for (std::size_t i = 0; i < dpm.timesteps().size(); ++i) x = dpm.step(tiny_model(x, w1, w2), x);
+    benchmark::DoNotOptimize(x.data_ptr());
+  }
+}
+}  // namespace
+
+BENCHMARK(dpm_run_baseline)->Name("dpm_20_steps_model_share/baseline")->UseRealTime();
+BENCHMARK(dpm_run_difftrain)->Name("dpm_20_steps_model_share/difftrain")->UseRealTime();

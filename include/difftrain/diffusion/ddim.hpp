@@ -70,6 +70,13 @@ class Ddim {
     return prev;
   }
 
+  /// The uniform sampling interface (see sample.hpp).
+  [[nodiscard]] at::Tensor model_input(const at::Tensor& x) const { return x; }
+  [[nodiscard]] at::Tensor step_at(std::size_t i, const at::Tensor& out, const at::Tensor& x,
+                                   std::optional<at::Generator> gen) {
+    return step(out, timesteps_.at(i), x, std::move(gen));
+  }
+
  private:
   const NoiseSchedule* schedule_;
   Options o_;

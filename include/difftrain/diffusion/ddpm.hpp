@@ -80,6 +80,13 @@ class Ddpm {
     return prev;
   }
 
+  /// The uniform sampling interface (see sample.hpp).
+  [[nodiscard]] at::Tensor model_input(const at::Tensor& x) const { return x; }
+  [[nodiscard]] at::Tensor step_at(std::size_t i, const at::Tensor& out, const at::Tensor& x,
+                                   std::optional<at::Generator> gen) {
+    return step(out, timesteps_.at(i), x, std::move(gen));
+  }
+
   [[nodiscard]] std::int64_t previous(std::int64_t t) const {
     for (std::size_t i = 0; i < timesteps_.size(); ++i)
       if (timesteps_[i] == t) return i + 1 < timesteps_.size() ? timesteps_[i + 1] : -1;

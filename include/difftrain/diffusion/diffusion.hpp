@@ -8,5 +8,6 @@
 #include "difftrain/diffusion/flow_matching.hpp"
 #include "difftrain/diffusion/guidance.hpp"
 #include "difftrain/diffusion/noise_schedule.hpp"
+#include "difftrain/diffusion/sample.hpp"
 #include "difftrain/diffusion/sampler_common.hpp"
 #include "difftrain/diffusion/weighting.hpp"

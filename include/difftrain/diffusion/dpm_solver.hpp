@@ -6,9 +6,11 @@
 // Optional Karras σ spacing.
 
 #include <ATen/ATen.h>
+#include <ATen/core/Generator.h>
 
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -86,6 +88,14 @@ class DpmSolverPP2M {
     if (lower_order_nums_ < 2) ++lower_order_nums_;
     ++step_index_;
     return prev.to(model_output.scalar_type());
+  }
+
+  /// The uniform sampling interface (see sample.hpp).
+  [[nodiscard]] at::Tensor model_input(const at::Tensor& x) const { return x; }
+  [[nodiscard]] at::Tensor step_at(std::size_t i, const at::Tensor& out, const at::Tensor& x,
+                                   std::optional<at::Generator> /*unused*/) {
+    if (i != step_index_) throw ConfigError("steps must be taken in order", "DPM-Solver++ step_at");
+    return step(out, x);
   }
 
  private:

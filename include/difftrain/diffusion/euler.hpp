@@ -4,10 +4,12 @@
 // Karras σ spacing (ρ = 7).
 
 #include <ATen/ATen.h>
+#include <ATen/core/Generator.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -96,6 +98,14 @@ class Euler {
     const float dt = sigmas_[step_index_ + 1] - sigma;
     ++step_index_;
     return (sample + derivative * dt).to(model_output.scalar_type());
+  }
+
+  /// The uniform sampling interface (see sample.hpp).
+  [[nodiscard]] at::Tensor model_input(const at::Tensor& x) const { return scale_model_input(x); }
+  [[nodiscard]] at::Tensor step_at(std::size_t i, const at::Tensor& out, const at::Tensor& x,
+                                   std::optional<at::Generator> /*unused*/) {
+    if (i != step_index_) throw ConfigError("steps must be taken in order", "Euler::step_at");
+    return step(out, x);
   }
 
  private:

@@ -4,8 +4,10 @@
 // shift σ' = s·σ / (1 + (s − 1)·σ) moves sampling towards noisier σ.
 
 #include <ATen/ATen.h>
+#include <ATen/core/Generator.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -102,6 +104,15 @@ class FlowMatchEuler {
     const float dt = sigmas_[step_index_ + 1] - sigmas_[step_index_];
     ++step_index_;
     return (sample.to(at::kFloat) + dt * model_output).to(model_output.scalar_type());
+  }
+
+  /// The uniform sampling interface (see sample.hpp).
+  [[nodiscard]] at::Tensor model_input(const at::Tensor& x) const { return x; }
+  [[nodiscard]] at::Tensor step_at(std::size_t i, const at::Tensor& out, const at::Tensor& x,
+                                   std::optional<at::Generator> /*unused*/) {
+    if (i != step_index_)
+      throw ConfigError("steps must be taken in order", "FlowMatchEuler::step_at");
+    return step(out, x);
   }
 
  private:
