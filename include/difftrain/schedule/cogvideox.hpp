@@ -83,6 +83,13 @@ inline std::size_t find_in_interval(const std::vector<std::int64_t>& cum, std::i
   return cum.size() - 2;
 }
 
+/// The linear warm-up of cycle c, n steps into it (n < its warm-up length).
+inline double cycle_warmup(const CycleLists& o, std::size_t c, std::int64_t n) {
+  return (o.f_max[c] - o.f_start[c]) / static_cast<double>(o.warm_up_steps[c]) *
+             static_cast<double>(n) +
+         o.f_start[c];
+}
+
 }  // namespace detail
 
 /// LambdaWarmUpCosineScheduler2: repeated cycles, each with its own warm-up and cosine.
@@ -93,10 +100,7 @@ struct WarmupCosineCycles {
   [[nodiscard]] double lr(std::int64_t n, double base_lr) const {
     const std::size_t c = detail::find_in_interval(cum_, n);
     n -= cum_[c];
-    if (n < o_.warm_up_steps[c])
-      return base_lr * ((o_.f_max[c] - o_.f_start[c]) / static_cast<double>(o_.warm_up_steps[c]) *
-                            static_cast<double>(n) +
-                        o_.f_start[c]);
+    if (n < o_.warm_up_steps[c]) return base_lr * detail::cycle_warmup(o_, c, n);
     double t = static_cast<double>(n - o_.warm_up_steps[c]) /
                static_cast<double>(o_.cycle_lengths[c] - o_.warm_up_steps[c]);
     t = std::min(t, 1.0);
@@ -117,10 +121,7 @@ struct WarmupLinearCycles {
   [[nodiscard]] double lr(std::int64_t n, double base_lr) const {
     const std::size_t c = detail::find_in_interval(cum_, n);
     n -= cum_[c];
-    if (n < o_.warm_up_steps[c])
-      return base_lr * ((o_.f_max[c] - o_.f_start[c]) / static_cast<double>(o_.warm_up_steps[c]) *
-                            static_cast<double>(n) +
-                        o_.f_start[c]);
+    if (n < o_.warm_up_steps[c]) return base_lr * detail::cycle_warmup(o_, c, n);
     return base_lr * (o_.f_min[c] + (o_.f_max[c] - o_.f_min[c]) *
                                         static_cast<double>(o_.cycle_lengths[c] - n) /
                                         static_cast<double>(o_.cycle_lengths[c]));

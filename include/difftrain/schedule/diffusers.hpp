@@ -21,6 +21,11 @@ namespace detail {
 inline double warmup_ramp(std::int64_t step, std::int64_t warmup) {
   return static_cast<double>(step) / static_cast<double>(std::max<std::int64_t>(1, warmup));
 }
+/// Fraction of the post-warm-up steps done at `step`.
+inline double progress(std::int64_t step, std::int64_t warmup, std::int64_t training) {
+  return static_cast<double>(step - warmup) /
+         static_cast<double>(std::max<std::int64_t>(1, training - warmup));
+}
 inline void check_steps(std::string_view name, std::int64_t warmup, std::int64_t training) {
   require(warmup >= 0, name, "num_warmup_steps", "must be >= 0, got " + std::to_string(warmup));
   require(training > 0, name, "num_training_steps", "must be > 0, got " + std::to_string(training));
@@ -99,9 +104,7 @@ struct Cosine {
   }
   [[nodiscard]] double lr(std::int64_t step, double base_lr) const {
     if (step < o_.num_warmup_steps) return base_lr * detail::warmup_ramp(step, o_.num_warmup_steps);
-    const double progress =
-        static_cast<double>(step - o_.num_warmup_steps) /
-        static_cast<double>(std::max<std::int64_t>(1, o_.num_training_steps - o_.num_warmup_steps));
+    const double progress = detail::progress(step, o_.num_warmup_steps, o_.num_training_steps);
     return base_lr *
            std::max(0.0, 0.5 * (1.0 + std::cos(std::numbers::pi * o_.num_cycles * 2.0 * progress)));
   }
@@ -125,9 +128,7 @@ struct CosineWithRestarts {
   }
   [[nodiscard]] double lr(std::int64_t step, double base_lr) const {
     if (step < o_.num_warmup_steps) return base_lr * detail::warmup_ramp(step, o_.num_warmup_steps);
-    const double progress =
-        static_cast<double>(step - o_.num_warmup_steps) /
-        static_cast<double>(std::max<std::int64_t>(1, o_.num_training_steps - o_.num_warmup_steps));
+    const double progress = detail::progress(step, o_.num_warmup_steps, o_.num_training_steps);
     if (progress >= 1.0) return base_lr * 0.0;
     return base_lr *
            std::max(0.0,

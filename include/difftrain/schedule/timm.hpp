@@ -57,6 +57,13 @@ struct CycleOptions {
   bool warmup_prefix;
 };
 
+/// The cycle fields of a cosine, tanh or poly schedule's options.
+template <class O>
+CycleOptions cycle_of(const O& o) {
+  return {o.t_initial,   o.lr_min,   o.cycle_mul,      o.cycle_decay,
+          o.cycle_limit, o.warmup_t, o.warmup_lr_init, o.warmup_prefix};
+}
+
 inline void check_cycle(std::string_view name, const CycleOptions& o) {
   require(o.t_initial > 0, name, "t_initial", "must be > 0, got " + std::to_string(o.t_initial));
   require(o.lr_min >= 0, name, "lr_min", "must be >= 0");
@@ -113,10 +120,7 @@ struct Cosine {
   }
 
  private:
-  [[nodiscard]] detail::CycleOptions cycle() const {
-    return {o_.t_initial,   o_.lr_min,   o_.cycle_mul,      o_.cycle_decay,
-            o_.cycle_limit, o_.warmup_t, o_.warmup_lr_init, o_.warmup_prefix};
-  }
+  [[nodiscard]] detail::CycleOptions cycle() const { return detail::cycle_of(o_); }
   Options o_;
 };
 
@@ -158,10 +162,7 @@ struct Tanh {
     const double tr = t_curr / t_i;
     return o_.lr_min + 0.5 * (lr_max - o_.lr_min) * (1 - std::tanh(o_.lb * (1. - tr) + o_.ub * tr));
   }
-  [[nodiscard]] detail::CycleOptions cycle() const {
-    return {o_.t_initial,   o_.lr_min,   o_.cycle_mul,      o_.cycle_decay,
-            o_.cycle_limit, o_.warmup_t, o_.warmup_lr_init, o_.warmup_prefix};
-  }
+  [[nodiscard]] detail::CycleOptions cycle() const { return detail::cycle_of(o_); }
   Options o_;
 };
 
@@ -191,10 +192,7 @@ struct Poly {
   }
 
  private:
-  [[nodiscard]] detail::CycleOptions cycle() const {
-    return {o_.t_initial,   o_.lr_min,   o_.cycle_mul,      o_.cycle_decay,
-            o_.cycle_limit, o_.warmup_t, o_.warmup_lr_init, o_.warmup_prefix};
-  }
+  [[nodiscard]] detail::CycleOptions cycle() const { return detail::cycle_of(o_); }
   Options o_;
 };
 
