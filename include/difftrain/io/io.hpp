@@ -2,4 +2,5 @@
 // Umbrella header of the io layer.
 
 #include "difftrain/io/atomic_file.hpp"
+#include "difftrain/io/safetensors.hpp"
 #include "difftrain/io/torch_pickle.hpp"

@@ -1,0 +1,107 @@
+// safetensors throughput against plain file I/O of the same bytes in the same run:
+//  - load with copy vs read() of the whole file into memory (goal >= 0.9 of read's throughput);
+//  - load memory-mapped (no copy) vs the same read();
+//  - save (atomic: temp file, fsync, rename) vs write() + fsync of the same bytes.
+// Size: DIFFTRAIN_BENCH_IO_BYTES (default 1 GiB) in one float32 tensor plus a few small ones.
+#include <ATen/ATen.h>
+#include <benchmark/benchmark.h>
+#include <fcntl.h>
+#include <unistd.h>
+#include <difftrain/io/safetensors.hpp>
+
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+
+namespace {
+namespace io = difftrain::io;
+
+std::int64_t io_bytes() {
+  const char* env = std::getenv("DIFFTRAIN_BENCH_IO_BYTES");
+  return env != nullptr ? std::stoll(env) : (std::int64_t{1} << 30);
+}
+
+const std::map<std::string, at::Tensor>& payload() {
+  static const std::map<std::string, at::Tensor> t = {{"big", at::rand({io_bytes() / 4})},
+                                                      {"bias", at::rand({1024})},
+                                                      {"scale", at::ones({1}, at::kBFloat16)}};
+  return t;
+}
+
+std::filesystem::path file() {
+  static const std::filesystem::path p = [] {
+    auto path = std::filesystem::temp_directory_path() / "difftrain_bench.safetensors";
+    io::save_safetensors(path, payload());
+    return path;
+  }();
+  return p;
+}
+
+// Reading the file with read() into freshly allocated memory: a loader that hands out new tensors
+// has to get new memory too, so both sides pay for it.
+void read_all(benchmark::State& state) {
+  const auto path = file();
+  const auto size = static_cast<std::size_t>(std::filesystem::file_size(path));
+  for (auto _ : state) {
+    at::Tensor buf = at::empty({static_cast<std::int64_t>(size)}, at::kByte);
+    auto* data = static_cast<char*>(buf.data_ptr());
+    const int fd = ::open(path.c_str(), O_RDONLY);
+    std::size_t done = 0;
+    while (done < size) {
+      const ssize_t n = ::read(fd, data + done, size - done);
+      if (n <= 0) break;
+      done += static_cast<std::size_t>(n);
+    }
+    ::close(fd);
+    benchmark::DoNotOptimize(data);
+  }
+  state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(size));
+}
+
+void load(benchmark::State& state, bool copy) {
+  const auto path = file();
+  for (auto _ : state) {
+    auto f = io::load_safetensors(path, copy);
+    benchmark::DoNotOptimize(f.tensors.at("big").data_ptr());
+  }
+  state.SetBytesProcessed(state.iterations() *
+                          static_cast<std::int64_t>(std::filesystem::file_size(path)));
+}
+
+void write_raw(benchmark::State& state) {
+  const auto bytes = io::safetensors_bytes(payload());
+  const auto path = std::filesystem::temp_directory_path() / "difftrain_bench_raw.bin";
+  for (auto _ : state) {
+    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    std::size_t done = 0;
+    while (done < bytes.size()) {
+      const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
+      if (n <= 0) break;
+      done += static_cast<std::size_t>(n);
+    }
+    ::fsync(fd);
+    ::close(fd);
+  }
+  state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(bytes.size()));
+}
+
+void save(benchmark::State& state) {
+  const auto path = std::filesystem::temp_directory_path() / "difftrain_bench_save.safetensors";
+  for (auto _ : state) io::save_safetensors(path, payload());
+  state.SetBytesProcessed(state.iterations() *
+                          static_cast<std::int64_t>(std::filesystem::file_size(path)));
+}
+}  // namespace
+
+BENCHMARK(read_all)->Name("safetensors_load_copy/baseline")->Iterations(3)->UseRealTime();
+BENCHMARK_CAPTURE(load, copy, true)
+    ->Name("safetensors_load_copy/difftrain")
+    ->Iterations(3)
+    ->UseRealTime();
+BENCHMARK(read_all)->Name("safetensors_load_mmap/baseline")->Iterations(3)->UseRealTime();
+BENCHMARK_CAPTURE(load, mmap, false)
+    ->Name("safetensors_load_mmap/difftrain")
+    ->Iterations(3)
+    ->UseRealTime();
+BENCHMARK(write_raw)->Name("safetensors_save/baseline")->Iterations(2)->UseRealTime();
+BENCHMARK(save)->Name("safetensors_save/difftrain")->Iterations(2)->UseRealTime();

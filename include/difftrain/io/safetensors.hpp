@@ -1,0 +1,352 @@
+#pragma once
+// safetensors: an 8-byte little-endian header length, a JSON header ({"name": {"dtype", "shape",
+// "data_offsets"}, "__metadata__": {str: str}}), then the tensor bytes. Reading applies the
+// format's own safety rules — header size cap, offsets in bounds, contiguous and non-overlapping,
+// sizes that match dtype × shape (with overflow checks), the exact file length — and rejects
+// anything else with a FormatError naming the field. Files are memory-mapped; tensors are views of
+// the mapping (copy-on- write, so writing to one never touches the file) unless `copy` is asked
+// for.
+
+#include <ATen/ATen.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <limits>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "difftrain/core/error.hpp"
+#include "difftrain/io/atomic_file.hpp"
+
+namespace difftrain::io {
+
+namespace safetensors_detail {
+
+struct DtypeInfo {
+  const char* name;
+  at::ScalarType type;
+  std::size_t size;
+};
+
+inline const std::vector<DtypeInfo>& dtypes() {
+  static const std::vector<DtypeInfo> table = {
+      {"F64", at::kDouble, 8},
+      {"F32", at::kFloat, 4},
+      {"F16", at::kHalf, 2},
+      {"BF16", at::kBFloat16, 2},
+      {"I64", at::kLong, 8},
+      {"I32", at::kInt, 4},
+      {"I16", at::kShort, 2},
+      {"I8", at::kChar, 1},
+      {"U8", at::kByte, 1},
+      {"BOOL", at::kBool, 1},
+      {"U16", at::kUInt16, 2},
+      {"U32", at::kUInt32, 4},
+      {"U64", at::kUInt64, 8},
+      {"F8_E4M3", at::kFloat8_e4m3fn, 1},
+      {"F8_E5M2", at::kFloat8_e5m2, 1},
+  };
+  return table;
+}
+
+inline const DtypeInfo& by_name(const std::string& name, const std::string& where) {
+  for (const auto& d : dtypes())
+    if (name == d.name) return d;
+  std::string known;
+  for (const auto& d : dtypes()) known += std::string(known.empty() ? "" : ", ") + d.name;
+  throw FormatError("unknown dtype '" + name + "' (known: " + known + ")", where);
+}
+
+inline const DtypeInfo& by_type(at::ScalarType t, const std::string& where) {
+  for (const auto& d : dtypes())
+    if (t == d.type) return d;
+  throw FormatError(std::string("dtype ") + c10::toString(t) + " has no safetensors name", where);
+}
+
+/// A read-only file mapping shared by every tensor that views it.
+struct Mapping {
+  void* data = nullptr;
+  std::size_t size = 0;
+  Mapping() = default;
+  Mapping(const Mapping&) = delete;
+  Mapping& operator=(const Mapping&) = delete;
+  ~Mapping() {
+    if (data != nullptr && data != MAP_FAILED) ::munmap(data, size);
+  }
+};
+
+}  // namespace safetensors_detail
+
+/// The largest header the reader accepts (the format's own limit).
+inline constexpr std::uint64_t kSafetensorsMaxHeader = 100'000'000;
+
+struct SafetensorsFile {
+  std::map<std::string, at::Tensor> tensors;
+  std::map<std::string, std::string> metadata;
+};
+
+/// One tensor's entry in a validated header.
+struct SafetensorsEntry {
+  std::string name;
+  at::ScalarType dtype;
+  std::vector<std::int64_t> shape;
+  std::uint64_t begin, end;  ///< byte offsets in the data section
+};
+
+struct SafetensorsHeader {
+  std::uint64_t header_size = 0;  ///< the JSON's length; data starts at 8 + header_size
+  std::vector<SafetensorsEntry> entries;
+  std::map<std::string, std::string> metadata;
+};
+
+/// Validates the 8-byte length prefix against the file size and returns the JSON's length.
+inline std::uint64_t safetensors_header_length(const char* prefix, std::size_t file_size,
+                                               const std::string& where) {
+  if (file_size < 8)
+    throw FormatError(
+        "is " + std::to_string(file_size) + " bytes, shorter than the 8-byte header length", where);
+  std::uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<unsigned char>(prefix[i]);
+  if (n > kSafetensorsMaxHeader)
+    throw FormatError("header length " + std::to_string(n) + " exceeds the limit of " +
+                          std::to_string(kSafetensorsMaxHeader),
+                      where + ": byte 0");
+  if (n > file_size - 8)
+    throw FormatError("header length " + std::to_string(n) + " runs past the end of the file (" +
+                          std::to_string(file_size) + " bytes)",
+                      where + ": byte 0");
+  return n;
+}
+
+/// Parses and validates the JSON header of a file whose data section has `data_size` bytes.
+inline SafetensorsHeader parse_safetensors_header(const char* json, std::uint64_t n,
+                                                  std::size_t data_size, const std::string& where) {
+  using namespace safetensors_detail;
+  if (n < 2 || json[0] != '{')
+    throw FormatError("header does not start with '{'", where + ": byte 8");
+  nlohmann::json header;
+  try {
+    header = nlohmann::json::parse(json, json + n);
+  } catch (const nlohmann::json::exception& e) {
+    throw FormatError(std::string("header is not valid JSON: ") + e.what(), where + ": header");
+  }
+  if (!header.is_object()) throw FormatError("header is not a JSON object", where + ": header");
+  SafetensorsHeader out;
+  out.header_size = n;
+  for (const auto& [name, entry] : header.items()) {
+    const std::string at_name = where + ": tensor '" + name + "'";
+    if (name == "__metadata__") {
+      if (!entry.is_object())
+        throw FormatError("__metadata__ must be an object of strings", where + ": __metadata__");
+      for (const auto& [k, v] : entry.items()) {
+        if (!v.is_string())
+          throw FormatError("value of '" + k + "' is not a string", where + ": __metadata__");
+        out.metadata[k] = v.get<std::string>();
+      }
+      continue;
+    }
+    if (!entry.is_object() || !entry.contains("dtype") || !entry.contains("shape") ||
+        !entry.contains("data_offsets"))
+      throw FormatError("needs dtype, shape and data_offsets", at_name);
+    if (!entry["dtype"].is_string()) throw FormatError("dtype is not a string", at_name + " dtype");
+    const DtypeInfo& dt = by_name(entry["dtype"].get<std::string>(), at_name + " dtype");
+    if (!entry["shape"].is_array()) throw FormatError("shape is not a list", at_name + " shape");
+    std::vector<std::int64_t> shape;
+    std::uint64_t count = 1;
+    for (const auto& d : entry["shape"]) {
+      if (!d.is_number_unsigned())
+        throw FormatError("dimension " + d.dump() + " is not a non-negative integer",
+                          at_name + " shape");
+      const std::uint64_t v = d.get<std::uint64_t>();
+      if (v > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()) ||
+          (v != 0 && count > std::numeric_limits<std::uint64_t>::max() / v))
+        throw FormatError("element count overflows", at_name + " shape");
+      count *= v;
+      shape.push_back(static_cast<std::int64_t>(v));
+    }
+    const auto& off = entry["data_offsets"];
+    if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() ||
+        !off[1].is_number_unsigned())
+      throw FormatError("must be [begin, end] with non-negative integers",
+                        at_name + " data_offsets");
+    const std::uint64_t begin = off[0].get<std::uint64_t>();
+    const std::uint64_t end = off[1].get<std::uint64_t>();
+    if (begin > end || end > data_size)
+      throw FormatError("[" + std::to_string(begin) + ", " + std::to_string(end) +
+                            "] is outside the " + std::to_string(data_size) + "-byte data section",
+                        at_name + " data_offsets");
+    if (count > std::numeric_limits<std::uint64_t>::max() / dt.size)
+      throw FormatError("byte size overflows", at_name + " shape");
+    if (end - begin != count * dt.size)
+      throw FormatError("spans " + std::to_string(end - begin) + " bytes but " +
+                            entry["dtype"].get<std::string>() + " × " + entry["shape"].dump() +
+                            " needs " + std::to_string(count * dt.size),
+                        at_name + " data_offsets");
+    out.entries.push_back({name, dt.type, std::move(shape), begin, end});
+  }
+  // Contiguous, non-overlapping, and covering the whole data section: no hidden bytes.
+  std::vector<const SafetensorsEntry*> sorted;
+  for (const auto& e : out.entries) sorted.push_back(&e);
+  std::sort(sorted.begin(), sorted.end(), [](const auto* a, const auto* b) {
+    return a->begin < b->begin || (a->begin == b->begin && a->end < b->end);
+  });
+  std::uint64_t expected = 0;
+  for (const auto* e : sorted) {
+    if (e->begin != expected)
+      throw FormatError(e->begin < expected ? "overlaps the tensor before it"
+                                            : "leaves a gap before it (expected offset " +
+                                                  std::to_string(expected) + ")",
+                        where + ": tensor '" + e->name + "' data_offsets");
+    expected = e->end;
+  }
+  if (expected != data_size)
+    throw FormatError(
+        "the data section has " + std::to_string(data_size - expected) + " bytes no tensor claims",
+        where + ": end of file");
+  return out;
+}
+
+/// Parses and validates a complete safetensors image (header + data) of `size` bytes. `keep` is
+/// kept alive by every tensor that views `bytes`; with `copy`, tensors own their memory instead.
+inline SafetensorsFile parse_safetensors(const char* bytes, std::size_t size,
+                                         std::shared_ptr<void> keep, bool copy,
+                                         const std::string& where) {
+  const std::uint64_t n = safetensors_header_length(bytes, size, where);
+  const std::size_t data_size = size - 8 - static_cast<std::size_t>(n);
+  SafetensorsHeader h = parse_safetensors_header(bytes + 8, n, data_size, where);
+  const char* data = bytes + 8 + n;
+  SafetensorsFile out;
+  out.metadata = std::move(h.metadata);
+  for (auto& e : h.entries) {
+    const auto opts = at::TensorOptions().dtype(e.dtype);
+    at::Tensor t;
+    if (copy || e.end == e.begin) {
+      t = at::empty(e.shape, opts);
+      if (e.end != e.begin) std::memcpy(t.data_ptr(), data + e.begin, e.end - e.begin);
+    } else {
+      t = at::from_blob(
+          const_cast<char*>(data + e.begin), e.shape, [keep](void*) {}, opts);
+    }
+    out.tensors.emplace(e.name, std::move(t));
+  }
+  return out;
+}
+
+namespace safetensors_detail {
+inline void pread_all(int fd, char* dst, std::size_t n, std::uint64_t offset,
+                      const std::string& where) {
+  std::size_t done = 0;
+  while (done < n) {
+    const ssize_t r = ::pread(fd, dst + done, n - done, static_cast<off_t>(offset + done));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) throw FormatError("read failed at byte " + std::to_string(offset + done), where);
+    done += static_cast<std::size_t>(r);
+  }
+}
+}  // namespace safetensors_detail
+
+/// Reads a safetensors file. By default the file is memory-mapped and tensors view the mapping
+/// (private: writing to a tensor never changes the file). With `copy`, every tensor gets its own
+/// memory, read straight into it with pread() — no mapping, no second copy.
+inline SafetensorsFile load_safetensors(const std::filesystem::path& path, bool copy = false) {
+  using namespace safetensors_detail;
+  const std::string where = path.string();
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw FormatError("cannot open the file for reading", where);
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) throw FormatError("cannot stat the file", where);
+  const auto size = static_cast<std::size_t>(st.st_size);
+  if (copy) {
+    char prefix[8] = {};
+    if (size >= 8) pread_all(fd, prefix, 8, 0, where);
+    const std::uint64_t n = safetensors_header_length(prefix, size, where);
+    std::vector<char> json(static_cast<std::size_t>(n));
+    pread_all(fd, json.data(), json.size(), 8, where);
+    SafetensorsHeader h =
+        parse_safetensors_header(json.data(), n, size - 8 - static_cast<std::size_t>(n), where);
+    SafetensorsFile out;
+    out.metadata = std::move(h.metadata);
+    for (auto& e : h.entries) {
+      at::Tensor t = at::empty(e.shape, at::TensorOptions().dtype(e.dtype));
+      if (e.end != e.begin)
+        pread_all(fd, static_cast<char*>(t.data_ptr()), e.end - e.begin, 8 + n + e.begin, where);
+      out.tensors.emplace(e.name, std::move(t));
+    }
+    return out;
+  }
+  auto mapping = std::make_shared<Mapping>();
+  mapping->size = size;
+  if (size > 0) {
+    mapping->data = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
+    if (mapping->data == MAP_FAILED) throw FormatError("cannot map the file", where);
+  }
+  return parse_safetensors(static_cast<const char*>(mapping->data), size, mapping, false, where);
+}
+
+/// The file image: tensors sorted by alignment (largest element first), then by name, as the Python
+/// library writes them; the header padded with spaces to 8 bytes.
+inline std::vector<char> safetensors_bytes(
+    const std::map<std::string, at::Tensor>& tensors,
+    const std::map<std::string, std::string>& metadata = {}) {
+  using namespace safetensors_detail;
+  std::vector<std::pair<std::string, at::Tensor>> order;
+  for (const auto& [name, t] : tensors) {
+    if (name == "__metadata__")
+      throw FormatError("'__metadata__' cannot name a tensor", "safetensors writer");
+    if (!t.defined()) throw FormatError("is undefined", "safetensors writer tensor '" + name + "'");
+    order.emplace_back(name, t.detach().to(at::kCPU).contiguous());
+  }
+  std::stable_sort(order.begin(), order.end(), [](const auto& a, const auto& b) {
+    const auto sa = a.second.element_size();
+    const auto sb = b.second.element_size();
+    return sa != sb ? sa > sb : a.first < b.first;
+  });
+  nlohmann::ordered_json header;
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+  std::uint64_t offset = 0;
+  for (const auto& [name, t] : order) {
+    const DtypeInfo& dt = by_type(t.scalar_type(), "safetensors writer tensor '" + name + "'");
+    const auto bytes = static_cast<std::uint64_t>(t.numel()) * dt.size;
+    header[name] = {
+        {"dtype", dt.name}, {"shape", t.sizes().vec()}, {"data_offsets", {offset, offset + bytes}}};
+    offset += bytes;
+  }
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');
+  std::vector<char> out(8 + text.size() + offset);
+  std::uint64_t n = text.size();
+  for (int i = 0; i < 8; ++i)
+    out[static_cast<std::size_t>(i)] = static_cast<char>((n >> (8 * i)) & 0xff);
+  std::memcpy(out.data() + 8, text.data(), text.size());
+  char* data = out.data() + 8 + text.size();
+  for (const auto& [name, t] : order) {
+    const auto bytes = static_cast<std::size_t>(t.numel()) * t.element_size();
+    if (bytes != 0) std::memcpy(data, t.data_ptr(), bytes);
+    data += bytes;
+  }
+  return out;
+}
+
+/// Writes a safetensors file atomically.
+inline void save_safetensors(const std::filesystem::path& path,
+                             const std::map<std::string, at::Tensor>& tensors,
+                             const std::map<std::string, std::string>& metadata = {}) {
+  write_file_atomic(path, safetensors_bytes(tensors, metadata));
+}
+
+}  // namespace difftrain::io
