@@ -393,6 +393,11 @@ TEST(Schedule, BadOptionsAreConfigErrorsNamingTheOption) {
   EXPECT_NE(where_of([] { sch::LinearWarmup({.warmup_period = 0}); }).find("warmup_period"),
             std::string::npos);
   EXPECT_NE(where_of([] { sch::RAdamWarmup({.beta2 = 0.5}); }).find("beta2"), std::string::npos);
+  // β₂ is checked before the untuned period divides by 1 − β₂.
+  EXPECT_NE(where_of([] { sch::UntunedLinearWarmup({.beta2 = 1.0}); }).find("option beta2"),
+            std::string::npos);
+  EXPECT_NE(where_of([] { sch::UntunedExponentialWarmup({.beta2 = 1.5}); }).find("option beta2"),
+            std::string::npos);
   EXPECT_NE(where_of([] { sch::timm::Cosine({.t_initial = 0}); }).find("t_initial"),
             std::string::npos);
   EXPECT_NE(where_of([] {

@@ -23,6 +23,11 @@ inline void check_beta2(std::string_view name, double beta2, double lowest) {
   require(beta2 > lowest && beta2 < 1, name, "beta2",
           "must be in (" + std::to_string(lowest) + ", 1), got " + std::to_string(beta2));
 }
+/// The untuned warm-ups' period ⌊c / (1 − β₂)⌋, with β₂ checked before it is divided by.
+inline std::int64_t untuned_period(std::string_view name, double beta2, double c) {
+  check_beta2(name, beta2, 0.0);
+  return static_cast<std::int64_t>(c / (1.0 - beta2));
+}
 }  // namespace detail
 
 /// ω(t) = min(1, (t + 1) / τ).
@@ -66,9 +71,7 @@ struct UntunedLinearWarmup {
     double beta2 = 0.999;
   };
   explicit UntunedLinearWarmup(const Options& o)
-      : inner_({.warmup_period = static_cast<std::int64_t>(2.0 / (1.0 - o.beta2))}) {
-    detail::check_beta2(name, o.beta2, 0.0);
-  }
+      : inner_({.warmup_period = detail::untuned_period(name, o.beta2, 2.0)}) {}
   [[nodiscard]] double factor(std::int64_t step) const { return inner_.factor(step); }
 
  private:
@@ -82,9 +85,7 @@ struct UntunedExponentialWarmup {
     double beta2 = 0.999;
   };
   explicit UntunedExponentialWarmup(const Options& o)
-      : inner_({.warmup_period = static_cast<std::int64_t>(1.0 / (1.0 - o.beta2))}) {
-    detail::check_beta2(name, o.beta2, 0.0);
-  }
+      : inner_({.warmup_period = detail::untuned_period(name, o.beta2, 1.0)}) {}
   [[nodiscard]] double factor(std::int64_t step) const { return inner_.factor(step); }
 
  private:
