@@ -69,6 +69,10 @@ class NoiseSchedule {
       prod *= alphas_(i);
       alphas_cumprod_(i) = round(prod);
     }
+    // The table as a CPU tensor once, in the precision the lookups use, rather than per call.
+    alphas_cumprod_tensor_ =
+        at::tensor(std::vector<double>(alphas_cumprod_.begin(), alphas_cumprod_.end()), at::kDouble)
+            .to(o_.precision == Precision::float32 ? at::kFloat : at::kDouble);
   }
 
   [[nodiscard]] const Options& options() const noexcept { return o_; }
@@ -89,10 +93,7 @@ class NoiseSchedule {
   [[nodiscard]] at::Tensor alphas_cumprod_at(const at::Tensor& timesteps, std::int64_t rank,
                                              const at::TensorOptions& opts) const {
     check_timesteps(timesteps);
-    const at::Tensor table =
-        at::from_blob(const_cast<double*>(alphas_cumprod_.data()), {o_.num_train_timesteps},
-                      at::kDouble)
-            .to(opts.device(), o_.precision == Precision::float32 ? at::kFloat : at::kDouble);
+    const at::Tensor table = alphas_cumprod_tensor_.to(opts.device());
     at::Tensor a =
         table.index_select(0, timesteps.flatten().to(opts.device(), at::kLong)).to(opts.dtype());
     std::vector<std::int64_t> shape{a.size(0)};
@@ -133,9 +134,7 @@ class NoiseSchedule {
   /// diffusers' compute_snr: (√ᾱ / √(1−ᾱ))², float32.
   [[nodiscard]] at::Tensor snr(const at::Tensor& timesteps) const {
     check_timesteps(timesteps);
-    const at::Tensor table =
-        at::tensor(std::vector<double>(alphas_cumprod_.begin(), alphas_cumprod_.end()), at::kDouble)
-            .to(o_.precision == Precision::float32 ? at::kFloat : at::kDouble);
+    const at::Tensor& table = alphas_cumprod_tensor_;
     const at::Tensor idx = timesteps.to(at::kCPU, at::kLong);
     const at::Tensor alpha =
         table.pow(0.5).index_select(0, idx.flatten()).to(at::kFloat).reshape(timesteps.sizes());
@@ -247,6 +246,7 @@ class NoiseSchedule {
   xt::xtensor<double, 1> betas_;
   xt::xtensor<double, 1> alphas_;
   xt::xtensor<double, 1> alphas_cumprod_;
+  at::Tensor alphas_cumprod_tensor_;
 };
 
 }  // namespace difftrain::diffusion
