@@ -1,13 +1,17 @@
 // safetensors throughput against plain file I/O of the same bytes in the same run:
 //  - load with copy vs read() of the whole file into memory (goal >= 0.9 of read's throughput);
 //  - load memory-mapped (no copy) vs the same read();
-//  - save (atomic: temp file, fsync, rename) vs write() + fsync of the same bytes.
+//  - save (atomic, streamed tensor by tensor: temp file, fsync, rename) vs write() + fsync of the
+//    same bytes;
+//  - torch.save files: difftrain's weights-only reader vs LibTorch's pickle_load on the same bytes.
 // Size: DIFFTRAIN_BENCH_IO_BYTES (default 1 GiB) in one float32 tensor plus a few small ones.
 #include <ATen/ATen.h>
 #include <benchmark/benchmark.h>
 #include <fcntl.h>
+#include <torch/csrc/jit/serialization/pickle.h>
 #include <unistd.h>
 #include <difftrain/io/safetensors.hpp>
+#include <difftrain/io/torch_file.hpp>
 
 #include <cstdlib>
 #include <filesystem>
@@ -91,8 +95,32 @@ void save(benchmark::State& state) {
   state.SetBytesProcessed(state.iterations() *
                           static_cast<std::int64_t>(std::filesystem::file_size(path)));
 }
+// A torch.save file of a quarter of the payload, held in memory: the weights-only reader against
+// LibTorch's own unpickler on the same bytes (a flat dict, which both can read).
+const std::vector<char>& torch_file_bytes() {
+  static const std::vector<char> bytes = [] {
+    std::map<std::string, at::Tensor> t = {{"big", at::rand({io_bytes() / 16})},
+                                           {"bias", at::rand({1024})}};
+    return io::torch_save_bytes(io::to_ivalue(t));
+  }();
+  return bytes;
+}
+
+void torch_load_libtorch(benchmark::State& state) {
+  const auto& bytes = torch_file_bytes();
+  for (auto _ : state) benchmark::DoNotOptimize(torch::jit::pickle_load(bytes));
+  state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(bytes.size()));
+}
+
+void torch_load_difftrain(benchmark::State& state) {
+  const auto& bytes = torch_file_bytes();
+  for (auto _ : state) benchmark::DoNotOptimize(io::parse_torch_file(bytes, "bench.pt"));
+  state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(bytes.size()));
+}
 }  // namespace
 
+BENCHMARK(torch_load_libtorch)->Name("torch_file_load/baseline")->Iterations(3)->UseRealTime();
+BENCHMARK(torch_load_difftrain)->Name("torch_file_load/difftrain")->Iterations(3)->UseRealTime();
 BENCHMARK(read_all)->Name("safetensors_load_copy/baseline")->Iterations(3)->UseRealTime();
 BENCHMARK_CAPTURE(load, copy, true)
     ->Name("safetensors_load_copy/difftrain")

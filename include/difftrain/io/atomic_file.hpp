@@ -5,6 +5,7 @@
 // one, never a mix.
 
 #include <fcntl.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -36,42 +37,85 @@ inline void write_all(int fd, std::span<const char> bytes, const std::string& wh
 }
 }  // namespace detail
 
+/// Writes a file in pieces and puts it in place atomically on commit(). Until then the destination
+/// keeps its old content; destroying an uncommitted writer (an exception, an early return) removes
+/// the temporary file. Used directly by writers that stream large files.
+class AtomicFileWriter {
+ public:
+  explicit AtomicFileWriter(std::filesystem::path path) : path_(std::move(path)) {
+    dir_ = path_.has_parent_path() ? path_.parent_path() : std::filesystem::path(".");
+    std::error_code ec;
+    std::filesystem::create_directories(dir_, ec);
+    if (ec) throw FormatError("cannot create folder: " + ec.message(), dir_.string());
+    std::random_device rd;
+    tmp_ = dir_ / ("." + path_.filename().string() + ".tmp-" + std::to_string(::getpid()) + "-" +
+                   std::to_string(rd()));
+    fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (fd_ < 0)
+      throw FormatError("cannot create a temporary file: " + detail::errno_text(), tmp_.string());
+  }
+  AtomicFileWriter(const AtomicFileWriter&) = delete;
+  AtomicFileWriter& operator=(const AtomicFileWriter&) = delete;
+  ~AtomicFileWriter() {
+    if (fd_ >= 0) ::close(fd_);
+    if (!committed_) ::unlink(tmp_.c_str());
+  }
+
+  void write(std::span<const char> bytes) {
+    if (fd_ < 0) throw FormatError("write after commit", tmp_.string());
+    detail::write_all(fd_, bytes, tmp_.string());
+  }
+
+  /// fsync the data, rename over the destination, fsync the folder.
+  void commit() {
+    if (::fsync(fd_) != 0)
+      throw FormatError("fsync failed: " + detail::errno_text(), tmp_.string());
+    const int fd = fd_;
+    fd_ = -1;
+    if (::close(fd) != 0) throw FormatError("close failed: " + detail::errno_text(), tmp_.string());
+    if (::rename(tmp_.c_str(), path_.c_str()) != 0)
+      throw FormatError("cannot rename the finished file into place: " + detail::errno_text(),
+                        path_.string());
+    committed_ = true;
+    const int dfd = ::open(dir_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd >= 0) {
+      ::fsync(dfd);  // best effort: some file systems refuse fsync on folders
+      ::close(dfd);
+    }
+  }
+
+  [[nodiscard]] const std::filesystem::path& temporary_path() const { return tmp_; }
+
+ private:
+  std::filesystem::path path_, dir_, tmp_;
+  int fd_ = -1;
+  bool committed_ = false;
+};
+
 /// Replaces `path` with `bytes` atomically and durably. Parent folders are created.
 inline void write_file_atomic(const std::filesystem::path& path, std::span<const char> bytes) {
-  const std::string where = path.string();
-  const std::filesystem::path dir =
-      path.has_parent_path() ? path.parent_path() : std::filesystem::path(".");
+  AtomicFileWriter out(path);
+  out.write(bytes);
+  out.commit();
+}
+
+/// Temporary files that writers killed mid-write left in `dir` (names `.NAME.tmp-PID-N`), whose
+/// process no longer runs. Removing them is safe; the finished files are never touched.
+inline std::vector<std::filesystem::path> stale_temporary_files(const std::filesystem::path& dir) {
+  std::vector<std::filesystem::path> out;
   std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  if (ec) throw FormatError("cannot create folder: " + ec.message(), dir.string());
-  std::random_device rd;
-  const std::filesystem::path tmp = dir / ("." + path.filename().string() + ".tmp-" +
-                                           std::to_string(::getpid()) + "-" + std::to_string(rd()));
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-  if (fd < 0)
-    throw FormatError("cannot create a temporary file: " + detail::errno_text(), tmp.string());
-  try {
-    detail::write_all(fd, bytes, tmp.string());
-    if (::fsync(fd) != 0) throw FormatError("fsync failed: " + detail::errno_text(), tmp.string());
-  } catch (...) {
-    ::close(fd);
-    ::unlink(tmp.c_str());
-    throw;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    const auto at = name.rfind(".tmp-");
+    if (name.empty() || name[0] != '.' || at == std::string::npos) continue;
+    const std::string rest = name.substr(at + 5);
+    const auto dash = rest.find('-');
+    if (dash == std::string::npos || dash == 0) continue;
+    if (rest.find_first_not_of("0123456789-") != std::string::npos) continue;
+    const pid_t pid = static_cast<pid_t>(std::stol(rest.substr(0, dash)));
+    if (pid != ::getpid() && ::kill(pid, 0) != 0 && errno == ESRCH) out.push_back(entry.path());
   }
-  if (::close(fd) != 0) {
-    ::unlink(tmp.c_str());
-    throw FormatError("close failed: " + detail::errno_text(), tmp.string());
-  }
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    const std::string why = detail::errno_text();
-    ::unlink(tmp.c_str());
-    throw FormatError("cannot rename the finished file into place: " + why, where);
-  }
-  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd >= 0) {
-    ::fsync(dfd);  // best effort: some file systems refuse fsync on folders
-    ::close(dfd);
-  }
+  return out;
 }
 
 /// The whole file; a missing or unreadable file is a FormatError naming it.

@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
@@ -22,6 +23,7 @@
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -298,55 +300,91 @@ inline SafetensorsFile load_safetensors(const std::filesystem::path& path, bool 
   return parse_safetensors(static_cast<const char*>(mapping->data), size, mapping, false, where);
 }
 
-/// The file image: tensors sorted by alignment (largest element first), then by name, as the Python
-/// library writes them; the header padded with spaces to 8 bytes.
-inline std::vector<char> safetensors_bytes(
-    const std::map<std::string, at::Tensor>& tensors,
-    const std::map<std::string, std::string>& metadata = {}) {
-  using namespace safetensors_detail;
+namespace safetensors_detail {
+// The header and the order of the data: sorted by descending element size (so every tensor is
+// aligned to its own element size), then by name, as Python's `safetensors` writes.
+struct WritePlan {
+  std::string header;  // JSON, padded with spaces to a multiple of 8 bytes
   std::vector<std::pair<std::string, at::Tensor>> order;
+  std::uint64_t data_bytes = 0;
+};
+
+inline WritePlan plan_write(const std::map<std::string, at::Tensor>& tensors,
+                            const std::map<std::string, std::string>& metadata) {
+  WritePlan plan;
   for (const auto& [name, t] : tensors) {
     if (name == "__metadata__")
       throw FormatError("'__metadata__' cannot name a tensor", "safetensors writer");
     if (!t.defined()) throw FormatError("is undefined", "safetensors writer tensor '" + name + "'");
-    order.emplace_back(name, t.detach().to(at::kCPU).contiguous());
+    plan.order.emplace_back(name, t.detach());
   }
-  std::stable_sort(order.begin(), order.end(), [](const auto& a, const auto& b) {
+  std::stable_sort(plan.order.begin(), plan.order.end(), [](const auto& a, const auto& b) {
     const auto sa = a.second.element_size();
     const auto sb = b.second.element_size();
     return sa != sb ? sa > sb : a.first < b.first;
   });
   nlohmann::ordered_json header;
   if (!metadata.empty()) header["__metadata__"] = metadata;
-  std::uint64_t offset = 0;
-  for (const auto& [name, t] : order) {
+  for (const auto& [name, t] : plan.order) {
     const DtypeInfo& dt = by_type(t.scalar_type(), "safetensors writer tensor '" + name + "'");
     const auto bytes = static_cast<std::uint64_t>(t.numel()) * dt.size;
-    header[name] = {
-        {"dtype", dt.name}, {"shape", t.sizes().vec()}, {"data_offsets", {offset, offset + bytes}}};
-    offset += bytes;
+    header[name] = {{"dtype", dt.name},
+                    {"shape", t.sizes().vec()},
+                    {"data_offsets", {plan.data_bytes, plan.data_bytes + bytes}}};
+    plan.data_bytes += bytes;
   }
-  std::string text = header.dump();
-  text.append((8 - text.size() % 8) % 8, ' ');
-  std::vector<char> out(8 + text.size() + offset);
-  std::uint64_t n = text.size();
-  for (int i = 0; i < 8; ++i)
-    out[static_cast<std::size_t>(i)] = static_cast<char>((n >> (8 * i)) & 0xff);
-  std::memcpy(out.data() + 8, text.data(), text.size());
-  char* data = out.data() + 8 + text.size();
-  for (const auto& [name, t] : order) {
-    const auto bytes = static_cast<std::size_t>(t.numel()) * t.element_size();
-    if (bytes != 0) std::memcpy(data, t.data_ptr(), bytes);
-    data += bytes;
-  }
+  plan.header = header.dump();
+  plan.header.append((8 - plan.header.size() % 8) % 8, ' ');
+  return plan;
+}
+
+inline std::array<char, 8> length_prefix(std::uint64_t n) {
+  std::array<char, 8> out{};
+  for (std::size_t i = 0; i < 8; ++i) out[i] = static_cast<char>((n >> (8 * i)) & 0xff);
   return out;
 }
 
-/// Writes a safetensors file atomically.
+// One tensor's bytes, in memory order: GPU tensors and views are made contiguous on the CPU one
+// at a time, so a save never holds a second copy of the whole model.
+template <typename Sink>
+void emit_tensor_bytes(const at::Tensor& t, Sink&& sink) {
+  const at::Tensor c = t.to(at::kCPU).contiguous();
+  const auto bytes = static_cast<std::size_t>(c.numel()) * c.element_size();
+  if (bytes != 0) sink(std::span<const char>(static_cast<const char*>(c.data_ptr()), bytes));
+}
+}  // namespace safetensors_detail
+
+/// The bytes of a safetensors file holding `tensors` (any device, any strides) and `metadata`.
+inline std::vector<char> safetensors_bytes(
+    const std::map<std::string, at::Tensor>& tensors,
+    const std::map<std::string, std::string>& metadata = {}) {
+  using namespace safetensors_detail;
+  const WritePlan plan = plan_write(tensors, metadata);
+  std::vector<char> out;
+  out.reserve(8 + plan.header.size() + plan.data_bytes);
+  const auto prefix = length_prefix(plan.header.size());
+  out.insert(out.end(), prefix.begin(), prefix.end());
+  out.insert(out.end(), plan.header.begin(), plan.header.end());
+  for (const auto& [name, t] : plan.order)
+    emit_tensor_bytes(t,
+                      [&](std::span<const char> b) { out.insert(out.end(), b.begin(), b.end()); });
+  return out;
+}
+
+/// Writes a safetensors file atomically, streaming each tensor to the file (memory stays at one
+/// tensor's CPU copy, not the whole file).
 inline void save_safetensors(const std::filesystem::path& path,
                              const std::map<std::string, at::Tensor>& tensors,
                              const std::map<std::string, std::string>& metadata = {}) {
-  write_file_atomic(path, safetensors_bytes(tensors, metadata));
+  using namespace safetensors_detail;
+  const WritePlan plan = plan_write(tensors, metadata);
+  AtomicFileWriter out(path);
+  const auto prefix = length_prefix(plan.header.size());
+  out.write(prefix);
+  out.write(plan.header);
+  for (const auto& [name, t] : plan.order)
+    emit_tensor_bytes(t, [&](std::span<const char> b) { out.write(b); });
+  out.commit();
 }
 
 }  // namespace difftrain::io

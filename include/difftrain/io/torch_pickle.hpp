@@ -18,6 +18,7 @@
 
 #include "difftrain/core/error.hpp"
 #include "difftrain/io/atomic_file.hpp"
+#include "difftrain/io/pickle_reader.hpp"
 
 namespace difftrain::io {
 
@@ -127,17 +128,15 @@ inline void save_pickle(const std::filesystem::path& path, const c10::IValue& va
   write_file_atomic(path, torch_save_bytes(value));
 }
 
+/// Parses torch.save bytes (named `where` in errors) with the weights-only reader of
+/// pickle_reader.hpp; anything it does not accept is a FormatError.
+inline c10::IValue load_pickle_bytes(const std::vector<char>& bytes, const std::string& where) {
+  return read_torch_archive(bytes, where);
+}
+
 /// Reads a torch.save file. A file LibTorch cannot parse is a FormatError naming it.
 inline c10::IValue load_pickle(const std::filesystem::path& path) {
-  const std::vector<char> bytes = read_file(path);
-  try {
-    return torch::jit::pickle_load(bytes);
-  } catch (const c10::Error& e) {
-    throw FormatError(std::string("not a readable torch file: ") + e.what_without_backtrace(),
-                      path.string());
-  } catch (const std::exception& e) {
-    throw FormatError(std::string("not a readable torch file: ") + e.what(), path.string());
-  }
+  return load_pickle_bytes(read_file(path), path.string());
 }
 
 }  // namespace difftrain::io

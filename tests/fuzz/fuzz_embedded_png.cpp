@@ -1,0 +1,7 @@
+// libFuzzer entry point: see targets.hpp.
+#include "targets.hpp"
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  difftrain::fuzz::embedded_png_input(data, size);
+  return 0;
+}
