@@ -2,4 +2,6 @@
 // Umbrella header of the nn layer.
 
 #include "difftrain/nn/activation.hpp"
+#include "difftrain/nn/attention/attention.hpp"
+#include "difftrain/nn/blocks/blocks.hpp"
 #include "difftrain/nn/init.hpp"
