@@ -8,3 +8,4 @@
 #include "difftrain/io/io.hpp"
 #include "difftrain/nn/nn.hpp"
 #include "difftrain/schedule/schedule.hpp"
+#include "difftrain/train/train.hpp"

@@ -79,6 +79,9 @@ class Ema {
   static_assert(diagnose_update_engine<Engine>());
 
  public:
+  using rule_type = Rule;
+  using engine_type = Engine;
+
   Ema(torch::nn::Module& model, const typename Rule::Options& rule = {},
       const typename Engine::Options& engine = {}, Tracking tracking = {})
       : model_(&model), rule_(rule), engine_(engine), tracking_(std::move(tracking)) {

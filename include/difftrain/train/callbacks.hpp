@@ -1,0 +1,270 @@
+#pragma once
+// Training callbacks. A callback is any type with some of
+//   void on_train_begin(Trainer&);  void on_step_end(Trainer&, const StepInfo&);
+//   void on_train_end(Trainer&);
+// The trainer holds them in a std::tuple (Config::Callbacks) and calls only the hooks a type has,
+// resolved at compile time: a run without callbacks pays nothing.
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <deque>
+#include <filesystem>
+#include <functional>
+#include <optional>
+#include <regex>
+#include <string>
+#include <vector>
+
+#include "difftrain/core/error.hpp"
+#include "difftrain/io/atomic_file.hpp"
+#include "difftrain/io/csv_log.hpp"
+#include "difftrain/train/trainer.hpp"
+
+namespace difftrain::train {
+
+/// One line, rewritten in place: step/total, it/s, loss, LR, ETA. Quiet when stderr is not a
+/// terminal (logs stay clean), unless `force`.
+class ProgressBar {
+ public:
+  struct Options {
+    std::int64_t total_steps = 0;
+    std::int64_t every = 1;
+    bool force = false;
+    std::FILE* out = stderr;
+  };
+  ProgressBar() : ProgressBar(Options()) {}
+  explicit ProgressBar(const Options& o)
+      : o_(o), active_(o.force || ::isatty(::fileno(o.out)) != 0) {}
+
+  template <class T>
+  void on_train_begin(T& t) {
+    start_ = std::chrono::steady_clock::now();
+    first_step_ = t.global_step();
+  }
+  template <class T>
+  void on_step_end(T& /*t*/, const StepInfo& s) {
+    if (!active_ || s.step % o_.every != 0) return;
+    std::fputs(("\r" + line(s)).c_str(), o_.out);
+    std::fflush(o_.out);
+  }
+  template <class T>
+  void on_train_end(T& /*t*/) {
+    if (active_) std::fputc('\n', o_.out);
+  }
+
+  /// The text shown for a step (also what tests look at).
+  [[nodiscard]] std::string line(const StepInfo& s) const {
+    const double elapsed =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+    const double done = static_cast<double>(s.step - first_step_);
+    const double rate = elapsed > 0 ? done / elapsed : 0.0;
+    char buf[256];
+    std::string eta = "?";
+    if (o_.total_steps > 0 && rate > 0) {
+      const auto left = static_cast<long>(static_cast<double>(o_.total_steps - s.step) / rate);
+      std::snprintf(buf, sizeof buf, "%ld:%02ld", left / 60, left % 60);
+      eta = buf;
+    }
+    std::snprintf(buf, sizeof buf, "step %lld/%lld  %.2f it/s  loss %.5f  lr %.3g  eta %s",
+                  static_cast<long long>(s.step), static_cast<long long>(o_.total_steps), rate,
+                  s.loss, s.lr.empty() ? 0.0 : s.lr.front(), eta.c_str());
+    return buf;
+  }
+
+ private:
+  Options o_;
+  bool active_;
+  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
+  std::int64_t first_step_ = 0;
+};
+
+/// The web UI's loss log: step, epoch, epoch_step, loss, learn_rate, one row per optimizer step.
+class CsvLossLog {
+ public:
+  struct Options {
+    std::filesystem::path path = "loss.csv";
+    std::int64_t steps_per_epoch = 0;  ///< 0: epoch columns stay 0
+    std::int64_t every = 1;
+  };
+  explicit CsvLossLog(const Options& o)
+      : o_(o), log_(o.path, {"step", "epoch", "epoch_step", "loss", "learn_rate"}) {}
+  template <class T>
+  void on_step_end(T& /*t*/, const StepInfo& s) {
+    if (!s.stepped || s.step % o_.every != 0) return;
+    const std::int64_t epoch = o_.steps_per_epoch > 0 ? (s.step - 1) / o_.steps_per_epoch : 0;
+    const std::int64_t epoch_step =
+        o_.steps_per_epoch > 0 ? (s.step - 1) % o_.steps_per_epoch + 1 : s.step;
+    log_.row(s.step, epoch, epoch_step, s.loss, s.lr.empty() ? 0.0 : s.lr.front());
+  }
+  template <class T>
+  void on_train_end(T& /*t*/) {
+    log_.flush();
+  }
+
+ private:
+  Options o_;
+  io::CsvLog log_;
+};
+
+/// Mean ± standard error of the loss over the last `window` steps (the web UI keeps 32).
+class LossStatistics {
+ public:
+  struct Options {
+    std::size_t window = 32;
+  };
+  LossStatistics() : LossStatistics(Options()) {}
+  explicit LossStatistics(const Options& o) : o_(o) {
+    if (o.window < 1) throw ConfigError("window must be >= 1", "LossStatistics");
+  }
+  template <class T>
+  void on_step_end(T& /*t*/, const StepInfo& s) {
+    if (!std::isfinite(s.loss)) return;
+    losses_.push_back(s.loss);
+    if (losses_.size() > o_.window) losses_.pop_front();
+  }
+  [[nodiscard]] double mean() const {
+    double sum = 0;
+    for (double l : losses_) sum += l;
+    return losses_.empty() ? std::nan("") : sum / static_cast<double>(losses_.size());
+  }
+  /// Sample standard deviation / sqrt(n) (statistics.stdev, as the web UI); NaN below 2 values.
+  [[nodiscard]] double standard_error() const {
+    const auto n = static_cast<double>(losses_.size());
+    if (losses_.size() < 2) return std::nan("");
+    const double m = mean();
+    double ss = 0;
+    for (double l : losses_) ss += (l - m) * (l - m);
+    return std::sqrt(ss / (n - 1)) / std::sqrt(n);
+  }
+  [[nodiscard]] std::size_t count() const { return losses_.size(); }
+
+ private:
+  Options o_;
+  std::deque<double> losses_;
+};
+
+/// Saves `dir/checkpoint-<step>.pt` every N steps and keeps the last K. Non-finite weights are
+/// never saved (the trainer refuses), so the last good checkpoint survives a diverged run.
+class CheckpointEvery {
+ public:
+  struct Options {
+    std::filesystem::path dir = "checkpoints";
+    std::int64_t every = 1000;
+    std::size_t keep_last = 3;
+  };
+  explicit CheckpointEvery(const Options& o) : o_(o) {
+    if (o.every < 1 || o.keep_last < 1)
+      throw ConfigError("every and keep_last must be >= 1", "CheckpointEvery");
+  }
+  template <class T>
+  void on_step_end(T& t, const StepInfo& s) {
+    if (s.stepped && s.step % o_.every == 0) save(t);
+  }
+  template <class T>
+  void save(T& t) {
+    t.save_checkpoint(path_for(t.global_step()));
+    prune();
+  }
+  [[nodiscard]] std::filesystem::path path_for(std::int64_t step) const {
+    return o_.dir / ("checkpoint-" + std::to_string(step) + ".pt");
+  }
+  /// Checkpoints in `dir`, oldest first.
+  [[nodiscard]] static std::vector<std::pair<std::int64_t, std::filesystem::path>> list(
+      const std::filesystem::path& dir) {
+    std::vector<std::pair<std::int64_t, std::filesystem::path>> out;
+    std::error_code ec;
+    static const std::regex name("checkpoint-([0-9]+)\\.pt");
+    for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+      std::smatch m;
+      const std::string f = e.path().filename().string();
+      if (std::regex_match(f, m, name)) out.emplace_back(std::stoll(m[1].str()), e.path());
+    }
+    std::sort(out.begin(), out.end());
+    return out;
+  }
+
+ private:
+  void prune() const {
+    auto all = list(o_.dir);
+    while (all.size() > o_.keep_last) {
+      std::filesystem::remove(all.front().second);
+      all.erase(all.begin());
+    }
+  }
+  Options o_;
+};
+
+/// Resumes `trainer` from the newest checkpoint in `dir` that loads; a damaged newest one is
+/// reported in `skipped` and the previous is used. Returns the path used, or nothing.
+template <class T>
+std::optional<std::filesystem::path> resume_latest(T& trainer, const std::filesystem::path& dir,
+                                                   std::vector<std::string>* skipped = nullptr) {
+  auto all = CheckpointEvery::list(dir);
+  for (auto it = all.rbegin(); it != all.rend(); ++it) {
+    try {
+      trainer.load_checkpoint(it->second);
+      return it->second;
+    } catch (const FormatError& e) {
+      if (skipped != nullptr) skipped->push_back(e.what());
+    }
+  }
+  return std::nullopt;
+}
+
+/// Calls `sample(trainer)` every N steps with the EMA weights swapped in when the trainer has EMA.
+template <class Fn>
+class SampleEvery {
+ public:
+  SampleEvery(std::int64_t every, Fn fn) : every_(every), fn_(std::move(fn)) {
+    if (every < 1) throw ConfigError("every must be >= 1", "SampleEvery");
+  }
+  template <class T>
+  void on_step_end(T& t, const StepInfo& s) {
+    if (!s.stepped || s.step % every_ != 0) return;
+    at::NoGradGuard no_grad;
+    if constexpr (T::has_ema) {
+      ema::EmaScope scope(t.ema());
+      fn_(t);
+    } else {
+      fn_(t);
+    }
+  }
+
+ private:
+  std::int64_t every_;
+  Fn fn_;
+};
+
+/// Stops when the loss has not improved by `min_delta` for `patience` steps.
+class EarlyStop {
+ public:
+  struct Options {
+    std::int64_t patience = 100;
+    double min_delta = 0.0;
+  };
+  explicit EarlyStop(const Options& o) : o_(o) {}
+  template <class T>
+  void on_step_end(T& t, const StepInfo& s) {
+    if (!s.stepped) return;
+    if (s.loss < best_ - o_.min_delta) {
+      best_ = s.loss;
+      since_ = 0;
+    } else if (++since_ >= o_.patience) {
+      stopped_at_ = s.step;
+      t.request_stop();
+    }
+  }
+  [[nodiscard]] std::optional<std::int64_t> stopped_at() const { return stopped_at_; }
+
+ private:
+  Options o_;
+  double best_ = std::numeric_limits<double>::infinity();
+  std::int64_t since_ = 0;
+  std::optional<std::int64_t> stopped_at_;
+};
+
+}  // namespace difftrain::train

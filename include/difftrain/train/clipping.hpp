@@ -1,0 +1,102 @@
+#pragma once
+// Gradient clipping policies, applied to unscaled gradients before the optimizer step:
+//   NoClipping; ClipByNorm (total norm over every parameter, torch's clip_grad_norm_);
+//   ClipByValue (clamp each element); ScheduledClip (the web UI's hypernetwork training: a limit
+//   from a step string such as "0.1:200, 1.0", by norm or by value).
+// A policy: `name`, `Options`, constructor from Options, and
+// `double apply(const std::vector<at::Tensor>& params, std::int64_t step)` returning the total
+// gradient norm before clipping (NaN when the policy does not compute it).
+
+#include <ATen/ATen.h>
+#include <torch/nn/utils/clip_grad.h>
+
+#include <cmath>
+#include <limits>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "difftrain/core/concepts.hpp"
+#include "difftrain/core/error.hpp"
+#include "difftrain/schedule/step_string.hpp"
+
+namespace difftrain::train {
+
+struct NoClipping {
+  static constexpr std::string_view name = "none";
+  struct Options {};
+  NoClipping() = default;
+  explicit NoClipping(const Options& /*unused*/) {}
+  double apply(const std::vector<at::Tensor>& /*params*/, std::int64_t /*step*/) {
+    return std::numeric_limits<double>::quiet_NaN();
+  }
+};
+
+struct ClipByNorm {
+  static constexpr std::string_view name = "norm";
+  struct Options {
+    double max_norm = 1.0;
+    double norm_type = 2.0;
+  };
+  ClipByNorm() : ClipByNorm(Options()) {}
+  explicit ClipByNorm(const Options& o) : o_(o) {
+    if (!(o.max_norm > 0)) throw ConfigError("max_norm must be > 0", "ClipByNorm");
+  }
+  double apply(const std::vector<at::Tensor>& params, std::int64_t /*step*/) {
+    return torch::nn::utils::clip_grad_norm_(params, o_.max_norm, o_.norm_type);
+  }
+
+ private:
+  Options o_;
+};
+
+struct ClipByValue {
+  static constexpr std::string_view name = "value";
+  struct Options {
+    double clip_value = 1.0;
+  };
+  ClipByValue() : ClipByValue(Options()) {}
+  explicit ClipByValue(const Options& o) : o_(o) {
+    if (!(o.clip_value > 0)) throw ConfigError("clip_value must be > 0", "ClipByValue");
+  }
+  double apply(const std::vector<at::Tensor>& params, std::int64_t /*step*/) {
+    torch::nn::utils::clip_grad_value_(params, o_.clip_value);
+    return std::numeric_limits<double>::quiet_NaN();
+  }
+
+ private:
+  Options o_;
+};
+
+struct ScheduledClip {
+  static constexpr std::string_view name = "scheduled";
+  enum class Mode { norm, value };
+  struct Options {
+    Mode mode = Mode::norm;
+    std::string limits = "1.0";  // step string: "0.1:200, 1.0" is 0.1 until step 200, then 1.0
+    std::int64_t max_steps = std::numeric_limits<std::int64_t>::max();
+  };
+  ScheduledClip() : ScheduledClip(Options()) {}
+  explicit ScheduledClip(const Options& o)
+      : o_(o), limits_(schedule::StepString::Options{o.limits, o.max_steps, 0, 1}) {}
+  double apply(const std::vector<at::Tensor>& params, std::int64_t step) {
+    const double limit = limits_.value_at(step);
+    if (o_.mode == Mode::norm) return torch::nn::utils::clip_grad_norm_(params, limit);
+    torch::nn::utils::clip_grad_value_(params, limit);
+    return std::numeric_limits<double>::quiet_NaN();
+  }
+  [[nodiscard]] double limit_at(std::int64_t step) const { return limits_.value_at(step); }
+
+ private:
+  Options o_;
+  schedule::StepString limits_;
+};
+
+template <class C>
+concept ClippingPolicy = NamedPolicy<C> && HasOptions<C> &&
+    std::constructible_from<C, const typename C::Options&> &&
+    requires(C& c, const std::vector<at::Tensor>& p) {
+  { c.apply(p, std::int64_t{0}) } -> std::convertible_to<double>;
+};
+
+}  // namespace difftrain::train

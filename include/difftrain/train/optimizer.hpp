@@ -1,0 +1,181 @@
+#pragma once
+// Optimizer policies over LibTorch's optimizers, with parameter groups:
+//   * groups by name pattern (CogVideoX's `get_param_groups`: each pattern is matched at the
+//     start of the parameter name, as Python's re.match; the first matching group wins), each with
+//     its own LR and weight decay;
+//   * weight decay off for biases, norms and embeddings (DALLE2's grouping puts every tensor with
+//     fewer than 2 dimensions in a no-decay group; names matching `no_decay_pattern` join it).
+// A policy: `name`, `Options` (lr, weight_decay, ...) and
+// `static std::unique_ptr<torch::optim::Optimizer> make(std::vector<OptimizerParamGroup>, const
+// Options&)`.
+
+#include <torch/nn/module.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+
+#include <memory>
+#include <optional>
+#include <regex>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "difftrain/core/concepts.hpp"
+#include "difftrain/core/error.hpp"
+
+namespace difftrain::train {
+
+/// Parameters whose names start with a match of `pattern` form a group with their own settings.
+struct ParamGroupRule {
+  std::string pattern;
+  std::optional<double> lr;
+  std::optional<double> weight_decay;
+};
+
+struct GroupingOptions {
+  std::vector<ParamGroupRule> rules;
+  /// Put 1-D tensors (biases, norm scales) and names matching no_decay_pattern in a group without
+  /// weight decay.
+  bool decay_groups = true;
+  std::string no_decay_pattern = "(^|.*\\.)(bias|[^.]*norm[^.]*|[^.]*embed[^.]*)(\\.|$)";
+};
+
+/// One group of parameters before it becomes an optimizer's group.
+struct ParamGroup {
+  std::string label;  // "default", "default/no_decay", "rule 0", ...
+  std::vector<std::string> names;
+  std::vector<at::Tensor> params;
+  std::optional<double> lr;
+  std::optional<double> weight_decay;
+};
+
+/// The groups for the trainable parameters of `module`; frozen parameters are left out, and a rule
+/// that matches nothing is a ConfigError (a typo in a pattern would otherwise train the wrong set).
+inline std::vector<ParamGroup> make_param_groups(const torch::nn::Module& module,
+                                                 const GroupingOptions& o) {
+  std::vector<std::regex> rules;
+  for (const auto& r : o.rules) {
+    try {
+      rules.emplace_back(r.pattern);
+    } catch (const std::regex_error& e) {
+      throw ConfigError("pattern '" + r.pattern + "' is not a valid regex: " + e.what(),
+                        "parameter groups");
+    }
+  }
+  const std::regex no_decay(o.no_decay_pattern);
+  // For each rule (and the default): the decay group and the no-decay group.
+  std::vector<ParamGroup> decay(rules.size() + 1), plain(rules.size() + 1);
+  for (std::size_t i = 0; i <= rules.size(); ++i) {
+    const std::string base = i < rules.size() ? "rule " + std::to_string(i) : "default";
+    decay[i].label = base;
+    plain[i].label = base + "/no_decay";
+    if (i < rules.size()) {
+      decay[i].lr = plain[i].lr = o.rules[i].lr;
+      decay[i].weight_decay = o.rules[i].weight_decay;
+    }
+    plain[i].weight_decay = 0.0;
+  }
+  std::vector<bool> used(rules.size(), false);
+  for (const auto& item : module.named_parameters(/*recurse=*/true)) {
+    const at::Tensor& p = item.value();
+    if (!p.requires_grad()) continue;
+    std::size_t g = rules.size();
+    for (std::size_t i = 0; i < rules.size(); ++i)
+      if (std::regex_search(item.key(), rules[i], std::regex_constants::match_continuous)) {
+        g = i;
+        used[i] = true;
+        break;
+      }
+    const bool skip_decay =
+        o.decay_groups && (p.dim() < 2 || std::regex_match(item.key(), no_decay));
+    ParamGroup& target = skip_decay ? plain[g] : decay[g];
+    target.names.push_back(item.key());
+    target.params.push_back(p);
+  }
+  for (std::size_t i = 0; i < rules.size(); ++i)
+    if (!used[i])
+      throw ConfigError("pattern '" + o.rules[i].pattern + "' matches no trainable parameter",
+                        "parameter groups");
+  std::vector<ParamGroup> out;
+  for (std::size_t i = 0; i <= rules.size(); ++i) {
+    if (!decay[i].params.empty()) out.push_back(std::move(decay[i]));
+    if (!plain[i].params.empty()) out.push_back(std::move(plain[i]));
+  }
+  if (out.empty()) throw ConfigError("the model has no trainable parameters", "parameter groups");
+  return out;
+}
+
+namespace optimizer_detail {
+template <class TorchOptions>
+std::vector<torch::optim::OptimizerParamGroup> torch_groups(const std::vector<ParamGroup>& groups,
+                                                            const TorchOptions& defaults) {
+  std::vector<torch::optim::OptimizerParamGroup> out;
+  for (const ParamGroup& g : groups) {
+    auto o = std::make_unique<TorchOptions>(defaults);
+    if (g.lr) o->lr(*g.lr);
+    if (g.weight_decay) o->weight_decay(*g.weight_decay);
+    out.emplace_back(g.params, std::move(o));
+  }
+  return out;
+}
+}  // namespace optimizer_detail
+
+struct AdamW {
+  static constexpr std::string_view name = "adamw";
+  struct Options {
+    double lr = 1e-4;
+    double beta1 = 0.9, beta2 = 0.999;
+    double eps = 1e-8;
+    double weight_decay = 1e-2;
+    bool amsgrad = false;
+  };
+  static std::unique_ptr<torch::optim::Optimizer> make(const std::vector<ParamGroup>& groups,
+                                                       const Options& o) {
+    torch::optim::AdamWOptions d(o.lr);
+    d.betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay).amsgrad(o.amsgrad);
+    return std::make_unique<torch::optim::AdamW>(optimizer_detail::torch_groups(groups, d), d);
+  }
+};
+
+struct Adam {
+  static constexpr std::string_view name = "adam";
+  struct Options {
+    double lr = 1e-4;
+    double beta1 = 0.9, beta2 = 0.999;
+    double eps = 1e-8;
+    double weight_decay = 0.0;  // L2 added to the gradient, as torch.optim.Adam
+    bool amsgrad = false;
+  };
+  static std::unique_ptr<torch::optim::Optimizer> make(const std::vector<ParamGroup>& groups,
+                                                       const Options& o) {
+    torch::optim::AdamOptions d(o.lr);
+    d.betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay).amsgrad(o.amsgrad);
+    return std::make_unique<torch::optim::Adam>(optimizer_detail::torch_groups(groups, d), d);
+  }
+};
+
+struct SGD {
+  static constexpr std::string_view name = "sgd";
+  struct Options {
+    double lr = 1e-2;
+    double momentum = 0.0;
+    double dampening = 0.0;
+    double weight_decay = 0.0;
+    bool nesterov = false;
+  };
+  static std::unique_ptr<torch::optim::Optimizer> make(const std::vector<ParamGroup>& groups,
+                                                       const Options& o) {
+    torch::optim::SGDOptions d(o.lr);
+    d.momentum(o.momentum).dampening(o.dampening).weight_decay(o.weight_decay).nesterov(o.nesterov);
+    return std::make_unique<torch::optim::SGD>(optimizer_detail::torch_groups(groups, d), d);
+  }
+};
+
+template <class O>
+concept OptimizerPolicy = NamedPolicy<O> && HasOptions<O> &&
+    requires(const std::vector<ParamGroup>& g, const typename O::Options& o) {
+  { O::make(g, o) } -> std::same_as<std::unique_ptr<torch::optim::Optimizer>>;
+};
+
+}  // namespace difftrain::train

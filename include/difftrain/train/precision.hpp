@@ -1,0 +1,207 @@
+#pragma once
+// Precision policies: Fp32 (nothing), AutocastBf16, AutocastFp16 (with a gradient scaler). LibTorch
+// has autocast but no GradScaler; `GradScaler` here follows torch.amp.GradScaler: the loss is
+// multiplied by `scale`; before clipping, gradients are unscaled and checked for inf/NaN in one
+// fused call (`_amp_foreach_non_finite_check_and_unscale_`); the optimizer step is skipped when any
+// was found; `_amp_update_scale_` then halves the scale on overflow or doubles it after
+// `growth_interval` clean steps. Defaults are torch's: 65536, 2.0, 0.5, 2000.
+
+#include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <torch/optim/optimizer.h>
+
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "difftrain/core/concepts.hpp"
+#include "difftrain/core/error.hpp"
+
+namespace difftrain::train {
+
+/// Turns autocast on for one device type and dtype while alive, and restores what was there.
+class AutocastGuard {
+ public:
+  AutocastGuard(c10::DeviceType device, at::ScalarType dtype)
+      : device_(device),
+        was_enabled_(at::autocast::is_autocast_enabled(device)),
+        was_dtype_(at::autocast::get_autocast_dtype(device)) {
+    at::autocast::set_autocast_enabled(device_, true);
+    at::autocast::set_autocast_dtype(device_, dtype);
+    at::autocast::increment_nesting();
+  }
+  ~AutocastGuard() {
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    at::autocast::set_autocast_enabled(device_, was_enabled_);
+    at::autocast::set_autocast_dtype(device_, was_dtype_);
+  }
+  AutocastGuard(const AutocastGuard&) = delete;
+  AutocastGuard& operator=(const AutocastGuard&) = delete;
+
+ private:
+  c10::DeviceType device_;
+  bool was_enabled_;
+  at::ScalarType was_dtype_;
+};
+
+class GradScaler {
+ public:
+  struct Options {
+    double init_scale = 65536.0;
+    double growth_factor = 2.0;
+    double backoff_factor = 0.5;
+    std::int64_t growth_interval = 2000;
+    bool enabled = true;
+  };
+
+  GradScaler() : GradScaler(Options()) {}
+  explicit GradScaler(const Options& o) : o_(o) {
+    if (o.init_scale <= 0 || o.growth_factor <= 1.0 || o.backoff_factor <= 0 ||
+        o.backoff_factor >= 1.0 || o.growth_interval <= 0)
+      throw ConfigError(
+          "needs init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1 and "
+          "growth_interval > 0",
+          "GradScaler");
+  }
+
+  [[nodiscard]] bool enabled() const { return o_.enabled; }
+
+  /// loss * scale (the scale lives on the loss's device).
+  at::Tensor scale(const at::Tensor& loss) {
+    if (!o_.enabled) return loss;
+    lazy_init(loss.device());
+    return loss * scale_.to(loss.scalar_type());
+  }
+
+  /// Divides every gradient of `optimizer` by the scale and records whether any is inf/NaN.
+  /// Call before clipping; step() calls it if it was not called.
+  void unscale_(torch::optim::Optimizer& optimizer) {
+    if (!o_.enabled || unscaled_) return;
+    if (!scale_.defined()) throw ConfigError("unscale_ before any scaled loss", "GradScaler");
+    found_inf_ = at::zeros({1}, scale_.options());
+    const at::Tensor inv = scale_.to(at::kDouble).reciprocal().to(at::kFloat);
+    // The fused kernel takes gradients of one device and dtype at a time.
+    std::map<std::string, std::vector<at::Tensor>> by_kind;  // key: device and dtype
+    for (auto& g : optimizer.param_groups())
+      for (auto& p : g.params())
+        if (p.grad().defined()) {
+          if (p.grad().is_sparse())
+            throw ConfigError("sparse gradients are not supported", "GradScaler");
+          by_kind[p.grad().device().str() + "/" + c10::toString(p.grad().scalar_type())].push_back(
+              p.mutable_grad());
+        }
+    for (auto& [kind, grads] : by_kind) {
+      at::Tensor found = at::zeros({1}, grads.front().options().dtype(at::kFloat));
+      at::_amp_foreach_non_finite_check_and_unscale_(grads, found, inv.to(grads.front().device()));
+      found_inf_ += found.to(found_inf_.device());
+    }
+    unscaled_ = true;
+  }
+
+  /// Steps the optimizer unless a gradient was inf/NaN. Returns whether it stepped.
+  bool step(torch::optim::Optimizer& optimizer) {
+    if (!o_.enabled) {
+      optimizer.step();
+      return true;
+    }
+    unscale_(optimizer);
+    const bool skip = found_inf_.item<float>() != 0.0f;
+    if (!skip) optimizer.step();
+    return !skip;
+  }
+
+  /// Adjusts the scale after step(): backoff on overflow, growth after growth_interval clean steps.
+  void update() {
+    if (!o_.enabled) return;
+    if (!unscaled_) throw ConfigError("update() without step()", "GradScaler");
+    at::_amp_update_scale_(scale_, growth_tracker_, found_inf_.to(scale_.device()),
+                           o_.growth_factor, o_.backoff_factor, o_.growth_interval);
+    unscaled_ = false;
+  }
+
+  [[nodiscard]] double current_scale() const {
+    return scale_.defined() ? scale_.item<double>() : o_.init_scale;
+  }
+
+  /// torch.amp.GradScaler's state_dict keys.
+  [[nodiscard]] nlohmann::json state() const {
+    return {
+        {"scale", current_scale()},
+        {"growth_factor", o_.growth_factor},
+        {"backoff_factor", o_.backoff_factor},
+        {"growth_interval", o_.growth_interval},
+        {"_growth_tracker", growth_tracker_.defined() ? growth_tracker_.item<std::int64_t>() : 0}};
+  }
+  void load_state(const nlohmann::json& s) {
+    try {
+      const double scale = s.at("scale").get<double>();
+      const std::int64_t tracker = s.at("_growth_tracker").get<std::int64_t>();
+      if (!(scale > 0) || tracker < 0)
+        throw FormatError("has a non-positive scale", "GradScaler state");
+      o_.growth_factor = s.at("growth_factor").get<double>();
+      o_.backoff_factor = s.at("backoff_factor").get<double>();
+      o_.growth_interval = s.at("growth_interval").get<std::int64_t>();
+      const c10::Device d = scale_.defined() ? scale_.device() : c10::Device(c10::kCPU);
+      scale_ = at::full({1}, scale, at::TensorOptions().dtype(at::kFloat).device(d));
+      growth_tracker_ = at::full({1}, tracker, at::TensorOptions().dtype(at::kInt).device(d));
+    } catch (const nlohmann::json::exception& e) {
+      throw FormatError(e.what(), "GradScaler state");
+    }
+  }
+
+ private:
+  void lazy_init(c10::Device d) {
+    if (!scale_.defined()) {
+      scale_ = at::full({1}, o_.init_scale, at::TensorOptions().dtype(at::kFloat).device(d));
+      growth_tracker_ = at::zeros({1}, at::TensorOptions().dtype(at::kInt).device(d));
+    } else if (scale_.device() != d) {
+      scale_ = scale_.to(d);
+      growth_tracker_ = growth_tracker_.to(d);
+    }
+  }
+
+  Options o_;
+  at::Tensor scale_, growth_tracker_, found_inf_;
+  bool unscaled_ = false;
+};
+
+/// Full precision: no autocast, no scaling.
+struct Fp32 {
+  static constexpr std::string_view name = "fp32";
+  static constexpr bool autocast = false;
+  static constexpr bool scaled = false;
+  static constexpr at::ScalarType dtype = at::kFloat;
+};
+/// Autocast to bfloat16; its range needs no loss scaling.
+struct AutocastBf16 {
+  static constexpr std::string_view name = "bf16";
+  static constexpr bool autocast = true;
+  static constexpr bool scaled = false;
+  static constexpr at::ScalarType dtype = at::kBFloat16;
+};
+/// Autocast to float16 with the gradient scaler.
+struct AutocastFp16 {
+  static constexpr std::string_view name = "fp16";
+  static constexpr bool autocast = true;
+  static constexpr bool scaled = true;
+  static constexpr at::ScalarType dtype = at::kHalf;
+};
+
+template <class P>
+concept PrecisionPolicy = NamedPolicy<P> && requires {
+  { P::autocast } -> std::convertible_to<bool>;
+  { P::scaled } -> std::convertible_to<bool>;
+  { P::dtype } -> std::convertible_to<at::ScalarType>;
+};
+
+/// diffusers' cast_training_params: trainable parameters (those that require grad) to `dtype`,
+/// usually float32 so a half-precision model trains adapters in full precision.
+inline void cast_training_params(torch::nn::Module& module, at::ScalarType dtype = at::kFloat) {
+  at::NoGradGuard no_grad;
+  for (auto& p : module.parameters())
+    if (p.requires_grad()) p.set_data(p.data().to(dtype));
+}
+
+}  // namespace difftrain::train

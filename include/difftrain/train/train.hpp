@@ -1,0 +1,9 @@
+#pragma once
+// Umbrella header of the train layer.
+
+#include "difftrain/train/callbacks.hpp"
+#include "difftrain/train/clipping.hpp"
+#include "difftrain/train/optimizer.hpp"
+#include "difftrain/train/precision.hpp"
+#include "difftrain/train/seeding.hpp"
+#include "difftrain/train/trainer.hpp"

@@ -1,0 +1,511 @@
+#pragma once
+// Trainer<Model, Config>: one optimizer step at a time, composed at compile time from the policies
+// named in Config, configured at run time by plain Options.
+//
+//   struct MyConfig : train::DefaultConfig {
+//     using Schedule = schedule::Cosine;
+//     using Ema = ema::Ema<ema::WarmupDecay>;
+//   };
+//   train::Trainer<Net, MyConfig> trainer(net, options);
+//   trainer.fit([&](std::int64_t step, std::int64_t micro) { return batch_for(step, micro); },
+//   1000);
+//
+// A step: zero gradients; for each of `accumulation_steps` micro-batches, for each chunk of at
+// most `max_batch_size` examples, loss · (chunk fraction) / accumulation_steps, scaled, backward;
+// a non-finite loss is skipped or stops the run (NumericError) before anything changes; unscale;
+// clip; optimizer step (skipped by the fp16 scaler on overflow); scaler update; LR schedule step;
+// EMA update; callbacks.
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
+
+#include <chrono>
+#include <cmath>
+#include <concepts>
+#include <filesystem>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "difftrain/core/error.hpp"
+#include "difftrain/ema/moving_average.hpp"
+#include "difftrain/ema/rules.hpp"
+#include "difftrain/io/torch_file.hpp"
+#include "difftrain/schedule/bind.hpp"
+#include "difftrain/schedule/diffusers.hpp"
+#include "difftrain/train/clipping.hpp"
+#include "difftrain/train/optimizer.hpp"
+#include "difftrain/train/precision.hpp"
+
+namespace difftrain::train {
+
+/// A model the trainer can train: a torch::nn::Module with a `Batch` type and a scalar loss.
+template <class M>
+concept TrainableModel = std::derived_from<M, torch::nn::Module> && requires {
+  typename M::Batch;
+} && requires(M& m, const typename M::Batch& b) {
+  { m.loss(b) } -> std::convertible_to<at::Tensor>;
+};
+
+/// A batch that chunked forward can split: its example count and a slice of it.
+template <class B>
+concept SplittableBatch = requires(const B& b, std::int64_t i) {
+  { b.size() } -> std::convertible_to<std::int64_t>;
+  { b.slice(i, i) } -> std::convertible_to<B>;
+};
+
+template <class M>
+consteval bool diagnose_trainable_model() {
+  static_assert(std::derived_from<M, torch::nn::Module>,
+                "difftrain: a trainable model must derive from torch::nn::Module");
+  static_assert(
+      requires { typename M::Batch; },
+      "difftrain: a trainable model needs a nested `Batch` type (what one step consumes)");
+  static_assert(
+      requires(M & m, const typename M::Batch& b) {
+        { m.loss(b) } -> std::convertible_to<at::Tensor>;
+      },
+      "difftrain: a trainable model needs `at::Tensor loss(const Batch&)` returning a scalar loss");
+  return TrainableModel<M>;
+}
+
+/// No EMA.
+struct NoEma {
+  static constexpr std::string_view name = "none";
+};
+
+/// What Config may leave out.
+struct DefaultConfig {
+  using Optimizer = AdamW;
+  using Schedule = schedule::Constant;
+  using Ema = NoEma;
+  using Precision = Fp32;
+  using Clipping = ClipByNorm;
+  using Callbacks = std::tuple<>;
+};
+
+enum class NanPolicy {
+  stop,  ///< throw NumericError; nothing of the step is applied
+  skip,  ///< drop the step (no optimizer, schedule or EMA step) and go on
+};
+
+namespace trainer_detail {
+template <class E>
+struct EmaOptions {
+  typename E::rule_type::Options rule{};
+  typename E::engine_type::Options engine{};
+  ema::Tracking tracking{};
+};
+template <>
+struct EmaOptions<NoEma> {};
+
+inline at::Tensor bytes_tensor(const std::string& s) {
+  at::Tensor t = at::empty({static_cast<std::int64_t>(s.size())}, at::kByte);
+  if (!s.empty()) std::memcpy(t.data_ptr(), s.data(), s.size());
+  return t;
+}
+inline std::string tensor_bytes(const at::Tensor& t, const std::string& where) {
+  if (t.scalar_type() != at::kByte || t.dim() != 1)
+    throw FormatError("must be a 1-D uint8 tensor", where);
+  const at::Tensor c = t.contiguous();
+  return {static_cast<const char*>(c.data_ptr()), static_cast<std::size_t>(c.numel())};
+}
+}  // namespace trainer_detail
+
+/// What a step did, for callbacks and callers.
+struct StepInfo {
+  std::int64_t step = 0;   ///< optimizer steps done after this one
+  double loss = 0.0;       ///< mean loss over the step's micro-batches
+  std::vector<double> lr;  ///< per group, as used by this step
+  double grad_norm = std::nan("");
+  bool stepped = true;  ///< false when skipped (non-finite loss, or fp16 overflow)
+  double seconds = 0.0;
+};
+
+template <class Model, class Config = DefaultConfig>
+class Trainer {
+  static_assert(diagnose_trainable_model<Model>());
+  static_assert(OptimizerPolicy<typename Config::Optimizer>,
+                "difftrain: Config::Optimizer needs a name, Options and `static "
+                "std::unique_ptr<torch::optim::Optimizer> make(groups, options)`");
+  static_assert(PrecisionPolicy<typename Config::Precision>,
+                "difftrain: Config::Precision needs a name and `autocast`, `scaled`, `dtype`");
+  static_assert(
+      ClippingPolicy<typename Config::Clipping>,
+      "difftrain: Config::Clipping needs a name, Options and `double apply(params, step)`");
+
+ public:
+  using Batch = typename Model::Batch;
+  using OptimizerPolicyT = typename Config::Optimizer;
+  using ScheduleT = typename Config::Schedule;
+  using EmaT = typename Config::Ema;
+  using PrecisionT = typename Config::Precision;
+  using ClippingT = typename Config::Clipping;
+  using CallbacksT = typename Config::Callbacks;
+  static constexpr bool has_ema = !std::is_same_v<EmaT, NoEma>;
+  static constexpr int kFormatVersion = 1;
+
+  struct Options {
+    typename OptimizerPolicyT::Options optimizer{};
+    GroupingOptions groups{};
+    typename ScheduleT::Options schedule{};
+    trainer_detail::EmaOptions<EmaT> ema{};
+    typename ClippingT::Options clipping{};
+    GradScaler::Options scaler{};
+    std::int64_t accumulation_steps = 1;
+    std::optional<std::int64_t> max_batch_size{};
+    NanPolicy on_nan = NanPolicy::stop;
+  };
+
+  Trainer(Model& model, Options options, CallbacksT callbacks = {})
+      : model_(&model),
+        o_(std::move(options)),
+        clipping_(o_.clipping),
+        scaler_([&] {
+          GradScaler::Options s = o_.scaler;
+          s.enabled = PrecisionT::scaled;
+          return s;
+        }()),
+        callbacks_(std::move(callbacks)) {
+    if (o_.accumulation_steps < 1)
+      throw ConfigError("accumulation_steps must be >= 1", "Trainer options");
+    if (o_.max_batch_size && *o_.max_batch_size < 1)
+      throw ConfigError("max_batch_size must be >= 1", "Trainer options");
+    groups_ = make_param_groups(model, o_.groups);
+    optimizer_ = OptimizerPolicyT::make(groups_, o_.optimizer);
+    for (const auto& g : groups_) params_.insert(params_.end(), g.params.begin(), g.params.end());
+    scheduler_.emplace(*optimizer_, ScheduleT(o_.schedule));
+    if constexpr (has_ema)
+      ema_ = std::make_unique<EmaT>(model, o_.ema.rule, o_.ema.engine, o_.ema.tracking);
+    call([&](auto& cb) {
+      if constexpr (requires { cb.on_train_begin(*this); }) cb.on_train_begin(*this);
+    });
+  }
+
+  Trainer(const Trainer&) = delete;
+  Trainer& operator=(const Trainer&) = delete;
+
+  /// One optimizer step over `micro_batches` (accumulation_steps of them).
+  StepInfo step(const std::vector<Batch>& micro_batches) {
+    if (static_cast<std::int64_t>(micro_batches.size()) != o_.accumulation_steps)
+      throw ShapeError("got " + std::to_string(micro_batches.size()) + " micro-batches, expected " +
+                           std::to_string(o_.accumulation_steps) + " (accumulation_steps)",
+                       "Trainer::step");
+    const auto start = std::chrono::steady_clock::now();
+    StepInfo info;
+    info.lr = scheduler_->last_lr();
+    model_->train();
+    optimizer_->zero_grad(/*set_to_none=*/true);
+    double loss_sum = 0.0;
+    for (const Batch& micro : micro_batches) {
+      const double l = accumulate(micro);
+      if (!std::isfinite(l)) {
+        optimizer_->zero_grad(true);
+        ++nonfinite_;
+        if (o_.on_nan == NanPolicy::stop)
+          throw NumericError("loss is " + std::to_string(l) + "; the step was not applied",
+                             "Trainer step " + std::to_string(step_ + 1));
+        info.loss = l;
+        info.stepped = false;
+        info.step = step_;
+        finish(info, start);
+        return info;
+      }
+      loss_sum += l;
+    }
+    info.loss = loss_sum / static_cast<double>(o_.accumulation_steps);
+    scaler_.unscale_(*optimizer_);
+    info.grad_norm = clipping_.apply(params_, step_);
+    info.stepped = scaler_.step(*optimizer_);
+    scaler_.update();
+    if (info.stepped) {
+      scheduler_->step();
+      if constexpr (has_ema) ema_->update();
+      ++step_;
+    } else {
+      ++overflow_skips_;
+    }
+    info.step = step_;
+    finish(info, start);
+    return info;
+  }
+
+  /// Steps until `until_step` optimizer steps are done; `source(step, micro)` gives each batch
+  /// (a function of the step, so a resumed run sees the same data). Callbacks may stop early.
+  template <class Source>
+  requires std::invocable<Source&, std::int64_t, std::int64_t>
+  void fit(Source&& source, std::int64_t until_step) {
+    stop_requested_ = false;
+    while (step_ < until_step && !stop_requested_) {
+      std::vector<Batch> micro;
+      for (std::int64_t m = 0; m < o_.accumulation_steps; ++m) micro.push_back(source(step_, m));
+      (void)step(micro);
+    }
+    call([&](auto& cb) {
+      if constexpr (requires { cb.on_train_end(*this); }) cb.on_train_end(*this);
+    });
+  }
+
+  void request_stop() { stop_requested_ = true; }
+
+  // ---- state --------------------------------------------------------------------------------
+
+  [[nodiscard]] std::int64_t global_step() const { return step_; }
+  [[nodiscard]] Model& model() { return *model_; }
+  [[nodiscard]] torch::optim::Optimizer& optimizer() { return *optimizer_; }
+  [[nodiscard]] schedule::LrScheduler<ScheduleT>& scheduler() { return *scheduler_; }
+  [[nodiscard]] GradScaler& scaler() { return scaler_; }
+  [[nodiscard]] const std::vector<ParamGroup>& param_groups() const { return groups_; }
+  [[nodiscard]] const Options& options() const { return o_; }
+  [[nodiscard]] CallbacksT& callbacks() { return callbacks_; }
+  [[nodiscard]] std::int64_t skipped_nonfinite() const { return nonfinite_; }
+  [[nodiscard]] std::int64_t skipped_overflow() const { return overflow_skips_; }
+  [[nodiscard]] EmaT& ema() requires has_ema { return *ema_; }
+
+  /// What must match between a checkpoint and the trainer loading it.
+  [[nodiscard]] nlohmann::json fingerprint() const {
+    nlohmann::json groups = nlohmann::json::array();
+    for (const auto& g : groups_) groups.push_back({{"label", g.label}, {"names", g.names}});
+    return {{"optimizer", OptimizerPolicyT::name},
+            {"schedule", detail_name<ScheduleT>()},
+            {"ema", detail_name<EmaT>()},
+            {"precision", PrecisionT::name},
+            {"clipping", ClippingT::name},
+            {"accumulation_steps", o_.accumulation_steps},
+            {"param_groups", groups}};
+  }
+
+  /// Everything needed to continue bit-identically, as one torch.save-compatible value.
+  [[nodiscard]] c10::IValue state() {
+    auto root = io::torch_dict();
+    root.insert("format", std::string("difftrain.checkpoint"));
+    root.insert("version", std::int64_t{kFormatVersion});
+    root.insert("step", step_);
+    nlohmann::json js = {{"fingerprint", fingerprint()},
+                         {"scheduler", scheduler_->state()},
+                         {"scaler", scaler_.state()},
+                         {"skipped_nonfinite", nonfinite_},
+                         {"skipped_overflow", overflow_skips_}};
+    auto model = io::torch_dict();
+    for (const auto& item : model_->named_parameters(true))
+      model.insert(item.key(), item.value().detach().cpu().clone());
+    for (const auto& item : model_->named_buffers(true))
+      model.insert(item.key(), item.value().detach().cpu().clone());
+    root.insert("model", model);
+    std::string opt_bytes;
+    {
+      torch::serialize::OutputArchive archive;
+      optimizer_->save(archive);
+      archive.save_to([&](const void* data, std::size_t n) {
+        opt_bytes.append(static_cast<const char*>(data), n);
+        return n;
+      });
+    }
+    root.insert("optimizer", trainer_detail::bytes_tensor(opt_bytes));
+    if constexpr (has_ema) {
+      auto [scalars, shadows] = ema_->state();
+      js["ema"] = scalars;
+      auto e = io::torch_dict();
+      for (const auto& [k, v] : shadows) e.insert(k, v.detach().cpu().clone());
+      root.insert("ema", e);
+    }
+    root.insert("rng_cpu", at::detail::getDefaultCPUGenerator().get_state());
+    auto cuda = io::torch_list();
+    if (torch::cuda::is_available())
+      for (c10::DeviceIndex i = 0; i < static_cast<c10::DeviceIndex>(torch::cuda::device_count());
+           ++i)
+        cuda.push_back(
+            at::globalContext().defaultGenerator(c10::Device(c10::kCUDA, i)).get_state());
+    root.insert("rng_cuda", cuda);
+    root.insert("json", js.dump());
+    return root;
+  }
+
+  /// Restores a state written by state(). Everything is checked before the trainer changes: a
+  /// wrong format, a version from the future, a different configuration or model is a typed error
+  /// and leaves the trainer as it was.
+  void load_state(const io::TorchValue& root) {
+    const std::string where = root.where();
+    if (root.at("format").string() != "difftrain.checkpoint")
+      throw FormatError(
+          "is not a difftrain checkpoint (format '" + root.at("format").string() + "')", where);
+    const std::int64_t version = root.at("version").integer();
+    if (version > kFormatVersion)
+      throw FormatError("has format version " + std::to_string(version) +
+                            ", newer than this difftrain reads (" + std::to_string(kFormatVersion) +
+                            ")",
+                        where);
+    nlohmann::json js;
+    try {
+      js = nlohmann::json::parse(root.at("json").string());
+    } catch (const nlohmann::json::exception& e) {
+      throw FormatError(std::string("has unreadable settings: ") + e.what(), where);
+    }
+    const nlohmann::json want = fingerprint();
+    for (const auto& [key, value] : want.items())
+      if (!js["fingerprint"].contains(key) || js["fingerprint"][key] != value)
+        throw ConfigError("was written with " + key + " = " +
+                              (js["fingerprint"].contains(key) ? js["fingerprint"][key].dump()
+                                                               : std::string("(missing)")) +
+                              ", this trainer has " + value.dump(),
+                          where);
+    const std::int64_t saved_step = root.at("step").integer();
+    if (saved_step < 0) throw FormatError("has a negative step", where);
+    // Model tensors: same names and shapes.
+    const auto model_tensors = root.at("model").tensor_map();
+    std::size_t expected = 0;
+    auto check = [&](const std::string& name, const at::Tensor& t) {
+      ++expected;
+      const auto it = model_tensors.find(name);
+      if (it == model_tensors.end())
+        throw ConfigError("has no tensor '" + name + "' (a different model?)", where + " model");
+      if (it->second.sizes() != t.sizes())
+        throw ConfigError("tensor '" + name + "' has shape " + c10::str(it->second.sizes()) +
+                              ", the model's is " + c10::str(t.sizes()),
+                          where + " model");
+    };
+    for (const auto& item : model_->named_parameters(true)) check(item.key(), item.value());
+    for (const auto& item : model_->named_buffers(true)) check(item.key(), item.value());
+    if (model_tensors.size() != expected)
+      throw ConfigError("holds tensors the model does not have", where + " model");
+    std::map<std::string, at::Tensor> ema_shadows;
+    if constexpr (has_ema) ema_shadows = root.at("ema").tensor_map();
+    const std::string opt_bytes =
+        trainer_detail::tensor_bytes(root.at("optimizer").tensor(), where + " optimizer");
+    const at::Tensor rng_cpu = root.at("rng_cpu").tensor();
+    std::vector<at::Tensor> rng_cuda;
+    for (const auto& t : root.at("rng_cuda").elements()) rng_cuda.push_back(t.tensor());
+
+    // Apply: the optimizer first (its archive is the part that can still refuse).
+    try {
+      torch::serialize::InputArchive archive;
+      archive.load_from(opt_bytes.data(), opt_bytes.size());
+      optimizer_->load(archive);
+    } catch (const c10::Error& e) {
+      throw FormatError(std::string("optimizer state does not load: ") + e.what_without_backtrace(),
+                        where);
+    }
+    {
+      at::NoGradGuard no_grad;
+      for (const auto& item : model_->named_parameters(true))
+        item.value().copy_(model_tensors.at(item.key()));
+      for (const auto& item : model_->named_buffers(true))
+        item.value().copy_(model_tensors.at(item.key()));
+    }
+    scheduler_->load_state(js.at("scheduler"));
+    scaler_.load_state(js.at("scaler"));
+    if constexpr (has_ema) ema_->load_state(js.at("ema"), ema_shadows);
+    at::Generator cpu_gen = at::detail::getDefaultCPUGenerator();
+    cpu_gen.set_state(rng_cpu);
+    if (torch::cuda::is_available())
+      for (std::size_t i = 0;
+           i < rng_cuda.size() && i < static_cast<std::size_t>(torch::cuda::device_count()); ++i) {
+        at::Generator gen = at::globalContext().defaultGenerator(
+            c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(i)));
+        gen.set_state(rng_cuda[i]);
+      }
+    step_ = saved_step;
+    nonfinite_ = js.value("skipped_nonfinite", std::int64_t{0});
+    overflow_skips_ = js.value("skipped_overflow", std::int64_t{0});
+  }
+
+  /// Writes the state atomically (temporary file, fsync, rename, fsync of the folder).
+  void save_checkpoint(const std::filesystem::path& path) {
+    if (!all_finite())
+      throw NumericError(
+          "the model holds non-finite weights; not saving them over a good checkpoint",
+          path.string());
+    io::save_torch_file(path, state());
+  }
+  void load_checkpoint(const std::filesystem::path& path) { load_state(io::load_torch_file(path)); }
+
+  [[nodiscard]] bool all_finite() const {
+    for (const at::Tensor& p : model_->parameters())
+      if (!at::isfinite(p).all().item<bool>()) return false;
+    return true;
+  }
+
+ private:
+  template <class T>
+  static std::string detail_name() {
+    if constexpr (requires { T::name; })
+      return std::string(T::name);
+    else if constexpr (requires { T::rule_type::name; })
+      return std::string(T::rule_type::name);
+    else
+      return "custom";
+  }
+
+  // Forward/backward of one micro-batch, in chunks when max_batch_size asks; returns its loss.
+  double accumulate(const Batch& micro) {
+    const double per_micro = 1.0 / static_cast<double>(o_.accumulation_steps);
+    if (!o_.max_batch_size) return backward_one(micro, per_micro);
+    if constexpr (SplittableBatch<Batch>) {
+      const std::int64_t n = micro.size();
+      double total = 0.0;
+      for (std::int64_t s = 0; s < n; s += *o_.max_batch_size) {
+        const std::int64_t len = std::min(*o_.max_batch_size, n - s);
+        const double frac = static_cast<double>(len) / static_cast<double>(n);
+        total += backward_one(micro.slice(s, len), per_micro * frac) * frac;
+      }
+      return total;
+    } else {
+      throw ConfigError("max_batch_size needs a Batch with size() and slice(start, length)",
+                        "Trainer options");
+    }
+  }
+
+  double backward_one(const Batch& b, double weight) {
+    at::Tensor loss;
+    if constexpr (PrecisionT::autocast) {
+      const c10::DeviceType dev = params_.empty() ? c10::kCPU : params_.front().device().type();
+      AutocastGuard guard(dev, PrecisionT::dtype);
+      loss = model_->loss(b);
+    } else {
+      loss = model_->loss(b);
+    }
+    if (loss.numel() != 1)
+      throw ShapeError("loss must be a scalar, got shape " + c10::str(loss.sizes()), "Model::loss");
+    const double value = loss.detach().item<double>();
+    if (!std::isfinite(value)) return value;
+    scaler_.scale(loss * weight).backward();
+    return value;
+  }
+
+  void finish(StepInfo& info, std::chrono::steady_clock::time_point start) {
+    info.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    call([&](auto& cb) {
+      if constexpr (requires { cb.on_step_end(*this, info); }) cb.on_step_end(*this, info);
+    });
+  }
+
+  template <class F>
+  void call(F&& f) {
+    std::apply([&](auto&... cb) { (f(cb), ...); }, callbacks_);
+  }
+
+  Model* model_;
+  Options o_;
+  std::vector<ParamGroup> groups_;
+  std::vector<at::Tensor> params_;
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+  std::optional<schedule::LrScheduler<ScheduleT>> scheduler_;
+  std::unique_ptr<EmaT> ema_;
+  ClippingT clipping_;
+  GradScaler scaler_;
+  CallbacksT callbacks_;
+  std::int64_t step_ = 0;
+  std::int64_t nonfinite_ = 0;
+  std::int64_t overflow_skips_ = 0;
+  bool stop_requested_ = false;
+};
+
+}  // namespace difftrain::train

@@ -1,0 +1,389 @@
+// The trainer: parity with a diffusers-style Python loop, accumulation and chunked forward, bit-
+// identical resume, damaged checkpoints, the non-finite loss guard, the gradient scaler against
+// torch's, parameter groups and callbacks.
+#include <gtest/gtest.h>
+#include <difftrain/io/safetensors.hpp>
+#include <difftrain/train/train.hpp>
+
+#include <filesystem>
+#include <fstream>
+
+#include "golden.hpp"
+
+namespace dt = difftrain;
+namespace tr = difftrain::train;
+namespace fs = std::filesystem;
+
+namespace {
+
+fs::path scratch(const std::string& name) {
+  const fs::path dir =
+      fs::temp_directory_path() / ("difftrain-train-" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  return dir / name;
+}
+
+struct Batch {
+  at::Tensor x, y;
+  [[nodiscard]] std::int64_t size() const { return x.size(0); }
+  [[nodiscard]] Batch slice(std::int64_t s, std::int64_t n) const {
+    return {x.narrow(0, s, n), y.narrow(0, s, n)};
+  }
+};
+
+// The Python reference's Net: fc1 → LayerNorm → SiLU → fc2, MSE loss. Optional dropout (for the
+// resume test, so the random state matters) and a NaN trigger (for the guard).
+struct NetImpl : torch::nn::Module {
+  using Batch = ::Batch;
+  explicit NetImpl(double dropout = 0.0, at::ScalarType dtype = at::kFloat) {
+    fc1 = register_module("fc1", torch::nn::Linear(6, 16));
+    norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({16})));
+    fc2 = register_module("fc2", torch::nn::Linear(16, 4));
+    drop = register_module("drop", torch::nn::Dropout(dropout));
+    to(dtype);
+  }
+  at::Tensor forward(const at::Tensor& x) { return fc2(drop(torch::silu(norm(fc1(x))))); }
+  at::Tensor loss(const Batch& b) {
+    at::Tensor l = torch::mse_loss(forward(b.x), b.y);
+    if (nan_at_call >= 0 && calls++ == nan_at_call) l = l * std::nan("");
+    return l;
+  }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  torch::nn::LayerNorm norm{nullptr};
+  torch::nn::Dropout drop{nullptr};
+  std::int64_t nan_at_call = -1, calls = 0;
+};
+
+struct ParityConfig : tr::DefaultConfig {
+  using Schedule = dt::schedule::Cosine;
+  using Ema = dt::ema::Ema<dt::ema::WarmupDecay>;
+};
+
+tr::Trainer<NetImpl, ParityConfig>::Options parity_options() {
+  tr::Trainer<NetImpl, ParityConfig>::Options o;
+  o.optimizer.lr = 3e-3;
+  o.optimizer.weight_decay = 1e-2;
+  o.schedule = {20, 200, 0.5};
+  o.ema.rule.decay = 0.99;
+  o.ema.rule.use_ema_warmup = true;
+  o.clipping.max_norm = 0.5;
+  o.accumulation_steps = 2;
+  return o;
+}
+
+std::map<std::string, at::Tensor> parity_reference() {
+  return dt::io::load_safetensors(fs::path(DIFFTRAIN_GOLDEN_DIR) / "trainer_parity.safetensors",
+                                  true)
+      .tensors;
+}
+
+void load_prefixed(torch::nn::Module& m, const std::map<std::string, at::Tensor>& t,
+                   const std::string& prefix) {
+  at::NoGradGuard no_grad;
+  for (auto& p : m.named_parameters()) p.value().copy_(t.at(prefix + p.key()));
+}
+
+double max_diff(torch::nn::Module& m, const std::map<std::string, at::Tensor>& t,
+                const std::string& prefix) {
+  double d = 0;
+  for (auto& p : m.named_parameters())
+    d = std::max(d, (p.value() - t.at(prefix + p.key())).abs().max().item<double>());
+  return d;
+}
+
+}  // namespace
+
+TEST(Trainer, TwoHundredStepsMatchTheDiffusersStylePythonLoop) {
+  const auto ref = parity_reference();
+  auto net = std::make_shared<NetImpl>();
+  load_prefixed(*net, ref, "init.");
+  tr::Trainer<NetImpl, ParityConfig> trainer(*net, parity_options());
+  ASSERT_EQ(trainer.param_groups().size(), 2U);
+  EXPECT_EQ(trainer.param_groups()[0].names,
+            (std::vector<std::string>{"fc1.weight", "fc2.weight"}));
+  const at::Tensor xs = ref.at("xs"), ys = ref.at("ys");
+  trainer.fit([&](std::int64_t s, std::int64_t m) { return Batch{xs[s][m], ys[s][m]}; }, 200);
+  EXPECT_EQ(trainer.global_step(), 200);
+  EXPECT_LT(max_diff(*net, ref, "final."), 1e-5);
+  dt::ema::EmaScope scope(trainer.ema());
+  EXPECT_LT(max_diff(*net, ref, "ema."), 1e-5);
+}
+
+TEST(Trainer, AccumulationAndChunkedForwardGiveTheFullBatchGradient) {
+  at::manual_seed(3);
+  struct Cfg : tr::DefaultConfig {
+    using Optimizer = tr::SGD;
+    using Clipping = tr::NoClipping;
+  };
+  auto net = std::make_shared<NetImpl>(0.0, at::kDouble);
+  auto reference = std::make_shared<NetImpl>(0.0, at::kDouble);
+  {
+    at::NoGradGuard ng;
+    for (std::size_t i = 0; i < net->parameters().size(); ++i)
+      reference->parameters()[i].copy_(net->parameters()[i]);
+  }
+  tr::Trainer<NetImpl, Cfg>::Options o;
+  o.optimizer.lr = 0.0;  // keep the weights: only the gradients are compared
+  o.accumulation_steps = 2;
+  o.max_batch_size = 3;  // 8 examples → chunks of 3, 3, 2
+  tr::Trainer<NetImpl, Cfg> trainer(*net, o);
+  const at::Tensor x = at::randn({2, 8, 6}, at::kDouble), y = at::randn({2, 8, 4}, at::kDouble);
+  const tr::StepInfo info = trainer.step({Batch{x[0], y[0]}, Batch{x[1], y[1]}});
+  const at::Tensor full = (torch::mse_loss(reference->forward(x[0]), y[0]) +
+                           torch::mse_loss(reference->forward(x[1]), y[1])) /
+                          2;
+  full.backward();
+  EXPECT_NEAR(info.loss, full.item<double>(), 1e-12);
+  for (std::size_t i = 0; i < net->parameters().size(); ++i)
+    EXPECT_TRUE(
+        at::allclose(net->parameters()[i].grad(), reference->parameters()[i].grad(), 1e-12, 1e-14))
+        << i;
+  EXPECT_THROW((void)trainer.step({Batch{x[0], y[0]}}), dt::ShapeError);
+}
+
+namespace {
+using ResumeConfig = ParityConfig;
+at::Tensor data_x(std::int64_t s, std::int64_t m) {
+  return at::randn({8, 6}, at::detail::createCPUGenerator(static_cast<std::uint64_t>(s * 7 + m)));
+}
+at::Tensor data_y(std::int64_t s, std::int64_t m) {
+  return at::randn({8, 4},
+                   at::detail::createCPUGenerator(static_cast<std::uint64_t>(s * 7 + m + 1000)));
+}
+auto source = [](std::int64_t s, std::int64_t m) { return Batch{data_x(s, m), data_y(s, m)}; };
+
+std::vector<at::Tensor> snapshot(torch::nn::Module& m) {
+  std::vector<at::Tensor> out;
+  for (auto& p : m.parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+}  // namespace
+
+TEST(Trainer, AResumedRunEndsBitIdenticalToAnUninterruptedOne) {
+  auto options = parity_options();
+  options.schedule = {10, 100, 0.5};
+  // Uninterrupted: 100 steps.
+  tr::set_seed(5);
+  auto a = std::make_shared<NetImpl>(0.2);
+  tr::Trainer<NetImpl, ResumeConfig> ta(*a, options);
+  ta.fit(source, 100);
+  const auto want = snapshot(*a);
+  std::vector<at::Tensor> want_ema;
+  {
+    dt::ema::EmaScope scope(ta.ema());
+    want_ema = snapshot(*a);
+  }
+  // Interrupted at 50, saved, resumed in a fresh model and trainer.
+  const fs::path ckpt = scratch("resume.pt");
+  {
+    tr::set_seed(5);
+    auto b = std::make_shared<NetImpl>(0.2);
+    tr::Trainer<NetImpl, ResumeConfig> tb(*b, options);
+    tb.fit(source, 50);
+    tb.save_checkpoint(ckpt);
+  }
+  tr::set_seed(123);  // a different start: everything must come from the checkpoint
+  auto c = std::make_shared<NetImpl>(0.2);
+  tr::Trainer<NetImpl, ResumeConfig> tc(*c, options);
+  tc.load_checkpoint(ckpt);
+  EXPECT_EQ(tc.global_step(), 50);
+  tc.fit(source, 100);
+  const auto got = snapshot(*c);
+  for (std::size_t i = 0; i < want.size(); ++i) EXPECT_TRUE(at::equal(got[i], want[i])) << i;
+  dt::ema::EmaScope scope(tc.ema());
+  const auto got_ema = snapshot(*c);
+  for (std::size_t i = 0; i < want.size(); ++i)
+    EXPECT_TRUE(at::equal(got_ema[i], want_ema[i])) << i;
+}
+
+TEST(Trainer, DamagedFutureOrMismatchedCheckpointsAreTypedErrorsAndChangeNothing) {
+  const fs::path dir = scratch("ckpts");
+  fs::remove_all(dir);
+  auto net = std::make_shared<NetImpl>();
+  using T = tr::Trainer<NetImpl, ResumeConfig>;
+  T trainer(*net, parity_options());
+  tr::CheckpointEvery saver({dir, 10, 2});
+  trainer.fit(source, 10);
+  saver.save(trainer);
+  trainer.fit(source, 20);
+  saver.save(trainer);
+  trainer.fit(source, 30);
+  saver.save(trainer);
+  auto listed = tr::CheckpointEvery::list(dir);
+  ASSERT_EQ(listed.size(), 2U);  // keeps the last 2
+  EXPECT_EQ(listed.front().first, 20);
+
+  // Truncate the newest: a FormatError; the previous one still loads.
+  {
+    const auto bytes = dt::io::read_file(listed.back().second);
+    std::ofstream(listed.back().second, std::ios::binary | std::ios::trunc)
+        .write(bytes.data(), static_cast<std::streamsize>(bytes.size() / 2));
+  }
+  auto fresh = std::make_shared<NetImpl>();
+  T other(*fresh, parity_options());
+  const auto before = snapshot(*fresh);
+  EXPECT_THROW(other.load_checkpoint(listed.back().second), dt::FormatError);
+  const auto after = snapshot(*fresh);
+  for (std::size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(at::equal(before[i], after[i]));
+  std::vector<std::string> skipped;
+  const auto used = tr::resume_latest(other, dir, &skipped);
+  ASSERT_TRUE(used.has_value());
+  EXPECT_EQ(*used, listed.front().second);
+  EXPECT_EQ(skipped.size(), 1U);
+  EXPECT_EQ(other.global_step(), 20);
+
+  // A version from the future.
+  c10::IValue state = trainer.state();
+  state.toGenericDict().insert_or_assign("version", std::int64_t{99});
+  dt::io::save_torch_file(scratch("future.pt"), state);
+  try {
+    other.load_checkpoint(scratch("future.pt"));
+    ADD_FAILURE() << "loaded a checkpoint from the future";
+  } catch (const dt::FormatError& e) {
+    EXPECT_NE(std::string(e.what()).find("format version 99, newer than"), std::string::npos);
+  }
+  // A trainer configured differently.
+  auto o = parity_options();
+  o.accumulation_steps = 3;
+  T different(*fresh, o);
+  try {
+    different.load_checkpoint(listed.front().second);
+    ADD_FAILURE() << "loaded a checkpoint of another configuration";
+  } catch (const dt::ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("accumulation_steps = 2, this trainer has 3"),
+              std::string::npos);
+  }
+}
+
+TEST(Trainer, ANonFiniteLossStopsOrSkipsAndNeverReachesTheWeights) {
+  for (tr::NanPolicy policy : {tr::NanPolicy::stop, tr::NanPolicy::skip}) {
+    auto net = std::make_shared<NetImpl>();
+    auto o = parity_options();
+    o.on_nan = policy;
+    tr::Trainer<NetImpl, ResumeConfig> trainer(*net, o);
+    trainer.fit(source, 3);
+    const auto before = snapshot(*net);
+    net->nan_at_call = net->calls + 1;  // the second micro-batch of the next step
+    if (policy == tr::NanPolicy::stop) {
+      EXPECT_THROW(trainer.fit(source, 4), dt::NumericError);
+    } else {
+      const tr::StepInfo info = trainer.step({source(3, 0), source(3, 1)});
+      EXPECT_FALSE(info.stepped);
+      EXPECT_EQ(trainer.skipped_nonfinite(), 1);
+    }
+    EXPECT_EQ(trainer.global_step(), 3);
+    const auto after = snapshot(*net);
+    for (std::size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(at::equal(before[i], after[i]));
+  }
+  // Non-finite weights are never saved.
+  auto net = std::make_shared<NetImpl>();
+  tr::Trainer<NetImpl, ResumeConfig> trainer(*net, parity_options());
+  {
+    at::NoGradGuard ng;
+    net->fc1->weight[0][0] = std::nan("");
+  }
+  EXPECT_THROW(trainer.save_checkpoint(scratch("nan.pt")), dt::NumericError);
+  EXPECT_FALSE(fs::exists(scratch("nan.pt")));
+}
+
+TEST(GradScaler, ScaleHistoryEqualsTorchGradScalerOnARunThatOverflows) {
+  const auto& g = dt::test::golden("gradscaler.json");
+  torch::nn::Linear lin(4, 4);
+  {
+    at::NoGradGuard ng;
+    lin->weight.copy_(dt::test::tensor_from(g["w0"], {4, 4}).to(at::kFloat));
+    lin->bias.copy_(dt::test::tensor_from(g["b0"]).to(at::kFloat));
+  }
+  torch::optim::SGD opt(lin->parameters(), torch::optim::SGDOptions(0.1));
+  tr::GradScaler::Options so;
+  so.init_scale = std::ldexp(1.0, 126);
+  so.growth_interval = 3;
+  tr::GradScaler scaler(so);
+  const at::Tensor x = at::ones({2, 4});
+  for (std::size_t i = 0; i < g["history"].size(); ++i) {
+    opt.zero_grad();
+    const at::Tensor loss = lin->forward(x).pow(2).mean() * 100;
+    scaler.scale(loss).backward();
+    const bool stepped = scaler.step(opt);
+    scaler.update();
+    EXPECT_EQ(stepped, g["stepped"][i].get<bool>()) << i;
+    EXPECT_EQ(scaler.current_scale(), g["history"][i].get<double>()) << i;
+  }
+  EXPECT_TRUE(at::allclose(lin->weight.flatten(), dt::test::tensor_from(g["w"]).to(at::kFloat),
+                           1e-6, 1e-7));
+  const nlohmann::json s = scaler.state();
+  tr::GradScaler back;
+  back.load_state(s);
+  EXPECT_EQ(back.current_scale(), scaler.current_scale());
+  EXPECT_EQ(back.state(), s);
+}
+
+TEST(ParamGroups, RulesByNameGetTheirOwnLrAndNoDecayGroupsSplitOff) {
+  NetImpl net;
+  tr::GroupingOptions o;
+  o.rules.push_back({"fc2\\.", 1e-5, std::nullopt});
+  const auto groups = tr::make_param_groups(net, o);
+  ASSERT_EQ(groups.size(), 4U);
+  EXPECT_EQ(groups[0].label, "rule 0");
+  EXPECT_EQ(groups[0].names, (std::vector<std::string>{"fc2.weight"}));
+  EXPECT_EQ(groups[1].names, (std::vector<std::string>{"fc2.bias"}));
+  EXPECT_EQ(groups[1].weight_decay, 0.0);
+  EXPECT_EQ(groups[2].names, (std::vector<std::string>{"fc1.weight"}));
+  EXPECT_EQ(groups[3].names, (std::vector<std::string>{"fc1.bias", "norm.weight", "norm.bias"}));
+  auto opt = tr::AdamW::make(groups, {});
+  EXPECT_DOUBLE_EQ(opt->param_groups()[0].options().get_lr(), 1e-5);
+  EXPECT_DOUBLE_EQ(opt->param_groups()[2].options().get_lr(), 1e-4);
+  EXPECT_DOUBLE_EQ(
+      static_cast<torch::optim::AdamWOptions&>(opt->param_groups()[3].options()).weight_decay(),
+      0.0);
+  o.rules.push_back({"decoder\\.", std::nullopt, std::nullopt});
+  EXPECT_THROW((void)tr::make_param_groups(net, o), dt::ConfigError);
+  net.fc1->weight.set_requires_grad(false);
+  tr::GroupingOptions plain;
+  plain.decay_groups = false;
+  const auto frozen = tr::make_param_groups(net, plain);
+  ASSERT_EQ(frozen.size(), 1U);
+  EXPECT_EQ(frozen[0].names.size(), 5U);  // fc1.weight left out
+}
+
+TEST(Callbacks, LogStatisticsCheckpointsAndEarlyStop) {
+  const fs::path dir = scratch("callbacks");
+  fs::remove_all(dir);
+  struct Cfg : ParityConfig {
+    using Callbacks = std::tuple<tr::CsvLossLog, tr::LossStatistics, tr::CheckpointEvery,
+                                 tr::EarlyStop, tr::ProgressBar>;
+  };
+  auto net = std::make_shared<NetImpl>();
+  auto o = parity_options();
+  using T = tr::Trainer<NetImpl, Cfg>;
+  T::Options to;
+  to.optimizer = o.optimizer;
+  to.schedule = o.schedule;
+  to.ema = o.ema;
+  to.clipping = o.clipping;
+  to.accumulation_steps = 2;
+  T trainer(*net, to,
+            {tr::CsvLossLog({dir / "loss.csv", 4, 1}), tr::LossStatistics(),
+             tr::CheckpointEvery({dir, 5, 2}), tr::EarlyStop({3, 10.0}), tr::ProgressBar()});
+  trainer.fit(source, 50);
+  // The loss never improves by 10, so the run stops after 3 steps without improvement.
+  EXPECT_EQ(std::get<tr::EarlyStop>(trainer.callbacks()).stopped_at(), 4);
+  EXPECT_EQ(trainer.global_step(), 4);
+  std::ifstream csv(dir / "loss.csv");
+  std::string header, line;
+  std::getline(csv, header);
+  EXPECT_EQ(header, "step,epoch,epoch_step,loss,learn_rate");
+  int rows = 0;
+  while (std::getline(csv, line)) ++rows;
+  EXPECT_EQ(rows, 4);
+  const auto& stats = std::get<tr::LossStatistics>(trainer.callbacks());
+  EXPECT_EQ(stats.count(), 4U);
+  EXPECT_TRUE(std::isfinite(stats.standard_error()));
+  EXPECT_TRUE(tr::CheckpointEvery::list(dir).empty());  // step 5 never came
+  tr::StepInfo s;
+  s.step = 4;
+  s.loss = 0.5;
+  s.lr = {1e-3};
+  EXPECT_NE(std::get<tr::ProgressBar>(trainer.callbacks()).line(s).find("loss 0.50000  lr 0.001"),
+            std::string::npos);
+}
