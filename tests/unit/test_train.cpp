@@ -387,3 +387,28 @@ TEST(Callbacks, LogStatisticsCheckpointsAndEarlyStop) {
   EXPECT_NE(std::get<tr::ProgressBar>(trainer.callbacks()).line(s).find("loss 0.50000  lr 0.001"),
             std::string::npos);
 }
+
+TEST(Trainer, Bf16AutocastTrainsAndSamplesSeeTheEmaWeights) {
+  std::vector<at::Tensor> seen;
+  auto sample = [&seen](auto& t) { seen.push_back(t.model().fc1->weight.detach().clone()); };
+  struct Cfg : ParityConfig {
+    using Precision = tr::AutocastBf16;
+    using Callbacks = std::tuple<tr::SampleEvery<decltype(sample)>>;
+  };
+  auto net = std::make_shared<NetImpl>();
+  tr::Trainer<NetImpl, Cfg>::Options o;
+  o.optimizer.lr = 1e-3;
+  o.schedule = {2, 10, 0.5};
+  o.ema.rule.decay = 0.5;
+  o.accumulation_steps = 2;
+  tr::Trainer<NetImpl, Cfg> trainer(*net, o, {tr::SampleEvery<decltype(sample)>(2, sample)});
+  const tr::StepInfo first = trainer.step({source(0, 0), source(0, 1)});
+  EXPECT_TRUE(std::isfinite(first.loss));
+  trainer.fit(source, 4);
+  ASSERT_EQ(seen.size(), 2U);  // steps 2 and 4
+  const auto [scalars, shadows] = trainer.ema().state();
+  EXPECT_TRUE(at::equal(seen.back(), shadows.at("fc1.weight")));
+  EXPECT_FALSE(
+      at::equal(seen.back(), net->fc1->weight));  // the live weights are back after sampling
+  EXPECT_EQ(net->fc1->weight.scalar_type(), at::kFloat);  // autocast never changes the parameters
+}

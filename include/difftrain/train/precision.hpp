@@ -8,6 +8,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
+#include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
 #include <map>
