@@ -5,6 +5,7 @@
 #include <unistd.h>
 #include <difftrain/io/csv_log.hpp>
 #include <difftrain/io/embedded_data.hpp>
+#include <difftrain/io/idx.hpp>
 #include <difftrain/io/torch_file.hpp>
 
 #include <chrono>
@@ -479,5 +480,45 @@ TEST(FuzzCorpus, HostileCasesAreTypedErrorsNamingTheProblem) {
       EXPECT_EQ(got, "") << target << "/" << name;
     else
       EXPECT_TRUE(contains(got, expect)) << target << "/" << name;
+  }
+}
+
+// ---- IDX (Fashion-MNIST)
+// ---------------------------------------------------------------------------
+
+TEST(Idx, ReadsDebiansFashionMnistAsNumpyDoes) {
+  const fs::path root = "/usr/share/datasets/fashion-mnist";
+  if (!fs::exists(root)) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  const at::Tensor images = io::read_idx(root / "t10k-images-idx3-ubyte.gz");
+  const at::Tensor labels = io::read_idx(root / "t10k-labels-idx1-ubyte.gz");
+  EXPECT_EQ(images.sizes().vec(), (std::vector<std::int64_t>{10000, 28, 28}));
+  EXPECT_EQ(images.scalar_type(), at::kByte);
+  const auto& g = tst::golden("fashion_mnist_t10k.json");
+  EXPECT_EQ(images.to(at::kLong).sum().item<std::int64_t>(), g["pixel_sum"].get<std::int64_t>());
+  EXPECT_TRUE(at::equal(labels.to(at::kLong).bincount(),
+                        tst::tensor_from(g["label_counts"]).to(at::kLong)));
+  EXPECT_TRUE(at::equal(images[0].flatten().to(at::kLong),
+                        tst::tensor_from(g["first_pixels"]).to(at::kLong)));
+}
+
+TEST(Idx, DamagedFilesAreFormatErrors) {
+  auto reject = [](std::vector<unsigned char> b) {
+    return error_of<dt::FormatError>([&] { (void)io::parse_idx(b.data(), b.size(), "x.idx"); });
+  };
+  EXPECT_TRUE(contains(reject({1, 0, 8, 1, 0, 0, 0, 1, 5}), "first two bytes must be zero"));
+  EXPECT_TRUE(contains(reject({0, 0, 0x42, 1, 0, 0, 0, 1, 5}), "unknown type code 66"));
+  EXPECT_TRUE(contains(reject({0, 0, 8, 2, 0, 0, 0, 2}), "truncated header"));
+  EXPECT_TRUE(
+      contains(reject({0, 0, 8, 1, 0, 0, 0, 3, 5, 6}), "declares 3 values ([3]) but holds 2"));
+  const std::vector<unsigned char> ints = {0, 0, 0x0C, 1, 0,    0,    0,    2,
+                                           0, 0, 1,    0, 0xff, 0xff, 0xff, 0xfe};
+  EXPECT_TRUE(
+      at::equal(io::parse_idx(ints.data(), ints.size(), "i.idx"), at::tensor({256, -2}, at::kInt)));
+  const fs::path root = "/usr/share/datasets/fashion-mnist/t10k-labels-idx1-ubyte.gz";
+  if (fs::exists(root)) {
+    const std::vector<char> gz = io::read_file(root);
+    const fs::path cut = scratch("cut.gz");
+    io::write_file_atomic(cut, std::span<const char>(gz.data(), gz.size() / 2));
+    EXPECT_TRUE(contains(error_of<dt::FormatError>([&] { (void)io::read_idx(cut); }), "truncated"));
   }
 }

@@ -1,0 +1,126 @@
+#pragma once
+// IDX files (the MNIST / Fashion-MNIST format), plain or gzip-compressed: a magic of two zero
+// bytes, a type code and a dimension count, the big-endian dimensions, then the values in row-major
+// order. The declared size must match the data exactly; anything else is a FormatError naming the
+// file.
+
+#include <ATen/ATen.h>
+#include <zlib.h>
+
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "difftrain/core/error.hpp"
+#include "difftrain/io/atomic_file.hpp"
+
+namespace difftrain::io {
+
+namespace idx_detail {
+inline std::vector<unsigned char> gunzip(const std::vector<char>& in, std::uint64_t cap,
+                                         const std::string& where) {
+  z_stream z{};
+  if (inflateInit2(&z, 16 + MAX_WBITS) != Z_OK) throw FormatError("zlib init failed", where);
+  std::vector<unsigned char> out;
+  std::array<unsigned char, 1 << 16> buf{};
+  z.next_in = reinterpret_cast<Bytef*>(const_cast<char*>(in.data()));
+  z.avail_in = static_cast<uInt>(in.size());
+  int rc = Z_OK;
+  while (rc != Z_STREAM_END) {
+    z.next_out = buf.data();
+    z.avail_out = buf.size();
+    rc = inflate(&z, Z_NO_FLUSH);
+    if (rc != Z_OK && rc != Z_STREAM_END) {
+      const std::string msg = z.msg ? z.msg : "error " + std::to_string(rc);
+      inflateEnd(&z);
+      throw FormatError("gzip data is corrupt (" + msg + ")", where);
+    }
+    out.insert(out.end(), buf.data(), buf.data() + (buf.size() - z.avail_out));
+    if (out.size() > cap) {
+      inflateEnd(&z);
+      throw FormatError("inflates to more than " + std::to_string(cap) + " bytes", where);
+    }
+    if (rc == Z_OK && z.avail_in == 0 && z.avail_out != 0) {
+      inflateEnd(&z);
+      throw FormatError("gzip data is truncated", where);
+    }
+  }
+  inflateEnd(&z);
+  return out;
+}
+}  // namespace idx_detail
+
+/// Parses IDX bytes (already decompressed) into a tensor of the stored type and shape.
+inline at::Tensor parse_idx(const unsigned char* p, std::size_t n, const std::string& where) {
+  if (n < 4 || p[0] != 0 || p[1] != 0)
+    throw FormatError("is not an IDX file (the first two bytes must be zero)", where);
+  at::ScalarType type;
+  std::size_t item = 0;
+  switch (p[2]) {
+    case 0x08:
+      type = at::kByte, item = 1;
+      break;
+    case 0x09:
+      type = at::kChar, item = 1;
+      break;
+    case 0x0B:
+      type = at::kShort, item = 2;
+      break;
+    case 0x0C:
+      type = at::kInt, item = 4;
+      break;
+    case 0x0D:
+      type = at::kFloat, item = 4;
+      break;
+    case 0x0E:
+      type = at::kDouble, item = 8;
+      break;
+    default:
+      throw FormatError("has unknown type code " + std::to_string(int{p[2]}), where);
+  }
+  const std::size_t dims = p[3];
+  if (dims == 0 || n < 4 + 4 * dims) throw FormatError("has a truncated header", where);
+  std::vector<std::int64_t> shape;
+  std::uint64_t count = 1;
+  for (std::size_t d = 0; d < dims; ++d) {
+    const unsigned char* q = p + 4 + 4 * d;
+    const std::uint32_t s = (std::uint32_t{q[0]} << 24) | (std::uint32_t{q[1]} << 16) |
+                            (std::uint32_t{q[2]} << 8) | q[3];
+    shape.push_back(s);
+    if (s != 0 && count > (std::uint64_t{1} << 40) / s)
+      throw FormatError("declares a size that overflows", where);
+    count *= s;
+  }
+  const std::size_t header = 4 + 4 * dims;
+  if (count * item != n - header)
+    throw FormatError("declares " + std::to_string(count) + " values (" +
+                          c10::str(at::IntArrayRef(shape)) + ") but holds " +
+                          std::to_string((n - header) / item),
+                      where);
+  at::Tensor out = at::empty(shape, at::TensorOptions().dtype(type));
+  auto* dst = static_cast<unsigned char*>(out.data_ptr());
+  std::memcpy(dst, p + header, count * item);
+  // Values are big-endian: swap multi-byte ones in place.
+  if (item > 1)
+    for (std::uint64_t i = 0; i < count; ++i)
+      for (std::size_t a = 0, b = item - 1; a < b; ++a, --b)
+        std::swap(dst[i * item + a], dst[i * item + b]);
+  return out;
+}
+
+/// Reads an IDX file, gunzipping it when it starts with the gzip magic.
+inline at::Tensor read_idx(const std::filesystem::path& path) {
+  const std::vector<char> raw = read_file(path);
+  const std::string where = path.string();
+  if (raw.size() >= 2 && static_cast<unsigned char>(raw[0]) == 0x1f &&
+      static_cast<unsigned char>(raw[1]) == 0x8b) {
+    const std::vector<unsigned char> bytes = idx_detail::gunzip(raw, std::uint64_t{1} << 32, where);
+    return parse_idx(bytes.data(), bytes.size(), where);
+  }
+  return parse_idx(reinterpret_cast<const unsigned char*>(raw.data()), raw.size(), where);
+}
+
+}  // namespace difftrain::io
