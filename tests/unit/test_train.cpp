@@ -412,3 +412,53 @@ TEST(Trainer, Bf16AutocastTrainsAndSamplesSeeTheEmaWeights) {
       at::equal(seen.back(), net->fc1->weight));  // the live weights are back after sampling
   EXPECT_EQ(net->fc1->weight.scalar_type(), at::kFloat);  // autocast never changes the parameters
 }
+
+TEST(MultiTrainer, EachModelTrainsOnItsOwnAndOneCheckpointHoldsThemAll) {
+  using M = tr::MultiTrainer<NetImpl, ResumeConfig>;
+  tr::set_seed(8);
+  auto a = std::make_shared<NetImpl>(), b = std::make_shared<NetImpl>();
+  auto solo = std::make_shared<NetImpl>();
+  {
+    at::NoGradGuard ng;
+    for (std::size_t i = 0; i < a->parameters().size(); ++i)
+      solo->parameters()[i].copy_(b->parameters()[i]);
+  }
+  auto oa = parity_options(), ob = parity_options();
+  ob.optimizer.lr = 1e-3;  // each model its own settings
+  M multi({a.get(), b.get()}, {oa, ob});
+  tr::Trainer<NetImpl, ResumeConfig> single(*solo, ob);
+  // Interleaved: model 0 three steps, model 1 five; model 1 must end as if trained alone.
+  for (std::int64_t s = 0; s < 5; ++s) {
+    if (s < 3) multi.step(0, {source(100 + s, 0), source(100 + s, 1)});
+    multi.step(1, {source(s, 0), source(s, 1)});
+    single.step({source(s, 0), source(s, 1)});
+  }
+  EXPECT_EQ(multi.steps_taken(0), 3);
+  EXPECT_EQ(multi.steps_taken(1), 5);
+  for (std::size_t i = 0; i < b->parameters().size(); ++i)
+    EXPECT_TRUE(at::equal(b->parameters()[i], solo->parameters()[i])) << i;
+  EXPECT_THROW((void)multi.steps_taken(2), dt::ConfigError);
+
+  // Sampling sees every model's EMA weights; the live ones come back after.
+  const at::Tensor live = a->fc1->weight.detach().clone();
+  const auto shadow = multi.at(0).ema().state().second.at("fc1.weight");
+  multi.with_ema_weights([&] { EXPECT_TRUE(at::equal(a->fc1->weight, shadow)); });
+  EXPECT_TRUE(at::equal(a->fc1->weight, live));
+
+  const fs::path path = scratch("multi.pt");
+  multi.save_checkpoint(path);
+  auto c = std::make_shared<NetImpl>(), d = std::make_shared<NetImpl>();
+  M back({c.get(), d.get()}, {oa, ob});
+  back.load_checkpoint(path);
+  EXPECT_EQ(back.steps_taken(0), 3);
+  EXPECT_EQ(back.steps_taken(1), 5);
+  EXPECT_TRUE(at::equal(d->fc2->weight, b->fc2->weight));
+  // A checkpoint of a different setup changes nothing, not even the first model.
+  auto e = std::make_shared<NetImpl>(), f = std::make_shared<NetImpl>();
+  auto other = ob;
+  other.accumulation_steps = 3;
+  M mismatched({e.get(), f.get()}, {oa, other});
+  const at::Tensor before = e->fc1->weight.detach().clone();
+  EXPECT_THROW(mismatched.load_checkpoint(path), dt::ConfigError);
+  EXPECT_TRUE(at::equal(e->fc1->weight, before));
+}

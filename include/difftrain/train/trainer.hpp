@@ -329,10 +329,24 @@ class Trainer {
     return root;
   }
 
+  /// A state read and checked against this trainer, not yet applied.
+  struct CheckedState {
+    std::string where;
+    nlohmann::json js;
+    std::int64_t step = 0;
+    std::map<std::string, at::Tensor> model_tensors, ema_shadows;
+    std::string opt_bytes;
+    at::Tensor rng_cpu;
+    std::vector<at::Tensor> rng_cuda;
+  };
+
   /// Restores a state written by state(). Everything is checked before the trainer changes: a
   /// wrong format, a version from the future, a different configuration or model is a typed error
   /// and leaves the trainer as it was.
-  void load_state(const io::TorchValue& root) {
+  void load_state(const io::TorchValue& root) { apply_state(check_state(root)); }
+
+  /// The checking half of load_state (a multi-model trainer checks every model before applying).
+  [[nodiscard]] CheckedState check_state(const io::TorchValue& root) const {
     const std::string where = root.where();
     if (root.at("format").string() != "difftrain.checkpoint")
       throw FormatError(
@@ -383,8 +397,17 @@ class Trainer {
     const at::Tensor rng_cpu = root.at("rng_cpu").tensor();
     std::vector<at::Tensor> rng_cuda;
     for (const auto& t : root.at("rng_cuda").elements()) rng_cuda.push_back(t.tensor());
+    return {where,     std::move(js), saved_step,         model_tensors, std::move(ema_shadows),
+            opt_bytes, rng_cpu,       std::move(rng_cuda)};
+  }
 
-    // Apply: the optimizer first (its archive is the part that can still refuse).
+  /// The applying half of load_state; `s` must come from check_state on this trainer.
+  void apply_state(const CheckedState& s) {
+    const std::string& where = s.where;
+    const auto& js = s.js;
+    const auto& model_tensors = s.model_tensors;
+    const auto& opt_bytes = s.opt_bytes;
+    // The optimizer first: its archive is the part that can still refuse.
     try {
       torch::serialize::InputArchive archive;
       archive.load_from(opt_bytes.data(), opt_bytes.size());
@@ -402,17 +425,18 @@ class Trainer {
     }
     scheduler_->load_state(js.at("scheduler"));
     scaler_.load_state(js.at("scaler"));
-    if constexpr (has_ema) ema_->load_state(js.at("ema"), ema_shadows);
+    if constexpr (has_ema) ema_->load_state(js.at("ema"), s.ema_shadows);
     at::Generator cpu_gen = at::detail::getDefaultCPUGenerator();
-    cpu_gen.set_state(rng_cpu);
+    cpu_gen.set_state(s.rng_cpu);
     if (torch::cuda::is_available())
       for (std::size_t i = 0;
-           i < rng_cuda.size() && i < static_cast<std::size_t>(torch::cuda::device_count()); ++i) {
+           i < s.rng_cuda.size() && i < static_cast<std::size_t>(torch::cuda::device_count());
+           ++i) {
         at::Generator gen = at::globalContext().defaultGenerator(
             c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(i)));
-        gen.set_state(rng_cuda[i]);
+        gen.set_state(s.rng_cuda[i]);
       }
-    step_ = saved_step;
+    step_ = s.step;
     nonfinite_ = js.value("skipped_nonfinite", std::int64_t{0});
     overflow_skips_ = js.value("skipped_overflow", std::int64_t{0});
   }

@@ -1,0 +1,125 @@
+#pragma once
+// Several models trained side by side, each with its own optimizer, schedule, EMA, scaler and step
+// counter (DALLE2's DecoderTrainer, one per U-Net of a cascade): each step trains the model chosen
+// for it; sampling swaps in every model's EMA weights at once; one checkpoint holds them all and is
+// checked whole before any model changes.
+
+#include <cstddef>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "difftrain/core/error.hpp"
+#include "difftrain/io/torch_file.hpp"
+#include "difftrain/train/trainer.hpp"
+
+namespace difftrain::train {
+
+template <class Model, class Config = DefaultConfig>
+class MultiTrainer {
+ public:
+  using TrainerT = Trainer<Model, Config>;
+  using Options = typename TrainerT::Options;
+  using Batch = typename Model::Batch;
+  static constexpr int kFormatVersion = 1;
+
+  /// One trainer per model, each with its own options (learning rates, warm-up, EMA...).
+  MultiTrainer(const std::vector<Model*>& models, const std::vector<Options>& options) {
+    if (models.empty()) throw ConfigError("needs at least one model", "MultiTrainer");
+    if (models.size() != options.size())
+      throw ConfigError("got " + std::to_string(models.size()) + " models and " +
+                            std::to_string(options.size()) + " option sets",
+                        "MultiTrainer");
+    for (std::size_t i = 0; i < models.size(); ++i)
+      trainers_.push_back(std::make_unique<TrainerT>(*models[i], options[i]));
+  }
+
+  [[nodiscard]] std::size_t size() const { return trainers_.size(); }
+
+  /// The trainer of model `index` (0-based); an index out of range is a ConfigError.
+  [[nodiscard]] TrainerT& at(std::size_t index) {
+    if (index >= trainers_.size())
+      throw ConfigError("model index " + std::to_string(index) + " is out of range (" +
+                            std::to_string(trainers_.size()) + " models)",
+                        "MultiTrainer");
+    return *trainers_[index];
+  }
+
+  /// One optimizer step of model `index`.
+  StepInfo step(std::size_t index, const std::vector<Batch>& micro_batches) {
+    return at(index).step(micro_batches);
+  }
+
+  /// Steps taken by model `index`.
+  [[nodiscard]] std::int64_t steps_taken(std::size_t index) { return at(index).global_step(); }
+
+  /// Runs `fn()` with every model's EMA weights swapped in (the live weights come back after,
+  /// also on an exception).
+  template <class Fn>
+  decltype(auto) with_ema_weights(Fn&& fn) {
+    at::NoGradGuard no_grad;
+    std::vector<std::function<void()>> restore;
+    if constexpr (TrainerT::has_ema) {
+      for (auto& t : trainers_) {
+        t->ema().store();
+        t->ema().copy_to();
+        restore.emplace_back([&e = t->ema()] { e.restore(); });
+      }
+    }
+    struct Restore {
+      std::vector<std::function<void()>>& r;
+      ~Restore() {
+        for (auto& f : r) f();
+      }
+    } guard{restore};
+    return fn();
+  }
+
+  [[nodiscard]] c10::IValue state() {
+    auto root = io::torch_dict();
+    root.insert("format", std::string("difftrain.multi_checkpoint"));
+    root.insert("version", std::int64_t{kFormatVersion});
+    auto list = io::torch_list();
+    for (auto& t : trainers_) list.push_back(t->state());
+    root.insert("models", list);
+    return root;
+  }
+
+  void save_checkpoint(const std::filesystem::path& path) {
+    for (std::size_t i = 0; i < trainers_.size(); ++i)
+      if (!trainers_[i]->all_finite())
+        throw NumericError("model " + std::to_string(i) + " holds non-finite weights; not saving",
+                           path.string());
+    io::save_torch_file(path, state());
+  }
+
+  /// Checks every model's state first, then applies them all.
+  void load_checkpoint(const std::filesystem::path& path) {
+    const io::TorchValue root = io::load_torch_file(path);
+    if (root.at("format").string() != "difftrain.multi_checkpoint")
+      throw FormatError(
+          "is not a multi-model checkpoint (format '" + root.at("format").string() + "')",
+          root.where());
+    if (root.at("version").integer() > kFormatVersion)
+      throw FormatError("has format version " + std::to_string(root.at("version").integer()) +
+                            ", newer than this difftrain reads",
+                        root.where());
+    const auto models = root.at("models").elements();
+    if (models.size() != trainers_.size())
+      throw ConfigError("holds " + std::to_string(models.size()) + " models, this trainer has " +
+                            std::to_string(trainers_.size()),
+                        root.where());
+    std::vector<typename TrainerT::CheckedState> checked;
+    for (std::size_t i = 0; i < models.size(); ++i)
+      checked.push_back(trainers_[i]->check_state(models[i]));
+    for (std::size_t i = 0; i < models.size(); ++i) trainers_[i]->apply_state(checked[i]);
+  }
+
+ private:
+  std::vector<std::unique_ptr<TrainerT>> trainers_;
+};
+
+}  // namespace difftrain::train
