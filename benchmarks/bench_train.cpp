@@ -3,6 +3,9 @@
 // 2 micro-batches of accumulation, EMA (diffusers' warm-up decay) — goal: ratio <= 1.03.
 //  - train_step_small: a 3-layer MLP (width 256), where per-step overhead shows most;
 //  - train_step_block: a BasicTransformerBlock (dim 256, 256 tokens), where compute dominates.
+//  - train_vs_python_eager: train_step_small's step against the same step written in Python and run
+//    eagerly (torch, diffusers' scheduler and EMAModel); 1 / ratio is the steps/s speed-up (goal on
+//    the GPU: >= 1.5).
 // On a GPU everything runs there (the step synchronises once, on the loss value, in both loops).
 #include <ATen/ATen.h>
 #include <benchmark/benchmark.h>
@@ -10,8 +13,11 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/adamw.h>
+#include <chrono>
+#include <cstdio>
 #include <difftrain/nn/blocks/transformer_block.hpp>
 #include <difftrain/train/trainer.hpp>
+#include <string>
 
 namespace {
 namespace tr = difftrain::train;
@@ -123,8 +129,51 @@ void with_trainer(benchmark::State& state) {
   const auto data = batches<Net>(tokens);
   for (auto _ : state) benchmark::DoNotOptimize(trainer.step(data));
 }
+// train_step_small's trainer, timed per step like the Python loop (wall clock, synchronised).
+void trainer_timed(benchmark::State& state) {
+  MlpImpl net;
+  tr::Trainer<MlpImpl, Cfg>::Options o;
+  o.optimizer.lr = 1e-4;
+  o.schedule = {100, 100000, 0.5};
+  o.clipping.max_norm = 1.0;
+  o.accumulation_steps = 2;
+  tr::Trainer<MlpImpl, Cfg> trainer(net, o);
+  const auto data = batches<MlpImpl>(false);
+  for (int i = 0; i < 20; ++i) (void)trainer.step(data);
+  for (auto _ : state) {
+    const auto start = std::chrono::steady_clock::now();
+    benchmark::DoNotOptimize(trainer.step(data));
+    if (torch::cuda::is_available()) torch::cuda::synchronize();
+    state.SetIterationTime(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+}
+
+// The same step as train_step_small in Python, eagerly (benchmarks/python_eager_train.py, run once
+// by this benchmark); its seconds per step are this case's baseline time.
+void python_eager(benchmark::State& state) {
+  static const double seconds = [] {
+    const std::string cmd = std::string(DIFFTRAIN_PYTHON) + " " + DIFFTRAIN_BENCH_DIR +
+                            "/python_eager_train.py 200 2>/dev/null";
+    std::FILE* p = ::popen(cmd.c_str(), "r");
+    if (p == nullptr) return -1.0;
+    char buf[512] = {};
+    const std::size_t n = std::fread(buf, 1, sizeof buf - 1, p);
+    ::pclose(p);
+    const std::string out(buf, n);
+    const auto at = out.find("\"seconds_per_step\": ");
+    return at == std::string::npos ? -1.0 : std::stod(out.substr(at + 20));
+  }();
+  if (seconds <= 0) {
+    state.SkipWithError("the Python reference loop did not run (python with torch and diffusers?)");
+    return;
+  }
+  for (auto _ : state) state.SetIterationTime(seconds);
+}
 }  // namespace
 
+BENCHMARK(python_eager)->Name("train_vs_python_eager/baseline")->Arg(0)->UseManualTime();
+BENCHMARK(trainer_timed)->Name("train_vs_python_eager/difftrain")->Arg(0)->UseManualTime();
 BENCHMARK_TEMPLATE(hand_written, MlpImpl)->Name("train_step_small/baseline")->Arg(0)->UseRealTime();
 BENCHMARK_TEMPLATE(with_trainer, MlpImpl)
     ->Name("train_step_small/difftrain")

@@ -462,3 +462,30 @@ TEST(MultiTrainer, EachModelTrainsOnItsOwnAndOneCheckpointHoldsThemAll) {
   EXPECT_THROW(mismatched.load_checkpoint(path), dt::ConfigError);
   EXPECT_TRUE(at::equal(e->fc1->weight, before));
 }
+
+TEST(Clipping, ScheduledLimitsFollowTheStepStringAndCastTrainingParamsCastsOnlyTrainables) {
+  tr::ScheduledClip::Options o;
+  o.limits = "0.1:3, 2.0";
+  tr::ScheduledClip clip(o);
+  EXPECT_DOUBLE_EQ(clip.limit_at(0), 0.1);
+  EXPECT_DOUBLE_EQ(clip.limit_at(2), 0.1);
+  EXPECT_DOUBLE_EQ(clip.limit_at(3), 2.0);
+  const at::Tensor p = at::zeros({4}).requires_grad_();
+  p.mutable_grad() = at::full({4}, 3.0);
+  const double norm = clip.apply({p}, 0);
+  EXPECT_DOUBLE_EQ(norm, 6.0);
+  EXPECT_NEAR(p.grad().norm().item<double>(), 0.1, 1e-6);
+  o.mode = tr::ScheduledClip::Mode::value;
+  tr::ScheduledClip by_value(o);
+  p.mutable_grad() = at::full({4}, 3.0);
+  (void)by_value.apply({p}, 5);
+  EXPECT_TRUE(at::equal(p.grad(), at::full({4}, 2.0)));
+  o.limits = "0.1:x";
+  EXPECT_THROW(tr::ScheduledClip{o}, dt::ConfigError);
+
+  NetImpl net(0.0, at::kHalf);
+  net.fc2->weight.set_requires_grad(false);
+  tr::cast_training_params(net);
+  EXPECT_EQ(net.fc1->weight.scalar_type(), at::kFloat);
+  EXPECT_EQ(net.fc2->weight.scalar_type(), at::kHalf);  // frozen: left as it was
+}
