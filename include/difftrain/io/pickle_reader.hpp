@@ -13,10 +13,12 @@
 #include <ATen/core/ivalue.h>
 #include <caffe2/serialize/inline_container.h>
 
+#include <algorithm>
 #include <bit>
 #include <cstdint>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -28,6 +30,22 @@
 namespace difftrain::io {
 
 namespace pickle_detail {
+
+// Reads the archive straight from the caller's bytes (no copy of the whole file).
+class MemoryAdapter : public caffe2::serialize::ReadAdapterInterface {
+ public:
+  explicit MemoryAdapter(const std::vector<char>& bytes) : bytes_(bytes) {}
+  [[nodiscard]] size_t size() const override { return bytes_.size(); }
+  size_t read(uint64_t pos, void* buf, size_t n, const char* /*what*/ = "") const override {
+    if (pos >= bytes_.size()) return 0;
+    const size_t take = std::min<size_t>(n, bytes_.size() - static_cast<size_t>(pos));
+    std::memcpy(buf, bytes_.data() + pos, take);
+    return take;
+  }
+
+ private:
+  const std::vector<char>& bytes_;
+};
 
 inline std::optional<at::ScalarType> storage_dtype(const std::string& name) {
   static const std::map<std::string, at::ScalarType> kTypes = {
@@ -433,9 +451,10 @@ class Unpickler {
       fail("record '" + record + "' holds " + std::to_string(size) + " bytes, the storage needs " +
                std::to_string(want),
            at);
-    at::Tensor storage =
-        at::empty({static_cast<std::int64_t>(want / item)}, at::TensorOptions().dtype(*dtype));
-    if (size != 0) std::memcpy(storage.data_ptr(), ptr.get(), size);
+    // The record's buffer becomes the storage: no second copy.
+    c10::Storage bytes(c10::Storage::use_byte_size_t(), size, std::move(ptr), nullptr, false);
+    at::Tensor storage = at::empty({0}, at::TensorOptions().dtype(*dtype))
+                             .set_(bytes, 0, {static_cast<std::int64_t>(want / item)}, {1});
     storages_.emplace(key, storage);
     return storage;
   }
@@ -494,8 +513,8 @@ class Unpickler {
 /// Reads a torch.save zip archive held in memory, with torch.load(weights_only=True)'s rules.
 inline c10::IValue read_torch_archive(const std::vector<char>& bytes, const std::string& where) {
   try {
-    std::istringstream stream(std::string(bytes.begin(), bytes.end()));
-    caffe2::serialize::PyTorchStreamReader archive(&stream);
+    caffe2::serialize::PyTorchStreamReader archive(
+        std::make_shared<pickle_detail::MemoryAdapter>(bytes));
     if (archive.hasRecord("byteorder")) {
       auto [ptr, size] = archive.getRecord("byteorder");
       const std::string order(static_cast<const char*>(ptr.get()), size);
