@@ -384,8 +384,7 @@ inline std::optional<TorchValue> extract_image_data(const RgbImage& image, const
         const auto hi = static_cast<std::uint8_t>(nib(high_x + x, y, c) ^ (lcg_high.next() & 0x0f));
         bytes[i] = static_cast<unsigned char>((hi << 4) | lo);
       }
-  const std::string json =
-      png_detail::inflate_capped(bytes, max_json_bytes, where + " (image data)");
+  const std::string json = inflate_capped(bytes, max_json_bytes, where + " (image data)");
   return embedded_detail::parse_json_data(json, where + " (image data)");
 }
 

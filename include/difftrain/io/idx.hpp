@@ -5,7 +5,6 @@
 // file.
 
 #include <ATen/ATen.h>
-#include <zlib.h>
 
 #include <array>
 #include <cstdint>
@@ -16,42 +15,9 @@
 
 #include "difftrain/core/error.hpp"
 #include "difftrain/io/atomic_file.hpp"
+#include "difftrain/io/inflate.hpp"
 
 namespace difftrain::io {
-
-namespace idx_detail {
-inline std::vector<unsigned char> gunzip(const std::vector<char>& in, std::uint64_t cap,
-                                         const std::string& where) {
-  z_stream z{};
-  if (inflateInit2(&z, 16 + MAX_WBITS) != Z_OK) throw FormatError("zlib init failed", where);
-  std::vector<unsigned char> out;
-  std::array<unsigned char, 1 << 16> buf{};
-  z.next_in = reinterpret_cast<Bytef*>(const_cast<char*>(in.data()));
-  z.avail_in = static_cast<uInt>(in.size());
-  int rc = Z_OK;
-  while (rc != Z_STREAM_END) {
-    z.next_out = buf.data();
-    z.avail_out = buf.size();
-    rc = inflate(&z, Z_NO_FLUSH);
-    if (rc != Z_OK && rc != Z_STREAM_END) {
-      const std::string msg = z.msg ? z.msg : "error " + std::to_string(rc);
-      inflateEnd(&z);
-      throw FormatError("gzip data is corrupt (" + msg + ")", where);
-    }
-    out.insert(out.end(), buf.data(), buf.data() + (buf.size() - z.avail_out));
-    if (out.size() > cap) {
-      inflateEnd(&z);
-      throw FormatError("inflates to more than " + std::to_string(cap) + " bytes", where);
-    }
-    if (rc == Z_OK && z.avail_in == 0 && z.avail_out != 0) {
-      inflateEnd(&z);
-      throw FormatError("gzip data is truncated", where);
-    }
-  }
-  inflateEnd(&z);
-  return out;
-}
-}  // namespace idx_detail
 
 /// Parses IDX bytes (already decompressed) into a tensor of the stored type and shape.
 inline at::Tensor parse_idx(const unsigned char* p, std::size_t n, const std::string& where) {
@@ -117,8 +83,10 @@ inline at::Tensor read_idx(const std::filesystem::path& path) {
   const std::string where = path.string();
   if (raw.size() >= 2 && static_cast<unsigned char>(raw[0]) == 0x1f &&
       static_cast<unsigned char>(raw[1]) == 0x8b) {
-    const std::vector<unsigned char> bytes = idx_detail::gunzip(raw, std::uint64_t{1} << 32, where);
-    return parse_idx(bytes.data(), bytes.size(), where);
+    const std::string bytes =
+        inflate_capped({reinterpret_cast<const unsigned char*>(raw.data()), raw.size()},
+                       std::uint64_t{1} << 32, where, Compression::gzip);
+    return parse_idx(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size(), where);
   }
   return parse_idx(reinterpret_cast<const unsigned char*>(raw.data()), raw.size(), where);
 }

@@ -19,6 +19,7 @@
 
 #include "difftrain/core/error.hpp"
 #include "difftrain/io/atomic_file.hpp"
+#include "difftrain/io/inflate.hpp"
 
 namespace difftrain::io {
 
@@ -61,40 +62,6 @@ inline std::uint32_t be32(const unsigned char* p) {
 }
 inline void put_be32(std::vector<char>& out, std::uint32_t v) {
   for (int s = 24; s >= 0; s -= 8) out.push_back(static_cast<char>((v >> s) & 0xff));
-}
-
-/// zlib-inflates `in`, refusing output beyond `cap` bytes; data after the end of the stream is
-/// ignored (as Python's zlib.decompress does).
-inline std::string inflate_capped(std::span<const unsigned char> in, std::uint64_t cap,
-                                  const std::string& where) {
-  z_stream z{};
-  if (inflateInit(&z) != Z_OK) throw FormatError("zlib init failed", where);
-  std::string out;
-  std::array<unsigned char, 1 << 16> buf{};
-  z.next_in = const_cast<unsigned char*>(in.data());
-  z.avail_in = static_cast<uInt>(in.size());
-  int rc = Z_OK;
-  while (rc != Z_STREAM_END) {
-    z.next_out = buf.data();
-    z.avail_out = buf.size();
-    rc = inflate(&z, Z_NO_FLUSH);
-    if (rc != Z_OK && rc != Z_STREAM_END) {
-      const std::string msg = z.msg ? z.msg : "error " + std::to_string(rc);
-      inflateEnd(&z);
-      throw FormatError("compressed data is corrupt (" + msg + ")", where);
-    }
-    out.append(reinterpret_cast<const char*>(buf.data()), buf.size() - z.avail_out);
-    if (out.size() > cap) {
-      inflateEnd(&z);
-      throw FormatError("inflates to more than " + std::to_string(cap) + " bytes", where);
-    }
-    if (rc == Z_OK && z.avail_in == 0 && z.avail_out != 0) {
-      inflateEnd(&z);
-      throw FormatError("compressed data is truncated", where);
-    }
-  }
-  inflateEnd(&z);
-  return out;
 }
 
 inline std::vector<unsigned char> deflate_bytes(std::span<const char> in, int level) {

@@ -1,0 +1,55 @@
+#pragma once
+// zlib and gzip decompression with a cap on the output, for every reader that inflates data from a
+// file (PNG text chunks, the embeddings' image data, gzip IDX files): a hostile file cannot make it
+// allocate past `cap`, and corrupt or truncated data is a FormatError naming `where`.
+
+#include <zlib.h>
+
+#include <array>
+#include <cstdint>
+#include <span>
+#include <string>
+
+#include "difftrain/core/error.hpp"
+
+namespace difftrain::io {
+
+enum class Compression { zlib, gzip };
+
+/// Inflates `in`; data after the end of the stream is ignored (as Python's zlib.decompress does).
+inline std::string inflate_capped(std::span<const unsigned char> in, std::uint64_t cap,
+                                  const std::string& where,
+                                  Compression format = Compression::zlib) {
+  z_stream z{};
+  const int window = format == Compression::gzip ? 16 + MAX_WBITS : MAX_WBITS;
+  if (inflateInit2(&z, window) != Z_OK) throw FormatError("zlib init failed", where);
+  std::string out;
+  std::array<unsigned char, 1 << 16> buf{};
+  z.next_in = const_cast<unsigned char*>(in.data());
+  z.avail_in = static_cast<uInt>(in.size());
+  const char* kind = format == Compression::gzip ? "gzip" : "compressed";
+  int rc = Z_OK;
+  while (rc != Z_STREAM_END) {
+    z.next_out = buf.data();
+    z.avail_out = buf.size();
+    rc = inflate(&z, Z_NO_FLUSH);
+    if (rc != Z_OK && rc != Z_STREAM_END) {
+      const std::string msg = z.msg ? z.msg : "error " + std::to_string(rc);
+      inflateEnd(&z);
+      throw FormatError(std::string(kind) + " data is corrupt (" + msg + ")", where);
+    }
+    out.append(reinterpret_cast<const char*>(buf.data()), buf.size() - z.avail_out);
+    if (out.size() > cap) {
+      inflateEnd(&z);
+      throw FormatError("inflates to more than " + std::to_string(cap) + " bytes", where);
+    }
+    if (rc == Z_OK && z.avail_in == 0 && z.avail_out != 0) {
+      inflateEnd(&z);
+      throw FormatError(std::string(kind) + " data is truncated", where);
+    }
+  }
+  inflateEnd(&z);
+  return out;
+}
+
+}  // namespace difftrain::io
