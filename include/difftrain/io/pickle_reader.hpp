@@ -22,6 +22,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
@@ -39,7 +40,7 @@ class MemoryAdapter : public caffe2::serialize::ReadAdapterInterface {
   size_t read(uint64_t pos, void* buf, size_t n, const char* /*what*/ = "") const override {
     if (pos >= bytes_.size()) return 0;
     const size_t take = std::min<size_t>(n, bytes_.size() - static_cast<size_t>(pos));
-    std::memcpy(buf, bytes_.data() + pos, take);
+    if (take != 0) std::memcpy(buf, bytes_.data() + pos, take);  // buf may be null when n == 0
     return take;
   }
 
@@ -69,6 +70,20 @@ inline std::optional<at::ScalarType> storage_dtype(const std::string& name) {
   return it->second;
 }
 
+// A record of the archive. Records are stored uncompressed, so one larger than the whole file is a
+// lie in the zip directory; refusing it before reading keeps a tiny file from allocating gigabytes.
+inline std::tuple<at::DataPtr, std::size_t> read_record(caffe2::serialize::PyTorchStreamReader& a,
+                                                        const std::string& name,
+                                                        std::size_t file_size,
+                                                        const std::string& where) {
+  const std::size_t size = a.getRecordSize(name);
+  if (size > file_size)
+    throw FormatError("record '" + name + "' declares " + std::to_string(size) +
+                          " bytes, more than the file's " + std::to_string(file_size),
+                      where);
+  return a.getRecord(name);
+}
+
 // One stack entry: a value, a Python global, or a MARK. A global can also be used as a value (a
 // storage type inside a persistent id, a dtype such as torch.float32 in a dict): its value is then
 // the dotted name, with kStorageTag in front for storage types.
@@ -82,8 +97,8 @@ struct Item {
 class Unpickler {
  public:
   Unpickler(std::string_view data, caffe2::serialize::PyTorchStreamReader& archive,
-            std::string where)
-      : data_(data), archive_(archive), where_(std::move(where)) {}
+            std::size_t file_size, std::string where)
+      : data_(data), archive_(archive), file_size_(file_size), where_(std::move(where)) {}
 
   c10::IValue run() {
     while (true) {
@@ -440,7 +455,7 @@ class Unpickler {
     if (numel < 0) fail("has a storage with negative size", at);
     if (!archive_.hasRecord(record))
       fail("refers to record '" + record + "', missing from the archive", at);
-    auto [ptr, size] = archive_.getRecord(record);
+    auto [ptr, size] = read_record(archive_, record, file_size_, where_);
     const auto item = static_cast<std::uint64_t>(c10::elementSize(*dtype));
     const bool untyped = type.ends_with("UntypedStorage");
     const std::uint64_t want =
@@ -502,6 +517,7 @@ class Unpickler {
   std::string_view data_;
   std::size_t pos_ = 0;
   caffe2::serialize::PyTorchStreamReader& archive_;
+  std::size_t file_size_;
   std::string where_;
   std::vector<Item> stack_;
   std::unordered_map<std::uint32_t, Item> memo_;
@@ -516,16 +532,16 @@ inline c10::IValue read_torch_archive(const std::vector<char>& bytes, const std:
     caffe2::serialize::PyTorchStreamReader archive(
         std::make_shared<pickle_detail::MemoryAdapter>(bytes));
     if (archive.hasRecord("byteorder")) {
-      auto [ptr, size] = archive.getRecord("byteorder");
+      auto [ptr, size] = pickle_detail::read_record(archive, "byteorder", bytes.size(), where);
       const std::string order(static_cast<const char*>(ptr.get()), size);
       if (order != "little")
         throw FormatError("stores tensors in '" + order + "' byte order; only little is read",
                           where);
     }
     if (!archive.hasRecord("data.pkl")) throw FormatError("has no data.pkl record", where);
-    auto [ptr, size] = archive.getRecord("data.pkl");
+    auto [ptr, size] = pickle_detail::read_record(archive, "data.pkl", bytes.size(), where);
     const std::string pickle(static_cast<const char*>(ptr.get()), size);
-    return pickle_detail::Unpickler(pickle, archive, where).run();
+    return pickle_detail::Unpickler(pickle, archive, bytes.size(), where).run();
   } catch (const Error&) {
     throw;
   } catch (const c10::Error& e) {
