@@ -13,7 +13,7 @@ mkdir -p "$out"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 python=${DIFFTRAIN_PYTHON:-python3}
 build=${BUILD_DIR:-build/gpu}
-prefixes="${XTENSOR_PREFIX:-};${GTEST_PREFIX:-};${BENCHMARK_PREFIX:-}"
+prefixes="${XTENSOR_PREFIX:-};${GTEST_PREFIX:-};${BENCHMARK_PREFIX:-};${CLI11_PREFIX:-}"
 
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
@@ -29,3 +29,13 @@ echo "cold build: $(( $(date +%s) - start )) s on $(nproc) cores" | tee -a "$out
 "$build/tests/difftrain_tests" --gtest_output="json:$out/tests.json" 2>&1 | tee "$out/tests.log" | tail -15
 "$build/benchmarks/difftrain_bench" --benchmark_filter="$filter" \
   --benchmark_out="$out/bench.json" --benchmark_out_format=json 2>&1 | tee "$out/bench.log" | tail -40
+
+# The main job on the GPU: a longer Fashion-MNIST run (needs the IDX files; CLI11's headers via
+# CLI11_PREFIX in CMAKE_PREFIX_PATH where no package is installed).
+data=${FASHION_MNIST_DIR:-/usr/share/datasets/fashion-mnist}
+if [ -x "$build/examples/fashion_mnist" ] && [ -d "$data" ]; then
+  "$build/examples/fashion_mnist" --device cuda --data-dir "$data" --out "$out/fashion_mnist" \
+    --overwrite --steps 20000 --batch-size 256 --channels 32 --attention-14 --warmup 500 \
+    --ema-decay 0.999 --lr 1e-3 --samples-per-class 100 --checkpoint-every 2000 \
+    2>&1 | tee "$out/fashion_mnist.log" | tail -20
+fi

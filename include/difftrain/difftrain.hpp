@@ -5,6 +5,7 @@
 #include "difftrain/core/core.hpp"
 #include "difftrain/diffusion/diffusion.hpp"
 #include "difftrain/ema/ema.hpp"
+#include "difftrain/eval/eval.hpp"
 #include "difftrain/io/io.hpp"
 #include "difftrain/nn/nn.hpp"
 #include "difftrain/schedule/schedule.hpp"

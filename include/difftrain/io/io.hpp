@@ -5,6 +5,7 @@
 #include "difftrain/io/csv_log.hpp"
 #include "difftrain/io/embedded_data.hpp"
 #include "difftrain/io/idx.hpp"
+#include "difftrain/io/image_grid.hpp"
 #include "difftrain/io/inflate.hpp"
 #include "difftrain/io/png.hpp"
 #include "difftrain/io/safetensors.hpp"

@@ -1,0 +1,467 @@
+// Trains a small class-conditional diffusion model on Fashion-MNIST with difftrain's Trainer,
+// samples it with classifier-free guidance from the EMA weights, and scores the samples with a
+// classifier trained by the same program. `fashion_mnist --help` lists the flags.
+//
+// Writes to --out: checkpoints/ (atomic, the latest few), loss.csv and loss.png, samples.png
+// (a row per class), classifier.safetensors (cached judge), ema.safetensors (the EMA weights) and
+// results.json (class accuracy, Fréchet distance, timings).
+//
+// Ctrl-C stops after the current step, saves a checkpoint and exits with status 130; run again
+// with --resume to continue. A second Ctrl-C kills the program at once.
+
+#include <torch/cuda.h>
+#include <CLI/CLI.hpp>
+#include <difftrain/diffusion/ddim.hpp>
+#include <difftrain/diffusion/dpm_solver.hpp>
+#include <difftrain/diffusion/sample.hpp>
+#include <difftrain/ema/ema.hpp>
+#include <difftrain/eval/frechet_distance.hpp>
+#include <difftrain/io/image_grid.hpp>
+#include <difftrain/train/callbacks.hpp>
+#include <difftrain/train/seeding.hpp>
+#include <difftrain/train/trainer.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+
+#include "classifier.hpp"
+#include "data.hpp"
+#include "report.hpp"
+#include "unet.hpp"
+
+namespace fs = std::filesystem;
+namespace tr = difftrain::train;
+namespace df = difftrain::diffusion;
+using fmnist::dt::ConfigError;
+
+namespace {
+
+std::atomic<bool> g_interrupted{false};
+
+extern "C" void on_sigint(int /*sig*/) {
+  g_interrupted.store(true);
+  std::signal(SIGINT, SIG_DFL);  // a second Ctrl-C ends the program at once
+}
+
+/// Asks the trainer to stop after the step in which Ctrl-C arrived, or at `stop_at` (0: never).
+struct StopOnInterrupt {
+  std::int64_t stop_at = 0;
+  template <class T>
+  void on_step_end(T& t, const tr::StepInfo& s) {
+    if (g_interrupted.load() || (stop_at > 0 && s.step >= stop_at)) t.request_stop();
+  }
+};
+
+struct Settings {
+  std::string data_dir = fmnist::kDefaultDataDir;
+  std::string out = "runs/fashion_mnist";
+  std::string device = "cpu";
+  std::uint64_t seed = 0;
+  std::int64_t limit = 0;
+  // model and training
+  std::int64_t channels = 16;
+  bool attention_14 = false;
+  std::int64_t steps = 1200;
+  std::int64_t batch_size = 64;
+  double lr = 2e-3;
+  double weight_decay = 0.01;
+  std::int64_t warmup = 100;
+  double ema_decay = 0.995;
+  double clip = 1.0;
+  double p_uncond = 0.1;
+  std::int64_t checkpoint_every = 250;
+  std::int64_t keep = 2;
+  bool resume = false;
+  std::int64_t stop_at = 0;
+  bool overwrite = false;
+  bool progress = false;
+  // sampling and scoring
+  std::string sampler = "dpm++";
+  std::int64_t sample_steps = 20;
+  bool clip_x0 = true;
+  double guidance = 3.0;
+  std::int64_t samples_per_class = 50;
+  std::int64_t grid_columns = 10;
+  std::string classifier;
+  std::int64_t classifier_epochs = 4;
+  double min_classifier_accuracy = 0.9;
+};
+
+struct UNetConfig : tr::DefaultConfig {
+  using Optimizer = tr::AdamW;
+  using Schedule = difftrain::schedule::Cosine;
+  using Ema = difftrain::ema::Ema<difftrain::ema::WarmupDecay>;
+  using Clipping = tr::ClipByNorm;
+  using Callbacks =
+      std::tuple<tr::ProgressBar, tr::CsvLossLog, tr::CheckpointEvery, StopOnInterrupt>;
+};
+using UNetTrainer = tr::Trainer<fmnist::UNetImpl, UNetConfig>;
+
+double seconds_since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+}
+
+at::Tensor sample(const Settings& s, fmnist::UNet& net, const df::NoiseSchedule& schedule,
+                  const at::Tensor& labels, at::Device device) {
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(s.seed + 1);
+  const at::Tensor noise = at::randn({labels.size(0), 1, 28, 28}, gen).to(device);
+  const at::Tensor cond = labels.to(device);
+  const at::Tensor uncond = at::full_like(cond, net->null_label());
+  const df::SampleOptions opts{
+      .num_inference_steps = s.sample_steps, .guidance_scale = s.guidance, .chunk_size = 250};
+  auto model = [&](const at::Tensor& x, const at::Tensor& t, const at::Tensor& c) {
+    return net->forward(x, t, c);
+  };
+  // Images live in [-1, 1]: clipping each step's x̂₀ there keeps an early, poor noise estimate
+  // (divided by √ᾱ ≈ 0.006 at t = 999) from turning into salt-and-pepper pixels.
+  const df::Clipping clip{.clip_sample = s.clip_x0};
+  if (s.sampler == "ddim") {
+    df::Ddim ddim(schedule, {.prediction_type = net->options().prediction,
+                             .clipping = clip,
+                             .timestep_spacing = df::TimestepSpacing::trailing});
+    return df::sample(ddim, model, noise, opts, cond, uncond);
+  }
+  df::DpmSolverPP2M dpm(schedule, {.prediction_type = net->options().prediction, .clipping = clip});
+  return df::sample(dpm, model, noise, opts, cond, uncond);
+}
+
+int run(const Settings& s) {
+  const auto t_start = std::chrono::steady_clock::now();
+  if (s.device != "cpu" && s.device.rfind("cuda", 0) != 0)
+    throw ConfigError("must be cpu or cuda[:N], got '" + s.device + "'", "--device");
+  if (s.device != "cpu" && !torch::cuda::is_available())
+    throw difftrain::DeviceError("CUDA is not available to this build or machine",
+                                 "--device " + s.device);
+  if (s.sampler != "dpm++" && s.sampler != "ddim")
+    throw ConfigError("must be dpm++ or ddim, got '" + s.sampler + "'", "--sampler");
+  const at::Device device(s.device);
+  const fs::path out(s.out);
+  const fs::path ckpt_dir = out / "checkpoints";
+  const bool have_checkpoints = !tr::CheckpointEvery::list(ckpt_dir).empty();
+  if (have_checkpoints && !s.resume && !s.overwrite)
+    throw ConfigError(
+        "holds checkpoints of an earlier run; pass --resume to continue it or "
+        "--overwrite to start again (its checkpoints are then replaced)",
+        ckpt_dir.string());
+  fs::create_directories(ckpt_dir);
+  tr::set_seed(s.seed);
+
+  auto t = std::chrono::steady_clock::now();
+  const fmnist::Dataset data = fmnist::load(s.data_dir, s.limit);
+  std::fprintf(stderr, "data: %lld training and %lld test images from %s (%.1f s)\n",
+               static_cast<long long>(data.train.size()), static_cast<long long>(data.test.size()),
+               s.data_dir.c_str(), seconds_since(t));
+
+  // The judge first: a run whose scores would mean nothing stops before it trains anything.
+  t = std::chrono::steady_clock::now();
+  const fs::path classifier_path =
+      s.classifier.empty() ? out / "classifier.safetensors" : fs::path(s.classifier);
+  auto judge = fmnist::classifier_for(data, {.epochs = s.classifier_epochs, .seed = s.seed},
+                                      classifier_path, device);
+  std::fprintf(stderr, "classifier: %.2f %% test accuracy (%s, %.1f s)\n",
+               100 * judge.test_accuracy, judge.from_cache ? "cached" : "trained",
+               seconds_since(t));
+  if (judge.test_accuracy < s.min_classifier_accuracy)
+    throw difftrain::NumericError(
+        "the classifier reached " + std::to_string(judge.test_accuracy) + " test accuracy, below " +
+            std::to_string(s.min_classifier_accuracy) + "; raise --classifier-epochs",
+        classifier_path.string());
+
+  // The diffusion model and its trainer. Seeded again here so its weights and noise do not depend
+  // on whether the classifier was trained (drawing numbers) or loaded from the cache.
+  tr::set_seed(s.seed);
+  const df::NoiseSchedule schedule;
+  fmnist::UNet net(
+      fmnist::UNetOptions{
+          .channels = s.channels, .attention_14 = s.attention_14, .p_uncond = s.p_uncond},
+      schedule);
+  net->to(device);
+  UNetTrainer::Options o;
+  o.optimizer.lr = s.lr;
+  o.optimizer.weight_decay = s.weight_decay;
+  o.schedule.num_warmup_steps = std::min(s.warmup, s.steps);
+  o.schedule.num_training_steps = s.steps;
+  o.ema.rule.decay = s.ema_decay;
+  o.clipping.max_norm = s.clip;
+  if (s.overwrite && !s.resume)
+    for (const auto& [step, path] : tr::CheckpointEvery::list(ckpt_dir)) fs::remove(path);
+  const fs::path loss_csv = out / "loss.csv";
+  if (!s.resume) fs::remove(loss_csv);
+  const std::int64_t n = data.train.size();
+  const std::int64_t per_epoch = std::max<std::int64_t>(1, n / s.batch_size);
+
+  // Resume before the loss log opens, so the log can be cut back to the checkpoint's step.
+  std::int64_t resumed_from = 0;
+  std::unique_ptr<UNetTrainer> trainer;
+  auto make_trainer = [&] {
+    return std::make_unique<UNetTrainer>(
+        *net, o,
+        UNetConfig::Callbacks{
+            tr::ProgressBar({.total_steps = s.steps, .every = 10, .force = s.progress}),
+            tr::CsvLossLog({.path = loss_csv, .steps_per_epoch = per_epoch}),
+            tr::CheckpointEvery({.dir = ckpt_dir,
+                                 .every = s.checkpoint_every,
+                                 .keep_last = static_cast<std::size_t>(s.keep)}),
+            StopOnInterrupt{s.stop_at}});
+  };
+  if (s.resume) {
+    // The newest checkpoint that reads; a torn or foreign file is skipped with a note.
+    std::optional<fs::path> from;
+    const auto all = tr::CheckpointEvery::list(ckpt_dir);
+    for (auto it = all.rbegin(); it != all.rend() && !from; ++it) {
+      try {
+        resumed_from = difftrain::io::load_torch_file(it->second).at("step").integer();
+        from = it->second;
+      } catch (const difftrain::FormatError& e) {
+        std::fprintf(stderr, "resume: skipped %s\n", e.what());
+      }
+    }
+    if (!from) throw ConfigError("holds no readable checkpoint to resume from", ckpt_dir.string());
+    fmnist::trim_loss_log(loss_csv, resumed_from);  // before the log reopens it for appending
+    trainer = make_trainer();
+    trainer->load_checkpoint(*from);
+    std::fprintf(stderr, "resume: continuing from %s (step %lld)\n", from->string().c_str(),
+                 static_cast<long long>(resumed_from));
+  } else {
+    trainer = make_trainer();
+  }
+
+  // Batches are a function of the step alone (a fixed permutation per epoch), so a resumed run
+  // sees exactly the batches the uninterrupted one would have.
+  const at::Tensor images = data.train.images.to(device);
+  const at::Tensor labels = data.train.labels.to(device);
+  at::Tensor perm;
+  std::int64_t perm_epoch = -1;
+  auto source = [&](std::int64_t step, std::int64_t /*micro*/) {
+    const std::int64_t epoch = step / per_epoch;
+    if (epoch != perm_epoch) {
+      at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(s.seed * 1000003 + epoch);
+      perm = at::randperm(n, gen, at::TensorOptions().dtype(at::kLong)).to(device);
+      perm_epoch = epoch;
+    }
+    const at::Tensor idx =
+        perm.narrow(0, (step % per_epoch) * s.batch_size, std::min(s.batch_size, n));
+    return fmnist::UNetImpl::Batch{images.index_select(0, idx), labels.index_select(0, idx)};
+  };
+
+  std::signal(SIGINT, on_sigint);
+  t = std::chrono::steady_clock::now();
+  std::fprintf(stderr, "train: %lld steps of %lld images, UNet with %lld parameters, on %s\n",
+               static_cast<long long>(s.steps), static_cast<long long>(s.batch_size),
+               static_cast<long long>([&] {
+                 std::int64_t c = 0;
+                 for (const auto& p : net->parameters()) c += p.numel();
+                 return c;
+               }()),
+               s.device.c_str());
+  trainer->fit(source, s.steps);
+  const double train_seconds = seconds_since(t);
+  const std::int64_t trained_steps = trainer->global_step() - resumed_from;
+  std::signal(SIGINT, SIG_DFL);
+  auto& checkpoints = std::get<tr::CheckpointEvery>(trainer->callbacks());
+  if (trained_steps > 0 && trainer->global_step() % s.checkpoint_every != 0)
+    checkpoints.save(*trainer);  // the last step, unless the callback just saved it
+  if (g_interrupted.load() || trainer->global_step() < s.steps) {
+    std::fprintf(stderr,
+                 "%s at step %lld; checkpoint saved in %s; run again with --resume to continue\n",
+                 g_interrupted.load() ? "interrupted" : "paused",
+                 static_cast<long long>(trainer->global_step()), ckpt_dir.string().c_str());
+    return g_interrupted.load() ? 130 : 0;
+  }
+  const double steps_per_second = trained_steps > 0 ? trained_steps / train_seconds : 0.0;
+  if (trained_steps == 0)
+    std::fprintf(stderr, "train: already at step %lld; sampling only\n",
+                 static_cast<long long>(trainer->global_step()));
+  else
+    std::fprintf(stderr, "train: %lld steps in %.1f s (%.2f steps/s)\n",
+                 static_cast<long long>(trained_steps), train_seconds, steps_per_second);
+  difftrain::io::write_png(out / "loss.png", fmnist::plot_loss(fmnist::read_loss_log(loss_csv)),
+                           {{"Description", "difftrain Fashion-MNIST loss per step (log scale)"}});
+
+  // Sample from the EMA weights.
+  t = std::chrono::steady_clock::now();
+  const at::Tensor sample_labels =
+      at::arange(fmnist::kClasses, at::kLong).repeat_interleave(s.samples_per_class);
+  at::Tensor samples;
+  {
+    difftrain::ema::EmaScope scope(trainer->ema());
+    net->eval();
+    std::map<std::string, at::Tensor> ema_weights;
+    for (const auto& item : net->named_parameters(true)) ema_weights[item.key()] = item.value();
+    difftrain::io::save_safetensors(out / "ema.safetensors", ema_weights,
+                                    {{"step", std::to_string(trainer->global_step())}});
+    samples = sample(s, net, schedule, sample_labels, device).clamp(-1, 1);
+  }
+  const double sample_seconds = seconds_since(t);
+  std::fprintf(stderr, "sample: %lld images, %s, %lld steps, guidance %.2f (%.1f s)\n",
+               static_cast<long long>(samples.size(0)), s.sampler.c_str(),
+               static_cast<long long>(s.sample_steps), s.guidance, sample_seconds);
+
+  // The grid: a row per class, the first `grid_columns` samples of each.
+  const std::int64_t cols = std::min(s.grid_columns, s.samples_per_class);
+  const at::Tensor grid_pick = samples.view({fmnist::kClasses, s.samples_per_class, 1, 28, 28})
+                                   .narrow(1, 0, cols)
+                                   .flatten(0, 1);
+  difftrain::io::write_png(out / "samples.png",
+                           difftrain::io::image_grid(grid_pick, {.columns = cols, .padding = 2}),
+                           {{"Description", "difftrain Fashion-MNIST samples, a row per class"}});
+
+  // Score: class accuracy of the samples and the Fréchet distance to the real test images in the
+  // classifier's feature space; the real-vs-real distance at the same sample count is the floor.
+  auto& cls = judge.net;
+  cls->eval();
+  const at::Tensor pred = fmnist::batched(samples, 500, [&](const at::Tensor& x) {
+                            return cls->forward(x).argmax(1);
+                          }).cpu();
+  const at::Tensor correct = pred.eq(sample_labels);
+  const double accuracy = correct.to(at::kDouble).mean().item<double>();
+  const at::Tensor per_class =
+      correct.to(at::kDouble).view({fmnist::kClasses, s.samples_per_class}).mean(1);
+  auto features = [&](const at::Tensor& x) {
+    return fmnist::batched(x.to(device), 500,
+                           [&](const at::Tensor& b) { return cls->features(b); });
+  };
+  const at::Tensor test_features = features(data.test.images);
+  const double fd = difftrain::eval::frechet_distance(features(samples), test_features);
+  at::Generator pick_gen = at::make_generator<at::CPUGeneratorImpl>(s.seed + 2);
+  const at::Tensor real_pick = at::randperm(n, pick_gen, at::TensorOptions().dtype(at::kLong))
+                                   .narrow(0, 0, std::min(n, samples.size(0)));
+  const double fd_floor = difftrain::eval::frechet_distance(
+      features(data.train.images.index_select(0, real_pick)), test_features);
+
+  nlohmann::json per_class_json;
+  for (std::int64_t c = 0; c < fmnist::kClasses; ++c)
+    per_class_json[fmnist::kClassNames[static_cast<std::size_t>(c)]] = per_class[c].item<double>();
+  const nlohmann::json results = {{"class_accuracy", accuracy},
+                                  {"per_class_accuracy", per_class_json},
+                                  {"frechet_distance", fd},
+                                  {"frechet_distance_real_at_same_count", fd_floor},
+                                  {"classifier_test_accuracy", judge.test_accuracy},
+                                  {"samples", samples.size(0)},
+                                  {"sampler", s.sampler},
+                                  {"sampling_steps", s.sample_steps},
+                                  {"clip_x0", s.clip_x0},
+                                  {"guidance_scale", s.guidance},
+                                  {"steps", trainer->global_step()},
+                                  {"batch_size", s.batch_size},
+                                  {"train_seconds", train_seconds},
+                                  {"steps_per_second", steps_per_second},
+                                  {"sample_seconds", sample_seconds},
+                                  {"total_seconds", seconds_since(t_start)},
+                                  {"device", s.device},
+                                  {"threads", at::get_num_threads()},
+                                  {"seed", s.seed},
+                                  {"resumed_from", resumed_from}};
+  const std::string text = results.dump(2) + "\n";
+  difftrain::io::write_file_atomic(out / "results.json",
+                                   std::span<const char>(text.data(), text.size()));
+  std::printf("class accuracy of the samples: %.1f %%\n", 100 * accuracy);
+  for (std::int64_t c = 0; c < fmnist::kClasses; ++c)
+    std::printf("  %-12s %5.1f %%\n", fmnist::kClassNames[static_cast<std::size_t>(c)],
+                100 * per_class[c].item<double>());
+  std::printf("Fréchet distance to the test set: %.3f (real images at the same count: %.3f)\n", fd,
+              fd_floor);
+  std::printf("wrote %s/{samples.png,loss.png,loss.csv,results.json} in %.0f s\n", s.out.c_str(),
+              seconds_since(t_start));
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Settings s;
+  CLI::App app{
+      "Train a class-conditional diffusion model on Fashion-MNIST with difftrain, sample it with "
+      "classifier-free guidance from the EMA weights, and score the samples with a classifier."};
+  app.get_formatter()->column_width(34);
+  auto* g = app.add_option_group("data and run");
+  g->add_option("--data-dir", s.data_dir,
+                "directory with the IDX files (train-*, t10k-*; .gz or not)")
+      ->capture_default_str();
+  g->add_option("--out", s.out, "output directory")->capture_default_str();
+  g->add_option("--device", s.device, "cpu, cuda or cuda:N")->capture_default_str();
+  g->add_option("--seed", s.seed, "seeds weights, batches, noise and samples")
+      ->capture_default_str();
+  g->add_option("--limit", s.limit, "use only the first N images of each split (0: all)")
+      ->check(CLI::NonNegativeNumber);
+  g->add_flag("--resume", s.resume, "continue from the latest checkpoint in OUT/checkpoints");
+  g->add_option("--stop-at-step", s.stop_at,
+                "pause at this step: save a checkpoint and exit (continue with --resume)")
+      ->check(CLI::NonNegativeNumber);
+  g->add_flag("--overwrite", s.overwrite, "start again even if OUT holds checkpoints");
+  g->add_flag("--progress", s.progress, "show the progress bar even when stderr is not a terminal");
+  auto* m = app.add_option_group("training");
+  m->add_option("--steps", s.steps, "optimizer steps")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  m->add_option("--batch-size", s.batch_size, "images per step")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  m->add_option("--channels", s.channels, "UNet width C (multiple of 16)")->capture_default_str();
+  m->add_flag("--attention-14", s.attention_14, "transformers at 14×14 too (slower on a CPU)");
+  m->add_option("--lr", s.lr, "peak AdamW learning rate")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  m->add_option("--weight-decay", s.weight_decay, "AdamW decay (not on biases, norms, embeddings)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  m->add_option("--warmup", s.warmup, "linear warm-up steps before the cosine decay")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  m->add_option("--ema-decay", s.ema_decay, "EMA decay cap (diffusers' warm-up rule)")
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
+  m->add_option("--clip", s.clip, "gradient norm clipping")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  m->add_option("--p-uncond", s.p_uncond, "chance a label is dropped to the null class")
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
+  m->add_option("--checkpoint-every", s.checkpoint_every, "steps between checkpoints")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  m->add_option("--keep", s.keep, "checkpoints kept")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  auto* e = app.add_option_group("sampling and scoring");
+  e->add_option("--sampler", s.sampler, "dpm++ (DPM-Solver++ 2M) or ddim")->capture_default_str();
+  e->add_option("--sample-steps", s.sample_steps, "sampler steps")
+      ->check(CLI::Range(1, 1000))
+      ->capture_default_str();
+  e->add_flag("--clip-x0,!--no-clip-x0", s.clip_x0,
+              "clip each sampler step's predicted clean image to [-1, 1] (default on)");
+  e->add_option("--guidance", s.guidance, "classifier-free guidance scale (1: none)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  e->add_option("--samples-per-class", s.samples_per_class, "samples scored per class")
+      ->check(CLI::Range(2, 100000))
+      ->capture_default_str();
+  e->add_option("--grid-columns", s.grid_columns, "samples per class in samples.png")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  e->add_option("--classifier", s.classifier,
+                "classifier cache file (default OUT/classifier.safetensors)");
+  e->add_option("--classifier-epochs", s.classifier_epochs, "classifier training epochs")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  e->add_option("--min-classifier-accuracy", s.min_classifier_accuracy,
+                "refuse to score with a weaker classifier")
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+  try {
+    return run(s);
+  } catch (const difftrain::Error& err) {
+    std::fprintf(stderr, "error: %s\n", err.what());
+    return 2;
+  } catch (const c10::Error& err) {
+    std::fprintf(stderr, "error (torch): %s\n", err.what_without_backtrace());
+    return 3;
+  }
+}

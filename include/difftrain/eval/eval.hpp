@@ -1,0 +1,4 @@
+#pragma once
+// Evaluation measures for generated samples.
+
+#include "difftrain/eval/frechet_distance.hpp"

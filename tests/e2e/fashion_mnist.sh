@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# The Fashion-MNIST example end to end on a tiny configuration: --help, the missing-dataset and
+# corrupted-file errors, a full run (train, checkpoint, sample, grid, score), the refusal to
+# overwrite a run, pausing and resuming to the same losses, and Ctrl-C saving a checkpoint that
+# --resume continues from.
+#
+#   fashion_mnist.sh PROGRAM WORKDIR [DATA_DIR]
+set -uo pipefail
+bin=$1 work=$2 data=${3:-/usr/share/datasets/fashion-mnist}
+rm -rf "$work" && mkdir -p "$work"
+failures=0
+fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
+expect_rc() {  # expect_rc WANT NAME -- command...
+  local want=$1 name=$2; shift 3
+  "$@" >"$work/$name.out" 2>"$work/$name.err"
+  local rc=$?
+  [ "$rc" -eq "$want" ] || { fail "$name: exit $rc, expected $want"; cat "$work/$name.err"; }
+}
+grep_in() { grep -q -- "$2" "$1" || fail "$1 lacks '$2'"; }
+
+tiny=(--data-dir "$data" --limit 512 --batch-size 16 --checkpoint-every 2 --keep 2
+      --samples-per-class 2 --sample-steps 3 --classifier "$work/classifier.safetensors"
+      --classifier-epochs 1 --min-classifier-accuracy 0 --seed 7)
+
+expect_rc 0 help -- "$bin" --help
+grep_in "$work/help.out" "--resume"
+grep_in "$work/help.out" "--guidance"
+
+expect_rc 2 missing -- "$bin" --data-dir "$work/no-such-dir" --out "$work/missing"
+grep_in "$work/missing.err" "dataset-fashion-mnist"
+
+mkdir -p "$work/corrupt"
+for f in "$data"/*; do head -c 3000 "$f" >"$work/corrupt/$(basename "$f")"; done
+expect_rc 2 corrupt -- "$bin" --data-dir "$work/corrupt" --out "$work/corrupt-run"
+grep_in "$work/corrupt.err" "FormatError"
+
+# A whole run.
+expect_rc 0 full -- "$bin" "${tiny[@]}" --steps 6 --out "$work/a"
+for f in samples.png loss.png loss.csv results.json ema.safetensors checkpoints/checkpoint-6.pt; do
+  [ -s "$work/a/$f" ] || fail "the run did not write $f"
+done
+grep_in "$work/a/results.json" '"class_accuracy"'
+grep_in "$work/a/results.json" '"frechet_distance"'
+grep_in "$work/full.out" "class accuracy of the samples"
+[ "$(ls "$work/a/checkpoints" | wc -l)" -eq 2 ] || fail "keep 2 left $(ls "$work/a/checkpoints")"
+[ "$(wc -l <"$work/a/loss.csv")" -eq 7 ] || fail "loss.csv should have a header and 6 rows"
+
+# A second run in the same place must not replace the first one's checkpoints.
+expect_rc 2 again -- "$bin" "${tiny[@]}" --steps 6 --out "$work/a"
+grep_in "$work/again.err" "--resume"
+
+# Pause at step 3, resume to 6: the same losses, step for step, as the uninterrupted run.
+expect_rc 0 pause -- "$bin" "${tiny[@]}" --steps 6 --stop-at-step 3 --out "$work/b"
+grep_in "$work/pause.err" "paused at step 3"
+[ -e "$work/b/results.json" ] && fail "a paused run should not sample"
+expect_rc 0 resume -- "$bin" "${tiny[@]}" --steps 6 --resume --out "$work/b"
+grep_in "$work/resume.err" "step 3"
+cmp -s "$work/a/loss.csv" "$work/b/loss.csv" || {
+  fail "resumed losses differ"; diff "$work/a/loss.csv" "$work/b/loss.csv"; }
+cmp -s "$work/a/samples.png" "$work/b/samples.png" || fail "resumed samples differ"
+
+# Ctrl-C: a checkpoint, status 130, and --resume goes on from it.
+"$bin" "${tiny[@]}" --steps 100000 --out "$work/c" >"$work/sigint.out" 2>"$work/sigint.err" &
+pid=$!
+for _ in $(seq 600); do
+  [ "$( (wc -l <"$work/c/loss.csv") 2>/dev/null || echo 0)" -ge 4 ] && break
+  sleep 0.1
+done
+kill -INT "$pid"
+wait "$pid"
+rc=$?
+[ "$rc" -eq 130 ] || { fail "Ctrl-C: exit $rc, expected 130"; cat "$work/sigint.err"; }
+grep_in "$work/sigint.err" "interrupted at step"
+step=$(sed -n 's/.*interrupted at step \([0-9]*\).*/\1/p' "$work/sigint.err")
+[ -s "$work/c/checkpoints/checkpoint-$step.pt" ] || fail "no checkpoint for step $step"
+expect_rc 0 sigint-resume -- "$bin" "${tiny[@]}" --steps 100000 --stop-at-step $((step + 2)) \
+  --resume --out "$work/c"
+grep_in "$work/sigint-resume.err" "paused at step $((step + 2))"
+
+[ "$failures" -eq 0 ] && echo "fashion_mnist end to end: all checks passed"
+exit "$failures"
