@@ -2,6 +2,7 @@
 // Everything difftrain offers. Each layer also has its own umbrella header
 // (`difftrain/core/core.hpp`, ...) for users who want to include less.
 
+#include "difftrain/adapters/adapters.hpp"
 #include "difftrain/core/core.hpp"
 #include "difftrain/diffusion/diffusion.hpp"
 #include "difftrain/ema/ema.hpp"

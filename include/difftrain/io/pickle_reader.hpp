@@ -333,11 +333,17 @@ class Unpickler {
       case 'R':
         reduce(at);
         break;
-      case 'b': {  // BUILD: only an empty or None state is meaningful for the allowed types
+      case 'b': {  // BUILD: only an empty or None state is meaningful for the allowed types,
+                   // and the attribute dict a state_dict() OrderedDict carries (its `_metadata`,
+                   // module versions), which is dropped as torch.load drops nothing we read
         auto state = pop_value(at);
-        (void)top(at);
-        const bool trivial =
-            state.isNone() || (state.isGenericDict() && state.toGenericDict().empty());
+        const auto& target = top(at).value;
+        bool trivial = state.isNone() || (state.isGenericDict() && state.toGenericDict().empty());
+        if (!trivial && target.isGenericDict() && state.isGenericDict()) {
+          trivial = true;
+          for (const auto& entry : state.toGenericDict())
+            trivial = trivial && entry.key().isString() && entry.key().toStringRef() == "_metadata";
+        }
         if (!trivial) fail("sets object state, which weights-only files never need", at);
         break;
       }

@@ -18,6 +18,7 @@
 #include <string>
 #include <utility>
 
+#include "difftrain/adapters/lora.hpp"
 #include "difftrain/core/error.hpp"
 #include "difftrain/nn/attention/concepts.hpp"
 #include "difftrain/nn/attention/sdpa.hpp"
@@ -56,13 +57,14 @@ class CrossAttentionImpl : public torch::nn::Module {
     const std::int64_t inner = o.heads * o.dim_head;
     const std::int64_t context_dim = o.context_dim.value_or(o.query_dim);
     auto linear = [](std::int64_t in, std::int64_t out) {
-      return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
+      return adapters::AdaptableLinear(torch::nn::LinearOptions(in, out).bias(false));
     };
     to_q = register_module("to_q", linear(o.query_dim, inner));
     to_k = register_module("to_k", linear(context_dim, inner));
     to_v = register_module("to_v", linear(context_dim, inner));
-    to_out = register_module("to_out", torch::nn::Sequential(torch::nn::Linear(inner, o.query_dim),
-                                                             torch::nn::Dropout(o.dropout)));
+    to_out = register_module("to_out",
+                             torch::nn::Sequential(adapters::AdaptableLinear(inner, o.query_dim),
+                                                   torch::nn::Dropout(o.dropout)));
   }
 
   void set_context_hook(ContextHook hook) { hook_ = std::move(hook); }
@@ -137,7 +139,8 @@ class CrossAttentionImpl : public torch::nn::Module {
     return to_out->forward(out);
   }
 
-  torch::nn::Linear to_q{nullptr}, to_k{nullptr}, to_v{nullptr};
+  // Adaptable: each can carry a LoRA branch (adapters::inject_lora).
+  adapters::AdaptableLinear to_q{nullptr}, to_k{nullptr}, to_v{nullptr};
   torch::nn::Sequential to_out{nullptr};
 
  private:

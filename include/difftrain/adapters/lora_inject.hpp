@@ -1,0 +1,259 @@
+#pragma once
+// Putting LoRA branches into a model and taking them out as files.
+//
+//   * `inject_lora(model, {.target_modules = {"to_q", "to_k", "to_v", "to_out.0"}}, {.rank = 8})`
+//     attaches a branch to every adaptable layer whose name matches (PEFT's rule for a list: the
+//     name equals a target or ends with "." + target; or one regex that must match the whole name),
+//     and freezes every other parameter. A match that cannot carry a branch, or no match at all, is
+//     a ConfigError naming it.
+//   * `lora_state_dict(model, layout)`: the branches' tensors under PEFT / diffusers names
+//     (`<prefix><module>.lora_A.weight`, `.lora_B.weight`) or kohya's (`lora_unet_<module with
+//     "_">.lora_down.weight`, `.lora_up.weight`, `.alpha`); `load_lora_state_dict` attaches and
+//     fills branches from either, checking every key and shape.
+//   * `sat_to_diffusers_lora_key`: CogVideoX SAT checkpoint keys to diffusers' (seed 003's table).
+
+#include <torch/nn/module.h>
+
+#include <map>
+#include <memory>
+#include <optional>
+#include <regex>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "difftrain/adapters/lora.hpp"
+#include "difftrain/core/error.hpp"
+
+namespace difftrain::adapters {
+
+struct LoraTargets {
+  std::vector<std::string> target_modules{};  ///< PEFT list rule (name == t or ends with "." + t)
+  std::optional<std::string> target_regex{};  ///< or a regex matched against the whole name
+};
+
+namespace lora_inject_detail {
+inline bool matches(const std::string& name, const LoraTargets& t, const std::regex* re) {
+  if (re != nullptr) return std::regex_match(name, *re);
+  for (const auto& target : t.target_modules)
+    if (name == target || (name.size() > target.size() &&
+                           name.compare(name.size() - target.size(), target.size(), target) == 0 &&
+                           name[name.size() - target.size() - 1] == '.'))
+      return true;
+  return false;
+}
+inline LoraHost* host_of(const std::shared_ptr<torch::nn::Module>& m) {
+  return dynamic_cast<LoraHost*>(m.get());
+}
+}  // namespace lora_inject_detail
+
+/// Every module of `root` that carries a LoRA branch, by name.
+inline std::vector<std::pair<std::string, LoraHost*>> lora_layers(torch::nn::Module& root) {
+  std::vector<std::pair<std::string, LoraHost*>> out;
+  for (const auto& item : root.named_modules("", /*include_self=*/false))
+    if (auto* h = lora_inject_detail::host_of(item.value()); h != nullptr && h->has_lora())
+      out.emplace_back(item.key(), h);
+  return out;
+}
+
+/// Only parameters inside LoRA branches stay trainable.
+inline void freeze_all_but_lora(torch::nn::Module& root) {
+  for (auto& item : root.named_parameters(true))
+    item.value().set_requires_grad(item.key().find("lora_") != std::string::npos);
+}
+
+/// Attaches a branch to each matching layer, freezes the rest; returns the adapted names.
+inline std::vector<std::string> inject_lora(torch::nn::Module& root, const LoraTargets& targets,
+                                            const LoraOptions& options) {
+  const std::string where = "inject_lora";
+  options.validate(where);
+  if (targets.target_modules.empty() && !targets.target_regex)
+    throw ConfigError("names no target modules", where);
+  std::optional<std::regex> re;
+  if (targets.target_regex) {
+    try {
+      re.emplace(*targets.target_regex);
+    } catch (const std::regex_error& e) {
+      throw ConfigError("target regex '" + *targets.target_regex + "' is invalid: " + e.what(),
+                        where);
+    }
+  }
+  std::vector<std::string> adapted;
+  for (const auto& item : root.named_modules("", false)) {
+    const std::string& name = item.key();
+    if (!lora_inject_detail::matches(name, targets, re ? &*re : nullptr)) continue;
+    auto* host = lora_inject_detail::host_of(item.value());
+    if (host == nullptr)
+      throw ConfigError("module '" + name + "' (" + item.value()->name() +
+                            ") matches the targets but cannot carry a LoRA branch; build it from "
+                            "AdaptableLinear / AdaptableConv2d",
+                        where);
+    host->attach_lora(options);
+    adapted.push_back(name);
+  }
+  if (adapted.empty()) throw ConfigError("no module matches the targets", where);
+  freeze_all_but_lora(root);
+  return adapted;
+}
+
+enum class LoraLayout {
+  peft,   ///< `<prefix><module>.lora_A.weight` / `.lora_B.weight` (PEFT, diffusers)
+  kohya,  ///< `<prefix><module_with_underscores>.lora_down.weight` / `.lora_up.weight` / `.alpha`
+};
+
+struct LoraKeyOptions {
+  LoraLayout layout = LoraLayout::peft;
+  std::string prefix{};  ///< peft: e.g. "unet." or "transformer."; kohya: e.g. "lora_unet_"
+};
+
+inline std::string kohya_name(const std::string& module) {
+  std::string s = module;
+  for (char& c : s)
+    if (c == '.') c = '_';
+  return s;
+}
+
+/// The branches of `root` as a flat tensor map in the chosen layout (CPU copies).
+inline std::map<std::string, at::Tensor> lora_state_dict(torch::nn::Module& root,
+                                                         const LoraKeyOptions& k = {}) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& [name, h] : lora_layers(root)) {
+    const at::Tensor a = h->lora_a().detach().cpu().clone(), b = h->lora_b().detach().cpu().clone();
+    if (k.layout == LoraLayout::peft) {
+      out[k.prefix + name + ".lora_A.weight"] = a;
+      out[k.prefix + name + ".lora_B.weight"] = b;
+    } else {
+      const std::string base = k.prefix + kohya_name(name);
+      out[base + ".lora_down.weight"] = a;
+      out[base + ".lora_up.weight"] = b;
+      out[base + ".alpha"] = at::scalar_tensor(
+          h->lora_options().alpha.value_or(static_cast<double>(h->lora_options().rank)),
+          at::kFloat);
+    }
+  }
+  return out;
+}
+
+/// Attaches (where missing) and fills the branches named in `tensors`; every key must name an
+/// adaptable layer of `root` and every shape must fit. `defaults` gives alpha and dropout where
+/// the layout does not store them (PEFT keeps alpha in its adapter_config.json).
+inline std::vector<std::string> load_lora_state_dict(
+    torch::nn::Module& root, const std::map<std::string, at::Tensor>& tensors,
+    const LoraKeyOptions& k = {}, const LoraOptions& defaults = {}) {
+  const std::string where = "load_lora_state_dict";
+  // Module name → (A, B, alpha) from the keys.
+  struct Parts {
+    at::Tensor a, b;
+    std::optional<double> alpha;
+  };
+  std::map<std::string, Parts> parts;
+  std::map<std::string, std::string> kohya_to_module;
+  std::map<std::string, LoraHost*> hosts;
+  for (const auto& item : root.named_modules("", false))
+    if (auto* h = lora_inject_detail::host_of(item.value()); h != nullptr) {
+      hosts[item.key()] = h;
+      kohya_to_module[kohya_name(item.key())] = item.key();
+    }
+  auto strip = [&](const std::string& key,
+                   const std::string& suffix) -> std::optional<std::string> {
+    if (key.size() < k.prefix.size() + suffix.size() ||
+        key.compare(0, k.prefix.size(), k.prefix) != 0 ||
+        key.compare(key.size() - suffix.size(), suffix.size(), suffix) != 0)
+      return std::nullopt;
+    return key.substr(k.prefix.size(), key.size() - k.prefix.size() - suffix.size());
+  };
+  for (const auto& [key, t] : tensors) {
+    const bool peft = k.layout == LoraLayout::peft;
+    const char* sa = peft ? ".lora_A.weight" : ".lora_down.weight";
+    const char* sb = peft ? ".lora_B.weight" : ".lora_up.weight";
+    std::optional<std::string> m;
+    int which = -1;
+    if ((m = strip(key, sa)))
+      which = 0;
+    else if ((m = strip(key, sb)))
+      which = 1;
+    else if (!peft && (m = strip(key, ".alpha")))
+      which = 2;
+    if (which < 0)
+      throw FormatError("is not a LoRA key of this layout", where + " key '" + key + "'");
+    std::string module = *m;
+    if (!peft) {
+      const auto it = kohya_to_module.find(module);
+      if (it == kohya_to_module.end())
+        throw ConfigError("names no adaptable layer of the model", where + " key '" + key + "'");
+      module = it->second;
+    }
+    if (!hosts.count(module))
+      throw ConfigError("names no adaptable layer of the model", where + " key '" + key + "'");
+    Parts& p = parts[module];
+    if (which == 0)
+      p.a = t;
+    else if (which == 1)
+      p.b = t;
+    else {
+      if (t.numel() != 1)
+        throw FormatError("alpha must hold one value", where + " key '" + key + "'");
+      p.alpha = t.to(at::kDouble).item<double>();
+    }
+  }
+  std::vector<std::string> loaded;
+  for (auto& [module, p] : parts) {
+    const std::string at_module = where + " module '" + module + "'";
+    if (!p.a.defined() || !p.b.defined())
+      throw FormatError("has only one of the two LoRA matrices", at_module);
+    if (p.a.dim() < 2 || p.b.dim() < 2 || p.a.size(0) != p.b.size(1))
+      throw FormatError(
+          "A " + c10::str(p.a.sizes()) + " and B " + c10::str(p.b.sizes()) + " do not share a rank",
+          at_module);
+    LoraHost* h = hosts.at(module);
+    LoraOptions o = h->has_lora() ? h->lora_options() : defaults;
+    o.rank = p.a.size(0);
+    if (p.alpha) o.alpha = p.alpha;
+    if (h->has_lora() && h->lora_a().sizes() != p.a.sizes()) h->detach_lora();
+    if (!h->has_lora()) h->attach_lora(o);
+    if (h->lora_a().sizes() != p.a.sizes() || h->lora_b().sizes() != p.b.sizes())
+      throw ConfigError("A " + c10::str(p.a.sizes()) + " / B " + c10::str(p.b.sizes()) +
+                            " do not fit the layer (A " + c10::str(h->lora_a().sizes()) + ", B " +
+                            c10::str(h->lora_b().sizes()) + ")",
+                        at_module);
+    at::NoGradGuard no_grad;
+    h->lora_a().copy_(p.a);
+    h->lora_b().copy_(p.b);
+    loaded.push_back(module);
+  }
+  return loaded;
+}
+
+/// A CogVideoX SAT LoRA key in diffusers' naming (seed 003's table, and its export script's
+/// rules): the SAT prefix "model.diffusion_model." is dropped, the attention matrices are renamed
+/// and "layers" becomes "transformer_blocks" ("transformer.layers.3.attention.dense.matrix_A.0" →
+/// "transformer.transformer_blocks.3.attn1.to_out.0.lora_A.weight"). Keys outside the table give
+/// std::nullopt (they are not LoRA weights).
+inline std::optional<std::string> sat_to_diffusers_lora_key(const std::string& key) {
+  static const std::vector<std::pair<std::string, std::string>> table = {
+      {"attention.query_key_value.matrix_A.0", "attn1.to_q.lora_A.weight"},
+      {"attention.query_key_value.matrix_A.1", "attn1.to_k.lora_A.weight"},
+      {"attention.query_key_value.matrix_A.2", "attn1.to_v.lora_A.weight"},
+      {"attention.query_key_value.matrix_B.0", "attn1.to_q.lora_B.weight"},
+      {"attention.query_key_value.matrix_B.1", "attn1.to_k.lora_B.weight"},
+      {"attention.query_key_value.matrix_B.2", "attn1.to_v.lora_B.weight"},
+      {"attention.dense.matrix_A.0", "attn1.to_out.0.lora_A.weight"},
+      {"attention.dense.matrix_B.0", "attn1.to_out.0.lora_B.weight"}};
+  std::string k = key;
+  const std::string sat_prefix = "model.diffusion_model.";
+  if (k.rfind(sat_prefix, 0) == 0) k = k.substr(sat_prefix.size());
+  for (const auto& [from, to] : table) {
+    if (k.size() < from.size() || k.compare(k.size() - from.size(), from.size(), from) != 0)
+      continue;
+    std::string head = k.substr(0, k.size() - from.size());
+    const std::string unit = "layers", blocks = "transformer_blocks";  // str.replace: every one
+    for (auto at = head.find(unit); at != std::string::npos;
+         at = head.find(unit, at + blocks.size()))
+      head.replace(at, unit.size(), blocks);
+    return head + to;
+  }
+  return std::nullopt;
+}
+
+}  // namespace difftrain::adapters

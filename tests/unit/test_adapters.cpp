@@ -1,0 +1,366 @@
+// LoRA: layer numerics and gradients against PEFT's rule (tests/reference/ref_lora.py), merge and
+// unmerge, injection by name, freezing, the PEFT and kohya file layouts, the SAT key mapping.
+#include <difftrain/adapters/adapters.hpp>
+#include <difftrain/io/safetensors.hpp>
+#include <difftrain/nn/blocks/cross_attention.hpp>
+#include <difftrain/nn/blocks/transformer_block.hpp>
+#include <difftrain/train/optimizer.hpp>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+namespace dt = difftrain;
+namespace ad = difftrain::adapters;
+namespace fs = std::filesystem;
+
+namespace {
+
+std::map<std::string, at::Tensor> golden_lora(const std::string& name) {
+  return dt::io::load_safetensors(
+             fs::path(DIFFTRAIN_GOLDEN_DIR) / ("lora_" + name + ".safetensors"), true)
+      .tensors;
+}
+
+template <class Layer>
+void check_against_reference(Layer& layer, const std::map<std::string, at::Tensor>& r,
+                             const ad::LoraOptions& o) {
+  layer->to(at::kDouble);
+  layer->attach_lora(o);
+  {
+    at::NoGradGuard no_grad;
+    layer->weight.copy_(r.at("w.weight"));
+    layer->bias.copy_(r.at("w.bias"));
+    layer->lora_A->weight.copy_(r.at("w.lora_A.weight"));
+    layer->lora_B->weight.copy_(r.at("w.lora_B.weight"));
+  }
+  const at::Tensor x = r.at("in.x").clone().requires_grad_(true);
+  const at::Tensor y = layer->forward(x);
+  EXPECT_TRUE(at::allclose(y, r.at("out.y"), 1e-10, 1e-12));
+  (y * r.at("in.probe")).sum().backward();
+  EXPECT_TRUE(at::allclose(layer->lora_A->weight.grad(), r.at("grad.lora_A.weight"), 1e-10, 1e-12));
+  EXPECT_TRUE(at::allclose(layer->lora_B->weight.grad(), r.at("grad.lora_B.weight"), 1e-10, 1e-12));
+  EXPECT_TRUE(at::allclose(x.grad(), r.at("grad.x"), 1e-10, 1e-12));
+  // Merged: the base weight holds W + scale·B·A and the output is unchanged; unmerge restores W.
+  layer->merge();
+  EXPECT_TRUE(layer->merged());
+  EXPECT_TRUE(at::allclose(layer->weight, r.at("out.merged"), 1e-10, 1e-12));
+  {
+    at::NoGradGuard no_grad;
+    EXPECT_TRUE(at::allclose(layer->forward(r.at("in.x")), r.at("out.y"), 1e-10, 1e-12));
+  }
+  layer->unmerge();
+  EXPECT_TRUE(at::allclose(layer->weight, r.at("w.weight"), 1e-12, 1e-14));
+}
+
+TEST(Lora, LinearMatchesPeftRuleForwardBackwardAndMerge) {
+  const auto r = golden_lora("linear");
+  ad::AdaptableLinear layer(12, 10);
+  check_against_reference(layer, r, {.rank = 4, .alpha = 16.0});
+}
+
+TEST(Lora, ConvMatchesPeftRuleForwardBackwardAndMerge) {
+  const auto r = golden_lora("conv");
+  ad::AdaptableConv2d layer(torch::nn::Conv2dOptions(6, 8, 3).stride(2).padding(1));
+  check_against_reference(layer, r, {.rank = 3, .alpha = 6.0});
+}
+
+TEST(Lora, ANewBranchStartsAsTheIdentity) {
+  ad::AdaptableLinear layer(8, 6);
+  const at::Tensor x = at::randn({4, 8});
+  const at::Tensor before = layer->forward(x).detach();
+  layer->attach_lora({.rank = 2});
+  EXPECT_TRUE(at::equal(layer->forward(x), before));
+  EXPECT_GT(layer->lora_A->weight.abs().sum().item<double>(), 0.0);  // Kaiming-uniform A
+  EXPECT_EQ(layer->lora_B->weight.abs().sum().item<double>(), 0.0);  // zero B
+  EXPECT_THROW(layer->attach_lora({.rank = 2}), dt::ConfigError);
+  EXPECT_THROW(ad::AdaptableLinear(3, 3)->merge(), dt::ConfigError);
+  EXPECT_THROW(ad::AdaptableLinear(3, 3)->attach_lora({.rank = 0}), dt::ConfigError);
+  layer->detach_lora();
+  EXPECT_FALSE(layer->has_lora());
+  EXPECT_EQ(layer->named_parameters().size(), 2u);
+}
+
+dt::nn::blocks::BasicTransformerBlock<> block() {
+  return dt::nn::blocks::BasicTransformerBlock<>(dt::nn::blocks::TransformerBlockOptions{
+      .dim = 16, .n_heads = 2, .d_head = 8, .context_dim = 12});
+}
+
+TEST(Lora, InjectionByNameFreezesEverythingElse) {
+  auto b = block();
+  const auto names = ad::inject_lora(*b, {.target_modules = {"to_q", "to_k", "to_v", "to_out.0"}},
+                                     {.rank = 4, .alpha = 8.0});
+  EXPECT_EQ(names,
+            (std::vector<std::string>{"attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0",
+                                      "attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0"}));
+  std::int64_t trainable = 0;
+  for (const auto& p : b->named_parameters()) {
+    EXPECT_EQ(p.value().requires_grad(), p.key().find(".lora_") != std::string::npos) << p.key();
+    trainable += p.value().requires_grad() ? 1 : 0;
+  }
+  EXPECT_EQ(trainable, 16);
+  const auto groups = dt::train::make_param_groups(*b, {});
+  std::size_t in_groups = 0;
+  for (const auto& g : groups) in_groups += g.params.size();
+  EXPECT_EQ(in_groups, 16u);  // the optimizer sees only the adapters
+  // A regex, matched against the whole name.
+  auto c = block();
+  EXPECT_EQ(ad::inject_lora(*c, {.target_regex = "attn2\\.to_(q|v)"}, {.rank = 2}).size(), 2u);
+}
+
+TEST(Lora, InjectionErrorsNameTheProblem) {
+  auto b = block();
+  EXPECT_THROW(ad::inject_lora(*b, {.target_modules = {"to_nothing"}}, {}), dt::ConfigError);
+  try {
+    ad::inject_lora(*b, {.target_modules = {"norm1"}}, {});
+    FAIL() << "a LayerNorm cannot carry LoRA";
+  } catch (const dt::ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("'norm1'"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(ad::inject_lora(*b, {.target_regex = "("}, {}), dt::ConfigError);
+  EXPECT_THROW(ad::inject_lora(*b, {}, {}), dt::ConfigError);
+}
+
+at::Tensor run(dt::nn::blocks::BasicTransformerBlock<>& b, const at::Tensor& x,
+               const at::Tensor& c) {
+  at::NoGradGuard no_grad;
+  b->eval();
+  return b->forward(x, c);
+}
+
+void randomize_lora(torch::nn::Module& m) {
+  at::NoGradGuard no_grad;
+  for (auto& p : m.named_parameters())
+    if (p.key().find("lora_") != std::string::npos) p.value().normal_(0, 0.2);
+}
+
+TEST(Lora, PeftAndKohyaFilesRoundTrip) {
+  torch::manual_seed(4);
+  auto b = block();
+  ad::inject_lora(*b, {.target_modules = {"to_q", "to_k", "to_v", "to_out.0"}},
+                  {.rank = 4, .alpha = 2.0});
+  randomize_lora(*b);
+  const at::Tensor x = at::randn({2, 5, 16}), c = at::randn({2, 3, 12});
+  const at::Tensor want = run(b, x, c);
+  const fs::path dir = fs::temp_directory_path() / "difftrain_lora_test";
+  fs::create_directories(dir);
+  for (const auto layout : {ad::LoraLayout::peft, ad::LoraLayout::kohya}) {
+    const bool peft = layout == ad::LoraLayout::peft;
+    const ad::LoraKeyOptions k{.layout = layout, .prefix = peft ? "unet." : "lora_unet_"};
+    const auto sd = ad::lora_state_dict(*b, k);
+    if (peft) {
+      EXPECT_EQ(sd.size(), 16u);
+      ASSERT_TRUE(sd.contains("unet.attn1.to_out.0.lora_A.weight"));
+      EXPECT_EQ(sd.at("unet.attn1.to_q.lora_B.weight").sizes(), (at::IntArrayRef{16, 4}));
+    } else {
+      EXPECT_EQ(sd.size(), 24u);
+      ASSERT_TRUE(sd.contains("lora_unet_attn2_to_v.lora_down.weight"));
+      EXPECT_EQ(sd.at("lora_unet_attn1_to_q.alpha").item<double>(), 2.0);
+    }
+    const fs::path file = dir / (peft ? "peft.safetensors" : "kohya.safetensors");
+    dt::io::save_safetensors(file, sd);
+    // A fresh block with the same base weights: loading attaches the branches.
+    auto fresh = block();
+    {
+      at::NoGradGuard no_grad;
+      auto src = b->named_parameters();
+      for (auto& p : fresh->named_parameters()) p.value().copy_(src[p.key()]);
+    }
+    const auto loaded = ad::load_lora_state_dict(
+        *fresh, dt::io::load_safetensors(file, true).tensors, k, {.alpha = 2.0});
+    EXPECT_EQ(loaded.size(), 8u);
+    EXPECT_TRUE(at::allclose(run(fresh, x, c), want, 1e-6, 1e-6)) << (peft ? "peft" : "kohya");
+  }
+  // Merging gives the same output at the base layer's cost; unmerging goes back.
+  for (const auto& [name, h] : ad::lora_layers(*b)) h->merge();
+  EXPECT_TRUE(at::allclose(run(b, x, c), want, 1e-5, 1e-5));
+  for (const auto& [name, h] : ad::lora_layers(*b)) h->unmerge();
+  EXPECT_TRUE(at::allclose(run(b, x, c), want, 1e-6, 1e-6));
+  // (fs::remove_all would bind to a copy inside libtorch that crashes; remove file by file.)
+  fs::remove(dir / "peft.safetensors");
+  fs::remove(dir / "kohya.safetensors");
+  fs::remove(dir);
+}
+
+TEST(Lora, HostileFilesAreTypedErrors) {
+  auto b = block();
+  const ad::LoraKeyOptions peft{.prefix = "unet."};
+  const at::Tensor a = at::zeros({4, 16}), bb = at::zeros({16, 4});
+  auto load = [&](std::map<std::string, at::Tensor> t, const ad::LoraKeyOptions& k) {
+    auto fresh = block();
+    return ad::load_lora_state_dict(*fresh, t, k);
+  };
+  EXPECT_THROW(
+      load({{"unet.attn9.to_q.lora_A.weight", a}, {"unet.attn9.to_q.lora_B.weight", bb}}, peft),
+      dt::ConfigError);
+  EXPECT_THROW(load({{"unet.attn1.to_q.lora_A.weight", a}}, peft), dt::FormatError);
+  EXPECT_THROW(load({{"unet.attn1.to_q.lora_A.weight", a},
+                     {"unet.attn1.to_q.lora_B.weight", at::zeros({16, 3})}},
+                    peft),
+               dt::FormatError);
+  EXPECT_THROW(load({{"unet.attn1.to_q.lora_A.weight", at::zeros({4, 15})},
+                     {"unet.attn1.to_q.lora_B.weight", bb}},
+                    peft),
+               dt::ConfigError);
+  EXPECT_THROW(load({{"unet.attn1.to_q.weight", a}}, peft), dt::FormatError);
+  EXPECT_THROW(load({{"lora_unet_attn1_to_q.alpha", at::ones({2})},
+                     {"lora_unet_attn1_to_q.lora_down.weight", a},
+                     {"lora_unet_attn1_to_q.lora_up.weight", bb}},
+                    {.layout = ad::LoraLayout::kohya, .prefix = "lora_unet_"}),
+               dt::FormatError);
+}
+
+TEST(Lora, SatKeysMapToDiffusers) {
+  EXPECT_EQ(ad::sat_to_diffusers_lora_key(
+                "model.diffusion_model.transformer.layers.3.attention.query_key_value.matrix_A.1"),
+            "transformer.transformer_blocks.3.attn1.to_k.lora_A.weight");
+  EXPECT_EQ(ad::sat_to_diffusers_lora_key(
+                "model.diffusion_model.transformer.layers.0.attention.dense.matrix_B.0"),
+            "transformer.transformer_blocks.0.attn1.to_out.0.lora_B.weight");
+  EXPECT_EQ(
+      ad::sat_to_diffusers_lora_key("transformer.layers.12.attention.query_key_value.matrix_B.2"),
+      "transformer.transformer_blocks.12.attn1.to_v.lora_B.weight");
+  EXPECT_EQ(ad::sat_to_diffusers_lora_key(
+                "model.diffusion_model.transformer.layers.0.mlp.dense_h_to_4h.weight"),
+            std::nullopt);
+}
+
+}  // namespace
+
+// ---- hypernetworks ---------------------------------------------------------------------------
+
+namespace {
+
+struct HnCase {
+  std::map<std::string, at::Tensor> t;
+  nlohmann::json meta;
+};
+
+HnCase hn_case(const std::string& name) {
+  auto f = dt::io::load_safetensors(
+      fs::path(DIFFTRAIN_GOLDEN_DIR) / ("hypernetwork_" + name + ".safetensors"), true);
+  return {f.tensors, nlohmann::json::parse(f.metadata.at("case"))};
+}
+
+ad::HypernetworkOptions options_of(const nlohmann::json& m) {
+  ad::HypernetworkOptions o;
+  o.layer_structure = m["layer_structure"].get<std::vector<double>>();
+  o.activation_func = m["activation_func"].get<std::string>();
+  o.add_layer_norm = m["add_layer_norm"].get<bool>();
+  o.activate_output = m["activate_output"].get<bool>();
+  o.dropout_structure = m["dropout_structure"].get<std::vector<double>>();
+  return o;
+}
+
+TEST(Hypernetwork, ModulesMatchTheWebUiStructureAndNumbers) {
+  for (const std::string name : {"relu", "deep", "swish"}) {
+    const auto c = hn_case(name);
+    ad::HypernetworkModule m(c.meta["dim"].get<std::int64_t>(), options_of(c.meta));
+    std::map<std::string, at::Tensor> sd;
+    for (const auto& [k, v] : c.t)
+      if (k.rfind("w.", 0) == 0) sd[k.substr(2)] = v;
+    m->load(sd, name);  // every key of the web UI's module, no more, no fewer
+    EXPECT_EQ(m->named_parameters().size(), sd.size()) << name;
+    m->eval();
+    m->multiplier = 0.7;
+    EXPECT_TRUE(at::allclose(m->forward(c.t.at("in.x")), c.t.at("out.eval"), 1e-5, 1e-6)) << name;
+    // Training ignores the multiplier (dropout layers are off in the reference's train pass).
+    m->train();
+    for (auto& child : m->linear->children())
+      if (auto* d = dynamic_cast<torch::nn::DropoutImpl*>(child.get())) d->options.p(0.0);
+    EXPECT_TRUE(at::allclose(m->forward(c.t.at("in.x")), c.t.at("out.train"), 1e-5, 1e-6)) << name;
+  }
+}
+
+TEST(Hypernetwork, DropoutStructureAndValidationFollowTheWebUi) {
+  EXPECT_EQ(ad::parse_dropout_structure({1, 2, 1}, false, true), (std::vector<double>{0, 0, 0}));
+  EXPECT_EQ(ad::parse_dropout_structure({1, 2, 1}, true, false), (std::vector<double>{0, 0, 0}));
+  EXPECT_EQ(ad::parse_dropout_structure({1, 2, 2, 1}, true, false),
+            (std::vector<double>{0, 0.3, 0, 0}));
+  EXPECT_EQ(ad::parse_dropout_structure({1, 2, 2, 1}, true, true),
+            (std::vector<double>{0, 0.3, 0.3, 0}));
+  auto err = [](ad::HypernetworkOptions o) -> std::string {
+    try {
+      ad::HypernetworkModule m(8, o);
+    } catch (const dt::ConfigError& e) {
+      return e.what();
+    }
+    return "";
+  };
+  EXPECT_NE(err({.layer_structure = {2, 2, 1}}).find("should start with size 1"),
+            std::string::npos);
+  EXPECT_NE(err({.layer_structure = {1, 2, 2}}).find("should end with size 1"), std::string::npos);
+  EXPECT_NE(err({.activation_func = "bogus"}).find("unsupported activation function: bogus"),
+            std::string::npos);
+  EXPECT_NE(err({.weight_init = "Uniform"}).find("Key Uniform is not defined"), std::string::npos);
+  // Normal init: weights ~ N(0, 0.01), biases 0; a new module is nearly the identity.
+  ad::HypernetworkModule m(
+      64, ad::HypernetworkOptions{.layer_structure = {1, 2, 1}, .activation_func = "relu"});
+  const at::Tensor w = m->named_parameters()["linear.0.weight"];
+  EXPECT_NEAR(w.std().item<double>(), 0.01, 0.001);
+  EXPECT_EQ(m->named_parameters()["linear.0.bias"].abs().sum().item<double>(), 0.0);
+  EXPECT_TRUE(m->named_parameters().contains("linear.2.weight"));  // Linear, ReLU, Linear
+}
+
+TEST(Hypernetwork, ReadsTheWebUiFileAndRoundTripsItsLayout) {
+  const auto h = ad::Hypernetwork::load(fs::path(DIFFTRAIN_GOLDEN_DIR) / "hypernetwork_webui.pt");
+  EXPECT_EQ(h.name, "webui-hn");
+  EXPECT_EQ(h.step, 321);
+  EXPECT_EQ(h.options.activation_func, "leakyrelu");
+  EXPECT_EQ(h.options.weight_init, "XavierNormal");
+  EXPECT_TRUE(h.options.add_layer_norm);
+  EXPECT_EQ(h.sd_checkpoint_name, "v1-5-pruned");
+  EXPECT_EQ(h.optional_info, "made in Python");
+  EXPECT_EQ(h.options.layer_structure, (std::vector<double>{1, 1.5, 2, 1}));
+  ASSERT_EQ(h.layers.size(), 2u);
+  const auto check = dt::io::load_safetensors(
+      fs::path(DIFFTRAIN_GOLDEN_DIR) / "hypernetwork_webui_check.safetensors", true);
+  const at::Tensor ctx = check.tensors.at("in.context");
+  const auto [k, v] = h.apply(ctx, ctx);
+  EXPECT_TRUE(at::allclose(v, check.tensors.at("out.v"), 1e-5, 1e-6));
+  EXPECT_FALSE(at::equal(k, ctx));
+  // A width without modules passes the context through.
+  const at::Tensor other = at::randn({1, 2, 5});
+  EXPECT_TRUE(at::equal(h.apply(other, other).first, other));
+  // Our file reads back the same.
+  const fs::path file = fs::temp_directory_path() / "difftrain_hn_roundtrip.pt";
+  h.save(file);
+  const auto again = ad::Hypernetwork::load(file);
+  fs::remove(file);
+  EXPECT_EQ(again.name, h.name);
+  EXPECT_EQ(again.options.dropout_structure, h.options.dropout_structure);
+  EXPECT_TRUE(at::equal(again.apply(ctx, ctx).second, v));
+}
+
+TEST(Hypernetwork, FilesThatDoNotFitTheStructureAreFormatErrors) {
+  // The reference folder's synthetic file names layers linear.0 / linear.1, which a relu structure
+  // with dropout ([Linear, ReLU, Dropout, Linear]) does not have.
+  try {
+    (void)ad::Hypernetwork::load(fs::path(DIFFTRAIN_GOLDEN_DIR) / "webui_hypernetwork.pt");
+    FAIL() << "expected a FormatError";
+  } catch (const dt::FormatError& e) {
+    EXPECT_NE(std::string(e.what()).find("'linear.1."), std::string::npos) << e.what();
+  }
+}
+
+TEST(Hypernetwork, DrivesCrossAttentionThroughTheContextHook) {
+  dt::nn::blocks::CrossAttention<> attn(dt::nn::blocks::CrossAttentionOptions{16, 12, 2, 8, 0.0});
+  ad::Hypernetwork h("hn", {12}, {.layer_structure = {1, 2, 1}, .activation_func = "relu"});
+  {
+    at::NoGradGuard no_grad;
+    for (auto& p : h.weights()) p.normal_(0, 0.3);
+  }
+  const at::Tensor x = at::randn({2, 4, 16}), c = at::randn({2, 3, 12});
+  at::NoGradGuard no_grad;
+  dt::nn::blocks::AttentionCall call;
+  call.context = c;
+  const at::Tensor plain = attn->forward(x, call);
+  attn->set_context_hook([&h](const at::Tensor& ctx) { return h.apply(ctx, ctx); });
+  const at::Tensor hooked = attn->forward(x, call);
+  EXPECT_FALSE(at::allclose(plain, hooked));
+  h.set_multiplier(0.0);  // multiplier 0 in eval mode: the identity, as without the hook
+  EXPECT_TRUE(at::allclose(attn->forward(x, call), plain, 1e-6, 1e-6));
+}
+
+}  // namespace
