@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <fstream>
 
 namespace dt = difftrain;
 namespace ad = difftrain::adapters;
@@ -361,6 +362,109 @@ TEST(Hypernetwork, DrivesCrossAttentionThroughTheContextHook) {
   EXPECT_FALSE(at::allclose(plain, hooked));
   h.set_multiplier(0.0);  // multiplier 0 in eval mode: the identity, as without the hook
   EXPECT_TRUE(at::allclose(attn->forward(x, call), plain, 1e-6, 1e-6));
+}
+
+}  // namespace
+
+// ---- textual-inversion embeddings -------------------------------------------------------------
+
+namespace {
+
+const nlohmann::json& embedding_golden() {
+  static const nlohmann::json j = [] {
+    std::ifstream in(fs::path(DIFFTRAIN_GOLDEN_DIR) / "embedding.json");
+    return nlohmann::json::parse(in);
+  }();
+  return j;
+}
+
+fs::path gold(const std::string& f) { return fs::path(DIFFTRAIN_GOLDEN_DIR) / f; }
+
+TEST(Embedding, ReadsTheWebUiFileWithItsMetadataAndChecksum) {
+  const auto e = ad::load_embedding(gold("embedding_webui.pt"));
+  ASSERT_TRUE(e);
+  EXPECT_EQ(e->name, "my-style");
+  EXPECT_EQ(e->step, 2500);
+  EXPECT_EQ(e->sd_checkpoint, "7460a6fa");
+  EXPECT_EQ(e->sd_checkpoint_name, "sd-v1-4");
+  EXPECT_EQ(e->vectors(), 4);
+  EXPECT_EQ(e->shape(), 32);
+  EXPECT_EQ(e->checksum(), embedding_golden()["checksums"]["webui"].get<std::string>());
+}
+
+TEST(Embedding, ChecksumMatchesTheWebUiOnEdgeCases) {
+  ad::Embedding e;
+  e.vec = at::tensor(embedding_golden()["negative"].get<std::vector<float>>()).view({1, -1});
+  EXPECT_EQ(e.checksum(), embedding_golden()["checksums"]["negative"].get<std::string>());
+  e.vec = dt::io::load_torch_file(gold("embedding_large_vec.pt")).tensor();
+  EXPECT_EQ(e.checksum(), embedding_golden()["checksums"]["large"].get<std::string>());
+}
+
+TEST(Embedding, ReadsDiffusersConceptsAndSdxlPairs) {
+  const auto c = ad::load_embedding(gold("embedding_concept.bin"));
+  ASSERT_TRUE(c);
+  EXPECT_EQ(c->name, "embedding_concept");  // the file's stem, as the web UI names it
+  EXPECT_EQ(c->vectors(), 1);               // a 1-D vector becomes one row
+  EXPECT_EQ(c->checksum(), embedding_golden()["checksums"]["concept"].get<std::string>());
+  const auto x = ad::load_embedding(gold("embedding_sdxl.safetensors"));
+  ASSERT_TRUE(x);
+  EXPECT_TRUE(x->is_sdxl());
+  EXPECT_EQ(x->vectors(), 2);
+  EXPECT_EQ(x->shape(), 40);  // clip_g 24 + clip_l 16
+}
+
+TEST(Embedding, SavesTheWebUiLayoutAndPngCarriersThatReadBack) {
+  auto e = *ad::load_embedding(gold("embedding_webui.pt"));
+  const fs::path dir = fs::temp_directory_path();
+  const fs::path pt = dir / "difftrain_emb_roundtrip.pt", png = dir / "difftrain_emb_roundtrip.png";
+  e.save(pt);
+  const auto again = ad::load_embedding(pt);
+  ASSERT_TRUE(again);
+  EXPECT_TRUE(at::equal(again->vec, e.vec));
+  EXPECT_EQ(again->name, "my-style");
+  EXPECT_EQ(again->checksum(), e.checksum());
+  const auto root = dt::io::load_torch_file(pt);
+  EXPECT_EQ(root.at("string_to_token").at("*").integer(), 265);
+  // In a PNG (both carriers), under another file name: the payload's name wins.
+  dt::io::write_embedded_data(png, dt::io::RgbImage(64, 64, 40), e.state());
+  const auto from_png = ad::load_embedding(png);
+  ASSERT_TRUE(from_png);
+  EXPECT_EQ(from_png->name, "my-style");
+  EXPECT_TRUE(at::allclose(from_png->vec, e.vec));
+  // A plain picture is a preview, not an embedding.
+  dt::io::write_png(png, dt::io::RgbImage(8, 8, 40));
+  EXPECT_FALSE(ad::load_embedding(png));
+  fs::remove(pt);
+  fs::remove(png);
+}
+
+TEST(Embedding, UnidentifiableFilesAreTypedErrorsThatSayWhy) {
+  auto expect_format = [](const c10::IValue& v, const std::string& needle) {
+    try {
+      (void)ad::embedding_from_data(dt::io::TorchValue(v, "emb.pt"), "x");
+      ADD_FAILURE() << "expected a FormatError mentioning " << needle;
+    } catch (const dt::FormatError& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  auto two = dt::io::torch_dict();
+  two.insert("a", at::zeros({1, 4}));
+  two.insert("b", at::zeros({1, 4}));
+  expect_format(two, "multiple terms");
+  auto params = dt::io::torch_dict();
+  auto inner = dt::io::torch_dict();
+  inner.insert("*", at::zeros({1, 4}));
+  inner.insert("+", at::zeros({1, 4}));
+  params.insert("string_to_param", inner);
+  expect_format(params, "multiple terms");
+  auto strings = dt::io::torch_dict();
+  strings.insert("name", std::string("x"));
+  expect_format(strings, "Couldn't identify");
+  auto ints = dt::io::torch_dict();
+  ints.insert("<tok>", at::zeros({1, 4}, at::kLong));
+  expect_format(ints, "not floating point");
+  expect_format(c10::IValue(std::int64_t{3}), "not an embedding dict");
+  EXPECT_THROW((void)ad::load_embedding("emb.txt"), dt::ConfigError);
 }
 
 }  // namespace
