@@ -11,6 +11,7 @@
 #include <torch/nn/modules/dropout.h>
 #include <torch/nn/modules/linear.h>
 #include <difftrain/io/safetensors.hpp>
+#include <difftrain/nn/module_tensors.hpp>
 #include <difftrain/train/trainer.hpp>
 
 #include <cstdint>
@@ -109,16 +110,7 @@ inline TrainedClassifier classifier_for(const Dataset& data, ClassifierSettings 
       const auto acc = file.metadata.find("test_accuracy");
       if (key != file.metadata.end() && key->second == settings.key() &&
           acc != file.metadata.end()) {
-        at::NoGradGuard no_grad;
-        auto load = [&](const std::string& name, at::Tensor& dst) {
-          const auto it = file.tensors.find(name);
-          if (it == file.tensors.end() || it->second.sizes() != dst.sizes())
-            throw dt::FormatError("has no tensor '" + name + "' of shape " + c10::str(dst.sizes()),
-                                  path.string());
-          dst.copy_(it->second);
-        };
-        for (auto& item : net->named_parameters(true)) load(item.key(), item.value());
-        for (auto& item : net->named_buffers(true)) load(item.key(), item.value());
+        dt::nn::load_module_tensors(*net, file.tensors, path.string());
         net->eval();
         return {net, std::stod(acc->second), true};
       }
@@ -159,10 +151,7 @@ inline TrainedClassifier classifier_for(const Dataset& data, ClassifierSettings 
       },
       o.schedule.num_training_steps);
   const double acc = accuracy(net, data.test.images.to(device), data.test.labels);
-  std::map<std::string, at::Tensor> tensors;
-  for (const auto& item : net->named_parameters(true)) tensors[item.key()] = item.value();
-  for (const auto& item : net->named_buffers(true)) tensors[item.key()] = item.value();
-  dt::io::save_safetensors(path, tensors,
+  dt::io::save_safetensors(path, dt::nn::module_tensors(*net),
                            {{"settings", settings.key()}, {"test_accuracy", std::to_string(acc)}});
   return {net, acc, false};
 }

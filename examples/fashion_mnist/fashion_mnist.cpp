@@ -17,6 +17,7 @@
 #include <difftrain/ema/ema.hpp>
 #include <difftrain/eval/frechet_distance.hpp>
 #include <difftrain/io/image_grid.hpp>
+#include <difftrain/nn/module_tensors.hpp>
 #include <difftrain/train/callbacks.hpp>
 #include <difftrain/train/seeding.hpp>
 #include <difftrain/train/trainer.hpp>
@@ -292,9 +293,8 @@ int run(const Settings& s) {
   {
     difftrain::ema::EmaScope scope(trainer->ema());
     net->eval();
-    std::map<std::string, at::Tensor> ema_weights;
-    for (const auto& item : net->named_parameters(true)) ema_weights[item.key()] = item.value();
-    difftrain::io::save_safetensors(out / "ema.safetensors", ema_weights,
+    difftrain::io::save_safetensors(out / "ema.safetensors",
+                                    difftrain::nn::module_tensors(*net, /*buffers=*/false),
                                     {{"step", std::to_string(trainer->global_step())}});
     samples = sample(s, net, schedule, sample_labels, device).clamp(-1, 1);
   }

@@ -143,3 +143,48 @@ TEST(Init, KaimingNonlinearityFollowsTheActivation) {
   EXPECT_EQ(dt::nn::init::kaiming_nonlinearity_for("swish").index(),
             torch::nn::init::NonlinearityType(torch::kReLU).index());
 }
+
+// ---- module tensors out and back in
+// --------------------------------------------------------------
+
+#include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
+#include <difftrain/nn/module_tensors.hpp>
+
+namespace {
+
+TEST(ModuleTensors, RoundTripAndStrictChecksThatCopyNothingOnFailure) {
+  torch::nn::Sequential a(torch::nn::Linear(3, 2), torch::nn::BatchNorm1d(2));
+  torch::nn::Sequential b(torch::nn::Linear(3, 2), torch::nn::BatchNorm1d(2));
+  auto ta = difftrain::nn::module_tensors(*a);
+  EXPECT_EQ(ta.size(), 7u);  // weight, bias, BN weight, bias, running mean, var, count
+  EXPECT_EQ(difftrain::nn::module_tensors(*a, /*buffers=*/false).size(), 4u);
+  difftrain::nn::load_module_tensors(*b, ta, "a");
+  for (const auto& [name, t] : difftrain::nn::module_tensors(*b))
+    EXPECT_TRUE(at::equal(t, ta.at(name))) << name;
+
+  const at::Tensor before = b->named_parameters()["0.weight"].clone();
+  auto expect = [&](std::map<std::string, at::Tensor> t, const std::string& needle) {
+    try {
+      difftrain::nn::load_module_tensors(*b, t, "file.pt");
+      ADD_FAILURE() << "expected a FormatError with " << needle;
+    } catch (const difftrain::FormatError& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+    EXPECT_TRUE(at::equal(b->named_parameters()["0.weight"], before));  // nothing copied
+  };
+  auto zeros = ta;
+  for (auto& [name, t] : zeros) t = at::zeros_like(t);
+  auto extra = zeros;
+  extra["2.weight"] = at::zeros({1});
+  expect(extra, "has '2.weight'");
+  auto missing = zeros;
+  missing.erase("1.running_var");
+  expect(missing, "lacks '1.running_var'");
+  auto wrong = zeros;
+  wrong["0.weight"] = at::zeros({2, 4});
+  expect(wrong, "'0.weight' has shape [2, 4], the module's is [2, 3]");
+}
+
+}  // namespace

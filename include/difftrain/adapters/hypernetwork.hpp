@@ -33,6 +33,7 @@
 
 #include "difftrain/core/error.hpp"
 #include "difftrain/io/torch_file.hpp"
+#include "difftrain/nn/module_tensors.hpp"
 
 namespace difftrain::adapters {
 
@@ -169,21 +170,7 @@ class HypernetworkModuleImpl : public torch::nn::Module {
         fixed[to] = it->second;
         fixed.erase(from);
       }
-    auto params = named_parameters(true);
-    for (const auto& [k, v] : fixed)
-      if (!params.contains(k))
-        throw FormatError("has '" + k + "', which a module of this structure does not", where);
-    at::NoGradGuard no_grad;
-    for (auto& p : params) {
-      const auto it = fixed.find(p.key());
-      if (it == fixed.end())
-        throw FormatError("lacks '" + p.key() + "' (a different layer structure?)", where);
-      if (it->second.sizes() != p.value().sizes())
-        throw FormatError("'" + p.key() + "' has shape " + c10::str(it->second.sizes()) +
-                              ", the structure needs " + c10::str(p.value().sizes()),
-                          where);
-      p.value().copy_(it->second);
-    }
+    nn::load_module_tensors(*this, fixed, where);
   }
 
   torch::nn::Sequential linear{nullptr};
@@ -276,8 +263,7 @@ class Hypernetwork {
     auto root = io::torch_dict();
     auto module_sd = [](const HypernetworkModule& m) {
       auto d = io::torch_dict();
-      for (const auto& p : m->named_parameters(true))
-        d.insert(p.key(), p.value().detach().cpu().clone());
+      for (const auto& [key, t] : nn::module_tensors(*m)) d.insert(key, t.detach().cpu().clone());
       return d;
     };
     for (const auto& [size, pair] : layers) {

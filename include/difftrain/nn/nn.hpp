@@ -5,3 +5,4 @@
 #include "difftrain/nn/attention/attention.hpp"
 #include "difftrain/nn/blocks/blocks.hpp"
 #include "difftrain/nn/init.hpp"
+#include "difftrain/nn/module_tensors.hpp"
