@@ -1,8 +1,12 @@
 #pragma once
-// Umbrella header of the adapters layer: textual-inversion embeddings, LoRA (layers, injection,
-// file layouts) and the web UI's hypernetworks.
+// Umbrella header of the adapters layer: textual-inversion embeddings and their database, LoRA
+// (layers, injection, file layouts), the web UI's hypernetworks, `.optim` sidecars and the web
+// UI's adapter training loops.
 
 #include "difftrain/adapters/embedding.hpp"
+#include "difftrain/adapters/embedding_database.hpp"
 #include "difftrain/adapters/hypernetwork.hpp"
 #include "difftrain/adapters/lora.hpp"
 #include "difftrain/adapters/lora_inject.hpp"
+#include "difftrain/adapters/optimizer_sidecar.hpp"
+#include "difftrain/adapters/webui_training.hpp"

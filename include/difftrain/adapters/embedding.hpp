@@ -45,13 +45,23 @@ struct Embedding {
   [[nodiscard]] std::int64_t shape() const {
     return is_sdxl() ? pair.at("clip_g").size(-1) + pair.at("clip_l").size(-1) : vec.size(-1);
   }
+  /// The vectors for one text encoder: `vec` for SD1/SD2 (the key is ignored), `pair[key]`
+  /// ("clip_l" or "clip_g") for SDXL.
+  [[nodiscard]] const at::Tensor& vectors_for(const std::string& key) const {
+    if (!is_sdxl()) return vec;
+    const auto it = pair.find(key);
+    if (it == pair.end())
+      throw ConfigError("is an SDXL pair with no '" + key + "' vectors (it has clip_l and clip_g)",
+                        "embedding '" + name + "'");
+    return it->second;
+  }
 
   /// The web UI's checksum: a 32-bit rolling hash of trunc(100·v) over the flattened vectors, its
   /// low 16 bits as four hex digits.
   [[nodiscard]] std::string checksum() const {
     if (is_sdxl())
       throw ConfigError("the web UI computes no checksum for SDXL pairs", "Embedding::checksum");
-    const at::Tensor flat = (vec.reshape({-1}) * 100).to(at::kFloat).contiguous().cpu();
+    const at::Tensor flat = (vec.detach().reshape({-1}) * 100).to(at::kFloat).contiguous().cpu();
     std::int64_t r = 0;
     const float* p = flat.data_ptr<float>();
     for (std::int64_t i = 0; i < flat.numel(); ++i) {
