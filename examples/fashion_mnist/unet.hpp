@@ -15,6 +15,10 @@
 // to. Label 10 is the null class: training drops labels to it with probability `p_uncond`, so one
 // network gives both halves of classifier-free guidance.
 //
+// With `pooled_context` the label embedding is replaced by a projection of the context tokens, so
+// every condition enters through the token table: what textual inversion needs (a new token's
+// vectors then steer the whole network), used by the adapters example.
+//
 // Residual branches and the output convolution start at zero, so the untrained network predicts
 // zero noise and each block starts as the identity (faster early training, as in ADM).
 
@@ -23,6 +27,7 @@
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
+#include <difftrain/adapters/lora.hpp>
 #include <difftrain/diffusion/noise_schedule.hpp>
 #include <difftrain/nn/activation/elementwise.hpp>
 #include <difftrain/nn/blocks/spatial_transformer.hpp>
@@ -45,6 +50,8 @@ struct UNetOptions {
   std::int64_t classes = 10;        ///< real classes; label `classes` is the null class
   double p_uncond = 0.1;            ///< chance a training label becomes the null class
   dt::diffusion::Prediction prediction = dt::diffusion::Prediction::epsilon;
+  bool pooled_context =
+      false;  ///< ResBlocks see a projection of the context, not a label embedding
 };
 
 /// Stores every 4-D parameter channels-last: the classifier's convolutions run ~1.5× faster so
@@ -67,7 +74,8 @@ class ResBlockImpl : public torch::nn::Module {
     using namespace torch::nn;
     norm1 = register_module("norm1", GroupNorm(GroupNormOptions(8, in)));
     conv1 = register_module("conv1", Conv2d(Conv2dOptions(in, out, 3).padding(1)));
-    emb_proj = register_module("emb_proj", Linear(emb, out));
+    // Adaptable (exactly a Linear until a LoRA branch is attached): how the condition enters.
+    emb_proj = register_module("emb_proj", dt::adapters::AdaptableLinear(emb, out));
     norm2 = register_module("norm2", GroupNorm(GroupNormOptions(8, out)));
     conv2 = register_module("conv2", Conv2d(Conv2dOptions(out, out, 3).padding(1)));
     zero_(*conv2);
@@ -75,13 +83,13 @@ class ResBlockImpl : public torch::nn::Module {
   }
   at::Tensor forward(const at::Tensor& x, const at::Tensor& emb) {
     at::Tensor h = conv1(Act::forward(norm1(x), {}));
-    h = h + emb_proj(Act::forward(emb, {})).unsqueeze(-1).unsqueeze(-1);
+    h = h + emb_proj->forward(Act::forward(emb, {})).unsqueeze(-1).unsqueeze(-1);
     h = conv2(Act::forward(norm2(h), {}));
     return h + (skip ? skip(x) : x);
   }
   torch::nn::GroupNorm norm1{nullptr}, norm2{nullptr};
   torch::nn::Conv2d conv1{nullptr}, conv2{nullptr}, skip{nullptr};
-  torch::nn::Linear emb_proj{nullptr};
+  dt::adapters::AdaptableLinear emb_proj{nullptr};
 };
 TORCH_MODULE(ResBlock);
 
@@ -120,7 +128,10 @@ class UNetImpl : public torch::nn::Module {
       throw dt::ConfigError("must divide 2C = " + std::to_string(c2), "UNet d_head");
     time_in = register_module("time_in", Linear(c, emb));
     time_out = register_module("time_out", Linear(emb, emb));
-    label_emb = register_module("label_emb", Embedding(o.classes + 1, emb));
+    if (o.pooled_context)
+      pool_proj = register_module("pool_proj", Linear(o.context_tokens * c2, emb));
+    else
+      label_emb = register_module("label_emb", Embedding(o.classes + 1, emb));
     context_emb = register_module("context_emb", Embedding(o.classes + 1, o.context_tokens * c2));
     conv_in = register_module("conv_in", Conv2d(Conv2dOptions(1, c, 3).padding(1)));
     res_28 = register_module("res_28", ResBlock(c, c, emb));
@@ -147,25 +158,37 @@ class UNetImpl : public torch::nn::Module {
 
   /// The prediction (ε, v or x₀ per options) for noisy images x at timesteps t (B,) and labels.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& t, const at::Tensor& labels) {
-    if (x.dim() != 4 || x.size(1) != 1 || x.size(2) != 28 || x.size(3) != 28)
-      throw dt::ShapeError("expects (B, 1, 28, 28) images, got " + c10::str(x.sizes()), "UNet");
-    const std::int64_t b = x.size(0);
     const at::Tensor lab = labels.to(x.device(), at::kLong);
-    at::Tensor emb = time_in(timestep_embedding(t.to(x.device()), o_.channels));
-    emb = time_out(Act::forward(emb, {})) + label_emb(lab);
-    const at::Tensor ctx = context_emb(lab).view({b, o_.context_tokens, 2 * o_.channels});
+    const at::Tensor ctx = context(lab);
+    return predict(x, t, ctx, o_.pooled_context ? at::Tensor() : label_emb(lab));
+  }
 
-    const at::Tensor h28 = res_28(conv_in(x), emb);
-    at::Tensor h14 = res_14(down_28(h28), emb);
-    if (attn_14) h14 = attn_14->forward(h14, ctx);
-    at::Tensor h = mid_res1(down_14(h14), emb);
-    h = mid_res2(mid_attn->forward(h, ctx), emb);
-    h = at::upsample_nearest2d(up_7(h), {14, 14});
-    h = up_res_14(at::cat({h, h14}, 1), emb);
-    if (up_attn_14) h = up_attn_14->forward(h, ctx);
-    h = at::upsample_nearest2d(up_14(h), {28, 28});
-    h = up_res_28(at::cat({h, h28}, 1), emb);
-    return conv_out(Act::forward(norm_out(h), {}));
+  /// The prediction for context tokens (B, context_tokens, 2C) given directly (a prompt whose
+  /// tokens were replaced by an embedding's vectors); needs `pooled_context`.
+  at::Tensor forward_context(const at::Tensor& x, const at::Tensor& t, const at::Tensor& ctx) {
+    if (!o_.pooled_context)
+      throw dt::ConfigError("needs pooled_context: otherwise labels also condition the network",
+                            "UNet::forward_context");
+    return predict(x, t, ctx, {});
+  }
+
+  /// The context tokens of labels: rows of the token table, (B, context_tokens, 2C).
+  [[nodiscard]] at::Tensor context(const at::Tensor& labels) {
+    return context_emb(labels.to(at::kLong))
+        .view({labels.size(0), o_.context_tokens, 2 * o_.channels});
+  }
+
+  void set_p_uncond(double p) { o_.p_uncond = p; }
+
+  /// The denoising loss for clean images x0 under context tokens ctx (no label dropping).
+  at::Tensor context_loss(const at::Tensor& x0, const at::Tensor& ctx) {
+    const std::int64_t b = x0.size(0);
+    const auto dev = at::TensorOptions().device(x0.device());
+    const at::Tensor t = at::randint(schedule_->num_train_timesteps(), {b}, dev.dtype(at::kLong));
+    const at::Tensor noise = at::randn_like(x0);
+    const at::Tensor xt = schedule_->add_noise(x0, noise, t);
+    return at::mse_loss(forward_context(xt, t, ctx),
+                        schedule_->target(o_.prediction, x0, noise, t));
   }
 
   /// The denoising loss: uniform timesteps, Gaussian noise, labels dropped to the null class with
@@ -184,7 +207,7 @@ class UNetImpl : public torch::nn::Module {
     return at::mse_loss(pred, schedule_->target(o_.prediction, x0, noise, t));
   }
 
-  torch::nn::Linear time_in{nullptr}, time_out{nullptr};
+  torch::nn::Linear time_in{nullptr}, time_out{nullptr}, pool_proj{nullptr};
   torch::nn::Embedding label_emb{nullptr}, context_emb{nullptr};
   torch::nn::Conv2d conv_in{nullptr}, down_28{nullptr}, down_14{nullptr}, up_7{nullptr},
       up_14{nullptr}, conv_out{nullptr};
@@ -195,6 +218,34 @@ class UNetImpl : public torch::nn::Module {
   torch::nn::GroupNorm norm_out{nullptr};
 
  private:
+  at::Tensor predict(const at::Tensor& x, const at::Tensor& t, const at::Tensor& ctx,
+                     const at::Tensor& label_term) {
+    if (x.dim() != 4 || x.size(1) != 1 || x.size(2) != 28 || x.size(3) != 28)
+      throw dt::ShapeError("expects (B, 1, 28, 28) images, got " + c10::str(x.sizes()), "UNet");
+    const std::int64_t b = x.size(0);
+    if (ctx.dim() != 3 || ctx.size(0) != b || ctx.size(1) != o_.context_tokens ||
+        ctx.size(2) != 2 * o_.channels)
+      throw dt::ShapeError("expects context (" + std::to_string(b) + ", " +
+                               std::to_string(o_.context_tokens) + ", " +
+                               std::to_string(2 * o_.channels) + "), got " + c10::str(ctx.sizes()),
+                           "UNet");
+    at::Tensor emb = time_in(timestep_embedding(t.to(x.device()), o_.channels));
+    emb = time_out(Act::forward(emb, {})) +
+          (label_term.defined() ? label_term : pool_proj(ctx.flatten(1)));
+
+    const at::Tensor h28 = res_28(conv_in(x), emb);
+    at::Tensor h14 = res_14(down_28(h28), emb);
+    if (attn_14) h14 = attn_14->forward(h14, ctx);
+    at::Tensor h = mid_res1(down_14(h14), emb);
+    h = mid_res2(mid_attn->forward(h, ctx), emb);
+    h = at::upsample_nearest2d(up_7(h), {14, 14});
+    h = up_res_14(at::cat({h, h14}, 1), emb);
+    if (up_attn_14) h = up_attn_14->forward(h, ctx);
+    h = at::upsample_nearest2d(up_14(h), {28, 28});
+    h = up_res_28(at::cat({h, h28}, 1), emb);
+    return conv_out(Act::forward(norm_out(h), {}));
+  }
+
   [[nodiscard]] Transformer transformer(std::int64_t dim) const {
     dt::nn::blocks::SpatialTransformerOptions s;
     s.in_channels = dim;

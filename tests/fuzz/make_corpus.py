@@ -86,6 +86,47 @@ def torch_file_cases():
     return cases
 
 
+def adapter_torch_cases():
+    """Adapter files that parse as torch files but are not adapters one can use."""
+    g = torch.Generator().manual_seed(3)
+    r = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+
+    def hn(layers, **settings):
+        return torch_bytes({**layers, "layer_structure": [1, 2, 1], "activation_func": "relu",
+                            "is_layer_norm": False, "weight_initialization": "Normal", "name": "bad",
+                            "step": 1, **settings})
+    sd = {"linear.0.weight": r(16, 8), "linear.0.bias": r(16), "linear.2.weight": r(8, 16), "linear.2.bias": r(8)}
+    adam_state = {"state": {0: {"step": torch.tensor(1.0), "exp_avg": r(5, 5), "exp_avg_sq": r(5, 5)}},
+                  "param_groups": [{"lr": 0.01, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,
+                                    "amsgrad": False, "params": [0]}]}
+    return {
+        "adapter_embedding_two_terms": torch_bytes({"string_to_param": {"*": r(2, 8), "x": r(2, 8)}}),
+        "adapter_embedding_int_vectors": torch_bytes({"string_to_param": {"*": torch.ones(2, 8, dtype=torch.int64)}}),
+        "adapter_embedding_3d": torch_bytes({"string_to_param": {"*": r(2, 3, 4)}}),
+        "adapter_embedding_list": torch_bytes([r(2, 8)]),
+        "adapter_sdxl_mismatched": torch_bytes({"clip_l": r(2, 8), "clip_g": r(3, 12)}),
+        "adapter_hypernetwork_wrong_shape": hn({8: ({**sd, "linear.2.weight": r(8, 15)}, sd)}),
+        "adapter_hypernetwork_one_module": hn({8: (sd,)}),
+        "adapter_hypernetwork_bad_structure": hn({8: (sd, sd)}, layer_structure=[2, 1]),
+        "adapter_hypernetwork_bad_activation": hn({8: (sd, sd)}, activation_func="evil"),
+        "adapter_hypernetwork_huge_width": hn({2 ** 40: (sd, sd)}),
+        "adapter_optim_wrong_shapes": torch_bytes({"hash": "0000", "optimizer_state_dict": adam_state}),
+    }
+
+
+def adapter_safetensors_cases():
+    """LoRA files for a CrossAttention(16, context 12, 2 heads of 8) that do not fit it."""
+    g = torch.Generator().manual_seed(4)
+    r = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    good = {"unet.to_q.lora_A.weight": r(4, 16), "unet.to_q.lora_B.weight": r(16, 4)}
+    return {
+        "adapter_lora_missing_B": save({"unet.to_q.lora_A.weight": r(4, 16)}),
+        "adapter_lora_rank_mismatch": save({**good, "unet.to_q.lora_B.weight": r(16, 2)}),
+        "adapter_lora_foreign_key": save({**good, "unet.down_blocks.0.lora_A.weight": r(4, 16)}),
+        "adapter_lora_wrong_width": save({"unet.to_k.lora_A.weight": r(4, 16), "unet.to_k.lora_B.weight": r(16, 4)}),
+    }
+
+
 def png_cases():
     cover = ref_torch_files.cover()
     data = ref_torch_files.embedding()
@@ -115,7 +156,8 @@ def png_cases():
 
 def main(out):
     out = pathlib.Path(out)
-    for folder, cases in [("safetensors", safetensors_cases()), ("torch_file", torch_file_cases()),
+    for folder, cases in [("safetensors", safetensors_cases() | adapter_safetensors_cases()),
+                          ("torch_file", torch_file_cases() | adapter_torch_cases()),
                           ("embedded_png", png_cases())]:
         (out / folder).mkdir(parents=True, exist_ok=True)
         for name, data in cases.items():

@@ -3,6 +3,8 @@
 // and by the unit test that replays the kept corpus on every build. A typed difftrain::Error is
 // the expected way to reject input; anything else escaping (or a sanitizer report) is a bug.
 
+#include <difftrain/adapters/embedding.hpp>
+#include <difftrain/adapters/hypernetwork.hpp>
 #include <difftrain/io/embedded_data.hpp>
 #include <difftrain/io/safetensors.hpp>
 #include <difftrain/io/torch_file.hpp>
@@ -41,6 +43,15 @@ inline void torch_file_input(const std::uint8_t* data, std::size_t size) {
         for (const auto& item : x.toGenericDict()) todo.push_back(item.value());
       if (x.isList())
         for (const auto& e : x.toListRef()) todo.push_back(e);
+    }
+    // What the adapters make of it: each refuses what it cannot use with a typed error.
+    try {
+      (void)adapters::embedding_from_data(v, "fuzz");
+    } catch (const Error&) {
+    }
+    try {
+      (void)adapters::Hypernetwork::from_state(v);
+    } catch (const Error&) {
     }
   } catch (const Error&) {
   }

@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <regex>
 #include <sstream>
 
 #include "golden.hpp"
@@ -483,6 +484,62 @@ TEST(WebUiTraining, HypernetworkTrainsThroughItsModulesAndResumesFromItsSidecar)
   EXPECT_EQ(ad::load_optim_sidecar(o.output, ad::file_shorthash(o.output), sgd),
             ad::SidecarStatus::other_optimizer);
   EXPECT_EQ(ad::load_optim_sidecar(o.output, "0123456789", sgd), ad::SidecarStatus::hash_mismatch);
+}
+
+TEST(AdapterCorpus, HostileAdapterFilesAreTypedErrorsNamingTheProblem) {
+  const fs::path corpus(DIFFTRAIN_FUZZ_CORPUS_DIR);
+  auto verdict = [](auto&& f) -> std::string {
+    try {
+      f();
+    } catch (const dt::Error& e) {
+      return e.kind() + ": " + e.what();
+    }
+    return "";
+  };
+  const std::vector<std::tuple<std::string, std::string, std::string>> torch_cases = {
+      {"adapter_embedding_two_terms", "embedding", "FormatError: .*multiple terms"},
+      {"adapter_embedding_int_vectors", "embedding", "FormatError: .*not floating point"},
+      {"adapter_embedding_3d", "embedding", "FormatError: .*not \\(vectors, width\\)"},
+      {"adapter_embedding_list", "embedding", "FormatError: .*not an embedding dict"},
+      {"adapter_sdxl_mismatched", "embedding", "FormatError: .*different numbers of vectors"},
+      {"adapter_hypernetwork_wrong_shape", "hypernetwork", "FormatError: .*\\[8\\]\\[0\\]"},
+      {"adapter_hypernetwork_one_module", "hypernetwork", "FormatError: .*two state dicts"},
+      {"adapter_hypernetwork_bad_structure", "hypernetwork", "ConfigError: .*start with size 1"},
+      {"adapter_hypernetwork_bad_activation", "hypernetwork",
+       "ConfigError: .*activation function: evil"},
+      {"adapter_hypernetwork_huge_width", "hypernetwork", "FormatError: .*the structure needs"},
+      {"adapter_optim_wrong_shapes", "optim", "ConfigError: .*the parameter's is \\[3, 4\\]"},
+  };
+  for (const auto& [name, kind, expect] : torch_cases) {
+    const fs::path file = corpus / "torch_file" / name;
+    const std::string got = verdict([&] {
+      const auto v = dt::io::load_torch_file(file);
+      if (kind == "embedding") (void)ad::embedding_from_data(v, name);
+      if (kind == "hypernetwork") (void)ad::Hypernetwork::from_state(v);
+      if (kind == "optim") {
+        const at::Tensor p = at::zeros({3, 4}).requires_grad_(true);
+        torch::optim::AdamW opt({p});
+        dt::train::load_torch_optimizer_state(opt, v.at("optimizer_state_dict"));
+      }
+    });
+    EXPECT_TRUE(std::regex_search(got, std::regex(expect))) << name << ": " << got;
+  }
+  const std::vector<std::pair<std::string, std::string>> lora_cases = {
+      {"adapter_lora_missing_B", "only one of the two LoRA matrices"},
+      {"adapter_lora_rank_mismatch", "rank"},
+      {"adapter_lora_foreign_key", "down_blocks"},
+      {"adapter_lora_wrong_width", "to_k"},
+  };
+  for (const auto& [name, expect] : lora_cases) {
+    dt::nn::blocks::CrossAttention<> attn(dt::nn::blocks::CrossAttentionOptions{16, 12, 2, 8, 0.0});
+    const std::string got = verdict([&] {
+      (void)ad::load_lora_state_dict(
+          *attn, dt::io::load_safetensors(corpus / "safetensors" / name, true).tensors,
+          {.layout = ad::LoraLayout::peft, .prefix = "unet."}, {.rank = 4});
+    });
+    EXPECT_NE(got.find(expect), std::string::npos) << name << ": " << got;
+    EXPECT_TRUE(ad::lora_layers(*attn).empty() || got.empty()) << name << ": changed the model";
+  }
 }
 
 // Files for tests/reference/check_cpp_adapters.py (run only when it sets DIFFTRAIN_ADAPTER_OUT):

@@ -156,6 +156,19 @@ class HypernetworkModuleImpl : public torch::nn::Module {
     return x + linear->forward(x) * (is_training() ? 1.0 : multiplier);
   }
 
+  /// How many numbers a module of this width and structure holds, without building it (a file's
+  /// claims are checked against its tensors before anything is allocated).
+  static double parameter_count(std::int64_t dim, const HypernetworkOptions& o) {
+    double n = 0;
+    const auto& ls = o.layer_structure;
+    for (std::size_t i = 0; i + 1 < ls.size(); ++i) {
+      const double in = std::floor(static_cast<double>(dim) * ls[i]);
+      const double out = std::floor(static_cast<double>(dim) * ls[i + 1]);
+      n += in * out + out + (o.add_layer_norm ? 2 * out : 0);
+    }
+    return n;
+  }
+
   [[nodiscard]] std::int64_t dim() const { return dim_; }
 
   /// Loads a state dict (the web UI's, old "linear1/linear2" names accepted), every key checked.
@@ -337,14 +350,29 @@ class Hypernetwork {
                                       ? parse_dropout_structure(h.options.layer_structure,
                                                                 h.use_dropout, h.last_layer_dropout)
                                       : dropout;
+    for (double x : h.options.layer_structure)
+      if (!(std::isfinite(x) && x > 0))
+        throw FormatError("has a layer_structure entry that is not a positive number",
+                          root.where());
     for (const auto& [key, value] : root.items()) {
       if (!key.isInt()) continue;
       const std::int64_t size = key.toInt();
+      if (size <= 0) throw FormatError("has a layer width that is not positive", value.where());
       const auto pair = value.elements();
       if (pair.size() != 2)
         throw FormatError(
             "must hold two state dicts (k and v), holds " + std::to_string(pair.size()),
             value.where());
+      for (const auto& sd : pair) {
+        double held = 0;
+        for (const auto& [name, t] : sd.tensor_map()) held += static_cast<double>(t.numel());
+        const double needed = HypernetworkModuleImpl::parameter_count(size, h.options);
+        if (needed > held)
+          throw FormatError("holds " + std::to_string(static_cast<long long>(held)) +
+                                " numbers, the structure needs " +
+                                std::to_string(static_cast<long long>(needed)),
+                            sd.where());
+      }
       HypernetworkModule k(size, h.options), v(size, h.options);
       k->load(pair[0].tensor_map(), pair[0].where());
       v->load(pair[1].tensor_map(), pair[1].where());

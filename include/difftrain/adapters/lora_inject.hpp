@@ -197,30 +197,64 @@ inline std::vector<std::string> load_lora_state_dict(
       p.alpha = t.to(at::kDouble).item<double>();
     }
   }
+  // Attach or resize branches and check every shape first; copy only when all fit. On any error
+  // the layers are put back as they were (branches this call added are removed, replaced ones
+  // restored with their weights).
+  struct Undo {
+    LoraHost* host = nullptr;
+    bool had = false;
+    LoraOptions options{};
+    at::Tensor a{}, b{};
+  };
+  std::vector<Undo> undo;
   std::vector<std::string> loaded;
-  for (auto& [module, p] : parts) {
-    const std::string at_module = where + " module '" + module + "'";
-    if (!p.a.defined() || !p.b.defined())
-      throw FormatError("has only one of the two LoRA matrices", at_module);
-    if (p.a.dim() < 2 || p.b.dim() < 2 || p.a.size(0) != p.b.size(1))
-      throw FormatError(
-          "A " + c10::str(p.a.sizes()) + " and B " + c10::str(p.b.sizes()) + " do not share a rank",
-          at_module);
+  try {
+    for (auto& [module, p] : parts) {
+      const std::string at_module = where + " module '" + module + "'";
+      if (!p.a.defined() || !p.b.defined())
+        throw FormatError("has only one of the two LoRA matrices (lora_A/lora_B)", at_module);
+      if (p.a.dim() < 2 || p.b.dim() < 2 || p.a.size(0) != p.b.size(1))
+        throw FormatError("A " + c10::str(p.a.sizes()) + " and B " + c10::str(p.b.sizes()) +
+                              " do not share a rank",
+                          at_module);
+      LoraHost* h = hosts.at(module);
+      LoraOptions o = h->has_lora() ? h->lora_options() : defaults;
+      o.rank = p.a.size(0);
+      if (p.alpha) o.alpha = p.alpha;
+      const bool replace = h->has_lora() && h->lora_a().sizes() != p.a.sizes();
+      if (replace || !h->has_lora()) {
+        Undo u{h, h->has_lora(), {}, {}, {}};
+        if (u.had)
+          u.options = h->lora_options(), u.a = h->lora_a().detach().clone(),
+          u.b = h->lora_b().detach().clone();
+        undo.push_back(u);
+        if (replace) h->detach_lora();
+        h->attach_lora(o);
+      }
+      if (h->lora_a().sizes() != p.a.sizes() || h->lora_b().sizes() != p.b.sizes())
+        throw ConfigError("A " + c10::str(p.a.sizes()) + " / B " + c10::str(p.b.sizes()) +
+                              " do not fit the layer (A " + c10::str(h->lora_a().sizes()) + ", B " +
+                              c10::str(h->lora_b().sizes()) + ")",
+                          at_module);
+      loaded.push_back(module);
+    }
+  } catch (...) {
+    for (auto it = undo.rbegin(); it != undo.rend(); ++it) {
+      if (it->host->has_lora()) it->host->detach_lora();
+      if (it->had) {
+        it->host->attach_lora(it->options);
+        at::NoGradGuard no_grad;
+        it->host->lora_a().copy_(it->a);
+        it->host->lora_b().copy_(it->b);
+      }
+    }
+    throw;
+  }
+  at::NoGradGuard no_grad;
+  for (const auto& module : loaded) {
     LoraHost* h = hosts.at(module);
-    LoraOptions o = h->has_lora() ? h->lora_options() : defaults;
-    o.rank = p.a.size(0);
-    if (p.alpha) o.alpha = p.alpha;
-    if (h->has_lora() && h->lora_a().sizes() != p.a.sizes()) h->detach_lora();
-    if (!h->has_lora()) h->attach_lora(o);
-    if (h->lora_a().sizes() != p.a.sizes() || h->lora_b().sizes() != p.b.sizes())
-      throw ConfigError("A " + c10::str(p.a.sizes()) + " / B " + c10::str(p.b.sizes()) +
-                            " do not fit the layer (A " + c10::str(h->lora_a().sizes()) + ", B " +
-                            c10::str(h->lora_b().sizes()) + ")",
-                        at_module);
-    at::NoGradGuard no_grad;
-    h->lora_a().copy_(p.a);
-    h->lora_b().copy_(p.b);
-    loaded.push_back(module);
+    h->lora_a().copy_(parts.at(module).a);
+    h->lora_b().copy_(parts.at(module).b);
   }
   return loaded;
 }
