@@ -67,9 +67,9 @@ struct Settings {
   std::int64_t adapter_steps = 300;
   std::int64_t adapter_batch = 32;
   std::string ti_lr = "0.05:150, 0.02";
-  std::string hn_lr = "0.002:150, 0.001";
+  std::string hn_lr = "0.02:150, 0.01";
   std::string hn_structure = "1,2,1";
-  double lora_lr = 2e-3;
+  double lora_lr = 1e-2;
   std::int64_t lora_rank = 4;
   double lora_alpha = 4.0;
   std::string lora_targets = "to_q,to_k,to_v,to_out.0,emb_proj";

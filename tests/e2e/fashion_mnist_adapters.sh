@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The adapters example end to end on a tiny configuration: bad flags are typed errors, a whole run
+# writes every file, the adapter files load in Python (names, shapes, metadata, sidecar hashes),
+# the periodic copies and loss logs exist, and a second run reuses the cached base model.
+#
+#   fashion_mnist_adapters.sh PROGRAM PYTHON CHECK_SCRIPT WORKDIR [DATA_DIR]
+set -uo pipefail
+bin=$1 py=$2 check=$3 work=$4 data=${5:-/usr/share/datasets/fashion-mnist}
+rm -rf "$work" && mkdir -p "$work"
+failures=0
+fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
+expect_rc() {  # expect_rc WANT NAME -- command...
+  local want=$1 name=$2; shift 3
+  "$@" >"$work/$name.out" 2>"$work/$name.err"
+  local rc=$?
+  [ "$rc" -eq "$want" ] || { fail "$name: exit $rc, expected $want"; cat "$work/$name.err"; }
+}
+grep_in() { grep -q -- "$2" "$1" || fail "$1 lacks '$2'"; }
+
+tiny=(--data-dir "$data" --limit 2000 --base-steps 8 --batch-size 16 --adapter-images 40
+      --adapter-steps 6 --adapter-batch 8 --save-every 3 --samples 10 --sample-steps 3
+      --classifier "$work/classifier.safetensors" --classifier-epochs 1
+      --min-classifier-accuracy 0 --seed 3)
+
+expect_rc 0 help -- "$bin" --help
+grep_in "$work/help.out" "--lora-rank"
+expect_rc 2 bad-class -- "$bin" "${tiny[@]}" --new-class 12 --out "$work/bad"
+grep_in "$work/bad-class.err" "ConfigError.*--new-class"
+expect_rc 2 bad-init -- "$bin" "${tiny[@]}" --init-word ankle-boot --out "$work/bad"
+grep_in "$work/bad-init.err" "--init-word"
+expect_rc 2 bad-lr -- "$bin" "${tiny[@]}" --embedding-lr "0.1:x" --out "$work/bad"
+grep_in "$work/bad-lr.err" "step string"
+
+expect_rc 0 full -- "$bin" "${tiny[@]}" --out "$work/a"
+for f in samples.png results.json base.safetensors adapters/ankle-boot.pt adapters/ankle-boot.pt.optim \
+         adapters/ankle-boot-hn.pt adapters/ankle-boot-hn.pt.optim adapters/ankle-boot-lora.safetensors \
+         log/embedding/textual_inversion_loss.csv log/embedding/embeddings/ankle-boot-6.pt \
+         log/hypernetwork/hypernetwork_loss.csv log/hypernetwork/hypernetworks/ankle-boot-hn-3.pt; do
+  [ -s "$work/a/$f" ] || fail "the run did not write $f"
+done
+for m in base embedding hypernetwork lora; do grep_in "$work/full.out" "^$m "; done
+[ "$(wc -l <"$work/a/log/embedding/textual_inversion_loss.csv")" -eq 7 ] || fail "embedding log rows"
+"$py" "$check" --example "$work/a" >"$work/python.out" 2>&1 || { fail "Python check"; cat "$work/python.out"; }
+
+expect_rc 0 again -- "$bin" "${tiny[@]}" --out "$work/a"
+grep_in "$work/again.err" "base: cached"
+
+[ "$failures" -eq 0 ] && echo "fashion_mnist_adapters end to end: all checks passed"
+exit "$failures"
