@@ -2,9 +2,11 @@
 // Fashion-MNIST from the IDX files of Debian's `dataset-fashion-mnist` package (gzip or plain):
 // images as float tensors in [-1, 1], shaped (N, 1, 28, 28), labels as int64.
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <difftrain/core/error.hpp>
 #include <difftrain/io/idx.hpp>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <filesystem>
@@ -75,5 +77,36 @@ inline Dataset load(const std::filesystem::path& dir, std::int64_t limit = 0) {
         dir.string());
   return {load_split(dir, "train", limit), load_split(dir, "t10k", limit)};
 }
+
+/// Batches that are a function of the step alone: epoch e visits the n examples in a permutation
+/// drawn from a generator seeded with seed·1000003 + e, so a resumed run sees exactly the batches
+/// an uninterrupted one would. A batch larger than n is the whole permutation.
+class EpochBatches {
+ public:
+  EpochBatches(std::int64_t n, std::int64_t batch, std::uint64_t seed, at::Device device = at::kCPU)
+      : n_(n),
+        batch_(std::min(batch, n)),
+        per_epoch_(std::max<std::int64_t>(1, n / batch)),
+        seed_(seed),
+        device_(device) {}
+  [[nodiscard]] std::int64_t per_epoch() const { return per_epoch_; }
+  /// The example indices of optimizer step `step` (on the device).
+  at::Tensor indices(std::int64_t step) {
+    const std::int64_t epoch = step / per_epoch_;
+    if (epoch != perm_epoch_) {
+      at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed_ * 1000003 + epoch);
+      perm_ = at::randperm(n_, gen, at::TensorOptions().dtype(at::kLong)).to(device_);
+      perm_epoch_ = epoch;
+    }
+    return perm_.narrow(0, (step % per_epoch_) * batch_, batch_);
+  }
+
+ private:
+  std::int64_t n_, batch_, per_epoch_;
+  std::uint64_t seed_;
+  at::Device device_;
+  at::Tensor perm_;
+  std::int64_t perm_epoch_ = -1;
+};
 
 }  // namespace fmnist

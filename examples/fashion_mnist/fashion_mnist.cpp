@@ -233,21 +233,13 @@ int run(const Settings& s) {
     trainer = make_trainer();
   }
 
-  // Batches are a function of the step alone (a fixed permutation per epoch), so a resumed run
-  // sees exactly the batches the uninterrupted one would have.
+  // Batches are a function of the step alone, so a resumed run sees exactly the batches the
+  // uninterrupted one would have.
   const at::Tensor images = data.train.images.to(device);
   const at::Tensor labels = data.train.labels.to(device);
-  at::Tensor perm;
-  std::int64_t perm_epoch = -1;
+  fmnist::EpochBatches batches(n, s.batch_size, s.seed, device);
   auto source = [&](std::int64_t step, std::int64_t /*micro*/) {
-    const std::int64_t epoch = step / per_epoch;
-    if (epoch != perm_epoch) {
-      at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(s.seed * 1000003 + epoch);
-      perm = at::randperm(n, gen, at::TensorOptions().dtype(at::kLong)).to(device);
-      perm_epoch = epoch;
-    }
-    const at::Tensor idx =
-        perm.narrow(0, (step % per_epoch) * s.batch_size, std::min(s.batch_size, n));
+    const at::Tensor idx = batches.indices(step);
     return fmnist::UNetImpl::Batch{images.index_select(0, idx), labels.index_select(0, idx)};
   };
 

@@ -213,7 +213,7 @@ void base_model(const Settings& s, const fmnist::Dataset& data, const df::NoiseS
   const at::Tensor keep = data.train.labels.ne(s.new_class).nonzero().flatten();
   const at::Tensor images = data.train.images.index_select(0, keep);
   const at::Tensor labels = data.train.labels.index_select(0, keep);
-  const std::int64_t n = images.size(0), per_epoch = std::max<std::int64_t>(1, n / s.batch_size);
+  const std::int64_t n = images.size(0);
   tr::Trainer<fmnist::UNetImpl, BaseConfig>::Options o;
   o.optimizer.lr = s.lr;
   o.schedule.num_warmup_steps = std::min<std::int64_t>(100, s.base_steps);
@@ -221,21 +221,13 @@ void base_model(const Settings& s, const fmnist::Dataset& data, const df::NoiseS
   o.ema.rule.decay = 0.995;
   tr::Trainer<fmnist::UNetImpl, BaseConfig> trainer(
       *net, o, {tr::ProgressBar({.total_steps = s.base_steps, .every = 10})});
-  at::Tensor perm;
-  std::int64_t perm_epoch = -1;
+  fmnist::EpochBatches batches(n, s.batch_size, s.seed);
   std::fprintf(stderr, "base: %lld steps on %lld images of nine classes (without %s)\n",
                static_cast<long long>(s.base_steps), static_cast<long long>(n),
                fmnist::kClassNames[static_cast<std::size_t>(s.new_class)]);
   trainer.fit(
       [&](std::int64_t step, std::int64_t) {
-        const std::int64_t epoch = step / per_epoch;
-        if (epoch != perm_epoch) {
-          at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(s.seed * 1000003 + epoch);
-          perm = at::randperm(n, gen, at::TensorOptions().dtype(at::kLong));
-          perm_epoch = epoch;
-        }
-        const at::Tensor idx =
-            perm.narrow(0, (step % per_epoch) * s.batch_size, std::min(s.batch_size, n));
+        const at::Tensor idx = batches.indices(step);
         return fmnist::UNetImpl::Batch{images.index_select(0, idx), labels.index_select(0, idx)};
       },
       s.base_steps);
