@@ -368,10 +368,9 @@ class Hypernetwork {
         for (const auto& [name, t] : sd.tensor_map()) held += static_cast<double>(t.numel());
         const double needed = HypernetworkModuleImpl::parameter_count(size, h.options);
         if (needed > held)
-          throw FormatError("holds " + std::to_string(static_cast<long long>(held)) +
-                                " numbers, the structure needs " +
-                                std::to_string(static_cast<long long>(needed)),
-                            sd.where());
+          throw FormatError(
+              "holds " + c10::str(held) + " numbers, the structure needs " + c10::str(needed),
+              sd.where());
       }
       HypernetworkModule k(size, h.options), v(size, h.options);
       k->load(pair[0].tensor_map(), pair[0].where());
