@@ -8,15 +8,8 @@
 set -uo pipefail
 bin=$1 work=$2 data=${3:-/usr/share/datasets/fashion-mnist}
 rm -rf "$work" && mkdir -p "$work"
-failures=0
-fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
-expect_rc() {  # expect_rc WANT NAME -- command...
-  local want=$1 name=$2; shift 3
-  "$@" >"$work/$name.out" 2>"$work/$name.err"
-  local rc=$?
-  [ "$rc" -eq "$want" ] || { fail "$name: exit $rc, expected $want"; cat "$work/$name.err"; }
-}
-grep_in() { grep -q -- "$2" "$1" || fail "$1 lacks '$2'"; }
+# shellcheck source=common.sh
+source "$(dirname "$0")/common.sh"
 
 tiny=(--data-dir "$data" --limit 512 --batch-size 16 --checkpoint-every 2 --keep 2
       --samples-per-class 2 --sample-steps 3 --classifier "$work/classifier.safetensors"

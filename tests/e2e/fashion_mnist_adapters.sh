@@ -7,15 +7,8 @@
 set -uo pipefail
 bin=$1 py=$2 check=$3 work=$4 data=${5:-/usr/share/datasets/fashion-mnist}
 rm -rf "$work" && mkdir -p "$work"
-failures=0
-fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
-expect_rc() {  # expect_rc WANT NAME -- command...
-  local want=$1 name=$2; shift 3
-  "$@" >"$work/$name.out" 2>"$work/$name.err"
-  local rc=$?
-  [ "$rc" -eq "$want" ] || { fail "$name: exit $rc, expected $want"; cat "$work/$name.err"; }
-}
-grep_in() { grep -q -- "$2" "$1" || fail "$1 lacks '$2'"; }
+# shellcheck source=common.sh
+source "$(dirname "$0")/common.sh"
 
 tiny=(--data-dir "$data" --limit 2000 --base-steps 8 --batch-size 16 --adapter-images 40
       --adapter-steps 6 --adapter-batch 8 --save-every 3 --samples 10 --sample-steps 3

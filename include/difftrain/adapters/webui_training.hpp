@@ -150,10 +150,12 @@ AdapterTrainResult run(const std::vector<at::Tensor>& weights, torch::optim::Opt
   const std::int64_t initial_step = step;
   r.final_step = step;
   const schedule::StepString lr_schedule({o.learn_rate, o.steps, initial_step, o.gradient_step});
-  std::optional<schedule::StepString> clip_schedule;
+  std::optional<train::ScheduledClip> clip;
   if (o.clip_grad_mode != "disabled")
-    clip_schedule.emplace(
-        schedule::StepString::Options{o.clip_grad_value, o.steps, initial_step, o.gradient_step});
+    clip.emplace(train::ScheduledClip::Options{
+        o.clip_grad_mode == "norm" ? train::ScheduledClip::Mode::norm
+                                   : train::ScheduledClip::Mode::value,
+        o.clip_grad_value, o.steps, initial_step, o.gradient_step});
   const std::int64_t batches = data.dataset_size / o.batch_size;
   const std::int64_t steps_per_epoch = batches / o.gradient_step;
   const std::int64_t max_batches_per_epoch = batches - batches % o.gradient_step;
@@ -199,13 +201,7 @@ AdapterTrainResult run(const std::vector<at::Tensor>& weights, torch::optim::Opt
             "no gradient found for the trained weights after backward() for 10 steps in a row: "
             "the loss does not depend on the adapter",
             what + " '" + name + "' training");
-      if (clip_schedule) {
-        const double limit = clip_schedule->value_at(step);
-        if (o.clip_grad_mode == "norm")
-          torch::nn::utils::clip_grad_norm_(weights, limit);
-        else
-          torch::nn::utils::clip_grad_value_(weights, limit);
-      }
+      if (clip) (void)clip->apply(weights, step);
       optimizer.step();
       optimizer.zero_grad(/*set_to_none=*/true);
       ++step;

@@ -75,10 +75,14 @@ struct ScheduledClip {
     Mode mode = Mode::norm;
     std::string limits = "1.0";  // step string: "0.1:200, 1.0" is 0.1 until step 200, then 1.0
     std::int64_t max_steps = std::numeric_limits<std::int64_t>::max();
+    std::int64_t start_step = 0;         ///< a resumed run's first step (earlier entries drop)
+    std::int64_t consults_per_step = 1;  ///< micro-batches per step (the web UI consults each)
   };
   ScheduledClip() : ScheduledClip(Options()) {}
   explicit ScheduledClip(const Options& o)
-      : o_(o), limits_(schedule::StepString::Options{o.limits, o.max_steps, 0, 1}) {}
+      : o_(o),
+        limits_(schedule::StepString::Options{o.limits, o.max_steps, o.start_step,
+                                              o.consults_per_step}) {}
   double apply(const std::vector<at::Tensor>& params, std::int64_t step) {
     const double limit = limits_.value_at(step);
     if (o_.mode == Mode::norm) return torch::nn::utils::clip_grad_norm_(params, limit);
