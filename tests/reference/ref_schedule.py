@@ -202,6 +202,10 @@ def generate(out):
     cases = {
         # torch
         "cosine_annealing": run_torch(lambda o: tls.CosineAnnealingLR(o, T_max=100, eta_min=0.001)),
+        "cosine_warm_restarts": run_torch(lambda o: tls.CosineAnnealingWarmRestarts(o, T_0=30, eta_min=0.002)),
+        "cosine_warm_restarts_mult": run_torch(lambda o: tls.CosineAnnealingWarmRestarts(o, T_0=7, T_mult=2)),
+        "polynomial_lr": run_torch(lambda o: tls.PolynomialLR(o, total_iters=150, power=1.7)),
+        "polynomial_lr_linear": run_torch(lambda o: tls.PolynomialLR(o, total_iters=40)),
         "constant_lr": run_torch(lambda o: tls.ConstantLR(o, factor=0.5, total_iters=40)),
         "linear_lr": run_torch(lambda o: tls.LinearLR(o, start_factor=0.25, end_factor=1.0, total_iters=40)),
         "exponential": run_torch(lambda o: tls.ExponentialLR(o, gamma=0.98)),
@@ -222,6 +226,8 @@ def generate(out):
             lambda o: get_cosine_with_hard_restarts_schedule_with_warmup(o, 20, 300, num_cycles=3)),
         "polynomial": run_torch(
             lambda o: get_polynomial_decay_schedule_with_warmup(o, 20, 300, lr_end=1e-4, power=2.0)),
+        "polynomial_by_name": run_torch(
+            lambda o: get_scheduler("polynomial", o, num_warmup_steps=10, num_training_steps=250, power=3.0)),
         "piecewise_constant": run_torch(lambda o: get_scheduler("piecewise_constant", o,
                                                                 step_rules="1:10,0.1:20,0.01:30,0.005")),
         # timm

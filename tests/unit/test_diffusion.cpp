@@ -75,12 +75,12 @@ TEST(NoiseSchedule, TablesMatchDiffusersInFloat32Mode) {
         at::tensor(std::vector<double>(s.betas().begin(), s.betas().end()), at::kDouble);
     const at::Tensor cum = at::tensor(
         std::vector<double>(s.alphas_cumprod().begin(), s.alphas_cumprod().end()), at::kDouble);
-    // Rescaling to zero terminal SNR recovers betas as 1 − ᾱ_t/ᾱ_{t−1}: in float32 that cancels,
-    // so one-ulp differences in torch's cumprod become ~1e-5 absolute there; those tables get
-    // 1e-4 / 1e-5 (the samplers built on them still agree to 1e-5 step by step).
-    const bool rescaled = key.ends_with("True");
-    expect_close(betas, ref["betas"], rescaled ? 1e-4 : 1e-5, rescaled ? 1e-5 : 1e-9);
-    expect_close(cum, ref["alphas_cumprod"], rescaled ? 1e-4 : 1e-5, rescaled ? 1e-5 : 1e-9);
+    // Float32 mode makes diffusers' own torch calls, the zero-SNR rescale included (torch's
+    // vectorised float32 sqrt is not always correctly rounded): the tables are equal.
+    EXPECT_TRUE(at::equal(betas, tst::tensor_from(ref["betas"])))
+        << (betas - tst::tensor_from(ref["betas"])).abs().max().item<double>();
+    EXPECT_TRUE(at::equal(cum, tst::tensor_from(ref["alphas_cumprod"])))
+        << (cum - tst::tensor_from(ref["alphas_cumprod"])).abs().max().item<double>();
   }
 }
 

@@ -23,6 +23,23 @@ std::map<std::string, std::function<sch::AnySchedule()>> cases() {
   return {
       {"cosine_annealing",
        [] { return AnySchedule(sch::CosineAnnealing({.T_max = 100, .eta_min = 0.001})); }},
+      {"cosine_warm_restarts",
+       [] { return AnySchedule(sch::CosineAnnealingWarmRestarts({.T_0 = 30, .eta_min = 0.002})); }},
+      {"cosine_warm_restarts_mult",
+       [] { return AnySchedule(sch::CosineAnnealingWarmRestarts({.T_0 = 7, .T_mult = 2})); }},
+      {"polynomial_lr",
+       [] { return AnySchedule(sch::PolynomialDecay({.total_iters = 150, .power = 1.7})); }},
+      {"polynomial_lr_linear",
+       [] { return AnySchedule(sch::PolynomialDecay({.total_iters = 40})); }},
+      {"polynomial_by_name",
+       [] {
+         // diffusers' get_scheduler(name, optimizer) divides by the optimizer's default LR (0.1 in
+         // the reference), for every group; so does the overload that takes the optimizer.
+         torch::optim::SGD sgd(std::vector<at::Tensor>{at::zeros({1}, at::requires_grad())},
+                               torch::optim::SGDOptions(0.1));
+         return sch::get_scheduler(
+             "polynomial", sgd, {.num_warmup_steps = 10, .num_training_steps = 250, .power = 3.0});
+       }},
       {"constant_lr",
        [] { return AnySchedule(sch::ConstantFactor({.factor = 0.5, .total_iters = 40})); }},
       {"linear_lr",
@@ -469,7 +486,7 @@ TEST(Schedule, MalformedStepStringsSayWhatIsWrong) {
 }
 
 TEST(Schedule, RegistriesKnowEveryScheduleAndWarmup) {
-  EXPECT_EQ(sch::schedules.names.size(), 24U);
+  EXPECT_EQ(sch::schedules.names.size(), 26U);
   EXPECT_TRUE(sch::schedules.contains("timm_wsd"));
   EXPECT_TRUE(sch::schedules.contains("step_string"));
   EXPECT_TRUE(sch::warmups.contains("radam_warmup"));

@@ -56,18 +56,19 @@ class NoiseSchedule {
                         "noise schedule options beta_start/beta_end");
     const auto n = static_cast<std::size_t>(o.num_train_timesteps);
     betas_ = xt::zeros<double>({n});
-    const auto round = [&](double v) {
-      return o_.precision == Precision::float32 ? double(float(v)) : v;
-    };
-    for (std::size_t i = 0; i < n; ++i) betas_(i) = round(beta(i, n));
-    if (o.rescale_betas_zero_snr) rescale_zero_terminal_snr();
     alphas_ = xt::zeros<double>({n});
     alphas_cumprod_ = xt::zeros<double>({n});
-    double prod = 1.0;  // torch's cumprod also accumulates in double and rounds each output
-    for (std::size_t i = 0; i < n; ++i) {
-      alphas_(i) = round(1.0 - betas_(i));
-      prod *= alphas_(i);
-      alphas_cumprod_(i) = round(prod);
+    if (o.precision == Precision::float32) {
+      build_as_diffusers();
+    } else {
+      for (std::size_t i = 0; i < n; ++i) betas_(i) = beta(i, n);
+      if (o.rescale_betas_zero_snr) rescale_in<double>();
+      double prod = 1.0;
+      for (std::size_t i = 0; i < n; ++i) {
+        alphas_(i) = 1.0 - betas_(i);
+        prod *= alphas_(i);
+        alphas_cumprod_(i) = prod;
+      }
     }
     // The table as a CPU tensor once, in the precision the lookups use, rather than per call.
     alphas_cumprod_tensor_ =
@@ -172,31 +173,16 @@ class NoiseSchedule {
           std::string("noise schedule ") + what);
   }
 
-  /// torch.linspace(a, b, n, dtype=float32)[i], with its float arithmetic (from both ends).
-  static float linspace_f32(double a, double b, std::size_t i, std::size_t n) {
-    const auto start = static_cast<float>(a);
-    const auto end = static_cast<float>(b);
-    if (n == 1) return start;
-    const float step = (end - start) / static_cast<float>(n - 1);
-    const auto halfway = static_cast<std::int64_t>(n / 2);
-    const auto ind = static_cast<std::int64_t>(i);
-    if (ind < halfway) return start + step * static_cast<float>(ind);
-    return end - step * static_cast<float>(static_cast<std::int64_t>(n) - ind - 1);
-  }
-
   [[nodiscard]] double beta(std::size_t i, std::size_t n) const {
     const auto N = static_cast<double>(n);
     const auto x = static_cast<double>(i);
-    const auto lerp = [&](double a, double b) {
-      if (o_.precision == Precision::float32) return static_cast<double>(linspace_f32(a, b, i, n));
-      return n == 1 ? a : a + (b - a) * x / (N - 1);
-    };
+    const auto lerp = [&](double a, double b) { return n == 1 ? a : a + (b - a) * x / (N - 1); };
     switch (o_.beta_schedule) {
       case BetaSchedule::linear:
         return lerp(o_.beta_start, o_.beta_end);
       case BetaSchedule::scaled_linear: {
         const double r = lerp(std::sqrt(o_.beta_start), std::sqrt(o_.beta_end));
-        return o_.precision == Precision::float32 ? double(float(r) * float(r)) : r * r;
+        return r * r;
       }
       case BetaSchedule::squaredcos_cap_v2: {
         const auto alpha_bar = [](double t) {
@@ -212,20 +198,60 @@ class NoiseSchedule {
     return 0;
   }
 
-  /// Lin et al., "Common Diffusion Noise Schedules and Sample Steps are Flawed", Algorithm 1. In
-  /// float32 mode every operation is rounded as diffusers' float32 tensors round it.
-  void rescale_zero_terminal_snr() {
-    if (o_.precision == Precision::float32) {
-      rescale_in<float>();
-    } else {
-      rescale_in<double>();
+  /// The float32 tables with the torch calls diffusers' schedulers make (torch.linspace, the
+  /// zero-SNR rescale of Lin et al., cumprod): torch's vectorised float32 kernels are not always
+  /// correctly rounded (sqrt, for one), so only the same calls give the same tables, bit for bit.
+  void build_as_diffusers() {
+    const std::int64_t n = o_.num_train_timesteps;
+    at::Tensor betas;
+    switch (o_.beta_schedule) {
+      case BetaSchedule::linear:
+        betas = at::linspace(o_.beta_start, o_.beta_end, n, at::kFloat);
+        break;
+      case BetaSchedule::scaled_linear:  // Python's beta ** 0.5 is libm's pow
+        betas =
+            at::linspace(std::pow(o_.beta_start, 0.5), std::pow(o_.beta_end, 0.5), n, at::kFloat)
+                .pow(2);
+        break;
+      case BetaSchedule::squaredcos_cap_v2: {  // computed in Python floats, stored as float32
+        std::vector<double> b;
+        for (std::size_t i = 0; i < static_cast<std::size_t>(n); ++i)
+          b.push_back(beta(i, static_cast<std::size_t>(n)));
+        betas = at::tensor(b, at::kDouble).to(at::kFloat);
+        break;
+      }
+      case BetaSchedule::sigmoid:
+        betas = at::sigmoid(at::linspace(-6, 6, n, at::kFloat)) * (o_.beta_end - o_.beta_start) +
+                o_.beta_start;
+        break;
     }
+    if (o_.rescale_betas_zero_snr) {
+      at::Tensor sqrt_bar = (1.0 - betas).cumprod(0).sqrt();
+      const at::Tensor first = sqrt_bar[0].clone();
+      const at::Tensor last = sqrt_bar[-1].clone();
+      sqrt_bar -= last;
+      sqrt_bar *= first / (first - last);
+      const at::Tensor bar = sqrt_bar.pow(2);
+      betas = 1 - at::cat({bar.slice(0, 0, 1), bar.slice(0, 1) / bar.slice(0, 0, -1)});
+    }
+    const at::Tensor alphas = 1.0 - betas;
+    const at::Tensor cumprod = alphas.cumprod(0);
+    const auto store = [](xt::xtensor<double, 1>& out, const at::Tensor& t) {
+      const at::Tensor d = t.to(at::kDouble).contiguous();
+      std::copy(d.data_ptr<double>(), d.data_ptr<double>() + d.numel(), out.begin());
+    };
+    store(betas_, betas);
+    store(alphas_, alphas);
+    store(alphas_cumprod_, cumprod);
   }
+
+  /// Lin et al., "Common Diffusion Noise Schedules and Sample Steps are Flawed", Algorithm 1, in
+  /// T arithmetic (the float64 tables).
   template <class T>
   void rescale_in() {
     const std::size_t n = betas_.size();
     std::vector<T> sqrt_bar(n);
-    double prod = 1.0;  // cumprod accumulates in double in torch too
+    double prod = 1.0;
     for (std::size_t i = 0; i < n; ++i) {
       prod *= static_cast<double>(T(1) - static_cast<T>(betas_(i)));
       sqrt_bar[i] = std::sqrt(static_cast<T>(prod));

@@ -22,6 +22,10 @@ struct Action {
   Kind kind = Kind::skip;
   double decay = 0.0;       ///< for `average`: shadow ← decay·shadow + (1 − decay)·param
   bool copy_first = false;  ///< copy the weights into the shadows before averaging (a first update)
+  /// Afterwards pull the model toward its EMA (ema-pytorch's update_model_with_ema): the model's
+  /// tensors ← model_decay·model + (1 − model_decay)·shadow; 0 copies the shadows into the model.
+  bool update_model = false;
+  double model_decay = 0.0;
 };
 
 /// One tracked tensor: the model's (parameter or buffer) and its shadow.

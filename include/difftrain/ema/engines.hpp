@@ -117,21 +117,28 @@ struct Offloaded {
   void launch(std::span<Pair> pairs, Op op) {
     wait();  // one update in flight at a time; the staging buffers are reused
     const at::NoGradGuard no_grad;
-    if (staged_.size() != pairs.size()) {
-      staged_.clear();
-      for (Pair& p : pairs) staged_.push_back(make_shadow(p.param));  // same shape, dtype, pinning
+    // One set of staging buffers per list of pairs (the EMA averages one list and copies
+    // another), rebuilt when a tensor's shape, dtype or device no longer matches.
+    std::vector<at::Tensor>& staged = staging_[pairs.data()];
+    bool fits = staged.size() == pairs.size();
+    for (std::size_t i = 0; fits && i < pairs.size(); ++i)
+      fits = staged[i].sizes() == pairs[i].param.sizes() &&
+             staged[i].scalar_type() == pairs[i].param.scalar_type();
+    if (!fits) {
+      staged.clear();
+      for (Pair& p : pairs) staged.push_back(make_shadow(p.param));  // same shape, dtype, pinning
     }
     std::vector<at::Tensor> shadows;
     bool any_cuda = false;
     for (std::size_t i = 0; i < pairs.size(); ++i) {
       any_cuda = any_cuda || pairs[i].param.is_cuda();
-      staged_[i].copy_(pairs[i].param.detach(), /*non_blocking=*/true);
+      staged[i].copy_(pairs[i].param.detach(), /*non_blocking=*/true);
       shadows.push_back(pairs[i].shadow);
     }
     // Device→host copies into pinned memory are asynchronous: they must land before the host
     // reads them. One synchronisation per update, after all copies were queued.
     if (any_cuda) torch::cuda::synchronize();
-    auto work = [op, shadows = std::move(shadows), staged = staged_]() mutable {
+    auto work = [op, shadows = std::move(shadows), staged]() mutable {
       const at::NoGradGuard guard;
       op(shadows, staged);
     };
@@ -146,7 +153,7 @@ struct Offloaded {
   }
 
   Options o_;
-  std::vector<at::Tensor> staged_;
+  std::map<const Pair*, std::vector<at::Tensor>> staging_;
   std::future<void> pending_;
 };
 

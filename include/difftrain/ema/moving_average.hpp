@@ -4,8 +4,11 @@
 // Which tensors: every floating-point parameter; trainable ones are averaged and the others are
 // copied (diffusers' rule; `frozen = Frozen::average` averages them too, as ema-pytorch does).
 // Buffers are left alone by default; `buffers = Buffers::average` averages floating-point buffers
-// as ema-pytorch does, `Buffers::copy` copies them. Names can be excluded
-// (`ignore_names`, `ignore_prefixes`) or copied instead of averaged (`copy_names`).
+// as ema-pytorch does, `Buffers::copy` copies them. Names (parameters or buffers) can be copied
+// instead of averaged (`copy_names`) or ignored (`ignore_names`, `ignore_prefixes`): by default an
+// ignored name is not tracked at all; `ignored = IgnoredNames::copied_when_copying` keeps it in the
+// EMA, copied whenever the rule copies (the first update, ema-pytorch's warm-up) and never
+// averaged, as ema-pytorch does. `Tracking::ema_pytorch()` is ema-pytorch's whole rule set.
 //
 //   ema::Ema<ema::WarmupDecay, ema::MultiTensor> ema(model, {.decay = 0.9999, .use_ema_warmup =
 //   true});
@@ -15,6 +18,7 @@
 #include <torch/nn/module.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <filesystem>
 #include <map>
@@ -40,6 +44,10 @@ enum class Buffers { ignore, copy, average };
 /// averages every floating-point parameter alike.
 enum class Frozen { copy, average };
 
+/// What happens to ignored names: not tracked (diffusers has no such option; difftrain's default),
+/// or kept in the EMA and copied only when the rule copies (ema-pytorch).
+enum class IgnoredNames { untracked, copied_when_copying };
+
 /// Which of the model's tensors the EMA tracks, and how.
 struct Tracking {
   Buffers buffers = Buffers::ignore;
@@ -47,6 +55,20 @@ struct Tracking {
   std::set<std::string> ignore_names = {};
   std::vector<std::string> ignore_prefixes = {};
   std::set<std::string> copy_names = {};  ///< tracked, but copied rather than averaged
+  IgnoredNames ignored = IgnoredNames::untracked;
+
+  /// ema-pytorch's EMA: every floating-point parameter and buffer averaged, `copy_names`
+  /// (its param_or_buffer_names_no_ema) copied, ignored names copied only when copying.
+  static Tracking ema_pytorch(std::set<std::string> ignore_names = {},
+                              std::vector<std::string> ignore_prefixes = {},
+                              std::set<std::string> copy_names = {}) {
+    return {.buffers = Buffers::average,
+            .frozen = Frozen::average,
+            .ignore_names = std::move(ignore_names),
+            .ignore_prefixes = std::move(ignore_prefixes),
+            .copy_names = std::move(copy_names),
+            .ignored = IgnoredNames::copied_when_copying};
+  }
 };
 
 template <class Rule, class Engine = PerTensor>
@@ -98,12 +120,15 @@ class Ema {
   /// One EMA update; call it after each optimizer step.
   void update() {
     const Action action = rule_.next();
-    if (action.kind == Action::Kind::skip) return;
-    if (action.kind == Action::Kind::copy || action.copy_first) {
-      engine_.copy(averaged_);
+    if (action.kind != Action::Kind::skip) {
+      if (action.kind == Action::Kind::copy || action.copy_first) {
+        engine_.copy(averaged_);
+        if (!copy_phase_.empty()) engine_.copy(copy_phase_);
+      }
+      if (action.kind == Action::Kind::average) engine_.average(averaged_, 1.0 - action.decay);
+      if (!copied_.empty()) engine_.copy(copied_);
     }
-    if (action.kind == Action::Kind::average) engine_.average(averaged_, 1.0 - action.decay);
-    if (!copied_.empty()) engine_.copy(copied_);
+    if (action.update_model) update_model_from_shadows(action.model_decay);
   }
 
   /// Copies the EMA weights into the model (diffusers' copy_to).
@@ -113,7 +138,7 @@ class Ema {
     const at::NoGradGuard no_grad;
     const auto params = target.named_parameters(true);
     const auto buffers = target.named_buffers(true);
-    for (const auto* list : {&averaged_, &copied_})
+    for (const auto* list : lists())
       for (const Pair& p : *list) {
         const at::Tensor* dst = params.find(p.name);
         if (dst == nullptr) dst = buffers.find(p.name);
@@ -131,16 +156,16 @@ class Ema {
   void store() {
     const at::NoGradGuard no_grad;
     stored_.clear();
-    for (const auto* list : {&averaged_, &copied_})
+    for (const auto* list : lists())
       for (const Pair& p : *list) stored_.emplace_back(p.name, p.param.detach().clone());
   }
   /// Puts back the weights `store()` kept; a restore without a store is a ConfigError.
   void restore() {
-    if (stored_.empty() && !(averaged_.empty() && copied_.empty()))
+    if (stored_.empty() && !names().empty())
       throw ConfigError("there are no store()d weights to restore()", "Ema::restore");
     const at::NoGradGuard no_grad;
     std::size_t i = 0;
-    for (auto* list : {&averaged_, &copied_})
+    for (auto* list : lists())
       for (Pair& p : *list) p.param.copy_(stored_[i++].second);
     stored_.clear();
   }
@@ -155,7 +180,7 @@ class Ema {
   /// The shadow of tensor `name` (waits for an update in flight).
   [[nodiscard]] const at::Tensor& shadow(const std::string& name) {
     engine_.synchronize();
-    for (const auto* list : {&averaged_, &copied_})
+    for (const auto* list : lists())
       for (const Pair& p : *list)
         if (p.name == name) return p.shadow;
     throw ConfigError("the EMA tracks no tensor '" + name + "'", "Ema::shadow");
@@ -163,7 +188,7 @@ class Ema {
   /// Every tracked name, averaged ones first, in model order.
   [[nodiscard]] std::vector<std::string> names() const {
     std::vector<std::string> out;
-    for (const auto* list : {&averaged_, &copied_})
+    for (const auto* list : lists())
       for (const Pair& p : *list) out.push_back(p.name);
     return out;
   }
@@ -172,7 +197,7 @@ class Ema {
   [[nodiscard]] std::pair<nlohmann::json, std::map<std::string, at::Tensor>> state() {
     engine_.synchronize();
     std::map<std::string, at::Tensor> shadows;
-    for (const auto* list : {&averaged_, &copied_})
+    for (const auto* list : lists())
       for (const Pair& p : *list) shadows.emplace(p.name, p.shadow);
     return {rule_.state(), std::move(shadows)};
   }
@@ -181,7 +206,7 @@ class Ema {
   /// rule's scalars are checked by the rule. Nothing changes unless all of it is valid.
   void load_state(const nlohmann::json& scalars, const std::map<std::string, at::Tensor>& shadows) {
     engine_.synchronize();
-    for (const auto* list : {&averaged_, &copied_})
+    for (const auto* list : lists())
       for (const Pair& p : *list) {
         const auto it = shadows.find(p.name);
         if (it == shadows.end())
@@ -200,7 +225,7 @@ class Ema {
     Rule rule = rule_;
     rule.load_state(scalars);
     const at::NoGradGuard no_grad;
-    for (auto* list : {&averaged_, &copied_})
+    for (auto* list : lists())
       for (Pair& p : *list) p.shadow.copy_(shadows.at(p.name));
     rule_ = std::move(rule);
   }
@@ -246,14 +271,42 @@ class Ema {
  private:
   void track(const std::string& name, const at::Tensor& t, bool is_buffer) {
     if (!t.defined() || !t.is_floating_point()) return;
-    if (tracking_.ignore_names.contains(name)) return;
+    bool ignored = tracking_.ignore_names.contains(name);
     for (const auto& prefix : tracking_.ignore_prefixes)
-      if (name.starts_with(prefix)) return;
+      ignored = ignored || name.starts_with(prefix);
+    if (ignored && tracking_.ignored == IgnoredNames::untracked) return;
     Pair pair{name, t, engine_.make_shadow(t)};
-    const bool average = is_buffer ? tracking_.buffers == Buffers::average
-                                   : (t.requires_grad() || tracking_.frozen == Frozen::average) &&
-                                         !tracking_.copy_names.contains(name);
+    if (ignored) {
+      copy_phase_.push_back(std::move(pair));
+      return;
+    }
+    // copy_names wins over the buffer and frozen rules, for buffers and parameters alike.
+    const bool average = !tracking_.copy_names.contains(name) &&
+                         (is_buffer ? tracking_.buffers == Buffers::average
+                                    : t.requires_grad() || tracking_.frozen == Frozen::average);
     (average ? averaged_ : copied_).push_back(std::move(pair));
+  }
+
+  [[nodiscard]] std::array<std::vector<Pair>*, 3> lists() {
+    return {&averaged_, &copied_, &copy_phase_};
+  }
+  [[nodiscard]] std::array<const std::vector<Pair>*, 3> lists() const {
+    return {&averaged_, &copied_, &copy_phase_};
+  }
+
+  /// ema-pytorch's update_model_with_ema: decay 0 copies every shadow into the model; otherwise
+  /// averaged tensors move toward their shadows and copied ones take them (ignored names stay).
+  void update_model_from_shadows(double decay) {
+    engine_.synchronize();
+    const at::NoGradGuard no_grad;
+    const auto pull = [](Pair& p) { return p.shadow.to(p.param.device(), p.param.scalar_type()); };
+    if (decay == 0.0) {
+      for (auto* list : lists())
+        for (Pair& p : *list) p.param.copy_(pull(p));
+      return;
+    }
+    for (Pair& p : averaged_) p.param.lerp_(pull(p), 1.0 - decay);
+    for (Pair& p : copied_) p.param.copy_(pull(p));
   }
 
   torch::nn::Module* model_;
@@ -262,6 +315,7 @@ class Ema {
   Tracking tracking_;
   std::vector<Pair> averaged_;
   std::vector<Pair> copied_;
+  std::vector<Pair> copy_phase_;  ///< ignored names kept as ema-pytorch keeps them
   std::vector<std::pair<std::string, at::Tensor>> stored_;
 };
 

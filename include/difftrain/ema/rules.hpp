@@ -224,19 +224,29 @@ struct EmaPytorch {
     double inv_gamma = 1.0;
     double power = 2.0 / 3.0;
     double min_value = 0.0;
+    /// Every this many calls (0: never) pull the model toward its EMA, keeping this share of the
+    /// model's own weights (continual learning, arXiv 2406.02596).
+    std::int64_t update_model_with_ema_every = 0;
+    double update_model_with_ema_beta = 0.0;
   };
   explicit EmaPytorch(const Options& o) : o_(o) {
     detail::require(o.beta >= 0 && o.beta <= 1, name, "beta", "must be in [0, 1]");
     detail::require(o.update_every > 0, name, "update_every", "must be > 0");
     detail::require(o.update_after_step >= 0, name, "update_after_step", "must be >= 0");
     detail::require(o.inv_gamma > 0, name, "inv_gamma", "must be > 0");
+    detail::require(o.update_model_with_ema_every >= 0, name, "update_model_with_ema_every",
+                    "must be >= 0 (0: never)");
+    detail::require(o.update_model_with_ema_beta >= 0 && o.update_model_with_ema_beta <= 1, name,
+                    "update_model_with_ema_beta", "must be in [0, 1]");
   }
-  /// get_current_decay() at the current step. ema-pytorch evaluates it on a float32 tensor.
+  /// get_current_decay() at the current step. ema-pytorch evaluates it on a one-element float32
+  /// tensor; torch raises a float32 tensor to a Python-float power with a double exponent, so the
+  /// power is taken in double and rounded to float32.
   [[nodiscard]] double current_decay() const {
     const float epoch = std::max(0.0F, static_cast<float>(step_ - o_.update_after_step - 1));
     if (epoch <= 0) return 0.;
-    const float value = 1.0F - std::pow(1.0F + epoch / static_cast<float>(o_.inv_gamma),
-                                        -static_cast<float>(o_.power));
+    const float base = 1.0F + epoch / static_cast<float>(o_.inv_gamma);
+    const float value = 1.0F - static_cast<float>(std::pow(static_cast<double>(base), -o_.power));
     return static_cast<double>(
         std::clamp(value, static_cast<float>(o_.min_value), static_cast<float>(o_.beta)));
   }
@@ -247,10 +257,16 @@ struct EmaPytorch {
       return {Action::Kind::copy, 0.0};
     }
     const bool should_update = step % o_.update_every == 0;
-    if (!should_update) return {};
-    if (step <= o_.update_after_step) return {Action::Kind::copy, 0.0};
-    if (o_.beta == 1.0) return {};  // frozen
-    return {Action::Kind::average, current_decay()};
+    if (should_update && step <= o_.update_after_step) return {Action::Kind::copy, 0.0};
+    Action action;
+    if (should_update && o_.beta != 1.0) action = {Action::Kind::average, current_decay()};
+    // A frozen EMA (β = 1) moves nothing, the model included, unless the pull is a plain copy.
+    if (o_.update_model_with_ema_every > 0 && step % o_.update_model_with_ema_every == 0 &&
+        (o_.beta != 1.0 || o_.update_model_with_ema_beta == 0.0)) {
+      action.update_model = true;
+      action.model_decay = o_.update_model_with_ema_beta;
+    }
+    return action;
   }
   [[nodiscard]] nlohmann::json state() const {
     return {{"rule", name}, {"step", step_}, {"initted", initted_}, {"beta", o_.beta}};

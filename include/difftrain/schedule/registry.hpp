@@ -19,10 +19,10 @@ namespace difftrain::schedule {
 
 using Schedules =
     type_list<Constant, ConstantWithWarmup, Linear, Cosine, CosineWithRestarts, Polynomial,
-              PiecewiseConstant, CosineAnnealing, ConstantFactor, LinearFactor, Exponential, Step,
-              MultiStep, OneCycle, timm::Cosine, timm::Tanh, timm::Poly, timm::Step,
-              timm::MultiStep, timm::WarmupStableDecay, WarmupCosine, WarmupCosineCycles,
-              WarmupLinearCycles, StepString>;
+              PiecewiseConstant, CosineAnnealing, CosineAnnealingWarmRestarts, PolynomialDecay,
+              ConstantFactor, LinearFactor, Exponential, Step, MultiStep, OneCycle, timm::Cosine,
+              timm::Tanh, timm::Poly, timm::Step, timm::MultiStep, timm::WarmupStableDecay,
+              WarmupCosine, WarmupCosineCycles, WarmupLinearCycles, StepString>;
 inline constexpr Registry<Schedules> schedules{"lr schedule"};
 
 using Warmups = type_list<LinearWarmup, ExponentialWarmup, UntunedLinearWarmup,
@@ -36,6 +36,12 @@ struct SchedulerArgs {
   std::optional<std::int64_t> num_training_steps = std::nullopt;
   std::int64_t num_cycles = 1;
   double power = 1.0;
+  /// polynomial's lr_end (diffusers' default 1e-7).
+  double lr_end = 1e-7;
+  /// polynomial's reference LR: diffusers divides by the optimizer's *default* LR for every group.
+  /// Unset, each group's own base LR is used (the same for one group); the overload of
+  /// get_scheduler that takes the optimizer sets it from the optimizer's defaults, as diffusers.
+  std::optional<double> lr_init = std::nullopt;
 };
 
 /// diffusers' `get_scheduler`: one of its seven names, with the arguments each needs (a missing
@@ -63,11 +69,22 @@ inline AnySchedule get_scheduler(std::string_view name, const SchedulerArgs& a =
     return AnySchedule(CosineWithRestarts(
         {.num_warmup_steps = warmup, .num_training_steps = training, .num_cycles = a.num_cycles}));
   if (name == "polynomial")
-    return AnySchedule(
-        Polynomial({.num_warmup_steps = warmup, .num_training_steps = training, .power = a.power}));
+    return AnySchedule(Polynomial({.num_warmup_steps = warmup,
+                                   .num_training_steps = training,
+                                   .lr_end = a.lr_end,
+                                   .power = a.power,
+                                   .lr_init = a.lr_init.value_or(0.0)}));
   if (name == "cosine")
     return AnySchedule(Cosine({.num_warmup_steps = warmup, .num_training_steps = training}));
   return AnySchedule(Linear({.num_warmup_steps = warmup, .num_training_steps = training}));
+}
+
+/// diffusers' `get_scheduler(name, optimizer, ...)`: as above, with the optimizer's default LR as
+/// polynomial's reference (unless `a.lr_init` is set), so several groups get diffusers' numbers.
+inline AnySchedule get_scheduler(std::string_view name, const torch::optim::Optimizer& optimizer,
+                                 SchedulerArgs a = {}) {
+  if (!a.lr_init) a.lr_init = optimizer.defaults().get_lr();
+  return get_scheduler(name, a);
 }
 
 }  // namespace difftrain::schedule

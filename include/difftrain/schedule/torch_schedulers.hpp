@@ -38,6 +38,67 @@ struct CosineAnnealing {
   Options o_;
 };
 
+/// torch's CosineAnnealingWarmRestarts: a cosine from base to eta_min over T_i steps, restarted
+/// at the base each time; the first period is T_0, each next one T_mult times longer. Periods are
+/// integers, as torch steps them.
+struct CosineAnnealingWarmRestarts {
+  static constexpr std::string_view name = "cosine_annealing_warm_restarts";
+  struct Options {
+    std::int64_t T_0 = 100;   // NOLINT(readability-identifier-naming): torch's name
+    std::int64_t T_mult = 1;  // NOLINT(readability-identifier-naming): torch's name
+    double eta_min = 0.0;
+  };
+  explicit CosineAnnealingWarmRestarts(const Options& o) : o_(o) {
+    detail::require(o.T_0 > 0, name, "T_0",
+                    "must be a positive integer, got " + std::to_string(o.T_0));
+    detail::require(o.T_mult >= 1, name, "T_mult",
+                    "must be an integer >= 1, got " + std::to_string(o.T_mult));
+    detail::require(o.eta_min >= 0 && std::isfinite(o.eta_min), name, "eta_min",
+                    "must be a finite number >= 0");
+  }
+  [[nodiscard]] double lr(std::int64_t step, double base_lr) const {
+    std::int64_t cur = std::max<std::int64_t>(step, 0);
+    std::int64_t period = o_.T_0;
+    if (o_.T_mult == 1) {
+      cur %= period;
+    } else {
+      while (cur >= period) {
+        cur -= period;
+        period *= o_.T_mult;
+      }
+    }
+    return o_.eta_min + (base_lr - o_.eta_min) *
+                            (1 + std::cos(std::numbers::pi * static_cast<double>(cur) /
+                                          static_cast<double>(period))) /
+                            2;
+  }
+
+ private:
+  Options o_;
+};
+
+/// torch's PolynomialLR: base · (1 − min(t, total_iters)/total_iters)^power, 0 from total_iters on.
+struct PolynomialDecay {
+  static constexpr std::string_view name = "polynomial_lr";
+  struct Options {
+    std::int64_t total_iters = 5;
+    double power = 1.0;
+  };
+  explicit PolynomialDecay(const Options& o) : o_(o) {
+    detail::require(o.total_iters > 0, name, "total_iters",
+                    "must be > 0, got " + std::to_string(o.total_iters));
+    detail::require(o.power > 0 && std::isfinite(o.power), name, "power",
+                    "must be a finite number > 0");
+  }
+  [[nodiscard]] double lr(std::int64_t step, double base_lr) const {
+    const double t = static_cast<double>(std::min(o_.total_iters, std::max<std::int64_t>(step, 0)));
+    return base_lr * std::pow(1.0 - t / static_cast<double>(o_.total_iters), o_.power);
+  }
+
+ private:
+  Options o_;
+};
+
 /// torch's ConstantLR: base · factor until `total_iters`, then base.
 struct ConstantFactor {
   static constexpr std::string_view name = "constant_lr";

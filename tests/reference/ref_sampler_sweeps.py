@@ -1,0 +1,164 @@
+"""Sweeps over the samplers' configuration spaces, against diffusers.
+
+1. Timesteps of every spacing for every step count 1..N (N = 1000 and 999) for DDPM, DDIM, Euler
+   and DPM-Solver++: stored as digests (count, first, last, sequential float64 sums of the values and
+   of (i + 1)·value) so a C++ test can check all of them exactly and name the step count that differs.
+   σ tables (Euler, DPM-Solver++) the same way, compared to 1e-6.
+2. Every beta schedule x zero terminal SNR x prediction type x spacing (x Karras σ where offered), 10
+   and 25 steps, for each sampler: the sample after the first and after the last step.
+"""
+import itertools
+import json
+import math
+import warnings
+
+import numpy as np
+import torch
+from diffusers import (DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler, EulerAncestralDiscreteScheduler,
+                       EulerDiscreteScheduler)
+
+SPACINGS = ["leading", "trailing", "linspace"]
+PREDICTIONS = ["epsilon", "v_prediction", "sample"]
+
+
+def digest(values):
+    v = np.asarray(values, dtype=np.float64)
+    idx = np.arange(1, len(v) + 1, dtype=np.float64)
+    return [len(v), float(v[0]) if len(v) else 0.0, float(v[-1]) if len(v) else 0.0,
+            float(np.cumsum(v)[-1]) if len(v) else 0.0, float(np.cumsum(v * idx)[-1]) if len(v) else 0.0]
+
+
+def timestep_sweep():
+    out = {}
+    for N in (1000, 999):
+        for spacing in SPACINGS:
+            makers = {
+                "ddpm": lambda: DDPMScheduler(num_train_timesteps=N, timestep_spacing=spacing, steps_offset=0),
+                "ddim": lambda: DDIMScheduler(num_train_timesteps=N, timestep_spacing=spacing, steps_offset=0),
+                "euler": lambda: EulerDiscreteScheduler(num_train_timesteps=N, timestep_spacing=spacing),
+                "dpm": lambda: DPMSolverMultistepScheduler(num_train_timesteps=N, timestep_spacing=spacing),
+            }
+            for name, make in makers.items():
+                s = make()
+                ts, sig = [], []
+                for n in range(1, N + 1):
+                    s.set_timesteps(n)
+                    t = s.timesteps.double().numpy()
+                    sigmas = s.sigmas.double().numpy() if name in ("euler", "dpm") else None
+                    if spacing == "trailing" and len(t) == n + 1:
+                        # diffusers' extra trailing -1 (see sampler_common.hpp): the first n values
+                        t = t[:n]
+                        if sigmas is not None:
+                            sigmas = np.concatenate([sigmas[:n], sigmas[-1:]])
+                    ts.append(digest(t))
+                    if sigmas is not None:
+                        sig.append(digest(sigmas))
+                out[f"{name}/{spacing}/{N}"] = {"timesteps": ts, "sigmas": sig}
+    return out
+
+
+def fake_model(x, t):
+    return 0.5 * torch.tanh(x) + float(t) * 1e-4
+
+
+def initial_sample():
+    return torch.linspace(-1.5, 1.5, 2 * 3 * 4 * 4, dtype=torch.float32).reshape(2, 3, 4, 4).sin() * 1.3
+
+
+def finite_json(values):
+    # JSON has no NaN or infinity (zero terminal SNR with ε prediction divides by ᾱ = 0 in DDPM and
+    # DDIM): they are written as the strings "nan", "inf" and "-inf".
+    return [v if math.isfinite(v) else ("nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")) for v in values]
+
+
+def run(sched, steps, seed, scaled=False, **step_kwargs):
+    try:
+        return run_unchecked(sched, steps, seed, scaled, **step_kwargs)
+    except IndexError as e:  # diffusers' own failure (a repeated first timestep): nothing to compare
+        return {"error": str(e)}
+
+
+def run_unchecked(sched, steps, seed, scaled=False, **step_kwargs):
+    sched.set_timesteps(steps)
+    x = initial_sample()
+    if scaled:
+        x = x * sched.init_noise_sigma
+    g = torch.Generator().manual_seed(seed)
+    first = None
+    for t in sched.timesteps:
+        inp = sched.scale_model_input(x, t) if scaled else x
+        x = sched.step(fake_model(inp, t), t, x, generator=g, **step_kwargs).prev_sample
+        if first is None:
+            first = finite_json(x.double().flatten().tolist())
+    return {"timesteps": [float(v) for v in sched.timesteps], "first": first,
+            "last": finite_json(x.double().flatten().tolist())}
+
+
+def sampler_sweep():
+    betas = {"linear": {}, "scaled_linear": {"beta_start": 0.00085, "beta_end": 0.012}, "squaredcos_cap_v2": {}}
+    out = {}
+    for (beta, extra), snr, pred, spacing, steps in itertools.product(
+            betas.items(), (False, True), PREDICTIONS, SPACINGS, (10, 25)):
+        common = dict(beta_schedule=beta, rescale_betas_zero_snr=snr, prediction_type=pred, timestep_spacing=spacing,
+                      **extra)
+        key = f"{beta}/{snr}/{pred}/{spacing}/{steps}"
+        out[f"ddpm/{key}"] = run(DDPMScheduler(clip_sample=False, **common), steps, seed=1)
+        out[f"ddim/{key}"] = run(DDIMScheduler(clip_sample=False, **common), steps, seed=2, eta=0.3)
+        for karras in (False, True):
+            out[f"euler/{key}/{karras}"] = run(EulerDiscreteScheduler(use_karras_sigmas=karras, **common), steps, 3,
+                                               scaled=True)
+        if pred != "sample":
+            out[f"euler_ancestral/{key}"] = run(EulerAncestralDiscreteScheduler(**common), steps, 4, scaled=True)
+        dpm_grid = [(k, o, "dpmsolver++") for k in (False, True) for o in (1, 2, 3)] + [
+            (False, 2, "sde-dpmsolver++"), (True, 3, "sde-dpmsolver++")]
+        for karras, order, algo in dpm_grid:
+            out[f"dpm/{key}/{karras}/{order}/{algo}"] = run(DPMSolverMultistepScheduler(
+                use_karras_sigmas=karras, solver_order=order, algorithm_type=algo, **common), steps, 5)
+    # Options beyond the grid.
+    for name, kwargs in {
+        "sigma_min": dict(final_sigmas_type="sigma_min"),
+        "euler_at_final": dict(euler_at_final=True, solver_order=3),
+        "no_lower_order_final": dict(lower_order_final=False, solver_order=3),
+        "heun": dict(solver_type="heun"),
+        "heun_sde": dict(solver_type="heun", algorithm_type="sde-dpmsolver++"),
+        "lambda_clip": dict(beta_schedule="squaredcos_cap_v2", lambda_min_clipped=-5.1),
+        "lambda_clip_trailing": dict(beta_schedule="squaredcos_cap_v2", lambda_min_clipped=-5.1,
+                                     timestep_spacing="trailing"),
+        "leading_offset": dict(timestep_spacing="leading", steps_offset=1),
+        "thresholding": dict(thresholding=True, sample_max_value=1.1, prediction_type="sample"),
+    }.items():
+        for steps in (8, 20):
+            out[f"dpm_option/{name}/{steps}"] = run(DPMSolverMultistepScheduler(**kwargs), steps, 6)
+    for name, kwargs in {
+        "churn": dict(s_churn=1.5, s_tmin=0.2, s_tmax=8.0),
+        "churn_noise": dict(s_churn=40.0, s_noise=1.003),
+    }.items():
+        for steps in (10, 30):
+            out[f"euler_churn/{name}/{steps}"] = run(EulerDiscreteScheduler(), steps, 7, scaled=True, **kwargs)
+    out["euler_option/sigma_min/12"] = run(EulerDiscreteScheduler(final_sigmas_type="sigma_min"), 12, 8, scaled=True)
+    return out
+
+
+def ddpm_learned():
+    out = {}
+    for variance in ("learned", "learned_range"):
+        s = DDPMScheduler(variance_type=variance, clip_sample=False)
+        s.set_timesteps(12)
+        x = initial_sample()
+        g = torch.Generator().manual_seed(9)
+        trace = []
+        for t in s.timesteps:
+            eps = fake_model(x, t)
+            var = (torch.cos(x * 3.0) * 0.9) if variance == "learned_range" else (0.01 + 0.02 * torch.sigmoid(x))
+            x = s.step(torch.cat([eps, var], dim=1), t, x, generator=g).prev_sample
+            trace.append(x.double().flatten().tolist())
+        out[variance] = {"timesteps": s.timesteps.tolist(), "trace": trace}
+    return out
+
+
+def generate(out):
+    warnings.filterwarnings("ignore")
+    ts = timestep_sweep()
+    sw = sampler_sweep()
+    (out / "sampler_sweeps.json").write_text(json.dumps({
+        "timesteps": ts, "samplers": sw, "ddpm_learned": ddpm_learned()}, allow_nan=False))

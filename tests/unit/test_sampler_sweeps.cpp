@@ -1,0 +1,421 @@
+// The samplers over whole configuration spaces, against diffusers (tests/reference/
+// ref_sampler_sweeps.py): every spacing at every step count, and every beta schedule x zero
+// terminal SNR x prediction x spacing (x Karras σ, solver order, SDE) at 10 and 25 steps.
+#include <difftrain/diffusion/diffusion.hpp>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <gtest/gtest.h>
+
+#include <limits>
+#include <map>
+#include <sstream>
+
+#include "golden.hpp"
+
+namespace dt = difftrain;
+namespace df = difftrain::diffusion;
+namespace tst = difftrain::test;
+
+namespace {
+
+const nlohmann::json& g() { return tst::golden("sampler_sweeps.json"); }
+
+std::vector<std::string> split(const std::string& key) {
+  std::vector<std::string> parts;
+  std::stringstream in(key);
+  for (std::string p; std::getline(in, p, '/');) parts.push_back(p);
+  return parts;
+}
+
+df::TimestepSpacing spacing_of(const std::string& s) {
+  if (s == "leading") return df::TimestepSpacing::leading;
+  if (s == "trailing") return df::TimestepSpacing::trailing;
+  return df::TimestepSpacing::linspace;
+}
+df::Prediction prediction_of(const std::string& s) {
+  if (s == "epsilon") return df::Prediction::epsilon;
+  if (s == "v_prediction") return df::Prediction::v_prediction;
+  return df::Prediction::sample;
+}
+df::NoiseSchedule schedule_of(const std::string& beta, bool zero_snr, std::int64_t n = 1000) {
+  df::NoiseSchedule::Options o{.num_train_timesteps = n, .precision = df::Precision::float32};
+  o.rescale_betas_zero_snr = zero_snr;
+  if (beta == "scaled_linear") {
+    o.beta_schedule = df::BetaSchedule::scaled_linear;
+    o.beta_start = 0.00085;
+    o.beta_end = 0.012;
+  } else if (beta == "squaredcos_cap_v2") {
+    o.beta_schedule = df::BetaSchedule::squaredcos_cap_v2;
+  }
+  return df::NoiseSchedule(o);
+}
+
+/// Count, first, last and sequential float64 sums of v and of (i + 1)·v, as the script computes.
+template <class T>
+std::array<double, 5> digest(const std::vector<T>& v) {
+  double sum = 0;
+  double weighted = 0;
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    sum += static_cast<double>(v[i]);
+    weighted += static_cast<double>(v[i]) * static_cast<double>(i + 1);
+  }
+  if (v.empty()) return {0, 0, 0, 0, 0};
+  return {static_cast<double>(v.size()), static_cast<double>(v.front()),
+          static_cast<double>(v.back()), sum, weighted};
+}
+
+void expect_digest(const std::array<double, 5>& got, const nlohmann::json& want, double rtol,
+                   const std::string& what) {
+  for (std::size_t k = 0; k < 5; ++k) {
+    const double w = want[k].get<double>();
+    if (rtol == 0) {
+      ASSERT_EQ(got[k], w) << what << " digest field " << k;
+    } else {
+      ASSERT_NEAR(got[k], w, rtol * std::max(1.0, std::abs(w))) << what << " digest field " << k;
+    }
+  }
+}
+
+at::Tensor initial_sample() {
+  return at::sin(at::linspace(-1.5, 1.5, 2 * 3 * 4 * 4, at::kFloat).reshape({2, 3, 4, 4})) * 1.3;
+}
+at::Tensor fake_model(const at::Tensor& x, double t) { return 0.5 * at::tanh(x) + t * 1e-4; }
+at::Generator seeded(std::uint64_t seed) { return at::make_generator<at::CPUGeneratorImpl>(seed); }
+
+/// The script writes NaN and infinities as "nan", "inf" and "-inf".
+at::Tensor values_from(const nlohmann::json& want) {
+  std::vector<double> v;
+  for (const auto& x : want) {
+    if (!x.is_string()) {
+      v.push_back(x.get<double>());
+    } else if (x == "nan") {
+      v.push_back(std::numeric_limits<double>::quiet_NaN());
+    } else {
+      v.push_back((x == "inf" ? 1 : -1) * std::numeric_limits<double>::infinity());
+    }
+  }
+  return at::tensor(v, at::kDouble);
+}
+
+/// Agreement to 1e-5 relative to the run's largest value (norm-wise: these runs are float32 and
+/// some are ill-conditioned, e.g. third-order SDE steps whose diffusers result itself moves by 1e-2
+/// when its input moves by 1e-7), plus `sigma_atol` for σ-space samplers whose first steps work
+/// at σ_max (4096 with zero terminal SNR: one float32 ulp there is 5e-4). NaN and infinities
+/// must be where the reference has them.
+void expect_close(const at::Tensor& got, const nlohmann::json& want, const std::string& what,
+                  double sigma_atol = 0) {
+  const at::Tensor ref = values_from(want);
+  ASSERT_EQ(got.numel(), ref.numel()) << what;
+  const at::Tensor d = got.to(at::kDouble).flatten();
+  const at::Tensor finite = at::isfinite(ref);
+  ASSERT_TRUE(at::equal(at::isfinite(d), finite)) << what << ": non-finite values differ";
+  ASSERT_TRUE(at::equal(at::isnan(d), at::isnan(ref))) << what << ": NaNs differ";
+  if (!finite.any().item<bool>()) return;
+  const double scale = ref.masked_select(finite).abs().max().item<double>();
+  const double err = (d - ref).masked_select(finite).abs().max().item<double>();
+  EXPECT_LE(err, 1e-5 * (1 + scale) + sigma_atol)
+      << what << ": max |diff| " << err << " (largest value " << scale << ")";
+}
+
+/// Runs a sampler whose step takes (output, t, x, generator) and compares first and last samples.
+/// Integer timesteps must be equal. Karras σ→t timesteps are fractions computed through numpy's
+/// float32 log, which is not correctly rounded (an ulp off for 137 of the 1000 σ of the linear
+/// schedule, and dependent on the SIMD path numpy picks); those agree to `timestep_tol`.
+template <class S, class Step>
+void check_run(S& s, const nlohmann::json& ref, std::int64_t steps, double init_sigma, Step step,
+               const std::string& what, double timestep_tol = 0, double sigma_max = 0) {
+  s.set_timesteps(steps);
+  ASSERT_EQ(s.timesteps().size(), ref["timesteps"].size()) << what;
+  for (std::size_t i = 0; i < s.timesteps().size(); ++i)
+    ASSERT_NEAR(static_cast<double>(s.timesteps()[i]), ref["timesteps"][i].get<double>(),
+                timestep_tol)
+        << what << " timestep " << i;
+  at::Tensor x = initial_sample() * init_sigma;
+  const double sigma_atol = 4e-7 * sigma_max;
+  for (std::size_t i = 0; i < s.timesteps().size(); ++i) {
+    x = step(s, i, x);
+    if (i == 0) expect_close(x, ref["first"], what + " after the first step", sigma_atol);
+  }
+  expect_close(x, ref["last"], what + " after the last step", sigma_atol);
+}
+
+}  // namespace
+
+TEST(SamplerSweeps, EverySpacingAtEveryStepCountMatchesDiffusers) {
+  int checked = 0;
+  for (const auto& [key, ref] : g()["timesteps"].items()) {
+    const auto parts = split(key);  // sampler/spacing/N
+    const std::string& sampler = parts[0];
+    const auto spacing = spacing_of(parts[1]);
+    const std::int64_t N = std::stoll(parts[2]);
+    const df::NoiseSchedule schedule(
+        {.num_train_timesteps = N, .precision = df::Precision::float32});
+    df::Ddpm ddpm(schedule, {.timestep_spacing = spacing});
+    df::Ddim ddim(schedule, {.timestep_spacing = spacing});
+    df::Euler euler(schedule, {.timestep_spacing = spacing});
+    df::DpmSolverMultistep dpm(schedule, {.timestep_spacing = spacing});
+    for (std::int64_t n = 1; n <= N; ++n) {
+      const std::string what = key + " at " + std::to_string(n) + " steps";
+      const auto& want = ref["timesteps"][static_cast<std::size_t>(n - 1)];
+      if (sampler == "ddpm") {
+        ddpm.set_timesteps(n);
+        expect_digest(digest(ddpm.timesteps()), want, 0, what);
+      } else if (sampler == "ddim") {
+        ddim.set_timesteps(n);
+        expect_digest(digest(ddim.timesteps()), want, 0, what);
+      } else if (sampler == "euler") {
+        euler.set_timesteps(n);
+        expect_digest(digest(euler.timesteps()), want, 0, what);
+        expect_digest(digest(euler.sigmas()), ref["sigmas"][static_cast<std::size_t>(n - 1)], 1e-6,
+                      what + " sigmas");
+      } else {
+        dpm.set_timesteps(n);
+        expect_digest(digest(dpm.timesteps()), want, 0, what);
+        expect_digest(digest(dpm.sigmas()), ref["sigmas"][static_cast<std::size_t>(n - 1)], 1e-6,
+                      what + " sigmas");
+      }
+      ++checked;
+    }
+  }
+  EXPECT_EQ(checked, 4 * 3 * (1000 + 999));
+}
+
+TEST(SamplerSweeps, EveryScheduleSnrPredictionAndSpacingMatchesDiffusers) {
+  std::map<std::string, int> checked;
+  int diffusers_failed = 0;
+  for (const auto& [key, ref] : g()["samplers"].items()) {
+    const auto p = split(key);
+    const std::string& kind = p[0];
+    if (kind == "dpm_option" || kind == "euler_churn" || kind == "euler_option") continue;
+    // kind/beta/snr/prediction/spacing/steps[/karras[/order/algorithm]]
+    const auto schedule = schedule_of(p[1], p[2] == "True");
+    const auto prediction = prediction_of(p[3]);
+    const auto spacing = spacing_of(p[4]);
+    const std::int64_t steps = std::stoll(p[5]);
+    if (ref.contains("error")) {
+      // diffusers itself fails here (a repeated first timestep makes it skip a σ and run off the
+      // end); difftrain takes every step and stays finite unless the configuration cannot be.
+      ++diffusers_failed;
+      ASSERT_EQ(kind, "dpm") << key;
+      df::DpmSolverMultistep dpm(schedule, {.prediction_type = prediction,
+                                            .use_karras_sigmas = p[6] == "True",
+                                            .solver_order = std::stoll(p[7]),
+                                            .timestep_spacing = spacing});
+      at::Tensor x = initial_sample();
+      dpm.set_timesteps(steps);
+      for (std::size_t i = 0; i < dpm.timesteps().size(); ++i)
+        x = dpm.step_at(i, fake_model(x, static_cast<double>(dpm.timesteps()[i])), x, seeded(5));
+      if (prediction != df::Prediction::epsilon || p[2] != "True") {
+        EXPECT_TRUE(at::isfinite(x).all().item<bool>()) << key;
+      }
+      continue;
+    }
+    SCOPED_TRACE(key);
+    if (kind == "ddpm") {
+      df::Ddpm s(schedule, {.prediction_type = prediction,
+                            .clipping = {.clip_sample = false},
+                            .timestep_spacing = spacing});
+      auto gen = seeded(1);
+      check_run(
+          s, ref, steps, 1.0,
+          [&](df::Ddpm& d, std::size_t i, const at::Tensor& x) {
+            const auto t = d.timesteps()[i];
+            return d.step(fake_model(x, static_cast<double>(t)), t, x, gen);
+          },
+          key);
+    } else if (kind == "ddim") {
+      df::Ddim s(schedule, {.prediction_type = prediction,
+                            .clipping = {.clip_sample = false},
+                            .timestep_spacing = spacing,
+                            .eta = 0.3});
+      auto gen = seeded(2);
+      check_run(
+          s, ref, steps, 1.0,
+          [&](df::Ddim& d, std::size_t i, const at::Tensor& x) {
+            const auto t = d.timesteps()[i];
+            return d.step(fake_model(x, static_cast<double>(t)), t, x, gen);
+          },
+          key);
+    } else if (kind == "euler") {
+      df::Euler s(schedule, {.prediction_type = prediction,
+                             .timestep_spacing = spacing,
+                             .use_karras_sigmas = p[6] == "True"});
+      s.set_timesteps(steps);
+      auto gen = seeded(3);
+      check_run(
+          s, ref, steps, s.init_noise_sigma(),
+          [&](df::Euler& e, std::size_t i, const at::Tensor& x) {
+            return e.step_at(i, fake_model(e.model_input(x), e.timesteps()[i]), x, gen);
+          },
+          key, p[6] == "True" ? 1e-3 : 0.0, s.sigmas().front());
+    } else if (kind == "euler_ancestral") {
+      df::EulerAncestral s(schedule, {.prediction_type = prediction, .timestep_spacing = spacing});
+      s.set_timesteps(steps);
+      auto gen = seeded(4);
+      check_run(
+          s, ref, steps, s.init_noise_sigma(),
+          [&](df::EulerAncestral& e, std::size_t i, const at::Tensor& x) {
+            return e.step_at(i, fake_model(e.model_input(x), e.timesteps()[i]), x, gen);
+          },
+          key, 0.0, s.sigmas().front());
+    } else if (kind == "dpm") {
+      df::DpmSolverMultistep s(
+          schedule, {.prediction_type = prediction,
+                     .use_karras_sigmas = p[6] == "True",
+                     .solver_order = std::stoll(p[7]),
+                     .algorithm_type = p[8] == "sde-dpmsolver++"
+                                           ? df::DpmSolverMultistep::Algorithm::sde_dpmsolver_pp
+                                           : df::DpmSolverMultistep::Algorithm::dpmsolver_pp,
+                     .timestep_spacing = spacing});
+      auto gen = seeded(5);
+      check_run(
+          s, ref, steps, 1.0,
+          [&](df::DpmSolverMultistep& d, std::size_t i, const at::Tensor& x) {
+            return d.step_at(i, fake_model(x, static_cast<double>(d.timesteps()[i])), x, gen);
+          },
+          key);
+    } else {
+      FAIL() << "unknown sweep entry " << key;
+    }
+    ++checked[kind];
+  }
+  // 3 beta schedules x 2 SNR x 3 predictions x 3 spacings x 2 step counts = 108 per sampler.
+  EXPECT_EQ(checked["ddpm"], 108);
+  EXPECT_EQ(checked["ddim"], 108);
+  EXPECT_EQ(checked["euler"], 216);
+  EXPECT_EQ(checked["euler_ancestral"], 72);
+  EXPECT_EQ(checked["dpm"] + diffusers_failed, 108 * 8);
+}
+
+TEST(SamplerSweeps, DpmSolverOptionsMatchDiffusers) {
+  int checked = 0;
+  for (const auto& [key, ref] : g()["samplers"].items()) {
+    const auto p = split(key);
+    if (p[0] != "dpm_option") continue;
+    SCOPED_TRACE(key);
+    const std::string& name = p[1];
+    const std::int64_t steps = std::stoll(p[2]);
+    df::DpmSolverMultistep::Options o;
+    std::string beta = "linear";
+    if (name == "sigma_min") o.final_sigmas_type = df::FinalSigmas::sigma_min;
+    if (name == "euler_at_final") o.euler_at_final = true;
+    if (name == "euler_at_final" || name == "no_lower_order_final") o.solver_order = 3;
+    if (name == "no_lower_order_final") o.lower_order_final = false;
+    if (name.starts_with("heun")) o.solver_type = df::DpmSolverMultistep::SolverType::heun;
+    if (name == "heun_sde") o.algorithm_type = df::DpmSolverMultistep::Algorithm::sde_dpmsolver_pp;
+    if (name.starts_with("lambda_clip")) {
+      beta = "squaredcos_cap_v2";
+      o.lambda_min_clipped = -5.1;
+    }
+    if (name == "lambda_clip_trailing") o.timestep_spacing = df::TimestepSpacing::trailing;
+    if (name == "leading_offset") {
+      o.timestep_spacing = df::TimestepSpacing::leading;
+      o.steps_offset = 1;
+    }
+    if (name == "thresholding") {
+      o.prediction_type = df::Prediction::sample;
+      o.clipping = {.clip_sample = false, .thresholding = true, .sample_max_value = 1.1};
+    }
+    const auto schedule = schedule_of(beta, false);
+    df::DpmSolverMultistep s(schedule, o);
+    auto gen = seeded(6);
+    check_run(
+        s, ref, steps, 1.0,
+        [&](df::DpmSolverMultistep& d, std::size_t i, const at::Tensor& x) {
+          return d.step_at(i, fake_model(x, static_cast<double>(d.timesteps()[i])), x, gen);
+        },
+        key);
+    ++checked;
+  }
+  EXPECT_EQ(checked, 18);
+}
+
+TEST(SamplerSweeps, EulerChurnAndFinalSigmaMatchDiffusers) {
+  int checked = 0;
+  const auto schedule = schedule_of("linear", false);
+  for (const auto& [key, ref] : g()["samplers"].items()) {
+    const auto p = split(key);
+    if (p[0] != "euler_churn" && p[0] != "euler_option") continue;
+    SCOPED_TRACE(key);
+    df::Euler::Options o;
+    std::uint64_t seed = 7;
+    if (p[1] == "churn") {
+      o.s_churn = 1.5;
+      o.s_tmin = 0.2;
+      o.s_tmax = 8.0;
+    } else if (p[1] == "churn_noise") {
+      o.s_churn = 40.0;
+      o.s_noise = 1.003;
+    } else {
+      o.final_sigmas_type = df::FinalSigmas::sigma_min;
+      seed = 8;
+    }
+    df::Euler s(schedule, o);
+    const std::int64_t steps = std::stoll(p[2]);
+    s.set_timesteps(steps);
+    auto gen = seeded(seed);
+    check_run(
+        s, ref, steps, s.init_noise_sigma(),
+        [&](df::Euler& e, std::size_t i, const at::Tensor& x) {
+          return e.step_at(i, fake_model(e.model_input(x), e.timesteps()[i]), x, gen);
+        },
+        key);
+    ++checked;
+  }
+  EXPECT_EQ(checked, 5);
+}
+
+TEST(SamplerSweeps, DdpmLearnedVarianceMatchesDiffusers) {
+  const auto schedule = schedule_of("linear", false);
+  for (const auto* variance : {"learned", "learned_range"}) {
+    SCOPED_TRACE(variance);
+    const auto& ref = g()["ddpm_learned"][variance];
+    const bool range = std::string(variance) == "learned_range";
+    df::Ddpm s(schedule, {.variance_type = range ? df::Ddpm::Variance::learned_range
+                                                 : df::Ddpm::Variance::learned,
+                          .clipping = {.clip_sample = false}});
+    s.set_timesteps(12);
+    ASSERT_EQ(s.timesteps().size(), ref["timesteps"].size());
+    auto gen = seeded(9);
+    at::Tensor x = initial_sample();
+    for (std::size_t i = 0; i < s.timesteps().size(); ++i) {
+      const auto t = s.timesteps()[i];
+      const at::Tensor eps = fake_model(x, static_cast<double>(t));
+      const at::Tensor var = range ? at::cos(x * 3.0) * 0.9 : 0.01 + 0.02 * at::sigmoid(x);
+      x = s.step(at::cat({eps, var}, 1), t, x, gen);
+      expect_close(x, ref["trace"][i], std::string(variance) + " step " + std::to_string(i));
+    }
+    // The model must give the variance channels.
+    EXPECT_THROW((void)s.step(x, s.timesteps().front(), x), dt::ShapeError);
+  }
+}
+
+TEST(SamplerSweeps, RegressionsFromTheParityIssue) {
+  // Trailing spacing used to accumulate rounding and throw for about half of all step counts.
+  for (std::int64_t n : {3, 6, 9, 15, 24, 28, 975})
+    EXPECT_EQ(df::spaced_timesteps(1000, n, df::TimestepSpacing::trailing).size(),
+              static_cast<std::size_t>(n));
+  // numpy's linspace value for DDIM at 27 steps is 499.49999999999994, which rounds to 499.
+  const auto t27 = df::spaced_timesteps(1000, 27, df::TimestepSpacing::linspace);
+  EXPECT_EQ(t27[13], 499);
+  // Zero terminal SNR: the first σ is 4096 (ᾱ = 2⁻²⁴), not infinite.
+  const auto zero = schedule_of("linear", true);
+  df::Euler euler(zero, {.timestep_spacing = df::TimestepSpacing::trailing});
+  euler.set_timesteps(10);
+  EXPECT_NEAR(euler.sigmas().front(), 4096.0, 1e-3);
+  df::DpmSolverMultistep dpm(zero, {.prediction_type = df::Prediction::v_prediction,
+                                    .timestep_spacing = df::TimestepSpacing::trailing});
+  dpm.set_timesteps(10);
+  at::Tensor x = initial_sample();
+  for (std::size_t i = 0; i < dpm.timesteps().size(); ++i)
+    x = dpm.step_at(i, fake_model(x, static_cast<double>(dpm.timesteps()[i])), x, std::nullopt);
+  EXPECT_TRUE(at::isfinite(x).all().item<bool>());
+  // Bad options are typed.
+  const auto lin = schedule_of("linear", false);
+  EXPECT_THROW(df::DpmSolverMultistep(lin, {.solver_order = 4}), dt::ConfigError);
+  EXPECT_THROW(df::Euler(lin, {.s_churn = -1}), dt::ConfigError);
+  EXPECT_THROW(df::EulerAncestral(lin, {.prediction_type = df::Prediction::sample}),
+               dt::ConfigError);
+  df::DpmSolverMultistep clipped(lin, {.lambda_min_clipped = 1e9});
+  EXPECT_THROW(clipped.set_timesteps(10), dt::ConfigError);
+}
