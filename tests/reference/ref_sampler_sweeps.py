@@ -7,6 +7,7 @@
 2. Every beta schedule x zero terminal SNR x prediction type x spacing (x Karras σ where offered), 10
    and 25 steps, for each sampler: the sample after the first and after the last step.
 """
+import inspect
 import itertools
 import json
 import math
@@ -15,7 +16,7 @@ import warnings
 import numpy as np
 import torch
 from diffusers import (DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler, EulerAncestralDiscreteScheduler,
-                       EulerDiscreteScheduler)
+                       EulerDiscreteScheduler, FlowMatchEulerDiscreteScheduler, HeunDiscreteScheduler)
 
 SPACINGS = ["leading", "trailing", "linspace"]
 PREDICTIONS = ["epsilon", "v_prediction", "sample"]
@@ -87,7 +88,10 @@ def run_unchecked(sched, steps, seed, scaled=False, **step_kwargs):
     first = None
     for t in sched.timesteps:
         inp = sched.scale_model_input(x, t) if scaled else x
-        x = sched.step(fake_model(inp, t), t, x, generator=g, **step_kwargs).prev_sample
+        kwargs = dict(step_kwargs)
+        if "generator" in inspect.signature(sched.step).parameters:
+            kwargs["generator"] = g
+        x = sched.step(fake_model(inp, t), t, x, **kwargs).prev_sample
         if first is None:
             first = finite_json(x.double().flatten().tolist())
     return {"timesteps": [float(v) for v in sched.timesteps], "first": first,
@@ -95,7 +99,9 @@ def run_unchecked(sched, steps, seed, scaled=False, **step_kwargs):
 
 
 def sampler_sweep():
-    betas = {"linear": {}, "scaled_linear": {"beta_start": 0.00085, "beta_end": 0.012}, "squaredcos_cap_v2": {}}
+    # Explicit β range: the schedulers' defaults differ (Heun's linear is SD's 0.00085…0.012).
+    betas = {"linear": {"beta_start": 0.0001, "beta_end": 0.02},
+             "scaled_linear": {"beta_start": 0.00085, "beta_end": 0.012}, "squaredcos_cap_v2": {}}
     out = {}
     for (beta, extra), snr, pred, spacing, steps in itertools.product(
             betas.items(), (False, True), PREDICTIONS, SPACINGS, (10, 25)):
@@ -107,6 +113,11 @@ def sampler_sweep():
         for karras in (False, True):
             out[f"euler/{key}/{karras}"] = run(EulerDiscreteScheduler(use_karras_sigmas=karras, **common), steps, 3,
                                                scaled=True)
+        if not snr:  # diffusers' Heun has no zero-SNR rescale
+            heun_common = {k: v for k, v in common.items() if k != "rescale_betas_zero_snr"}
+            for karras in (False, True):
+                out[f"heun/{key}/{karras}"] = run(HeunDiscreteScheduler(use_karras_sigmas=karras, **heun_common),
+                                                  steps, 0, scaled=True)
         if pred != "sample":
             out[f"euler_ancestral/{key}"] = run(EulerAncestralDiscreteScheduler(**common), steps, 4, scaled=True)
         dpm_grid = [(k, o, "dpmsolver++") for k in (False, True) for o in (1, 2, 3)] + [
@@ -139,6 +150,33 @@ def sampler_sweep():
     return out
 
 
+def flow_matching():
+    out = {}
+    configs = {
+        "shift1": (dict(), None), "shift3": (dict(shift=3.0), None), "shift0.7": (dict(shift=0.7), None),
+        "terminal": (dict(shift=3.0, shift_terminal=0.1), None),
+        "dynamic_exp": (dict(use_dynamic_shifting=True), 1.15),
+        "dynamic_exp_low": (dict(use_dynamic_shifting=True), 0.3),
+        "dynamic_linear": (dict(use_dynamic_shifting=True, time_shift_type="linear"), 2.5),
+        "dynamic_terminal": (dict(use_dynamic_shifting=True, shift_terminal=0.02), 0.9),
+        "n999": (dict(num_train_timesteps=999, shift=2.0), None),
+    }
+    for name, (kw, mu) in configs.items():
+        for steps in (1, 4, 28, 50):
+            if steps == 1 and "shift_terminal" in kw:
+                continue  # diffusers divides 0 by 0 (one σ, 1 − σ = 0): NaN; difftrain refuses it
+            s = FlowMatchEulerDiscreteScheduler(**kw)
+            s.set_timesteps(steps, mu=mu) if mu is not None else s.set_timesteps(steps)
+            x = initial_sample()
+            trace = []
+            for t in s.timesteps:
+                x = s.step(fake_model(x, t), t, x).prev_sample
+                trace.append(x.double().flatten().tolist())
+            out[f"{name}/{steps}"] = {"timesteps": s.timesteps.double().tolist(), "sigmas": s.sigmas.double().tolist(),
+                                      "first": trace[0], "last": trace[-1], "mu": mu}
+    return out
+
+
 def ddpm_learned():
     out = {}
     for variance in ("learned", "learned_range"):
@@ -161,4 +199,5 @@ def generate(out):
     ts = timestep_sweep()
     sw = sampler_sweep()
     (out / "sampler_sweeps.json").write_text(json.dumps({
-        "timesteps": ts, "samplers": sw, "ddpm_learned": ddpm_learned()}, allow_nan=False))
+        "timesteps": ts, "samplers": sw, "ddpm_learned": ddpm_learned(), "flow": flow_matching()},
+        allow_nan=False))

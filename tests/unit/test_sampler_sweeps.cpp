@@ -248,6 +248,17 @@ TEST(SamplerSweeps, EveryScheduleSnrPredictionAndSpacingMatchesDiffusers) {
             return e.step_at(i, fake_model(e.model_input(x), e.timesteps()[i]), x, gen);
           },
           key, p[6] == "True" ? 1e-3 : 0.0, s.sigmas().front());
+    } else if (kind == "heun") {
+      df::Heun s(schedule, {.prediction_type = prediction,
+                            .timestep_spacing = spacing,
+                            .use_karras_sigmas = p[6] == "True"});
+      s.set_timesteps(steps);
+      check_run(
+          s, ref, steps, s.init_noise_sigma(),
+          [&](df::Heun& h, std::size_t i, const at::Tensor& x) {
+            return h.step_at(i, fake_model(h.model_input(x), h.timesteps()[i]), x, std::nullopt);
+          },
+          key, p[6] == "True" ? 1e-3 : 0.0, s.sigmas().front());
     } else if (kind == "euler_ancestral") {
       df::EulerAncestral s(schedule, {.prediction_type = prediction, .timestep_spacing = spacing});
       s.set_timesteps(steps);
@@ -284,6 +295,7 @@ TEST(SamplerSweeps, EveryScheduleSnrPredictionAndSpacingMatchesDiffusers) {
   EXPECT_EQ(checked["ddim"], 108);
   EXPECT_EQ(checked["euler"], 216);
   EXPECT_EQ(checked["euler_ancestral"], 72);
+  EXPECT_EQ(checked["heun"], 108);
   EXPECT_EQ(checked["dpm"] + diffusers_failed, 108 * 8);
 }
 
@@ -418,4 +430,51 @@ TEST(SamplerSweeps, RegressionsFromTheParityIssue) {
                dt::ConfigError);
   df::DpmSolverMultistep clipped(lin, {.lambda_min_clipped = 1e9});
   EXPECT_THROW(clipped.set_timesteps(10), dt::ConfigError);
+}
+
+TEST(SamplerSweeps, FlowMatchingShiftsMatchDiffusers) {
+  int checked = 0;
+  for (const auto& [key, ref] : g()["flow"].items()) {
+    SCOPED_TRACE(key);
+    const auto p = split(key);  // name/steps
+    const std::string& name = p[0];
+    df::FlowMatchEuler::Options o;
+    if (name == "shift3" || name == "terminal") o.shift = 3.0;
+    if (name == "shift0.7") o.shift = 0.7;
+    if (name == "terminal") o.shift_terminal = 0.1;
+    if (name.starts_with("dynamic")) o.use_dynamic_shifting = true;
+    if (name == "dynamic_linear") o.time_shift_type = df::FlowMatchEuler::TimeShift::linear;
+    if (name == "dynamic_terminal") o.shift_terminal = 0.02;
+    if (name == "n999") {
+      o.num_train_timesteps = 999;
+      o.shift = 2.0;
+    }
+    df::FlowMatchEuler s(o);
+    const std::int64_t steps = std::stoll(p[1]);
+    if (ref["mu"].is_null()) {
+      s.set_timesteps(steps);
+    } else {
+      EXPECT_THROW(s.set_timesteps(steps), dt::ConfigError);  // μ is required
+      s.set_timesteps(steps, ref["mu"].get<double>());
+    }
+    ASSERT_EQ(s.timesteps().size(), ref["timesteps"].size());
+    ASSERT_EQ(s.sigmas().size(), ref["sigmas"].size());
+    for (std::size_t i = 0; i < s.sigmas().size(); ++i)
+      ASSERT_EQ(static_cast<double>(s.sigmas()[i]), ref["sigmas"][i].get<double>()) << "σ " << i;
+    for (std::size_t i = 0; i < s.timesteps().size(); ++i)
+      ASSERT_EQ(static_cast<double>(s.timesteps()[i]), ref["timesteps"][i].get<double>()) << i;
+    at::Tensor x = initial_sample();
+    for (std::size_t i = 0; i < s.timesteps().size(); ++i) {
+      x = s.step_at(i, fake_model(x, s.timesteps()[i]), x, std::nullopt);
+      if (i == 0) expect_close(x, ref["first"], key + " after the first step");
+    }
+    expect_close(x, ref["last"], key + " after the last step");
+    ++checked;
+  }
+  EXPECT_EQ(checked, 9 * 4 - 2);
+  EXPECT_THROW(df::FlowMatchEuler({.shift_terminal = 1.0}), dt::ConfigError);
+  df::FlowMatchEuler one_step({.shift = 3.0, .shift_terminal = 0.1});
+  EXPECT_THROW(one_step.set_timesteps(1), dt::ConfigError);  // diffusers: NaN
+  EXPECT_NEAR(df::FlowMatchEuler::calculate_shift(256), 0.5, 1e-15);
+  EXPECT_NEAR(df::FlowMatchEuler::calculate_shift(4096), 1.15, 1e-15);
 }

@@ -7,6 +7,7 @@
 #include "difftrain/diffusion/euler.hpp"
 #include "difftrain/diffusion/flow_matching.hpp"
 #include "difftrain/diffusion/guidance.hpp"
+#include "difftrain/diffusion/heun.hpp"
 #include "difftrain/diffusion/noise_schedule.hpp"
 #include "difftrain/diffusion/sample.hpp"
 #include "difftrain/diffusion/sampler_common.hpp"

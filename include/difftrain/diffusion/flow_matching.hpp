@@ -1,25 +1,34 @@
 #pragma once
 // Rectified-flow training as SD3's trainer does it, and the flow-matching Euler sampler (diffusers'
 // FlowMatchEulerDiscreteScheduler): x_σ = (1 − σ)·x₀ + σ·ε, the model predicts ε − x₀, and the
-// shift σ' = s·σ / (1 + (s − 1)·σ) moves sampling towards noisier σ.
+// shift σ' = s·σ / (1 + (s − 1)·σ) moves sampling towards noisier σ. Dynamic shifting (Flux, SD3.5:
+// the shift depends on the image's sequence length through μ, exponential e^μ/(e^μ + 1/σ − 1) or
+// linear μ/(μ + 1/σ − 1)) and shift_terminal (LTX-Video: the last σ stretched to a given value)
+// as diffusers has them.
 
 #include <ATen/ATen.h>
 #include <ATen/core/Generator.h>
 
+#include <cmath>
 #include <cstdint>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "difftrain/core/error.hpp"
+#include "difftrain/diffusion/sampler_common.hpp"
 
 namespace difftrain::diffusion {
 
 class FlowMatchEuler {
  public:
+  enum class TimeShift { exponential, linear };
   struct Options {
     std::int64_t num_train_timesteps = 1000;
     double shift = 1.0;
+    bool use_dynamic_shifting = false;  ///< then set_timesteps needs μ (calculate_shift)
+    TimeShift time_shift_type = TimeShift::exponential;
+    std::optional<double> shift_terminal = std::nullopt;
   };
   static constexpr std::string_view name = "flow_match_euler";
 
@@ -28,11 +37,13 @@ class FlowMatchEuler {
     if (o.num_train_timesteps <= 0)
       throw ConfigError("must be > 0", "flow matching option num_train_timesteps");
     if (!(o.shift > 0)) throw ConfigError("must be > 0", "flow matching option shift");
+    if (o.shift_terminal && !(*o.shift_terminal >= 0 && *o.shift_terminal < 1))
+      throw ConfigError("must be in [0, 1)", "flow matching option shift_terminal");
     const auto n = static_cast<double>(o.num_train_timesteps);
-    // float32 throughout, as diffusers builds these tables.
+    // float32 throughout, as diffusers builds these tables (unshifted with dynamic shifting).
     for (std::int64_t i = o.num_train_timesteps; i >= 1; --i) {
-      const float sigma = shifted(static_cast<float>(static_cast<double>(i) / n));
-      train_sigmas_.push_back(sigma);
+      const auto sigma = static_cast<float>(static_cast<float>(i) / static_cast<float>(n));
+      train_sigmas_.push_back(o.use_dynamic_shifting ? sigma : shifted(sigma));
     }
     sigma_max_ = train_sigmas_.front();
     sigma_min_ = train_sigmas_.back();
@@ -69,21 +80,56 @@ class FlowMatchEuler {
     return noise - x0;
   }
 
-  /// Sampling: n σ's from σ_max to σ_min (shifted), then 0.
-  void set_timesteps(std::int64_t n) {
+  /// Flux's μ for an image of `image_seq_len` tokens: linear between (base_seq_len, base_shift)
+  /// and (max_seq_len, max_shift).
+  [[nodiscard]] static double calculate_shift(double image_seq_len, double base_seq_len = 256,
+                                              double max_seq_len = 4096, double base_shift = 0.5,
+                                              double max_shift = 1.15) {
+    const double m = (max_shift - base_shift) / (max_seq_len - base_seq_len);
+    const double b = base_shift - m * base_seq_len;
+    return image_seq_len * m + b;
+  }
+  /// μ for the next set_timesteps calls (dynamic shifting).
+  void set_mu(double mu) {
+    if (!std::isfinite(mu)) throw ConfigError("must be finite", "flow matching mu");
+    mu_ = mu;
+  }
+
+  /// Sampling: n σ's from σ_max to σ_min (shifted; numpy's float64 arithmetic, then float32),
+  /// then 0. With dynamic shifting `mu` (or the one set_mu gave) sets the shift.
+  void set_timesteps(std::int64_t n, std::optional<double> mu = std::nullopt) {
     if (n <= 0) throw ConfigError("must be > 0", "flow matching num_inference_steps");
-    const auto N = static_cast<float>(o_.num_train_timesteps);
-    const double t_max = static_cast<double>(sigma_max_ * N);
-    const double t_min = static_cast<double>(sigma_min_ * N);
+    if (mu) set_mu(*mu);
+    if (o_.use_dynamic_shifting && !mu_)
+      throw ConfigError("dynamic shifting needs mu: pass it to set_timesteps or call set_mu",
+                        "flow matching set_timesteps");
+    const auto N = static_cast<double>(o_.num_train_timesteps);
+    const double t_max = static_cast<double>(sigma_max_) * N;
+    const double t_min = static_cast<double>(sigma_min_) * N;
+    std::vector<double> sigmas;
+    for (std::int64_t i = 0; i < n; ++i) {
+      const double s = numpy::linspace(t_max, t_min, n, i) / N;
+      if (!o_.use_dynamic_shifting) {
+        sigmas.push_back(o_.shift * s / (1 + (o_.shift - 1) * s));
+      } else if (o_.time_shift_type == TimeShift::exponential) {
+        sigmas.push_back(std::exp(*mu_) / (std::exp(*mu_) + (1 / s - 1)));
+      } else {
+        sigmas.push_back(*mu_ / (*mu_ + (1 / s - 1)));
+      }
+    }
+    if (o_.shift_terminal) {  // 1 − (1 − σ)·(1 − terminal)/(1 − σ_last)
+      const double scale = (1 - sigmas.back()) / (1 - *o_.shift_terminal);
+      if (!(scale > 0))  // one step: σ_last = 1 (diffusers computes 0/0)
+        throw ConfigError("shift_terminal needs a last σ below 1 (two steps or more), got " +
+                              std::to_string(n) + " step(s)",
+                          "flow matching set_timesteps");
+      for (double& s : sigmas) s = 1 - ((1 - s) / scale);
+    }
     sigmas_.clear();
     timesteps_.clear();
-    for (std::int64_t i = 0; i < n; ++i) {
-      const double t =
-          n == 1 ? t_max
-                 : t_max + (t_min - t_max) * static_cast<double>(i) / static_cast<double>(n - 1);
-      const float sigma = shifted(static_cast<float>(static_cast<float>(t) / N));
-      sigmas_.push_back(sigma);
-      timesteps_.push_back(sigma * N);
+    for (double s : sigmas) {
+      sigmas_.push_back(static_cast<float>(s));
+      timesteps_.push_back(sigmas_.back() * static_cast<float>(o_.num_train_timesteps));
     }
     sigmas_.push_back(0.0F);
     step_index_ = 0;
@@ -132,6 +178,7 @@ class FlowMatchEuler {
   float sigma_min_ = 0;
   std::vector<float> sigmas_;
   std::vector<float> timesteps_;
+  std::optional<double> mu_;
   std::size_t step_index_ = 0;
 };
 
