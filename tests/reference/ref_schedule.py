@@ -51,9 +51,12 @@ def run_timm(make, n=N):
     return [sched._get_lr(t) for t in range(n)]
 
 
-def run_warmup(make_sched, make_warmup, n=N, kind="sgd", betas=(0.9, 0.999)):
+def run_warmup(make_sched, make_warmup, n=N, kind="sgd", betas=(0.9, 0.999), group_beta2s=None):
     # The DALLE2 trainer's pattern: optimizer.step(); with warmup.dampening(): scheduler.step()
     opt = optimizer(kind, betas)
+    if group_beta2s is not None:  # per-group betas, which the untuned and RAdam warm-ups read
+        for group, b2 in zip(opt.param_groups, group_beta2s):
+            group["betas"] = (0.9, b2)
     sched = make_sched(opt)
     warm = make_warmup(opt)
     out = []
@@ -268,6 +271,20 @@ def generate(out):
         "radam_warmup+step": run_warmup(
             lambda o: tls.StepLR(o, step_size=100, gamma=0.5), lambda o: pytorch_warmup.RAdamWarmup(o),
             kind="adam", betas=(0.9, 0.999)),
+        # pytorch-warmup with a period or β₂ per parameter group
+        "linear_warmup_per_group+cosine_annealing": run_warmup(
+            lambda o: tls.CosineAnnealingLR(o, T_max=300), lambda o: pytorch_warmup.LinearWarmup(o, [30, 75])),
+        "exponential_warmup_per_group+constant": run_warmup(
+            lambda o: tls.LambdaLR(o, lambda _: 1.0), lambda o: pytorch_warmup.ExponentialWarmup(o, [50, 12])),
+        "untuned_linear_warmup_per_group+constant": run_warmup(
+            lambda o: tls.LambdaLR(o, lambda _: 1.0), lambda o: pytorch_warmup.UntunedLinearWarmup(o),
+            kind="adam", group_beta2s=[0.99, 0.995]),
+        "untuned_exponential_warmup_per_group+exponential": run_warmup(
+            lambda o: tls.ExponentialLR(o, gamma=0.995), lambda o: pytorch_warmup.UntunedExponentialWarmup(o),
+            kind="adam", group_beta2s=[0.98, 0.995]),
+        "radam_warmup_per_group+step": run_warmup(
+            lambda o: tls.StepLR(o, step_size=100, gamma=0.5), lambda o: pytorch_warmup.RAdamWarmup(o),
+            kind="adam", group_beta2s=[0.999, 0.99]),
         # CogVideoX
         "warmup_cosine": run_torch(lambda_lr(LambdaWarmUpCosineScheduler(50, 0.01, 1.0, 0.001, 300))),
         "warmup_cosine_cycles": run_torch(lambda_lr(LambdaWarmUpCosineScheduler2(

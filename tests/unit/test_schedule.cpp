@@ -216,6 +216,38 @@ std::map<std::string, std::function<sch::AnySchedule()>> cases() {
          return AnySchedule(sch::WithWarmup<sch::RAdamWarmup, sch::Step>(
              {.warmup = {.beta2 = 0.999}, .schedule = {.step_size = 100, .gamma = 0.5}}));
        }},
+      {"linear_warmup_per_group+cosine_annealing",
+       [] {
+         return AnySchedule(sch::WithWarmup<sch::LinearWarmup, sch::CosineAnnealing>(
+             {.warmup = {.warmup_periods = {30, 75}}, .schedule = {.T_max = 300}}));
+       }},
+      {"exponential_warmup_per_group+constant",
+       [] {
+         return AnySchedule(sch::WithWarmup<sch::ExponentialWarmup, sch::Constant>(
+             {.warmup = {.warmup_periods = {50, 12}}}));
+       }},
+      {"untuned_linear_warmup_per_group+constant",
+       [] {
+         return AnySchedule(sch::WithWarmup<sch::UntunedLinearWarmup, sch::Constant>(
+             {.warmup = {.beta2s = {0.99, 0.995}}}));
+       }},
+      {"untuned_exponential_warmup_per_group+exponential",
+       [] {
+         // β₂ per group read from the optimizer, as pytorch-warmup reads group["betas"].
+         std::vector<torch::optim::OptimizerParamGroup> groups;
+         for (double b2 : {0.98, 0.995})
+           groups.emplace_back(std::vector<at::Tensor>{at::zeros({1}, at::requires_grad())},
+                               std::make_unique<torch::optim::AdamOptions>(
+                                   torch::optim::AdamOptions(0.1).betas({0.9, b2})));
+         torch::optim::Adam adam(groups);
+         return AnySchedule(sch::WithWarmup<sch::UntunedExponentialWarmup, sch::Exponential>(
+             {.warmup = {.beta2s = sch::adam_beta2s(adam)}, .schedule = {.gamma = 0.995}}));
+       }},
+      {"radam_warmup_per_group+step",
+       [] {
+         return AnySchedule(sch::WithWarmup<sch::RAdamWarmup, sch::Step>(
+             {.warmup = {.beta2s = {0.999, 0.99}}, .schedule = {.step_size = 100, .gamma = 0.5}}));
+       }},
       {"warmup_cosine",
        [] {
          return AnySchedule(sch::WarmupCosine({.warm_up_steps = 50,
@@ -288,7 +320,7 @@ TEST(Schedule, EveryGoldenCaseMatchesItsReferenceTo1e12) {
     for (std::size_t t = 0; t < curve.size(); ++t)
       for (std::size_t gi = 0; gi < bases.size(); ++gi) {
         const double want = curve[t][gi].get<double>();
-        const double got = s.lr(start + static_cast<std::int64_t>(t), bases[gi]);
+        const double got = s.lr(start + static_cast<std::int64_t>(t), bases[gi], gi);
         if (!close(got, want) && mismatches++ < 3)
           ADD_FAILURE() << "step " << t << " group " << gi << ": got " << got << ", want " << want;
       }
@@ -407,6 +439,18 @@ TEST(Schedule, BadOptionsAreConfigErrorsNamingTheOption) {
             std::string::npos);
   EXPECT_NE(where_of([] { sch::Step({.step_size = -3}); }).find("option step_size"),
             std::string::npos);
+  // Per-group lists: each entry checked; a group past the list is named.
+  EXPECT_THROW(sch::LinearWarmup({.warmup_periods = {10, 0}}), dt::ConfigError);
+  EXPECT_THROW(sch::RAdamWarmup({.beta2s = {0.999, 0.5}}), dt::ConfigError);
+  EXPECT_NE(where_of([] {
+              (void)sch::LinearWarmup({.warmup_periods = {10, 20}}).factor(0, 2);
+            }).find("warmup_periods"),
+            std::string::npos);
+  {
+    torch::optim::SGD sgd(std::vector<at::Tensor>{at::zeros({1}, at::requires_grad())},
+                          torch::optim::SGDOptions(0.1));
+    EXPECT_THROW((void)sch::adam_beta2s(sgd), dt::ConfigError);
+  }
   EXPECT_NE(where_of([] { sch::LinearWarmup({.warmup_period = 0}); }).find("warmup_period"),
             std::string::npos);
   EXPECT_NE(where_of([] { sch::RAdamWarmup({.beta2 = 0.5}); }).find("beta2"), std::string::npos);
@@ -509,4 +553,25 @@ TEST(Schedule, RegistriesKnowEveryScheduleAndWarmup) {
     });
     EXPECT_TRUE(std::isfinite(lr));
   }
+}
+
+TEST(Schedule, PerGroupWarmupBoundToAnOptimizerDampensEachGroupByItsOwnPeriod) {
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  for (double lr : {0.1, 0.02})
+    groups.emplace_back(std::vector<at::Tensor>{at::zeros({1}, at::requires_grad())},
+                        std::make_unique<torch::optim::SGDOptions>(lr));
+  torch::optim::SGD sgd(groups, torch::optim::SGDOptions(0.1));
+  using S = sch::WithWarmup<sch::LinearWarmup, sch::Constant>;
+  sch::LrScheduler<S> bound(sgd, S({.warmup = {.warmup_periods = {2, 4}}}));
+  EXPECT_DOUBLE_EQ(bound.last_lr()[0], 0.1 * 1 / 2);
+  EXPECT_DOUBLE_EQ(bound.last_lr()[1], 0.02 * 1 / 4);
+  bound.step();
+  EXPECT_DOUBLE_EQ(bound.last_lr()[0], 0.1);
+  EXPECT_DOUBLE_EQ(bound.last_lr()[1], 0.02 * 2 / 4);
+  // Three groups against a two-entry list: the binding fails and names the option.
+  groups.emplace_back(std::vector<at::Tensor>{at::zeros({1}, at::requires_grad())},
+                      std::make_unique<torch::optim::SGDOptions>(0.3));
+  torch::optim::SGD three(groups, torch::optim::SGDOptions(0.1));
+  EXPECT_THROW(sch::LrScheduler<S>(three, S({.warmup = {.warmup_periods = {2, 4}}})),
+               dt::ConfigError);
 }

@@ -3,9 +3,12 @@
 // from the group when bound, like torch's `initial_lr`), and the schedule sets every group's LR
 // from it. Like torch's schedulers: binding sets the LR of step 0, each `step()` moves to the next.
 
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
 #include <torch/optim/optimizer.h>
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <nlohmann/json.hpp>
@@ -23,19 +26,31 @@ namespace difftrain::schedule {
 class AnySchedule {
  public:
   AnySchedule(std::string name, std::function<double(std::int64_t, double)> lr)
-      : name_(std::move(name)), lr_(std::move(lr)) {}
+      : name_(std::move(name)),
+        lr_([f = std::move(lr)](std::int64_t t, double b, std::size_t /*group*/) {
+          return f(t, b);
+        }) {}
   template <class S>
   requires LrSchedule<S>
   explicit AnySchedule(S schedule)
-      : name_(S::name),
-        lr_([s = std::move(schedule)](std::int64_t t, double b) { return s.lr(t, b); }) {}
+      : name_(S::name), lr_([s = std::move(schedule)](std::int64_t t, double b, std::size_t g) {
+          if constexpr (HasGroupLrAt<S>) {
+            return s.lr(t, b, g);
+          } else {
+            (void)g;
+            return s.lr(t, b);
+          }
+        }) {}
 
-  [[nodiscard]] double lr(std::int64_t step, double base_lr) const { return lr_(step, base_lr); }
+  [[nodiscard]] double lr(std::int64_t step, double base_lr) const { return lr_(step, base_lr, 0); }
+  [[nodiscard]] double lr(std::int64_t step, double base_lr, std::size_t group) const {
+    return lr_(step, base_lr, group);
+  }
   [[nodiscard]] const std::string& name() const noexcept { return name_; }
 
  private:
   std::string name_;
-  std::function<double(std::int64_t, double)> lr_;
+  std::function<double(std::int64_t, double, std::size_t)> lr_;
 };
 
 namespace detail {
@@ -76,7 +91,12 @@ class LrScheduler {
                             std::to_string(base_lrs_.size()),
                         "lr scheduler '" + detail::schedule_name(schedule_) + "'");
     for (std::size_t i = 0; i < groups.size(); ++i) {
-      const double lr = schedule_.lr(step, base_lrs_[i]);
+      double lr = 0;
+      if constexpr (HasGroupLrAt<S>) {
+        lr = schedule_.lr(step, base_lrs_[i], i);
+      } else {
+        lr = schedule_.lr(step, base_lrs_[i]);
+      }
       if (!std::isfinite(lr))
         throw NumericError(
             "learning rate is " + std::to_string(lr) + " for group " + std::to_string(i),
@@ -138,5 +158,24 @@ class LrScheduler {
   std::int64_t last_step_;
   std::vector<double> base_lrs_;
 };
+
+/// Each group's Adam β₂ (AdamW's or Adam's options), in group order: the per-group β₂ of the
+/// untuned and RAdam warm-ups, as pytorch-warmup reads them from `group["betas"][1]`. A group of
+/// another optimizer is a ConfigError.
+inline std::vector<double> adam_beta2s(torch::optim::Optimizer& optimizer) {
+  std::vector<double> out;
+  for (std::size_t i = 0; i < optimizer.param_groups().size(); ++i) {
+    auto& options = optimizer.param_groups()[i].options();
+    if (const auto* w = dynamic_cast<const torch::optim::AdamWOptions*>(&options)) {
+      out.push_back(std::get<1>(w->betas()));
+    } else if (const auto* a = dynamic_cast<const torch::optim::AdamOptions*>(&options)) {
+      out.push_back(std::get<1>(a->betas()));
+    } else {
+      throw ConfigError("group " + std::to_string(i) + " has no Adam betas",
+                        "schedule::adam_beta2s");
+    }
+  }
+  return out;
+}
 
 }  // namespace difftrain::schedule

@@ -14,6 +14,7 @@
 // Metric-driven schedules (ReduceLROnPlateau) have state and their own interface (plateau.hpp).
 
 #include <concepts>
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -30,6 +31,19 @@ concept ConstructibleFromOptions =
 template <class S>
 concept HasLrAt = requires(const S& s, std::int64_t step, double base_lr) {
   { s.lr(step, base_lr) } -> std::convertible_to<double>;
+};
+
+/// A schedule whose LR also depends on the parameter group (per-group warm-up periods, say):
+/// `lr(step, base_lr, group)`. LrScheduler passes each group's index when a schedule has it.
+template <class S>
+concept HasGroupLrAt = requires(const S& s, std::int64_t step, double base_lr, std::size_t group) {
+  { s.lr(step, base_lr, group) } -> std::convertible_to<double>;
+};
+
+/// A warm-up whose factor depends on the parameter group.
+template <class W>
+concept HasGroupFactor = requires(const W& w, std::int64_t step, std::size_t group) {
+  { w.factor(step, group) } -> std::convertible_to<double>;
 };
 
 template <class S>
