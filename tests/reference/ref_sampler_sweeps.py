@@ -101,7 +101,8 @@ def run_unchecked(sched, steps, seed, scaled=False, **step_kwargs):
 def sampler_sweep():
     # Explicit β range: the schedulers' defaults differ (Heun's linear is SD's 0.00085…0.012).
     betas = {"linear": {"beta_start": 0.0001, "beta_end": 0.02},
-             "scaled_linear": {"beta_start": 0.00085, "beta_end": 0.012}, "squaredcos_cap_v2": {}}
+             "scaled_linear": {"beta_start": 0.00085, "beta_end": 0.012}, "squaredcos_cap_v2": {},
+             "sigmoid": {"beta_start": 0.0001, "beta_end": 0.02}}  # sigmoid: DDPM only, as in diffusers
     out = {}
     for (beta, extra), snr, pred, spacing, steps in itertools.product(
             betas.items(), (False, True), PREDICTIONS, SPACINGS, (10, 25)):
@@ -109,6 +110,8 @@ def sampler_sweep():
                       **extra)
         key = f"{beta}/{snr}/{pred}/{spacing}/{steps}"
         out[f"ddpm/{key}"] = run(DDPMScheduler(clip_sample=False, **common), steps, seed=1)
+        if beta == "sigmoid":
+            continue
         out[f"ddim/{key}"] = run(DDIMScheduler(clip_sample=False, **common), steps, seed=2, eta=0.3)
         for karras in (False, True):
             out[f"euler/{key}/{karras}"] = run(EulerDiscreteScheduler(use_karras_sigmas=karras, **common), steps, 3,

@@ -46,6 +46,8 @@ df::NoiseSchedule schedule_of(const std::string& beta, bool zero_snr, std::int64
     o.beta_end = 0.012;
   } else if (beta == "squaredcos_cap_v2") {
     o.beta_schedule = df::BetaSchedule::squaredcos_cap_v2;
+  } else if (beta == "sigmoid") {
+    o.beta_schedule = df::BetaSchedule::sigmoid;
   }
   return df::NoiseSchedule(o);
 }
@@ -290,8 +292,9 @@ TEST(SamplerSweeps, EveryScheduleSnrPredictionAndSpacingMatchesDiffusers) {
     }
     ++checked[kind];
   }
-  // 3 beta schedules x 2 SNR x 3 predictions x 3 spacings x 2 step counts = 108 per sampler.
-  EXPECT_EQ(checked["ddpm"], 108);
+  // 3 beta schedules x 2 SNR x 3 predictions x 3 spacings x 2 step counts = 108 per sampler
+  // (DDPM also has diffusers' sigmoid betas: 144).
+  EXPECT_EQ(checked["ddpm"], 144);
   EXPECT_EQ(checked["ddim"], 108);
   EXPECT_EQ(checked["euler"], 216);
   EXPECT_EQ(checked["euler_ancestral"], 72);
