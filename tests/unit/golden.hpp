@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "test_dirs.hpp"
+
 namespace difftrain::test {
 
 inline const nlohmann::json& golden(const std::string& file) {

@@ -6,3 +6,5 @@
 #include <string>
 #include <string_view>
 #include <vector>
+
+#include "test_dirs.hpp"  // the golden and corpus folders, for every test source
