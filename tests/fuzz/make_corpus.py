@@ -42,6 +42,10 @@ def safetensors_cases():
         "unknown_dtype": st({"a": {"dtype": "F33", "shape": [2], "data_offsets": [0, 8]}}, bytes(8)),
         "trailing_bytes": st({"a": f32([0, 8])}, bytes(16)),
         "not_json": st(b"{\"a\": [1, 2", b""),
+        "duplicate_key": st(b'{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, '
+                            b'"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}', bytes(8)),
+        "deep_shape": st(b'{"a": {"dtype": "F32", "shape": ' + b"[" * 100_000 + b"]" * 100_000
+                         + b', "data_offsets": [0, 8]}}', bytes(8)),
     }
 
 

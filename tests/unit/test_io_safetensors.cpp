@@ -134,6 +134,17 @@ TEST(Safetensors, HostileFilesAreFormatErrorsNamingTheField) {
           R"({"a":{"dtype":"U8","shape":[4294967296,4294967296,16],"data_offsets":[0,4]}})", 4)),
       "overflows"));
   EXPECT_TRUE(has(rejection(image(R"({"__metadata__":{"x":1.5}})", 0)), "__metadata__"));
+  // Duplicate keys (the Python reader keeps the last, shadowing a tensor) and deep nesting (a
+  // shape 100,000 brackets deep used to be built in full and crash on the way down).
+  EXPECT_TRUE(has(
+      rejection(image(
+          R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})",
+          4)),
+      "key 'a' twice"));
+  EXPECT_TRUE(has(rejection(image(R"({"__metadata__":{"k":"1","k":"2"}})", 0)), "key 'k' twice"));
+  const std::string deep = R"({"a":{"dtype":"F32","shape":)" + std::string(100'000, '[') +
+                           std::string(100'000, ']') + R"(,"data_offsets":[0,4]}})";
+  EXPECT_TRUE(has(rejection(image(deep, 4)), "nests deeper than 64"));
   EXPECT_TRUE(has(rejection(image(R"({"a":{"dtype":"F32","shape":[1]}})", 4)),
                   "needs dtype, shape and data_offsets"));
   EXPECT_THROW((void)io::load_safetensors("/nonexistent/file.safetensors"), dt::FormatError);

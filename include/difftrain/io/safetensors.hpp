@@ -23,6 +23,7 @@
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <span>
 #include <string>
 #include <utility>
@@ -92,6 +93,8 @@ struct Mapping {
 
 /// The largest header the reader accepts (the format's own limit).
 inline constexpr std::uint64_t kSafetensorsMaxHeader = 100'000'000;
+/// A header is three levels deep (tensors, an entry, its shape); this leaves room and no more.
+inline constexpr std::size_t kSafetensorsMaxDepth = 64;
 
 struct SafetensorsFile {
   std::map<std::string, at::Tensor> tensors;
@@ -138,8 +141,32 @@ inline SafetensorsHeader parse_safetensors_header(const char* json, std::uint64_
   if (n < 2 || json[0] != '{')
     throw FormatError("header does not start with '{'", where + ": byte 8");
   nlohmann::json header;
+  // The parse refuses a duplicate key (the Python reader lets the last one win, silently shadowing
+  // a tensor) and nesting deeper than a header needs (a shape nested 100,000 brackets deep would
+  // otherwise be built in full) as it reads, before anything deep is allocated.
+  std::vector<std::set<std::string>> keys;  // one set per open object
+  std::size_t depth = 0;
+  const auto check = [&](int /*depth*/, nlohmann::json::parse_event_t event,
+                         nlohmann::json& parsed) {
+    using E = nlohmann::json::parse_event_t;
+    if (event == E::object_start || event == E::array_start) {
+      if (++depth > kSafetensorsMaxDepth)
+        throw FormatError(
+            "header nests deeper than " + std::to_string(kSafetensorsMaxDepth) + " levels",
+            where + ": header");
+      if (event == E::object_start) keys.emplace_back();
+    } else if (event == E::object_end || event == E::array_end) {
+      --depth;
+      if (event == E::object_end && !keys.empty()) keys.pop_back();
+    } else if (event == E::key && !keys.empty() && parsed.is_string()) {
+      if (!keys.back().insert(parsed.get<std::string>()).second)
+        throw FormatError("header has the key '" + parsed.get<std::string>() + "' twice",
+                          where + ": header");
+    }
+    return true;
+  };
   try {
-    header = nlohmann::json::parse(json, json + n);
+    header = nlohmann::json::parse(json, json + n, check);
   } catch (const nlohmann::json::exception& e) {
     throw FormatError(std::string("header is not valid JSON: ") + e.what(), where + ": header");
   }
