@@ -66,6 +66,25 @@ struct EulerSchedule {
   }
 };
 
+/// x / √(σ² + 1): what a σ-space model sees at σ.
+inline at::Tensor sigma_space_input(const at::Tensor& sample, float sigma) {
+  return sample / std::sqrt(sigma * sigma + 1.0F);
+}
+
+/// x̂₀ from a σ-space model output at σ, as diffusers' Euler-family samplers compute it.
+inline at::Tensor sigma_space_x0(Prediction p, const at::Tensor& out, const at::Tensor& sample,
+                                 float sigma) {
+  switch (p) {
+    case Prediction::epsilon:
+      return sample - sigma * out;
+    case Prediction::v_prediction:
+      return out * (-sigma / std::sqrt(sigma * sigma + 1.0F)) + (sample / (sigma * sigma + 1.0F));
+    case Prediction::sample:
+      return out;
+  }
+  return out;
+}
+
 class Euler {
  public:
   struct Options {
@@ -101,8 +120,7 @@ class Euler {
   [[nodiscard]] double init_noise_sigma() const { return s_.init_noise_sigma(o_.timestep_spacing); }
   /// x / √(σ² + 1) at the current step: what the model sees.
   [[nodiscard]] at::Tensor scale_model_input(const at::Tensor& sample) const {
-    const float s = current_sigma();
-    return sample / std::sqrt(s * s + 1.0F);
+    return sigma_space_input(sample, current_sigma());
   }
 
   /// One step; `generator` draws the churn noise (used only when s_churn > 0).
@@ -122,19 +140,10 @@ class Euler {
       const at::Tensor eps = noise * o_.s_noise;
       sample = sample + eps * std::sqrt(sigma_hat * sigma_hat - sigma * sigma);
     }
-    at::Tensor x0;
-    switch (o_.prediction_type) {
-      case Prediction::sample:
-        x0 = model_output;
-        break;
-      case Prediction::epsilon:
-        x0 = sample - sigma_hat * model_output;
-        break;
-      case Prediction::v_prediction:
-        x0 = model_output * (-sigma / std::sqrt(sigma * sigma + 1.0F)) +
-             (sample / (sigma * sigma + 1.0F));
-        break;
-    }
+    // diffusers scales ε by the churned σ̂ but v by σ.
+    const at::Tensor x0 =
+        sigma_space_x0(o_.prediction_type, model_output, sample,
+                       o_.prediction_type == Prediction::epsilon ? sigma_hat : sigma);
     const at::Tensor derivative = (sample - x0) / sigma_hat;
     const float dt = s_.sigmas[step_index_ + 1] - sigma_hat;
     ++step_index_;
@@ -190,8 +199,7 @@ class EulerAncestral {
   [[nodiscard]] const std::vector<float>& sigmas() const noexcept { return s_.sigmas; }
   [[nodiscard]] double init_noise_sigma() const { return s_.init_noise_sigma(o_.timestep_spacing); }
   [[nodiscard]] at::Tensor scale_model_input(const at::Tensor& sample) const {
-    const float s = current_sigma();
-    return sample / std::sqrt(s * s + 1.0F);
+    return sigma_space_input(sample, current_sigma());
   }
 
   /// One step; the ancestral noise comes from `generator` unless `noise` is given.
@@ -201,10 +209,7 @@ class EulerAncestral {
     check_step_shapes(model_output, sample_in, "EulerAncestral::step");
     const float sigma = current_sigma();
     const at::Tensor sample = sample_in.to(at::kFloat);
-    const at::Tensor x0 = o_.prediction_type == Prediction::epsilon
-                              ? sample - sigma * model_output
-                              : model_output * (-sigma / std::sqrt(sigma * sigma + 1.0F)) +
-                                    (sample / (sigma * sigma + 1.0F));
+    const at::Tensor x0 = sigma_space_x0(o_.prediction_type, model_output, sample, sigma);
     const float from = sigma;
     const float to = s_.sigmas[step_index_ + 1];
     const float up = std::sqrt(to * to * (from * from - to * to) / (from * from));

@@ -56,8 +56,7 @@ class Heun {
   [[nodiscard]] const std::vector<float>& sigmas() const noexcept { return sigmas_; }
   [[nodiscard]] double init_noise_sigma() const { return init_noise_sigma_; }
   [[nodiscard]] at::Tensor scale_model_input(const at::Tensor& sample) const {
-    const float s = sigma_at(step_index_);
-    return sample / std::sqrt(s * s + 1.0F);
+    return sigma_space_input(sample, sigma_at(step_index_));
   }
 
   [[nodiscard]] at::Tensor step(const at::Tensor& model_output, const at::Tensor& sample_in) {
@@ -66,19 +65,7 @@ class Heun {
     const float sigma = sigma_at(first_order_ ? step_index_ : step_index_ - 1);
     const float sigma_next = sigma_at(first_order_ ? step_index_ + 1 : step_index_);
     const float sigma_input = first_order_ ? sigma : sigma_next;
-    at::Tensor x0;
-    switch (o_.prediction_type) {
-      case Prediction::epsilon:
-        x0 = sample_in - sigma_input * model_output;
-        break;
-      case Prediction::v_prediction:
-        x0 = model_output * (-sigma_input / std::sqrt(sigma_input * sigma_input + 1.0F)) +
-             (sample_in / (sigma_input * sigma_input + 1.0F));
-        break;
-      case Prediction::sample:
-        x0 = model_output;
-        break;
-    }
+    at::Tensor x0 = sigma_space_x0(o_.prediction_type, model_output, sample_in, sigma_input);
     if (o_.clip_sample) x0 = x0.clamp(-o_.clip_sample_range, o_.clip_sample_range);
     at::Tensor prev;
     if (first_order_) {
