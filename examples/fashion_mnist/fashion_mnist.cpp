@@ -31,6 +31,7 @@
 #include <optional>
 #include <string>
 
+#include "../common/cli_checks.hpp"
 #include "classifier.hpp"
 #include "data.hpp"
 #include "report.hpp"
@@ -142,6 +143,7 @@ int run(const Settings& s) {
   if (s.sampler != "dpm++" && s.sampler != "ddim")
     throw ConfigError("must be dpm++ or ddim, got '" + s.sampler + "'", "--sampler");
   const at::Device device(s.device);
+  if (s.out.empty()) throw ConfigError("is empty; name the output folder", "--out");
   const fs::path out(s.out);
   const fs::path ckpt_dir = out / "checkpoints";
   const bool have_checkpoints = !tr::CheckpointEvery::list(ckpt_dir).empty();
@@ -150,7 +152,8 @@ int run(const Settings& s) {
         "holds checkpoints of an earlier run; pass --resume to continue it or "
         "--overwrite to start again (its checkpoints are then replaced)",
         ckpt_dir.string());
-  fs::create_directories(ckpt_dir);
+  difftrain::io::ensure_writable_folder(out);
+  difftrain::io::ensure_writable_folder(ckpt_dir);
   tr::set_seed(s.seed);
 
   auto t = std::chrono::steady_clock::now();
@@ -190,14 +193,18 @@ int run(const Settings& s) {
   o.schedule.num_training_steps = s.steps;
   o.ema.rule.decay = s.ema_decay;
   o.clipping.max_norm = s.clip;
+  auto remove = [](const fs::path& path) {
+    std::error_code ec;
+    fs::remove(path, ec);
+    if (ec) throw difftrain::IoError("cannot remove: " + ec.message(), path.string());
+  };
   if (s.overwrite && !s.resume)
-    for (const auto& [step, path] : tr::CheckpointEvery::list(ckpt_dir)) fs::remove(path);
+    for (const auto& [step, path] : tr::CheckpointEvery::list(ckpt_dir)) remove(path);
   const fs::path loss_csv = out / "loss.csv";
-  if (!s.resume) fs::remove(loss_csv);
+  if (!s.resume) remove(loss_csv);
   const std::int64_t n = data.train.size();
   const std::int64_t per_epoch = std::max<std::int64_t>(1, n / s.batch_size);
 
-  // Resume before the loss log opens, so the log can be cut back to the checkpoint's step.
   std::int64_t resumed_from = 0;
   std::unique_ptr<UNetTrainer> trainer;
   auto make_trainer = [&] {
@@ -212,21 +219,14 @@ int run(const Settings& s) {
             StopOnInterrupt{s.stop_at}});
   };
   if (s.resume) {
-    // The newest checkpoint that reads; a torn or foreign file is skipped with a note.
-    std::optional<fs::path> from;
-    const auto all = tr::CheckpointEvery::list(ckpt_dir);
-    for (auto it = all.rbegin(); it != all.rend() && !from; ++it) {
-      try {
-        resumed_from = difftrain::io::load_torch_file(it->second).at("step").integer();
-        from = it->second;
-      } catch (const difftrain::FormatError& e) {
-        std::fprintf(stderr, "resume: skipped %s\n", e.what());
-      }
-    }
-    if (!from) throw ConfigError("holds no readable checkpoint to resume from", ckpt_dir.string());
-    fmnist::trim_loss_log(loss_csv, resumed_from);  // before the log reopens it for appending
+    // The newest checkpoint that loads; a torn, corrupted or unreadable one is skipped with a
+    // note. Loading cuts the loss log back to the checkpoint's step (CsvLossLog::on_resume).
     trainer = make_trainer();
-    trainer->load_checkpoint(*from);
+    std::vector<std::string> skipped;
+    const auto from = tr::resume_latest(*trainer, ckpt_dir, &skipped);
+    for (const auto& why : skipped) std::fprintf(stderr, "resume: skipped %s\n", why.c_str());
+    if (!from) throw ConfigError("holds no readable checkpoint to resume from", ckpt_dir.string());
+    resumed_from = trainer->global_step();
     std::fprintf(stderr, "resume: continuing from %s (step %lld)\n", from->string().c_str(),
                  static_cast<long long>(resumed_from));
   } else {
@@ -381,45 +381,47 @@ int main(int argc, char** argv) {
   g->add_option("--seed", s.seed, "seeds weights, batches, noise and samples")
       ->capture_default_str();
   g->add_option("--limit", s.limit, "use only the first N images of each split (0: all)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(examples::count_in(0, 100'000'000));
   g->add_flag("--resume", s.resume, "continue from the latest checkpoint in OUT/checkpoints");
   g->add_option("--stop-at-step", s.stop_at,
                 "pause at this step: save a checkpoint and exit (continue with --resume)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(examples::count_in(0, 100'000'000));
   g->add_flag("--overwrite", s.overwrite, "start again even if OUT holds checkpoints");
   g->add_flag("--progress", s.progress, "show the progress bar even when stderr is not a terminal");
   auto* m = app.add_option_group("training");
   m->add_option("--steps", s.steps, "optimizer steps")
-      ->check(CLI::PositiveNumber)
+      ->check(examples::count_in(1, 100'000'000))
       ->capture_default_str();
   m->add_option("--batch-size", s.batch_size, "images per step")
-      ->check(CLI::PositiveNumber)
+      ->check(examples::count_in(1, 1'000'000))
       ->capture_default_str();
-  m->add_option("--channels", s.channels, "UNet width C (multiple of 16)")->capture_default_str();
+  m->add_option("--channels", s.channels, "UNet width C (multiple of 16)")
+      ->check(examples::count_in(16, 4096))
+      ->capture_default_str();
   m->add_flag("--attention-14", s.attention_14, "transformers at 14×14 too (slower on a CPU)");
   m->add_option("--lr", s.lr, "peak AdamW learning rate")
-      ->check(CLI::PositiveNumber)
+      ->check(examples::number_in(0, 1e4, true))
       ->capture_default_str();
   m->add_option("--weight-decay", s.weight_decay, "AdamW decay (not on biases, norms, embeddings)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(examples::number_in(0, 1e4))
       ->capture_default_str();
   m->add_option("--warmup", s.warmup, "linear warm-up steps before the cosine decay")
-      ->check(CLI::NonNegativeNumber)
+      ->check(examples::count_in(0, 100'000'000))
       ->capture_default_str();
   m->add_option("--ema-decay", s.ema_decay, "EMA decay cap (diffusers' warm-up rule)")
-      ->check(CLI::Range(0.0, 1.0))
+      ->check(examples::number_in(0, 1))
       ->capture_default_str();
   m->add_option("--clip", s.clip, "gradient norm clipping")
-      ->check(CLI::PositiveNumber)
+      ->check(examples::number_in(0, 1e9, true))
       ->capture_default_str();
   m->add_option("--p-uncond", s.p_uncond, "chance a label is dropped to the null class")
-      ->check(CLI::Range(0.0, 1.0))
+      ->check(examples::number_in(0, 1))
       ->capture_default_str();
   m->add_option("--checkpoint-every", s.checkpoint_every, "steps between checkpoints")
-      ->check(CLI::PositiveNumber)
+      ->check(examples::count_in(1, 100'000'000))
       ->capture_default_str();
   m->add_option("--keep", s.keep, "checkpoints kept")
-      ->check(CLI::PositiveNumber)
+      ->check(examples::count_in(1, 1'000'000))
       ->capture_default_str();
   auto* e = app.add_option_group("sampling and scoring");
   e->add_option("--sampler", s.sampler, "dpm++ (DPM-Solver++ 2M) or ddim")->capture_default_str();
@@ -429,31 +431,23 @@ int main(int argc, char** argv) {
   e->add_flag("--clip-x0,!--no-clip-x0", s.clip_x0,
               "clip each sampler step's predicted clean image to [-1, 1] (default on)");
   e->add_option("--guidance", s.guidance, "classifier-free guidance scale (1: none)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(examples::number_in(0, 1e4))
       ->capture_default_str();
   e->add_option("--samples-per-class", s.samples_per_class, "samples scored per class")
       ->check(CLI::Range(2, 100000))
       ->capture_default_str();
   e->add_option("--grid-columns", s.grid_columns, "samples per class in samples.png")
-      ->check(CLI::PositiveNumber)
+      ->check(examples::count_in(1, 10'000))
       ->capture_default_str();
   e->add_option("--classifier", s.classifier,
                 "classifier cache file (default OUT/classifier.safetensors)");
   e->add_option("--classifier-epochs", s.classifier_epochs, "classifier training epochs")
-      ->check(CLI::PositiveNumber)
+      ->check(examples::count_in(1, 10'000))
       ->capture_default_str();
   e->add_option("--min-classifier-accuracy", s.min_classifier_accuracy,
                 "refuse to score with a weaker classifier")
-      ->check(CLI::Range(0.0, 1.0))
+      ->check(examples::number_in(0, 1))
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
-  try {
-    return run(s);
-  } catch (const difftrain::Error& err) {
-    std::fprintf(stderr, "error: %s\n", err.what());
-    return 2;
-  } catch (const c10::Error& err) {
-    std::fprintf(stderr, "error (torch): %s\n", err.what_without_backtrace());
-    return 3;
-  }
+  return examples::run_reporting_errors([&] { return run(s); });
 }

@@ -1,6 +1,6 @@
 #pragma once
 // What the run leaves behind besides checkpoints: the loss curve as a picture (drawn here, so the
-// program needs no plotting library) and the loss log trimmed back to a resumed step.
+// program needs no plotting library).
 
 #include <difftrain/io/atomic_file.hpp>
 #include <difftrain/io/png.hpp>
@@ -40,27 +40,6 @@ inline LossCurve read_loss_log(const std::filesystem::path& path) {
     }
   }
   return c;
-}
-
-/// Keeps only the rows of the loss log up to `step` (the rows a resumed run will write again).
-inline void trim_loss_log(const std::filesystem::path& path, std::int64_t step) {
-  if (!std::filesystem::exists(path)) return;
-  std::ifstream in(path);
-  std::string line, kept;
-  bool header = true;
-  while (std::getline(in, line)) {
-    if (!header) {
-      const auto comma = line.find(',');
-      try {
-        if (comma == std::string::npos || std::stoll(line.substr(0, comma)) > step) continue;
-      } catch (const std::exception&) {
-        continue;
-      }
-    }
-    header = false;
-    kept += line + '\n';
-  }
-  difftrain::io::write_file_atomic(path, std::span<const char>(kept.data(), kept.size()));
 }
 
 /// The loss per step (light) and its running mean (dark) on a log scale, with a grid line per

@@ -38,6 +38,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "../common/cli_checks.hpp"
 #include "../fashion_mnist/classifier.hpp"
 #include "../fashion_mnist/data.hpp"
 #include "../fashion_mnist/unet.hpp"
@@ -343,8 +344,10 @@ int run(const Settings& s) {
   if (init_class < 0 || init_class == s.new_class)
     throw ConfigError("must name one of the nine known classes, got '" + s.init_word + "'",
                       "--init-word");
+  if (s.out.empty()) throw ConfigError("is empty; name the output folder", "--out");
   const fs::path out(s.out), adapters = out / "adapters", log = out / "log";
-  fs::create_directories(adapters);
+  difftrain::io::ensure_writable_folder(out);
+  difftrain::io::ensure_writable_folder(adapters);
   const std::string word = word_of(s.new_class);
 
   const fmnist::Dataset data = fmnist::load(s.data_dir, s.limit);
@@ -546,27 +549,32 @@ int main(int argc, char** argv) {
   g->add_option("--out", s.out, "output directory")->capture_default_str();
   g->add_option("--seed", s.seed, "seeds everything")->capture_default_str();
   g->add_option("--limit", s.limit, "use only the first N images of each split (0: all)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(examples::count_in(0, 100'000'000));
   g->add_option("--new-class", s.new_class, "the class the base model never sees (0-9)")
+      ->check(examples::count_in(0, 9))
       ->capture_default_str();
   auto* b = app.add_option_group("base model");
-  b->add_option("--channels", s.channels, "UNet width C")->capture_default_str();
+  b->add_option("--channels", s.channels, "UNet width C")
+      ->check(examples::count_in(16, 4096))
+      ->capture_default_str();
   b->add_option("--base-steps", s.base_steps, "steps on the nine classes")
-      ->check(CLI::PositiveNumber)
+      ->check(examples::count_in(1, 100'000'000))
       ->capture_default_str();
   b->add_option("--batch-size", s.batch_size, "base model batch")
-      ->check(CLI::PositiveNumber)
+      ->check(examples::count_in(1, 1'000'000))
       ->capture_default_str();
-  b->add_option("--lr", s.lr, "base model peak learning rate")->capture_default_str();
+  b->add_option("--lr", s.lr, "base model peak learning rate")
+      ->check(examples::number_in(0, 1e4, true))
+      ->capture_default_str();
   auto* a = app.add_option_group("adapters");
   a->add_option("--adapter-images", s.adapter_images, "images of the new class the adapters see")
-      ->check(CLI::PositiveNumber)
+      ->check(examples::count_in(1, 100'000'000))
       ->capture_default_str();
   a->add_option("--adapter-steps", s.adapter_steps, "steps per adapter")
-      ->check(CLI::PositiveNumber)
+      ->check(examples::count_in(1, 100'000'000))
       ->capture_default_str();
   a->add_option("--adapter-batch", s.adapter_batch, "images per adapter step")
-      ->check(CLI::PositiveNumber)
+      ->check(examples::count_in(1, 1'000'000))
       ->capture_default_str();
   a->add_option("--init-word", s.init_word, "class whose vectors start the embedding")
       ->capture_default_str();
@@ -576,35 +584,40 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   a->add_option("--hn-structure", s.hn_structure, "hypernetwork layer structure")
       ->capture_default_str();
-  a->add_option("--lora-lr", s.lora_lr, "LoRA learning rate")->capture_default_str();
-  a->add_option("--lora-rank", s.lora_rank, "LoRA rank")->capture_default_str();
-  a->add_option("--lora-alpha", s.lora_alpha, "LoRA alpha")->capture_default_str();
+  a->add_option("--lora-lr", s.lora_lr, "LoRA learning rate")
+      ->check(examples::number_in(0, 1e4, true))
+      ->capture_default_str();
+  a->add_option("--lora-rank", s.lora_rank, "LoRA rank")
+      ->check(examples::count_in(1, 4096))
+      ->capture_default_str();
+  a->add_option("--lora-alpha", s.lora_alpha, "LoRA alpha")
+      ->check(examples::number_in(0, 1e6, true))
+      ->capture_default_str();
   a->add_option("--lora-targets", s.lora_targets, "LoRA target modules (PEFT rule)")
       ->capture_default_str();
   a->add_option("--save-every", s.save_every, "periodic adapter copies (0: none)")
+      ->check(examples::count_in(0, 100'000'000))
       ->capture_default_str();
   auto* e = app.add_option_group("sampling and scoring");
   e->add_option("--samples", s.samples, "samples of the new class per method")
       ->check(CLI::Range(10, 100000))
       ->capture_default_str();
-  e->add_option("--sample-steps", s.sample_steps, "DPM-Solver++ steps")->capture_default_str();
-  e->add_option("--guidance", s.guidance, "classifier-free guidance scale")->capture_default_str();
+  e->add_option("--sample-steps", s.sample_steps, "DPM-Solver++ steps")
+      ->check(examples::count_in(1, 1000))
+      ->capture_default_str();
+  e->add_option("--guidance", s.guidance, "classifier-free guidance scale")
+      ->check(examples::number_in(0, 1e4))
+      ->capture_default_str();
   e->add_option("--classifier", s.classifier,
                 "classifier cache file (default OUT/classifier.safetensors; the main job's "
                 "file can be shared)");
   e->add_option("--classifier-epochs", s.classifier_epochs, "classifier training epochs")
+      ->check(examples::count_in(1, 10'000))
       ->capture_default_str();
   e->add_option("--min-classifier-accuracy", s.min_classifier_accuracy,
                 "refuse to score with a weaker classifier")
+      ->check(examples::number_in(0, 1))
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
-  try {
-    return run(s);
-  } catch (const difftrain::Error& err) {
-    std::fprintf(stderr, "error: %s\n", err.what());
-    return 2;
-  } catch (const c10::Error& err) {
-    std::fprintf(stderr, "error (torch): %s\n", err.what_without_backtrace());
-    return 3;
-  }
+  return examples::run_reporting_errors([&] { return run(s); });
 }

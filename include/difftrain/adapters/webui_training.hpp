@@ -226,8 +226,7 @@ AdapterTrainResult run(const std::vector<at::Tensor>& weights, torch::optim::Opt
       info.description = desc;
       if (o.save_every > 0 && step % o.save_every == 0) {
         const auto file = copies / (name + "-" + std::to_string(step) + ".pt");
-        std::filesystem::create_directories(copies);
-        save(file);
+        save(file);  // the atomic writer creates the folder (an IoError if it cannot)
         r.saved.push_back(file);
       }
       if (csv && step % o.write_csv_every == 0) {
@@ -242,7 +241,6 @@ AdapterTrainResult run(const std::vector<at::Tensor>& weights, torch::optim::Opt
   r.final_step = step;
   std::tie(r.statistics, r.recent_statistics) = loss_statistics(loss_log);
   if (!o.output.empty()) {
-    if (o.output.has_parent_path()) std::filesystem::create_directories(o.output.parent_path());
     save(o.output);
     r.saved.push_back(o.output);
   }

@@ -62,6 +62,9 @@ DIFFTRAIN_DEFINE_ERROR(FormatError,
                        "A file or serialised state is malformed or of the wrong version.")
 DIFFTRAIN_DEFINE_ERROR(NumericError, "A value is not finite or out of its numeric range.")
 DIFFTRAIN_DEFINE_ERROR(DeviceError, "A device or dtype cannot do what was asked.")
+DIFFTRAIN_DEFINE_ERROR(IoError,
+                       "A file or folder cannot be read or written: missing, a folder where a "
+                       "file belongs, no permission, a read-only or full disk.")
 
 #undef DIFFTRAIN_DEFINE_ERROR
 

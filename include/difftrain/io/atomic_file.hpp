@@ -6,14 +6,14 @@
 
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <charconv>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
-#include <iterator>
 #include <random>
 #include <span>
 #include <string>
@@ -31,7 +31,7 @@ inline void write_all(int fd, std::span<const char> bytes, const std::string& wh
   while (done < bytes.size()) {
     const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
     if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) throw FormatError("write failed: " + errno_text(), where);
+    if (n <= 0) throw IoError("write failed: " + errno_text(), where);
     done += static_cast<std::size_t>(n);
   }
 }
@@ -46,13 +46,15 @@ class AtomicFileWriter {
     dir_ = path_.has_parent_path() ? path_.parent_path() : std::filesystem::path(".");
     std::error_code ec;
     std::filesystem::create_directories(dir_, ec);
-    if (ec) throw FormatError("cannot create folder: " + ec.message(), dir_.string());
+    if (ec) throw IoError("cannot create the folder: " + ec.message(), dir_.string());
+    if (!std::filesystem::is_directory(dir_, ec))
+      throw IoError("is not a folder (a file is in the way)", dir_.string());
     std::random_device rd;
     tmp_ = dir_ / ("." + path_.filename().string() + ".tmp-" + std::to_string(::getpid()) + "-" +
                    std::to_string(rd()));
     fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
     if (fd_ < 0)
-      throw FormatError("cannot create a temporary file: " + detail::errno_text(), tmp_.string());
+      throw IoError("cannot create a temporary file: " + detail::errno_text(), tmp_.string());
   }
   AtomicFileWriter(const AtomicFileWriter&) = delete;
   AtomicFileWriter& operator=(const AtomicFileWriter&) = delete;
@@ -62,19 +64,19 @@ class AtomicFileWriter {
   }
 
   void write(std::span<const char> bytes) {
-    if (fd_ < 0) throw FormatError("write after commit", tmp_.string());
+    if (fd_ < 0) throw IoError("write after commit", tmp_.string());
     detail::write_all(fd_, bytes, tmp_.string());
   }
 
   /// fsync the data, rename over the destination, fsync the folder.
   void commit() {
     if (::fsync(fd_) != 0)
-      throw FormatError("fsync failed: " + detail::errno_text(), tmp_.string());
+      throw IoError("fsync failed: " + detail::errno_text(), tmp_.string());
     const int fd = fd_;
     fd_ = -1;
-    if (::close(fd) != 0) throw FormatError("close failed: " + detail::errno_text(), tmp_.string());
+    if (::close(fd) != 0) throw IoError("close failed: " + detail::errno_text(), tmp_.string());
     if (::rename(tmp_.c_str(), path_.c_str()) != 0)
-      throw FormatError("cannot rename the finished file into place: " + detail::errno_text(),
+      throw IoError("cannot rename the finished file into place: " + detail::errno_text(),
                         path_.string());
     committed_ = true;
     const int dfd = ::open(dir_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
@@ -82,11 +84,16 @@ class AtomicFileWriter {
       ::fsync(dfd);  // best effort: some file systems refuse fsync on folders
       ::close(dfd);
     }
+    remove_stale_temporary_files();
   }
 
   [[nodiscard]] const std::filesystem::path& temporary_path() const { return tmp_; }
 
  private:
+  // A write to this folder just succeeded, so the disk takes files again: what killed writers
+  // left behind can go (best effort; a file that cannot be removed stays listed for next time).
+  void remove_stale_temporary_files() const;
+
   std::filesystem::path path_, dir_, tmp_;
   int fd_ = -1;
   bool committed_ = false;
@@ -112,18 +119,78 @@ inline std::vector<std::filesystem::path> stale_temporary_files(const std::files
     const auto dash = rest.find('-');
     if (dash == std::string::npos || dash == 0) continue;
     if (rest.find_first_not_of("0123456789-") != std::string::npos) continue;
-    const pid_t pid = static_cast<pid_t>(std::stol(rest.substr(0, dash)));
+    pid_t pid = 0;
+    const auto [end, err] = std::from_chars(rest.data(), rest.data() + dash, pid);
+    if (err != std::errc() || pid <= 0) continue;  // not a name a writer gave
     if (pid != ::getpid() && ::kill(pid, 0) != 0 && errno == ESRCH) out.push_back(entry.path());
   }
   return out;
 }
 
-/// The whole file; a missing or unreadable file is a FormatError naming it.
+inline void AtomicFileWriter::remove_stale_temporary_files() const {
+  for (const auto& stale : stale_temporary_files(dir_)) {
+    std::error_code ec;
+    std::filesystem::remove(stale, ec);
+  }
+}
+
+/// Creates the folder `dir` (and its parents) and proves a file can be created in it. An empty
+/// path, a file in the way, a folder one may not write to or a read-only disk is an IoError naming
+/// it, before any work whose results would have nowhere to go.
+inline void ensure_writable_folder(const std::filesystem::path& dir) {
+  if (dir.empty()) throw IoError("is empty; name the output folder", "output folder");
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) throw IoError("cannot create the folder: " + ec.message(), dir.string());
+  if (!std::filesystem::is_directory(dir, ec))
+    throw IoError("is not a folder (a file is in the way)", dir.string());
+  const std::filesystem::path probe = dir / (".write-probe-" + std::to_string(::getpid()));
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) throw IoError("cannot write files here: " + detail::errno_text(), dir.string());
+  ::close(fd);
+  ::unlink(probe.c_str());
+}
+
+/// Opens `path` for reading and checks that it is a regular file; returns the descriptor (the
+/// caller closes it) and fills `st`. A missing file, a folder or no permission is an IoError.
+inline int open_for_reading(const std::filesystem::path& path, struct stat& st) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw IoError("cannot open the file for reading: " + detail::errno_text(), path.string());
+  if (::fstat(fd, &st) != 0) {
+    const std::string why = detail::errno_text();
+    ::close(fd);
+    throw IoError("cannot stat the file: " + why, path.string());
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    throw IoError(S_ISDIR(st.st_mode) ? "is a folder, not a file" : "is not a regular file",
+                  path.string());
+  }
+  return fd;
+}
+
+/// The whole file. A missing file, a folder or a failing read is an IoError naming it.
 inline std::vector<char> read_file(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw FormatError("cannot open the file for reading", path.string());
-  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (in.bad()) throw FormatError("read failed", path.string());
+  struct stat st {};
+  const int fd = open_for_reading(path, st);
+  std::vector<char> bytes;
+  try {
+    bytes.resize(static_cast<std::size_t>(st.st_size));
+    std::size_t done = 0;
+    while (true) {
+      if (done == bytes.size()) bytes.resize(bytes.size() + 65536);  // the file may have grown
+      const ssize_t n = ::read(fd, bytes.data() + done, bytes.size() - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) throw IoError("read failed: " + detail::errno_text(), path.string());
+      if (n == 0) break;
+      done += static_cast<std::size_t>(n);
+    }
+    bytes.resize(done);
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
+  ::close(fd);
   return bytes;
 }
 

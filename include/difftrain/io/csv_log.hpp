@@ -27,9 +27,19 @@ class CsvLog {
       : path_(std::move(path)), columns_(std::move(columns)) {
     if (columns_.empty()) throw ConfigError("a CSV log needs at least one column", path_.string());
     for (const auto& c : columns_) check_cell(c, "column name");
-    if (path_.has_parent_path()) std::filesystem::create_directories(path_.parent_path());
+    if (path_.has_parent_path()) {
+      std::error_code ec;
+      std::filesystem::create_directories(path_.parent_path(), ec);
+      if (ec)
+        throw IoError("cannot create the folder: " + ec.message(), path_.parent_path().string());
+    }
     fd_ = ::open(path_.c_str(), O_RDWR | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
-    if (fd_ < 0) throw FormatError("cannot open the log: " + detail::errno_text(), path_.string());
+    if (fd_ < 0) throw IoError("cannot open the log: " + detail::errno_text(), path_.string());
+    struct stat st {};
+    if (::fstat(fd_, &st) == 0 && !S_ISREG(st.st_mode)) {
+      ::close(fd_);
+      throw IoError("is not a regular file", path_.string());
+    }
     try {
       adopt_existing();
     } catch (...) {
@@ -64,7 +74,41 @@ class CsvLog {
   /// Makes the rows written so far durable.
   void flush() {
     if (::fsync(fd_) != 0)
-      throw FormatError("fsync failed: " + detail::errno_text(), path_.string());
+      throw IoError("fsync failed: " + detail::errno_text(), path_.string());
+  }
+
+  /// Drops the rows whose first cell is a step after `step` (rows written after the checkpoint a
+  /// run resumes from; the resumed run writes them again). The file is replaced atomically.
+  void drop_rows_after(std::int64_t step) {
+    struct stat st {};
+    if (::fstat(fd_, &st) != 0)
+      throw IoError("stat failed: " + detail::errno_text(), path_.string());
+    std::string text(static_cast<std::size_t>(st.st_size), '\0');
+    if (::pread(fd_, text.data(), text.size(), 0) != static_cast<ssize_t>(text.size()))
+      throw IoError("cannot read the existing log", path_.string());
+    std::string kept;
+    bool dropped = false;
+    std::size_t at = 0;
+    for (bool header = true; at < text.size(); header = false) {
+      const auto nl = text.find('\n', at);
+      const std::string_view line(text.data() + at, (nl == std::string::npos ? text.size() : nl) - at);
+      at = nl == std::string::npos ? text.size() : nl + 1;
+      std::int64_t row_step = 0;
+      const std::string_view first = line.substr(0, line.find(','));
+      const auto [end, err] = std::from_chars(first.data(), first.data() + first.size(), row_step);
+      if (!header && (err != std::errc() || end != first.data() + first.size() || row_step > step)) {
+        dropped = true;
+        continue;
+      }
+      kept.append(line);
+      kept += '\n';
+    }
+    if (!dropped) return;
+    write_file_atomic(path_, kept);
+    const int fd = ::open(path_.c_str(), O_RDWR | O_APPEND | O_CLOEXEC);
+    if (fd < 0) throw IoError("cannot reopen the log: " + detail::errno_text(), path_.string());
+    ::close(fd_);
+    fd_ = fd;
   }
 
   [[nodiscard]] const std::filesystem::path& path() const { return path_; }
@@ -103,17 +147,17 @@ class CsvLog {
   void adopt_existing() {
     struct stat st {};
     if (::fstat(fd_, &st) != 0)
-      throw FormatError("stat failed: " + detail::errno_text(), path_.string());
+      throw IoError("stat failed: " + detail::errno_text(), path_.string());
     const auto size = static_cast<std::size_t>(st.st_size);
     if (size == 0) return detail::write_all(fd_, header_line(), path_.string());
     std::string text(size, '\0');
     if (::pread(fd_, text.data(), size, 0) != static_cast<ssize_t>(size))
-      throw FormatError("cannot read the existing log", path_.string());
+      throw IoError("cannot read the existing log", path_.string());
     const std::string want = header_line();
     const auto first_nl = text.find('\n');
     if (first_nl == std::string::npos && want.starts_with(text)) {  // the header itself was torn
       if (::ftruncate(fd_, 0) != 0)
-        throw FormatError("cannot rewrite a torn header: " + detail::errno_text(), path_.string());
+        throw IoError("cannot rewrite a torn header: " + detail::errno_text(), path_.string());
       return detail::write_all(fd_, want, path_.string());
     }
     const std::string have = first_nl == std::string::npos ? text : text.substr(0, first_nl + 1);
@@ -124,7 +168,7 @@ class CsvLog {
     if (text.back() != '\n') {  // a row cut short by a crash: drop it
       const auto keep = text.rfind('\n') + 1;
       if (::ftruncate(fd_, static_cast<off_t>(keep)) != 0)
-        throw FormatError("cannot cut a torn last row: " + detail::errno_text(), path_.string());
+        throw IoError("cannot cut a torn last row: " + detail::errno_text(), path_.string());
     }
   }
 

@@ -140,6 +140,8 @@ inline at::Tensor tensor_from_json(const nlohmann::ordered_json& j, const std::s
     if (!l->is_number() && !l->is_boolean())
       throw FormatError("TORCHTENSOR holds a " + std::string(l->type_name()) + ", not a number",
                         where);
+    if (l->is_number_unsigned() && l->get<std::uint64_t>() > std::uint64_t(INT64_MAX))
+      throw FormatError("TORCHTENSOR holds " + l->dump() + ", too large for int64", where);
     all_bool = all_bool && l->is_boolean();
     all_int = all_int && l->is_number_integer();
   }

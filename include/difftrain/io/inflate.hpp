@@ -14,14 +14,18 @@
 
 namespace difftrain::io {
 
-enum class Compression { zlib, gzip };
+/// zlib (PNG), gzip (.gz files) or raw deflate (zip records).
+enum class Compression { zlib, gzip, raw };
 
-/// Inflates `in`; data after the end of the stream is ignored (as Python's zlib.decompress does).
-inline std::string inflate_capped(std::span<const unsigned char> in, std::uint64_t cap,
-                                  const std::string& where,
-                                  Compression format = Compression::zlib) {
+namespace inflate_detail {
+// Inflates until the stream ends, or until `cap` bytes are out: then an error, or (head_only) the
+// first `cap` bytes.
+inline std::string run(std::span<const unsigned char> in, std::uint64_t cap,
+                       const std::string& where, Compression format, bool head_only) {
   z_stream z{};
-  const int window = format == Compression::gzip ? 16 + MAX_WBITS : MAX_WBITS;
+  const int window = format == Compression::gzip  ? 16 + MAX_WBITS
+                     : format == Compression::raw ? -MAX_WBITS
+                                                  : MAX_WBITS;
   if (inflateInit2(&z, window) != Z_OK) throw FormatError("zlib init failed", where);
   std::string out;
   std::array<unsigned char, 1 << 16> buf{};
@@ -39,6 +43,11 @@ inline std::string inflate_capped(std::span<const unsigned char> in, std::uint64
       throw FormatError(std::string(kind) + " data is corrupt (" + msg + ")", where);
     }
     out.append(reinterpret_cast<const char*>(buf.data()), buf.size() - z.avail_out);
+    if (head_only && out.size() >= cap) {
+      inflateEnd(&z);
+      out.resize(static_cast<std::size_t>(cap));
+      return out;
+    }
     if (out.size() > cap) {
       inflateEnd(&z);
       throw FormatError("inflates to more than " + std::to_string(cap) + " bytes", where);
@@ -50,6 +59,23 @@ inline std::string inflate_capped(std::span<const unsigned char> in, std::uint64
   }
   inflateEnd(&z);
   return out;
+}
+
+}  // namespace inflate_detail
+
+/// Inflates `in`; data after the end of the stream is ignored (as Python's zlib.decompress does).
+/// More than `cap` bytes of output is a FormatError.
+inline std::string inflate_capped(std::span<const unsigned char> in, std::uint64_t cap,
+                                  const std::string& where,
+                                  Compression format = Compression::zlib) {
+  return inflate_detail::run(in, cap, where, format, false);
+}
+
+/// The first `n` inflated bytes of `in` (fewer when the stream is shorter): enough to read a
+/// header and learn how large the whole may legally be.
+inline std::string inflate_head(std::span<const unsigned char> in, std::uint64_t n,
+                                const std::string& where, Compression format = Compression::zlib) {
+  return inflate_detail::run(in, n, where, format, true);
 }
 
 }  // namespace difftrain::io

@@ -5,13 +5,19 @@
 // this one builds them as dicts. Every length, memo index, argument count and tensor extent is
 // checked against the input, so a hostile file ends in a FormatError that names the byte offset.
 //
+// Nesting is bounded (kMaxNesting levels) and so is the expanded size of the value (kMaxNodes, with
+// every memo reuse counted where it lands, so a DAG that shares sub-objects cannot grow
+// exponentially); a refused value is taken apart iteratively, so deep nesting cannot overflow the
+// stack in its destructors either. The zip container is read by ZipArchive, which checks every
+// record's CRC-32.
+//
 // Allowed Python globals: collections.OrderedDict, torch._utils._rebuild_tensor_v2,
 // torch._utils._rebuild_parameter, torch.<Type>Storage, _codecs.encode (protocol-2 bytes).
 
 #include <ATen/ATen.h>
 #include <ATen/core/Dict.h>
 #include <ATen/core/ivalue.h>
-#include <caffe2/serialize/inline_container.h>
+#include <c10/core/CPUAllocator.h>
 
 #include <algorithm>
 #include <bit>
@@ -27,26 +33,66 @@
 #include <vector>
 
 #include "difftrain/core/error.hpp"
+#include "difftrain/io/zip_archive.hpp"
 
 namespace difftrain::io {
 
 namespace pickle_detail {
 
-// Reads the archive straight from the caller's bytes (no copy of the whole file).
-class MemoryAdapter : public caffe2::serialize::ReadAdapterInterface {
- public:
-  explicit MemoryAdapter(const std::vector<char>& bytes) : bytes_(bytes) {}
-  [[nodiscard]] size_t size() const override { return bytes_.size(); }
-  size_t read(uint64_t pos, void* buf, size_t n, const char* /*what*/ = "") const override {
-    if (pos >= bytes_.size()) return 0;
-    const size_t take = std::min<size_t>(n, bytes_.size() - static_cast<size_t>(pos));
-    if (take != 0) std::memcpy(buf, bytes_.data() + pos, take);  // buf may be null when n == 0
-    return take;
-  }
+inline constexpr int kMaxNesting = 64;             // containers inside containers
+inline constexpr std::uint64_t kMaxNodes = 1 << 22;  // values reached, shared ones each time
 
- private:
-  const std::vector<char>& bytes_;
-};
+// Drops `values` without recursion: a container held only here hands its elements to the work
+// list before it is released, so no destructor sees more than one level. A value also held
+// elsewhere loses one reference; whoever drops the last one does the same.
+inline void release_iteratively(std::vector<c10::IValue> work) {
+  while (!work.empty()) {
+    c10::IValue v = std::move(work.back());
+    work.pop_back();
+    if (v.use_count() != 1) continue;
+    if (v.isTuple()) {
+      auto t = std::move(v).toTuple();
+      for (const auto& e : t->elements()) work.push_back(e);
+      t->setElements(std::vector<c10::IValue>{});
+    } else if (v.isList()) {
+      auto l = std::move(v).toList();
+      for (const auto& e : l) work.push_back(e);
+      l.clear();
+    } else if (v.isGenericDict()) {
+      auto d = std::move(v).toGenericDict();
+      for (const auto& item : d) work.push_back(item.value());
+      d.clear();
+    }
+  }
+}
+
+// Walks `root` without recursion and refuses nesting deeper than kMaxNesting or more than
+// kMaxNodes values reached (a shared value counts every time it is reached).
+inline void check_shape_of_value(const c10::IValue& root, const std::string& where) {
+  std::vector<std::pair<const c10::IValue*, int>> todo{{&root, 0}};
+  std::uint64_t reached = 0;
+  while (!todo.empty()) {
+    const auto [v, depth] = todo.back();
+    todo.pop_back();
+    if (++reached > kMaxNodes)
+      throw FormatError("pickle expands to more than " + std::to_string(kMaxNodes) +
+                            " values (shared sub-objects count each time they are used)",
+                        where);
+    const bool container = v->isTuple() || v->isList() || v->isGenericDict();
+    if (!container) continue;
+    if (depth >= kMaxNesting)
+      throw FormatError("pickle nests containers more than " + std::to_string(kMaxNesting) +
+                            " levels deep",
+                        where);
+    if (v->isTuple()) {
+      for (const auto& e : v->toTupleRef().elements()) todo.emplace_back(&e, depth + 1);
+    } else if (v->isList()) {
+      for (const auto& e : v->toListRef()) todo.emplace_back(&e, depth + 1);
+    } else {
+      for (const auto& item : v->toGenericDict()) todo.emplace_back(&item.value(), depth + 1);
+    }
+  }
+}
 
 inline std::optional<at::ScalarType> storage_dtype(const std::string& name) {
   static const std::map<std::string, at::ScalarType> kTypes = {
@@ -70,20 +116,6 @@ inline std::optional<at::ScalarType> storage_dtype(const std::string& name) {
   return it->second;
 }
 
-// A record of the archive. Records are stored uncompressed, so one larger than the whole file is a
-// lie in the zip directory; refusing it before reading keeps a tiny file from allocating gigabytes.
-inline std::tuple<at::DataPtr, std::size_t> read_record(caffe2::serialize::PyTorchStreamReader& a,
-                                                        const std::string& name,
-                                                        std::size_t file_size,
-                                                        const std::string& where) {
-  const std::size_t size = a.getRecordSize(name);
-  if (size > file_size)
-    throw FormatError("record '" + name + "' declares " + std::to_string(size) +
-                          " bytes, more than the file's " + std::to_string(file_size),
-                      where);
-  return a.getRecord(name);
-}
-
 // One stack entry: a value, a Python global, or a MARK. A global can also be used as a value (a
 // storage type inside a persistent id, a dtype such as torch.float32 in a dict): its value is then
 // the dotted name, with kStorageTag in front for storage types.
@@ -96,9 +128,19 @@ struct Item {
 
 class Unpickler {
  public:
-  Unpickler(std::string_view data, caffe2::serialize::PyTorchStreamReader& archive,
-            std::size_t file_size, std::string where)
-      : data_(data), archive_(archive), file_size_(file_size), where_(std::move(where)) {}
+  Unpickler(std::string_view data, const ZipArchive& archive, std::string where)
+      : data_(data), archive_(archive), where_(std::move(where)) {}
+  Unpickler(const Unpickler&) = delete;
+  Unpickler& operator=(const Unpickler&) = delete;
+  // What a refused file left on the stack and in the memo may be nested arbitrarily deep.
+  ~Unpickler() {
+    std::vector<c10::IValue> left;
+    for (auto& item : stack_) left.push_back(std::move(item.value));
+    for (auto& [key, item] : memo_) left.push_back(std::move(item.value));
+    stack_.clear();
+    memo_.clear();
+    release_iteratively(std::move(left));
+  }
 
   c10::IValue run() {
     while (true) {
@@ -109,7 +151,15 @@ class Unpickler {
     }
     if (stack_.size() != 1 || stack_.back().kind != Item::Kind::value)
       fail("does not end with exactly one value on the stack", pos_);
-    return stack_.back().value;
+    c10::IValue out = std::move(stack_.back().value);
+    stack_.pop_back();
+    try {
+      check_shape_of_value(out, where_);
+    } catch (...) {
+      release_iteratively({std::move(out)});
+      throw;
+    }
+    return out;
   }
 
  private:
@@ -459,9 +509,9 @@ class Unpickler {
     const std::int64_t numel = e[4].toInt();
     const std::string record = "data/" + key;
     if (numel < 0) fail("has a storage with negative size", at);
-    if (!archive_.hasRecord(record))
+    if (!archive_.contains(record))
       fail("refers to record '" + record + "', missing from the archive", at);
-    auto [ptr, size] = read_record(archive_, record, file_size_, where_);
+    const auto size = static_cast<std::size_t>(archive_.size_of(record));
     const auto item = static_cast<std::uint64_t>(c10::elementSize(*dtype));
     const bool untyped = type.ends_with("UntypedStorage");
     const std::uint64_t want =
@@ -472,7 +522,9 @@ class Unpickler {
       fail("record '" + record + "' holds " + std::to_string(size) + " bytes, the storage needs " +
                std::to_string(want),
            at);
-    // The record's buffer becomes the storage: no second copy.
+    // The record is read (and its CRC-32 checked) straight into the storage's memory.
+    at::DataPtr ptr = c10::GetCPUAllocator()->allocate(size);
+    archive_.read_into(record, ptr.get());
     c10::Storage bytes(c10::Storage::use_byte_size_t(), size, std::move(ptr), nullptr, false);
     at::Tensor storage = at::empty({0}, at::TensorOptions().dtype(*dtype))
                              .set_(bytes, 0, {static_cast<std::int64_t>(want / item)}, {1});
@@ -522,8 +574,7 @@ class Unpickler {
 
   std::string_view data_;
   std::size_t pos_ = 0;
-  caffe2::serialize::PyTorchStreamReader& archive_;
-  std::size_t file_size_;
+  const ZipArchive& archive_;
   std::string where_;
   std::vector<Item> stack_;
   std::unordered_map<std::uint32_t, Item> memo_;
@@ -535,19 +586,22 @@ class Unpickler {
 /// Reads a torch.save zip archive held in memory, with torch.load(weights_only=True)'s rules.
 inline c10::IValue read_torch_archive(const std::vector<char>& bytes, const std::string& where) {
   try {
-    caffe2::serialize::PyTorchStreamReader archive(
-        std::make_shared<pickle_detail::MemoryAdapter>(bytes));
-    if (archive.hasRecord("byteorder")) {
-      auto [ptr, size] = pickle_detail::read_record(archive, "byteorder", bytes.size(), where);
-      const std::string order(static_cast<const char*>(ptr.get()), size);
+    const ZipArchive archive({bytes.data(), bytes.size()}, where);
+    if (archive.contains("byteorder")) {
+      if (archive.size_of("byteorder") > 16)
+        throw FormatError("has a byteorder record of " +
+                              std::to_string(archive.size_of("byteorder")) + " bytes",
+                          where);
+      const std::string order = archive.read("byteorder");
       if (order != "little")
         throw FormatError("stores tensors in '" + order + "' byte order; only little is read",
                           where);
     }
-    if (!archive.hasRecord("data.pkl")) throw FormatError("has no data.pkl record", where);
-    auto [ptr, size] = pickle_detail::read_record(archive, "data.pkl", bytes.size(), where);
-    const std::string pickle(static_cast<const char*>(ptr.get()), size);
-    return pickle_detail::Unpickler(pickle, archive, bytes.size(), where).run();
+    if (!archive.contains("data.pkl")) throw FormatError("has no data.pkl record", where);
+    if (archive.size_of("data.pkl") > bytes.size())  // pickles are stored, never deflated
+      throw FormatError("declares a data.pkl record larger than the file", where);
+    const std::string pickle = archive.read("data.pkl");
+    return pickle_detail::Unpickler(pickle, archive, where).run();
   } catch (const Error&) {
     throw;
   } catch (const c10::Error& e) {

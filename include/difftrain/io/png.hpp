@@ -41,8 +41,8 @@ struct RgbImage {
 };
 
 struct PngLimits {
-  std::uint64_t max_pixels = std::uint64_t{1} << 28;      // 268 M pixels (768 MiB as RGB)
-  std::uint64_t max_text_bytes = std::uint64_t{1} << 28;  // per inflated text chunk
+  std::uint64_t max_pixels = std::uint64_t{1} << 26;      // 67 M pixels (8192 x 8192)
+  std::uint64_t max_text_bytes = std::uint64_t{1} << 26;  // all text chunks together, inflated
 };
 
 /// A decoded PNG: its pixels as RGB (alpha dropped, grey and palette expanded, as PIL's
@@ -74,12 +74,16 @@ inline std::vector<unsigned char> deflate_bytes(std::span<const char> in, int le
   return out;
 }
 
-// Text chunks, with CRC and length checks on every chunk up to IEND.
+// Text chunks, with CRC and length checks on every chunk up to IEND; `idat` receives the total
+// size of the image data, which bounds how many pixels the file can really hold.
 inline std::map<std::string, std::string> read_text_chunks(std::span<const char> bytes,
                                                            const PngLimits& limits,
-                                                           const std::string& where) {
+                                                           const std::string& where,
+                                                           std::uint64_t* idat = nullptr) {
   const auto* p = reinterpret_cast<const unsigned char*>(bytes.data());
   std::map<std::string, std::string> text;
+  std::uint64_t text_bytes = 0;  // inflated so far, over all chunks
+  if (idat != nullptr) *idat = 0;
   std::size_t at = 8;
   bool ended = false;
   while (!ended) {
@@ -105,7 +109,7 @@ inline std::map<std::string, std::string> read_text_chunks(std::span<const char>
         text[key].assign(reinterpret_cast<const char*>(body), rest);
       } else if (type == "zTXt") {
         if (rest < 1 || body[0] != 0) throw FormatError("'zTXt' has an unknown compression", here);
-        text[key] = inflate_capped({body + 1, rest - 1}, limits.max_text_bytes, here);
+        text[key] = inflate_capped({body + 1, rest - 1}, limits.max_text_bytes - text_bytes, here);
       } else {  // iTXt: flag, method, language\0, translated keyword\0, text
         if (rest < 2) throw FormatError("'iTXt' is truncated", here);
         const bool compressed = body[0] != 0;
@@ -117,10 +121,17 @@ inline std::map<std::string, std::string> read_text_chunks(std::span<const char>
           q = z + 1;
         }
         const std::span<const unsigned char> payload(q, static_cast<std::size_t>(end - q));
-        text[key] = compressed ? inflate_capped(payload, limits.max_text_bytes, here)
-                               : std::string(reinterpret_cast<const char*>(q), payload.size());
+        text[key] = compressed
+                        ? inflate_capped(payload, limits.max_text_bytes - text_bytes, here)
+                        : std::string(reinterpret_cast<const char*>(q), payload.size());
       }
+      text_bytes += text[key].size();
+      if (text_bytes > limits.max_text_bytes)
+        throw FormatError("has more than " + std::to_string(limits.max_text_bytes) +
+                              " bytes of text in its chunks",
+                          here);
     }
+    if (type == "IDAT" && idat != nullptr) *idat += len;
     ended = type == "IEND";
     at += std::size_t{len} + 12;
   }
@@ -145,7 +156,8 @@ inline PngFile decode_png(std::span<const char> bytes, const std::string& where,
   if (bytes.size() < 8 || std::memcmp(bytes.data(), kSignature.data(), 8) != 0)
     throw FormatError("is not a PNG file (wrong signature)", where);
   PngFile out;
-  out.text = read_text_chunks(bytes, limits, where);
+  std::uint64_t idat = 0;
+  out.text = read_text_chunks(bytes, limits, where, &idat);
   png_image img{};
   img.version = PNG_IMAGE_VERSION;
   if (png_image_begin_read_from_memory(&img, bytes.data(), bytes.size()) == 0)
@@ -155,6 +167,20 @@ inline PngFile decode_png(std::span<const char> bytes, const std::string& where,
     png_image_free(&img);
     throw FormatError("has " + std::to_string(img.width) + "x" + std::to_string(img.height) +
                           " pixels, over the limit of " + std::to_string(limits.max_pixels),
+                      where);
+  }
+  // Deflate expands at most 1032:1, so the image data bounds the rows the file can really hold; a
+  // few bytes declaring a huge image are refused here, before any pixel memory is allocated.
+  // Bits per pixel from IHDR (libpng accepted it, so it is there): depth times channels.
+  const auto* ihdr = reinterpret_cast<const unsigned char*>(bytes.data()) + 16;
+  const std::uint64_t channels = ihdr[9] == 2 ? 3 : ihdr[9] == 4 ? 2 : ihdr[9] == 6 ? 4 : 1;
+  const std::uint64_t bits = std::uint64_t{ihdr[8]} * channels;
+  const std::uint64_t raw_rows = std::uint64_t{img.height} * (1 + (img.width * bits + 7) / 8);
+  if (raw_rows > idat * 1032 + 1024) {
+    png_image_free(&img);
+    throw FormatError("declares " + std::to_string(img.width) + "x" + std::to_string(img.height) +
+                          " pixels, more than its " + std::to_string(idat) +
+                          " bytes of image data can hold",
                       where);
   }
   // Read as RGBA and drop alpha rather than composite it: PIL's convert('RGB') keeps the stored

@@ -193,6 +193,7 @@ inline SafetensorsHeader parse_safetensors_header(const char* json, std::uint64_
     if (!entry["shape"].is_array()) throw FormatError("shape is not a list", at_name + " shape");
     std::vector<std::int64_t> shape;
     std::uint64_t count = 1;
+    std::uint64_t strided = 1;  // product of the non-zero sizes: torch's strides must fit int64
     for (const auto& d : entry["shape"]) {
       if (!d.is_number_unsigned())
         throw FormatError("dimension " + d.dump() + " is not a non-negative integer",
@@ -202,6 +203,10 @@ inline SafetensorsHeader parse_safetensors_header(const char* json, std::uint64_
           (v != 0 && count > std::numeric_limits<std::uint64_t>::max() / v))
         throw FormatError("element count overflows", at_name + " shape");
       count *= v;
+      if (v != 0 && strided > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()) / v)
+        throw FormatError("sizes overflow a stride (" + entry["shape"].dump() + ")",
+                          at_name + " shape");
+      strided *= std::max<std::uint64_t>(v, 1);
       shape.push_back(static_cast<std::int64_t>(v));
     }
     const auto& off = entry["data_offsets"];
@@ -260,12 +265,17 @@ inline SafetensorsFile parse_safetensors(const char* bytes, std::size_t size,
   for (auto& e : h.entries) {
     const auto opts = at::TensorOptions().dtype(e.dtype);
     at::Tensor t;
-    if (copy || e.end == e.begin) {
-      t = at::empty(e.shape, opts);
-      if (e.end != e.begin) std::memcpy(t.data_ptr(), data + e.begin, e.end - e.begin);
-    } else {
-      t = at::from_blob(
-          const_cast<char*>(data + e.begin), e.shape, [keep](void*) {}, opts);
+    try {
+      if (copy || e.end == e.begin) {
+        t = at::empty(e.shape, opts);
+        if (e.end != e.begin) std::memcpy(t.data_ptr(), data + e.begin, e.end - e.begin);
+      } else {
+        t = at::from_blob(
+            const_cast<char*>(data + e.begin), e.shape, [keep](void*) {}, opts);
+      }
+    } catch (const c10::Error& err) {
+      throw FormatError(std::string("cannot become a tensor: ") + err.what_without_backtrace(),
+                        where + ": tensor '" + e.name + "'");
     }
     out.tensors.emplace(e.name, std::move(t));
   }
@@ -279,7 +289,7 @@ inline void pread_all(int fd, char* dst, std::size_t n, std::uint64_t offset,
   while (done < n) {
     const ssize_t r = ::pread(fd, dst + done, n - done, static_cast<off_t>(offset + done));
     if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) throw FormatError("read failed at byte " + std::to_string(offset + done), where);
+    if (r <= 0) throw IoError("read failed at byte " + std::to_string(offset + done), where);
     done += static_cast<std::size_t>(r);
   }
 }
@@ -291,14 +301,12 @@ inline void pread_all(int fd, char* dst, std::size_t n, std::uint64_t offset,
 inline SafetensorsFile load_safetensors(const std::filesystem::path& path, bool copy = false) {
   using namespace safetensors_detail;
   const std::string where = path.string();
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw FormatError("cannot open the file for reading", where);
+  struct stat st {};
+  const int fd = open_for_reading(path, st);
   struct Closer {
     int fd;
     ~Closer() { ::close(fd); }
   } closer{fd};
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) throw FormatError("cannot stat the file", where);
   const auto size = static_cast<std::size_t>(st.st_size);
   if (copy) {
     char prefix[8] = {};
@@ -322,7 +330,7 @@ inline SafetensorsFile load_safetensors(const std::filesystem::path& path, bool 
   mapping->size = size;
   if (size > 0) {
     mapping->data = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
-    if (mapping->data == MAP_FAILED) throw FormatError("cannot map the file", where);
+    if (mapping->data == MAP_FAILED) throw IoError("cannot map the file: " + detail::errno_text(), where);
   }
   return parse_safetensors(static_cast<const char*>(mapping->data), size, mapping, false, where);
 }

@@ -100,14 +100,14 @@ inline std::string sha256_hex(std::string_view bytes) { return Sha256().update(b
 /// The SHA-256 of a file's contents, read in 1 MiB blocks.
 inline std::string sha256_file(const std::filesystem::path& path) {
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw FormatError("cannot be opened to hash", path.string());
+  if (!in) throw IoError("cannot be opened to hash", path.string());
   Sha256 h;
   std::vector<char> buf(1 << 20);
   while (in) {
     in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
     h.update(buf.data(), static_cast<std::size_t>(in.gcount()));
   }
-  if (in.bad()) throw FormatError("could not be read to the end", path.string());
+  if (in.bad()) throw IoError("could not be read to the end", path.string());
   return h.hex();
 }
 

@@ -1,13 +1,14 @@
 #pragma once
 // Training callbacks. A callback is any type with some of
 //   void on_train_begin(Trainer&);  void on_step_end(Trainer&, const StepInfo&);
-//   void on_train_end(Trainer&);
+//   void on_train_end(Trainer&);  void on_resume(Trainer&)  (after a checkpoint is loaded)
 // The trainer holds them in a std::tuple (Config::Callbacks) and calls only the hooks a type has,
 // resolved at compile time: a run without callbacks pays nothing.
 
 #include <unistd.h>
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -104,6 +105,11 @@ class CsvLossLog {
   void on_train_end(T& /*t*/) {
     log_.flush();
   }
+  /// A resumed run writes the steps after its checkpoint again: their old rows go.
+  template <class T>
+  void on_resume(T& t) {
+    log_.drop_rows_after(t.global_step());
+  }
 
  private:
   Options o_;
@@ -181,7 +187,12 @@ class CheckpointEvery {
     for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
       std::smatch m;
       const std::string f = e.path().filename().string();
-      if (std::regex_match(f, m, name)) out.emplace_back(std::stoll(m[1].str()), e.path());
+      if (!std::regex_match(f, m, name)) continue;
+      std::int64_t step = 0;
+      const std::string digits = m[1].str();
+      const auto [end, err] = std::from_chars(digits.data(), digits.data() + digits.size(), step);
+      if (err != std::errc()) continue;  // not a step this library wrote (too many digits)
+      out.emplace_back(step, e.path());
     }
     std::sort(out.begin(), out.end());
     return out;
@@ -208,7 +219,9 @@ std::optional<std::filesystem::path> resume_latest(T& trainer, const std::filesy
     try {
       trainer.load_checkpoint(it->second);
       return it->second;
-    } catch (const FormatError& e) {
+    } catch (const FormatError& e) {  // damaged: truncated, bit-flipped, a key missing
+      if (skipped != nullptr) skipped->push_back(e.what());
+    } catch (const IoError& e) {  // unreadable: a folder in its place, no permission
       if (skipped != nullptr) skipped->push_back(e.what());
     }
   }

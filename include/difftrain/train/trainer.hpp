@@ -343,7 +343,12 @@ class Trainer {
   /// Restores a state written by state(). Everything is checked before the trainer changes: a
   /// wrong format, a version from the future, a different configuration or model is a typed error
   /// and leaves the trainer as it was.
-  void load_state(const io::TorchValue& root) { apply_state(check_state(root)); }
+  void load_state(const io::TorchValue& root) {
+    apply_state(check_state(root));
+    call([&](auto& cb) {
+      if constexpr (requires { cb.on_resume(*this); }) cb.on_resume(*this);
+    });
+  }
 
   /// The checking half of load_state (a multi-model trainer checks every model before applying).
   [[nodiscard]] CheckedState check_state(const io::TorchValue& root) const {
@@ -362,6 +367,23 @@ class Trainer {
       js = nlohmann::json::parse(root.at("json").string());
     } catch (const nlohmann::json::exception& e) {
       throw FormatError(std::string("has unreadable settings: ") + e.what(), where);
+    }
+    // Every piece apply_state reads is here and of the right kind, so applying cannot stop
+    // halfway on a missing key.
+    if (!js.is_object() || !js.contains("fingerprint") || !js["fingerprint"].is_object())
+      throw FormatError("has settings without a fingerprint", where + " json");
+    std::vector<std::string> parts = {"scheduler", "scaler"};
+    if constexpr (has_ema) parts.emplace_back("ema");
+    for (const auto& key : parts)
+      if (!js.contains(key) || !js[key].is_object())
+        throw FormatError("has no '" + key + "' state", where + " json");
+    for (const char* key : {"skipped_nonfinite", "skipped_overflow"})
+      if (js.contains(key) && !js[key].is_number_integer())
+        throw FormatError(std::string("has a '") + key + "' that is not an integer",
+                          where + " json");
+    {
+      GradScaler probe = scaler_;  // load_state rebinds its tensors: the trainer's are untouched
+      probe.load_state(js.at("scaler"));
     }
     const nlohmann::json want = fingerprint();
     for (const auto& [key, value] : want.items())
@@ -407,14 +429,30 @@ class Trainer {
     const auto& js = s.js;
     const auto& model_tensors = s.model_tensors;
     const auto& opt_bytes = s.opt_bytes;
-    // The optimizer first: its archive is the part that can still refuse.
-    try {
+    // The optimizer first: its archive is the part that can still refuse. Its current state is
+    // kept and put back if the saved one does not load, so a refusal changes nothing.
+    std::string before;
+    {
+      torch::serialize::OutputArchive archive;
+      optimizer_->save(archive);
+      archive.save_to([&](const void* data, std::size_t n) {
+        before.append(static_cast<const char*>(data), n);
+        return n;
+      });
+    }
+    auto load_optimizer = [&](const std::string& bytes) {
       torch::serialize::InputArchive archive;
-      archive.load_from(opt_bytes.data(), opt_bytes.size());
+      archive.load_from(bytes.data(), bytes.size());
       optimizer_->load(archive);
-    } catch (const c10::Error& e) {
-      throw FormatError(std::string("optimizer state does not load: ") + e.what_without_backtrace(),
-                        where);
+    };
+    try {
+      load_optimizer(opt_bytes);
+    } catch (const std::exception& e) {  // c10::Error, or std::out_of_range from a damaged pickle
+      load_optimizer(before);
+      const auto* c10e = dynamic_cast<const c10::Error*>(&e);
+      throw FormatError(std::string("optimizer state does not load: ") +
+                            (c10e != nullptr ? c10e->what_without_backtrace() : e.what()),
+                        where + " optimizer");
     }
     {
       at::NoGradGuard no_grad;

@@ -1,0 +1,66 @@
+#pragma once
+// What every example does with its command line before any work starts: numbers must be finite
+// and inside a range that makes sense (CLI11's own Range lets NaN through), the output folder
+// must be creatable and writable, and whatever goes wrong later ends in one line on stderr and a
+// non-zero exit status, never an abort.
+
+#include <CLI/CLI.hpp>
+#include <c10/util/Exception.h>
+#include <difftrain/core/error.hpp>
+#include <difftrain/io/atomic_file.hpp>
+
+#include <cmath>
+#include <cstdio>
+#include <exception>
+#include <string>
+
+namespace examples {
+
+/// A finite number in [lo, hi] (or (lo, hi] with `open_low`).
+inline CLI::Validator number_in(double lo, double hi, bool open_low = false) {
+  const std::string range = std::string(open_low ? "(" : "[") + std::to_string(lo) + ", " +
+                            std::to_string(hi) + "]";
+  return CLI::Validator(
+      [=](std::string& text) -> std::string {
+        double v = 0;
+        if (!CLI::detail::lexical_cast(text, v) || !std::isfinite(v))
+          return "must be a finite number, got '" + text + "'";
+        if (v < lo || v > hi || (open_low && v == lo)) return "must lie in " + range + ", got " + text;
+        return {};
+      },
+      "NUMBER in " + range);
+}
+
+/// A whole number in [lo, hi].
+inline CLI::Validator count_in(long long lo, long long hi) {
+  return CLI::Validator(
+      [=](std::string& text) -> std::string {
+        long long v = 0;
+        if (!CLI::detail::lexical_cast(text, v)) return "must be a whole number, got '" + text + "'";
+        if (v < lo || v > hi)
+          return "must lie in [" + std::to_string(lo) + ", " + std::to_string(hi) + "], got " +
+                 text;
+        return {};
+      },
+      "INT in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
+}
+
+/// Runs `body` and turns every failure into a message and an exit status: 2 for difftrain's
+/// typed errors (they say what and where), 3 for torch's, 4 for anything else.
+template <class Body>
+int run_reporting_errors(Body&& body) {
+  try {
+    return body();
+  } catch (const difftrain::Error& err) {
+    std::fprintf(stderr, "error: %s\n", err.what());
+    return 2;
+  } catch (const c10::Error& err) {
+    std::fprintf(stderr, "error (torch): %s\n", err.what_without_backtrace());
+    return 3;
+  } catch (const std::exception& err) {
+    std::fprintf(stderr, "error (unexpected): %s\n", err.what());
+    return 4;
+  }
+}
+
+}  // namespace examples
