@@ -4,8 +4,8 @@
 // must be creatable and writable, and whatever goes wrong later ends in one line on stderr and a
 // non-zero exit status, never an abort.
 
-#include <CLI/CLI.hpp>
 #include <c10/util/Exception.h>
+#include <CLI/CLI.hpp>
 #include <difftrain/core/error.hpp>
 #include <difftrain/io/atomic_file.hpp>
 
@@ -18,14 +18,15 @@ namespace examples {
 
 /// A finite number in [lo, hi] (or (lo, hi] with `open_low`).
 inline CLI::Validator number_in(double lo, double hi, bool open_low = false) {
-  const std::string range = std::string(open_low ? "(" : "[") + std::to_string(lo) + ", " +
-                            std::to_string(hi) + "]";
+  const std::string range =
+      std::string(open_low ? "(" : "[") + std::to_string(lo) + ", " + std::to_string(hi) + "]";
   return CLI::Validator(
       [=](std::string& text) -> std::string {
         double v = 0;
         if (!CLI::detail::lexical_cast(text, v) || !std::isfinite(v))
           return "must be a finite number, got '" + text + "'";
-        if (v < lo || v > hi || (open_low && v == lo)) return "must lie in " + range + ", got " + text;
+        if (v < lo || v > hi || (open_low && v == lo))
+          return "must lie in " + range + ", got " + text;
         return {};
       },
       "NUMBER in " + range);
@@ -36,7 +37,8 @@ inline CLI::Validator count_in(long long lo, long long hi) {
   return CLI::Validator(
       [=](std::string& text) -> std::string {
         long long v = 0;
-        if (!CLI::detail::lexical_cast(text, v)) return "must be a whole number, got '" + text + "'";
+        if (!CLI::detail::lexical_cast(text, v))
+          return "must be a whole number, got '" + text + "'";
         if (v < lo || v > hi)
           return "must lie in [" + std::to_string(lo) + ", " + std::to_string(hi) + "], got " +
                  text;

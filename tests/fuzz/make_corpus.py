@@ -44,6 +44,7 @@ def safetensors_cases():
         "not_json": st(b"{\"a\": [1, 2", b""),
         "duplicate_key": st(b'{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, '
                             b'"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}', bytes(8)),
+        "zero_then_huge": st({"a": {"dtype": "F32", "shape": [0, 2 ** 62, 4], "data_offsets": [0, 0]}}),
         "deep_shape": st(b'{"a": {"dtype": "F32", "shape": ' + b"[" * 100_000 + b"]" * 100_000
                          + b', "data_offsets": [0, 8]}}', bytes(8)),
     }
@@ -87,7 +88,56 @@ def torch_file_cases():
     def grow(n, b):
         return b.replace(b"K\x03K\x10\x86", b"K\x63K\x10\x86") if n.endswith("data.pkl") else b
     cases["tensor_past_storage"] = rezip(emb, grow)
+    cases.update(hostile_pickles(emb))
     return cases
+
+
+def archive(pickle, records=None, compression=zipfile.ZIP_STORED):
+    """A torch.save-shaped zip around a hand-made pickle."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", compression=compression) as z:
+        z.writestr("archive/data.pkl", pickle)
+        z.writestr("archive/byteorder", "little")
+        for name, data in (records or {}).items():
+            z.writestr("archive/" + name, data)
+    return out.getvalue()
+
+
+def hostile_pickles(emb):
+    """Nesting, sharing and container damage that must end in a FormatError, quickly and
+    without exhausting the stack or memory."""
+    deep_tuples = b"\x80\x02N" + b"\x85" * 250_000 + b"."          # (((None,),),)...
+    deep_lists = b"\x80\x02" + b"](" * 200_000 + b"e" * 200_000 + b"."  # [[[...]]] via APPENDS
+    # Each level a tuple holding the previous level twice through the memo: 2^60 leaves.
+    dag_tuples = b"\x80\x02]q\x00" + b"".join(
+        b"0h" + bytes([i]) + b"h" + bytes([i]) + b"\x86q" + bytes([i + 1]) for i in range(60)) + b"."
+    dag_dicts = b"\x80\x02}q\x00" + b"".join(
+        b"0}(X\x01\x00\x00\x00ah" + bytes([i]) + b"X\x01\x00\x00\x00bh" + bytes([i]) + b"uq"
+        + bytes([i + 1]) for i in range(60)) + b"."
+    # A 100 MB `version` record deflated to ~100 KB: never read, so never inflated.
+    version_bomb = archive(b"\x80\x02}q\x00.", {"version": b"0" * (100 << 20)}, zipfile.ZIP_DEFLATED)
+    # A byte flipped inside a tensor's stored data: only the CRC-32 can tell.
+    z = zipfile.ZipFile(io.BytesIO(emb))
+    info = next(i for i in z.infolist() if i.filename.endswith("data/0"))
+    name_len, extra_len = struct.unpack("<HH", emb[info.header_offset + 26:info.header_offset + 30])
+    start = info.header_offset + 30 + name_len + extra_len  # the local header's own lengths
+    flipped = bytearray(emb)
+    flipped[start + 5] ^= 0x40
+    # The same file with every record deflated, as Python's zipfile can write it: still readable.
+    deflated = rezip_deflated(emb)
+    return {"deep_tuples": archive(deep_tuples), "deep_lists": archive(deep_lists),
+            "dag_tuples": archive(dag_tuples), "dag_dicts": archive(dag_dicts),
+            "version_bomb": version_bomb, "flipped_tensor_byte": bytes(flipped),
+            "deflated_records": deflated}
+
+
+def rezip_deflated(data):
+    src = zipfile.ZipFile(io.BytesIO(data))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_DEFLATED) as dst:
+        for name in src.namelist():
+            dst.writestr(name, src.read(name))
+    return out.getvalue()
 
 
 def adapter_torch_cases():
@@ -155,6 +205,20 @@ def png_cases():
     bad_b64 = b"tEXt" + b"sd-ti-embedding\x00not base64 at all!"
     out["bad_base64"] = (both[:-12] + struct.pack(">I", len(bad_b64) - 4) + bad_b64
                          + struct.pack(">I", zlib.crc32(bad_b64)) + both[-12:])
+    # 65 bytes declaring 8000 x 8000 pixels (under the pixel limit): refused by what its image
+    # data can hold, before any pixel memory exists.
+    def chunk(kind, body):
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+    sig = b"\x89PNG\r\n\x1a\n"
+    out["tiny_huge_image"] = (sig + chunk(b"IHDR", struct.pack(">IIBBBBB", 8000, 8000, 8, 2, 0, 0, 0))
+                              + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b""))
+    itxt = b"sd-ti-embedding\x00\x01\x00\x00\x00" + zlib.compress(b"A" * (80 << 20), 9)
+    out["itxt_bomb"] = both[:-12] + chunk(b"iTXt", itxt) + both[-12:]
+    import base64
+    huge_int = base64.b64encode(json.dumps(
+        {"string_to_param": {"*": {"TORCHTENSOR": [[18446744073709551615, 1]]}}, "name": "x",
+         "step": 0, "sd_checkpoint": None, "sd_checkpoint_name": None}).encode())
+    out["torchtensor_u64"] = both[:-12] + chunk(b"tEXt", b"sd-ti-embedding\x00" + huge_int) + both[-12:]
     return out
 
 

@@ -1,8 +1,10 @@
 // torch.save files, PNG-embedded data, CSV logs and atomic writes under a killed writer.
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <zlib.h>
 #include <difftrain/io/csv_log.hpp>
 #include <difftrain/io/embedded_data.hpp>
 #include <difftrain/io/idx.hpp>
@@ -130,9 +132,9 @@ TEST(TorchFile, LegacyAndForeignFilesAreClearFormatErrors) {
   EXPECT_TRUE(contains(error_of<dt::FormatError>(
                            [] { (void)io::load_torch_file(golden_path("embedding_text.png")); }),
                        "no zip signature"));
-  EXPECT_TRUE(contains(
-      error_of<dt::IoError>([] { (void)io::load_torch_file(scratch("no-such-file.pt")); }),
-      "cannot open"));
+  EXPECT_TRUE(
+      contains(error_of<dt::IoError>([] { (void)io::load_torch_file(scratch("no-such-file.pt")); }),
+               "cannot open"));
   // A real file cut short, and one with bytes flipped in the middle.
   std::vector<char> bytes = io::read_file(golden_path("webui_embedding.pt"));
   for (std::size_t keep : {bytes.size() / 2, bytes.size() - 30, std::size_t{10}}) {
@@ -353,6 +355,15 @@ TEST(CsvLog, AppendsAcrossRunsAndCutsATornRow) {
                          io::CsvLog other(path, {"step", "loss"});
                        }),
                        "expected 'step,loss'"));
+  // A resumed run writes steps 2 and 3 again: their rows go, the file stays appendable.
+  {
+    io::CsvLog again(path, cols);
+    again.drop_rows_after(1);
+    again.row(2, 0, 2, 0.5, 0.005);
+  }
+  EXPECT_EQ(text_of(path),
+            "step,epoch,epoch_step,loss,learn_rate\n1,0,1,0.25,0.005\n"
+            "2,0,2,0.5,0.005\n");
   io::CsvLog log(path, cols);
   EXPECT_THROW(log.row(1, 2), dt::ShapeError);
   EXPECT_THROW(log.row(1, 2, 3, 4, std::string("a,b")), dt::ConfigError);
@@ -387,12 +398,77 @@ TEST(AtomicFile, AKilledWriterLeavesTheOldOrTheNewFileNeverAMix) {
     ASSERT_EQ(std::count(now.begin(), now.end(), now.front()), static_cast<long>(kSize))
         << "round " << round << ": a mix of versions";
   }
-  // The killed writers' temporary files are recognised as stale and can be cleaned up.
-  for (const fs::path& stale : io::stale_temporary_files(path.parent_path())) {
-    EXPECT_NE(stale.filename().string().find(".atomic.bin.tmp-"), std::string::npos);
-    fs::remove(stale);
-  }
+  // The killed writers' temporary files are recognised as stale, and the next write that
+  // succeeds in the folder removes them. One more is made for certain: a dead writer's name.
+  const pid_t dead = ::fork();
+  ASSERT_GE(dead, 0);
+  if (dead == 0) ::_exit(0);
+  ::waitpid(dead, nullptr, 0);
+  const fs::path left = path.parent_path() / (".atomic.bin.tmp-" + std::to_string(dead) + "-7");
+  std::ofstream(left) << "torn";  // what a killed writer leaves
+  const auto stale = io::stale_temporary_files(path.parent_path());
+  EXPECT_FALSE(stale.empty());
+  for (const fs::path& f : stale)
+    EXPECT_NE(f.filename().string().find(".atomic.bin.tmp-"), std::string::npos);
+  io::write_file_atomic(path, version('a'));
   EXPECT_TRUE(io::stale_temporary_files(path.parent_path()).empty());
+  EXPECT_FALSE(fs::exists(left));
+}
+
+TEST(AtomicFile, AFailingDiskIsAnIoErrorAndKeepsThePreviousFile) {
+  const fs::path path = scratch("full.bin");
+  io::write_file_atomic(path, std::vector<char>(1000, 'a'));
+  // A child whose files may not grow past 64 KiB: every larger write fails as on a full disk.
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    ::signal(SIGXFSZ, SIG_IGN);
+    const rlimit lim{1 << 16, 1 << 16};
+    ::setrlimit(RLIMIT_FSIZE, &lim);
+    try {
+      io::write_file_atomic(path, std::vector<char>(1 << 20, 'b'));
+    } catch (const dt::IoError& e) {
+      ::_exit(std::string(e.what()).find("write failed") != std::string::npos ? 7 : 8);
+    } catch (...) {
+      ::_exit(9);
+    }
+    ::_exit(10);
+  }
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 7) << "7: IoError naming the failed write";
+  const std::vector<char> now = io::read_file(path);
+  EXPECT_EQ(now, std::vector<char>(1000, 'a'));
+  EXPECT_TRUE(io::stale_temporary_files(path.parent_path()).empty());  // the writer cleaned up
+  for (const auto& e : fs::directory_iterator(path.parent_path()))
+    EXPECT_EQ(e.path().filename().string().find(".full.bin.tmp-"), std::string::npos);
+}
+
+TEST(AtomicFile, PathsThatCannotBeReadOrWrittenAreIoErrorsNamingThem) {
+  const fs::path dir = scratch("io-paths");
+  fs::remove_all(dir);
+  fs::create_directories(dir / "a-folder");
+  io::write_file_atomic(dir / "a-file", std::vector<char>(4, 'x'));
+  auto io_error = [](auto&& f) { return error_of<dt::IoError>(f); };
+  EXPECT_TRUE(contains(io_error([&] { (void)io::read_file(dir / "a-folder"); }),
+                       "a-folder: is a folder, not a file"));
+  EXPECT_TRUE(contains(io_error([&] { (void)io::read_file(dir / "missing"); }),
+                       "No such file or directory"));
+  EXPECT_TRUE(contains(io_error([&] { (void)io::load_safetensors(dir / "a-folder"); }),
+                       "is a folder, not a file"));
+  EXPECT_TRUE(contains(
+      io_error([&] { io::write_file_atomic(dir / "a-file" / "x.pt", std::vector<char>(1)); }),
+      "a-file"));
+  EXPECT_TRUE(contains(io_error([&] { io::ensure_writable_folder(""); }), "is empty"));
+  EXPECT_TRUE(contains(io_error([&] { io::ensure_writable_folder(dir / "a-file" / "out"); }),
+                       "cannot create the folder"));
+  EXPECT_TRUE(contains(io_error([&] { io::ensure_writable_folder(dir / "a-file"); }),
+                       "a file is in the way"));
+  EXPECT_THROW(io::ensure_writable_folder("/proc/difftrain-out"), dt::IoError);
+  io::ensure_writable_folder(dir / "new" / "nested");
+  EXPECT_TRUE(fs::is_directory(dir / "new" / "nested"));
+  EXPECT_TRUE(fs::is_empty(dir / "new" / "nested"));  // the probe is gone
 }
 
 // ---- the kept fuzz corpus
@@ -466,6 +542,17 @@ TEST(FuzzCorpus, HostileCasesAreTypedErrorsNamingTheProblem) {
       {"torch_file", "big_endian", "'big' byte order"},
       {"torch_file", "not_a_zip", "no end-of-directory record"},
       {"torch_file", "tensor_past_storage", "reaching element"},
+      {"torch_file", "deep_tuples", "more than 64 levels deep"},
+      {"torch_file", "deep_lists", "more than 64 levels deep"},
+      {"torch_file", "dag_tuples", "expands to more than 4194304 values"},
+      {"torch_file", "dag_dicts", "expands to more than 4194304 values"},
+      {"torch_file", "version_bomb", ""},  // the 100 MB record is never inflated
+      {"torch_file", "flipped_tensor_byte", "fails its CRC-32 check"},
+      {"torch_file", "deflated_records", ""},
+      {"safetensors", "zero_then_huge", "overflow a stride"},
+      {"embedded_png", "tiny_huge_image", "8000x8000 pixels, more than its 8 bytes"},
+      {"embedded_png", "itxt_bomb", "inflates to more than"},
+      {"embedded_png", "torchtensor_u64", "too large for int64"},
       {"embedded_png", "both", ""},
       {"embedded_png", "truncated", "FormatError"},
       {"embedded_png", "bad_crc", "'IHDR' has a wrong CRC"},
@@ -499,6 +586,50 @@ TEST(Idx, ReadsDebiansFashionMnistAsNumpyDoes) {
                         tst::tensor_from(g["label_counts"]).to(at::kLong)));
   EXPECT_TRUE(at::equal(images[0].flatten().to(at::kLong),
                         tst::tensor_from(g["first_pixels"]).to(at::kLong)));
+}
+
+namespace {
+std::vector<char> gzip(const std::string& data) {
+  z_stream z{};
+  deflateInit2(&z, 9, Z_DEFLATED, 16 + MAX_WBITS, 8, Z_DEFAULT_STRATEGY);
+  std::vector<char> out(deflateBound(&z, data.size()));
+  z.next_in = reinterpret_cast<Bytef*>(const_cast<char*>(data.data()));
+  z.avail_in = static_cast<uInt>(data.size());
+  z.next_out = reinterpret_cast<Bytef*>(out.data());
+  z.avail_out = static_cast<uInt>(out.size());
+  deflate(&z, Z_FINISH);
+  out.resize(z.total_out);
+  deflateEnd(&z);
+  return out;
+}
+}  // namespace
+
+TEST(Idx, GzipBombsStopAtWhatTheHeaderDeclares) {
+  const fs::path path = scratch("bomb-idx.gz");
+  auto header = [](std::uint32_t n) {
+    return std::string{0,
+                       0,
+                       8,
+                       1,
+                       static_cast<char>(n >> 24),
+                       static_cast<char>(n >> 16),
+                       static_cast<char>(n >> 8),
+                       static_cast<char>(n)};
+  };
+  // 10 declared bytes followed by 64 MiB of zeros: inflating stops right after the 18th byte.
+  auto bytes = gzip(header(10) + std::string(64 << 20, '\0'));
+  io::write_file_atomic(path, bytes);
+  EXPECT_TRUE(contains(error_of<dt::FormatError>([&] { (void)io::read_idx(path); }),
+                       "inflates to more than 18 bytes"));
+  // 2^31 declared bytes from a file of a few dozen: refused before inflating at all.
+  bytes = gzip(header(0x80000000U) + "abc");
+  io::write_file_atomic(path, bytes);
+  EXPECT_TRUE(contains(error_of<dt::FormatError>([&] { (void)io::read_idx(path); }),
+                       "gzip bytes can hold"));
+  // An honest file still reads.
+  bytes = gzip(header(3) + "abc");
+  io::write_file_atomic(path, bytes);
+  EXPECT_TRUE(at::equal(io::read_idx(path), at::tensor({97, 98, 99}, at::kByte)));
 }
 
 TEST(Idx, DamagedFilesAreFormatErrors) {

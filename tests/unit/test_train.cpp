@@ -3,10 +3,13 @@
 // torch's, parameter groups and callbacks.
 #include <gtest/gtest.h>
 #include <difftrain/io/safetensors.hpp>
+#include <difftrain/io/zip_archive.hpp>
 #include <difftrain/train/train.hpp>
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <numeric>
 
 #include "golden.hpp"
 
@@ -255,6 +258,117 @@ TEST(Trainer, DamagedFutureOrMismatchedCheckpointsAreTypedErrorsAndChangeNothing
   }
 }
 
+TEST(Trainer, EveryKindOfCheckpointDamageIsTypedChangesNothingAndResumeFallsBack) {
+  using T = tr::Trainer<NetImpl, ResumeConfig>;
+  auto net = std::make_shared<NetImpl>();
+  T trainer(*net, parity_options());
+  trainer.fit(source, 10);
+  const c10::IValue good = trainer.state();
+  // Each damage applied to a copy of a good state (or to its file).
+  auto with_json = [&](const std::function<void(nlohmann::json&)>& edit) {
+    c10::IValue st = trainer.state();
+    auto d = st.toGenericDict();
+    auto js = nlohmann::json::parse(d.at("json").toStringRef());
+    edit(js);
+    d.insert_or_assign("json", js.dump());
+    return st;
+  };
+  auto with_entry = [&](const std::string& key, c10::IValue v) {
+    c10::IValue st = trainer.state();
+    st.toGenericDict().insert_or_assign(key, std::move(v));
+    return st;
+  };
+  std::string opt_bytes = dt::train::trainer_detail::tensor_bytes(
+      good.toGenericDict().at("optimizer").toTensor(), "optimizer");
+  std::string cut = opt_bytes.substr(0, opt_bytes.size() / 2);
+  std::string inner = opt_bytes;  // the inner archive with its pickle bytes scrambled
+  for (std::size_t i = inner.size() / 3; i < inner.size() / 3 + 40 && i < inner.size(); ++i)
+    inner[i] = static_cast<char>(inner[i] ^ 0x5a);
+  const std::vector<std::pair<std::string, c10::IValue>> damaged = {
+      {"no scheduler", with_json([](auto& j) { j.erase("scheduler"); })},
+      {"no scaler", with_json([](auto& j) { j.erase("scaler"); })},
+      {"no ema", with_json([](auto& j) { j.erase("ema"); })},
+      {"no fingerprint", with_json([](auto& j) { j.erase("fingerprint"); })},
+      {"json an array", with_json([](auto& j) {
+         j = nlohmann::json::array({1, 2});
+       })},
+      {"scaler scale a string", with_json([](auto& j) { j["scaler"]["scale"] = "big"; })},
+      {"skipped count a string", with_json([](auto& j) { j["skipped_nonfinite"] = "x"; })},
+      {"scheduler without last_epoch",
+       with_json([](auto& j) { j["scheduler"].erase("last_epoch"); })},
+      {"json not json", with_entry("json", std::string("{\"fingerprint\": "))},
+      {"json a number", with_entry("json", std::int64_t{3})},
+      {"optimizer cut", with_entry("optimizer", dt::train::trainer_detail::bytes_tensor(cut))},
+      {"optimizer scrambled",
+       with_entry("optimizer", dt::train::trainer_detail::bytes_tensor(inner))},
+      {"optimizer a string", with_entry("optimizer", std::string("adam"))},
+      {"no model",
+       [&] {
+         c10::IValue st = trainer.state();
+         (void)st.toGenericDict().erase("model");
+         return st;
+       }()},
+      {"rng a list", with_entry("rng_cpu", dt::io::torch_list())},
+  };
+  // A fresh folder per case (libtorch exports its own std::filesystem::remove_all, which crashes
+  // on a folder with files in it when it is the one the dynamic linker picks).
+  int case_index = 0;
+  for (const auto& [what, state] : damaged) {
+    const fs::path dir = scratch("damage-" + std::to_string(case_index++));
+    auto fresh = std::make_shared<NetImpl>();
+    T other(*fresh, parity_options());
+    dt::io::save_torch_file(dir / "checkpoint-10.pt", good);
+    dt::io::save_torch_file(dir / "checkpoint-20.pt", state);
+    const auto before = snapshot(*fresh);
+    const auto opt_before = other.optimizer().state().size();
+    try {
+      other.load_checkpoint(dir / "checkpoint-20.pt");
+      ADD_FAILURE() << what << ": loaded";
+    } catch (const dt::FormatError& e) {
+      EXPECT_NE(std::string(e.what()).find("checkpoint-20.pt"), std::string::npos)
+          << what << ": " << e.what();
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << what << ": not a FormatError: " << e.what();
+    }
+    const auto after = snapshot(*fresh);
+    for (std::size_t i = 0; i < before.size(); ++i)
+      EXPECT_TRUE(at::equal(before[i], after[i])) << what;
+    EXPECT_EQ(other.global_step(), 0) << what;
+    EXPECT_EQ(other.optimizer().state().size(), opt_before) << what;
+    std::vector<std::string> skipped;
+    const auto used = tr::resume_latest(other, dir, &skipped);
+    ASSERT_TRUE(used.has_value()) << what;
+    EXPECT_EQ(used->filename(), "checkpoint-10.pt") << what;
+    EXPECT_EQ(skipped.size(), 1U) << what;
+    EXPECT_EQ(other.global_step(), 10) << what;
+  }
+  // On disk: a bit flipped in a weight (the record's CRC-32 catches it), a folder where the
+  // newest checkpoint should be, and a name whose step does not fit in 64 bits.
+  const fs::path dir = scratch("damage-on-disk");
+  dt::io::save_torch_file(dir / "checkpoint-10.pt", good);
+  dt::io::save_torch_file(dir / "checkpoint-30.pt", good);
+  std::vector<char> bytes = dt::io::read_file(dir / "checkpoint-30.pt");
+  {
+    const dt::io::ZipArchive zip({bytes.data(), bytes.size()}, "checkpoint-30.pt");
+    const auto at = zip.records().at("data/0").data_offset + 2;
+    bytes[at] = static_cast<char>(bytes[at] ^ 0x10);
+  }
+  dt::io::write_file_atomic(dir / "checkpoint-30.pt", bytes);
+  fs::create_directories(dir / "checkpoint-40.pt");
+  std::ofstream(dir / "checkpoint-99999999999999999999999.pt") << "stray";
+  auto fresh = std::make_shared<NetImpl>();
+  T other(*fresh, parity_options());
+  EXPECT_THROW(other.load_checkpoint(dir / "checkpoint-40.pt"), dt::IoError);
+  EXPECT_THROW(other.load_checkpoint(dir / "checkpoint-30.pt"), dt::FormatError);
+  std::vector<std::string> skipped;
+  const auto used = tr::resume_latest(other, dir, &skipped);
+  ASSERT_TRUE(used.has_value());
+  EXPECT_EQ(used->filename(), "checkpoint-10.pt");
+  ASSERT_EQ(skipped.size(), 2U);
+  EXPECT_NE(skipped[0].find("is a folder"), std::string::npos) << skipped[0];
+  EXPECT_EQ(other.global_step(), 10);
+}
+
 TEST(Trainer, ANonFiniteLossStopsOrSkipsAndNeverReachesTheWeights) {
   for (tr::NanPolicy policy : {tr::NanPolicy::stop, tr::NanPolicy::skip}) {
     auto net = std::make_shared<NetImpl>();
@@ -386,6 +500,35 @@ TEST(Callbacks, LogStatisticsCheckpointsAndEarlyStop) {
   s.lr = {1e-3};
   EXPECT_NE(std::get<tr::ProgressBar>(trainer.callbacks()).line(s).find("loss 0.50000  lr 0.001"),
             std::string::npos);
+}
+
+TEST(Callbacks, AResumedRunsLossLogHoldsEveryStepOnce) {
+  const fs::path dir = scratch("log-resume");
+  fs::remove_all(dir);
+  struct Cfg : ParityConfig {
+    using Callbacks = std::tuple<tr::CsvLossLog, tr::CheckpointEvery>;
+  };
+  using T = tr::Trainer<NetImpl, Cfg>;
+  auto run = [&](std::int64_t until, bool resume) {
+    auto net = std::make_shared<NetImpl>();
+    T::Options to;
+    to.schedule = parity_options().schedule;
+    T t(*net, to, {tr::CsvLossLog({dir / "loss.csv", 4, 1}), tr::CheckpointEvery({dir, 5, 2})});
+    if (resume) {
+      EXPECT_TRUE(tr::resume_latest(t, dir).has_value());
+    }
+    t.fit(source, until);
+  };
+  run(8, false);  // killed after step 8: the log has rows 1-8, the checkpoint is at step 5
+  run(12, true);  // rows 6-8 are written again, once
+  std::ifstream csv(dir / "loss.csv");
+  std::string line;
+  std::getline(csv, line);
+  std::vector<std::int64_t> steps;
+  while (std::getline(csv, line)) steps.push_back(std::stoll(line.substr(0, line.find(','))));
+  std::vector<std::int64_t> want(12);
+  std::iota(want.begin(), want.end(), 1);
+  EXPECT_EQ(steps, want);
 }
 
 TEST(Trainer, Bf16AutocastTrainsAndSamplesSeeTheEmaWeights) {

@@ -206,6 +206,22 @@ class Ema {
   /// rule's scalars are checked by the rule. Nothing changes unless all of it is valid.
   void load_state(const nlohmann::json& scalars, const std::map<std::string, at::Tensor>& shadows) {
     engine_.synchronize();
+    Rule rule = checked_rule(scalars, shadows);
+    const at::NoGradGuard no_grad;
+    for (auto* list : lists())
+      for (Pair& p : *list) p.shadow.copy_(shadows.at(p.name));
+    rule_ = std::move(rule);
+  }
+
+  /// What load_state would refuse, without changing anything.
+  void check_state(const nlohmann::json& scalars,
+                   const std::map<std::string, at::Tensor>& shadows) const {
+    (void)checked_rule(scalars, shadows);
+  }
+
+ private:
+  [[nodiscard]] Rule checked_rule(const nlohmann::json& scalars,
+                                  const std::map<std::string, at::Tensor>& shadows) const {
     for (const auto* list : lists())
       for (const Pair& p : *list) {
         const auto it = shadows.find(p.name);
@@ -224,12 +240,10 @@ class Ema {
         throw FormatError("is not a tensor this EMA tracks", "ema state shadow '" + name + "'");
     Rule rule = rule_;
     rule.load_state(scalars);
-    const at::NoGradGuard no_grad;
-    for (auto* list : lists())
-      for (Pair& p : *list) p.shadow.copy_(shadows.at(p.name));
-    rule_ = std::move(rule);
+    return rule;
   }
 
+ public:
   /// Writes the state atomically to a file torch.load reads:
   /// {"format": "difftrain.ema", "version": 1, "state": {rule scalars}, "shadow_params": {name:
   /// tensor}}.

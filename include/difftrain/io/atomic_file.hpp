@@ -70,14 +70,13 @@ class AtomicFileWriter {
 
   /// fsync the data, rename over the destination, fsync the folder.
   void commit() {
-    if (::fsync(fd_) != 0)
-      throw IoError("fsync failed: " + detail::errno_text(), tmp_.string());
+    if (::fsync(fd_) != 0) throw IoError("fsync failed: " + detail::errno_text(), tmp_.string());
     const int fd = fd_;
     fd_ = -1;
     if (::close(fd) != 0) throw IoError("close failed: " + detail::errno_text(), tmp_.string());
     if (::rename(tmp_.c_str(), path_.c_str()) != 0)
       throw IoError("cannot rename the finished file into place: " + detail::errno_text(),
-                        path_.string());
+                    path_.string());
     committed_ = true;
     const int dfd = ::open(dir_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (dfd >= 0) {
@@ -140,10 +139,10 @@ inline void AtomicFileWriter::remove_stale_temporary_files() const {
 inline void ensure_writable_folder(const std::filesystem::path& dir) {
   if (dir.empty()) throw IoError("is empty; name the output folder", "output folder");
   std::error_code ec;
+  if (std::filesystem::exists(dir, ec) && !std::filesystem::is_directory(dir, ec))
+    throw IoError("is not a folder (a file is in the way)", dir.string());
   std::filesystem::create_directories(dir, ec);
   if (ec) throw IoError("cannot create the folder: " + ec.message(), dir.string());
-  if (!std::filesystem::is_directory(dir, ec))
-    throw IoError("is not a folder (a file is in the way)", dir.string());
   const std::filesystem::path probe = dir / (".write-probe-" + std::to_string(::getpid()));
   const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) throw IoError("cannot write files here: " + detail::errno_text(), dir.string());
@@ -155,7 +154,8 @@ inline void ensure_writable_folder(const std::filesystem::path& dir) {
 /// caller closes it) and fills `st`. A missing file, a folder or no permission is an IoError.
 inline int open_for_reading(const std::filesystem::path& path, struct stat& st) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw IoError("cannot open the file for reading: " + detail::errno_text(), path.string());
+  if (fd < 0)
+    throw IoError("cannot open the file for reading: " + detail::errno_text(), path.string());
   if (::fstat(fd, &st) != 0) {
     const std::string why = detail::errno_text();
     ::close(fd);

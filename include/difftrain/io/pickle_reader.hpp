@@ -39,7 +39,7 @@ namespace difftrain::io {
 
 namespace pickle_detail {
 
-inline constexpr int kMaxNesting = 64;             // containers inside containers
+inline constexpr int kMaxNesting = 64;               // containers inside containers
 inline constexpr std::uint64_t kMaxNodes = 1 << 22;  // values reached, shared ones each time
 
 // Drops `values` without recursion: a container held only here hands its elements to the work
@@ -81,9 +81,9 @@ inline void check_shape_of_value(const c10::IValue& root, const std::string& whe
     const bool container = v->isTuple() || v->isList() || v->isGenericDict();
     if (!container) continue;
     if (depth >= kMaxNesting)
-      throw FormatError("pickle nests containers more than " + std::to_string(kMaxNesting) +
-                            " levels deep",
-                        where);
+      throw FormatError(
+          "pickle nests containers more than " + std::to_string(kMaxNesting) + " levels deep",
+          where);
     if (v->isTuple()) {
       for (const auto& e : v->toTupleRef().elements()) todo.emplace_back(&e, depth + 1);
     } else if (v->isList()) {
@@ -156,7 +156,9 @@ class Unpickler {
     try {
       check_shape_of_value(out, where_);
     } catch (...) {
-      release_iteratively({std::move(out)});
+      std::vector<c10::IValue> refused;  // not a braced list: that would copy, not move
+      refused.push_back(std::move(out));
+      release_iteratively(std::move(refused));
       throw;
     }
     return out;
@@ -589,9 +591,9 @@ inline c10::IValue read_torch_archive(const std::vector<char>& bytes, const std:
     const ZipArchive archive({bytes.data(), bytes.size()}, where);
     if (archive.contains("byteorder")) {
       if (archive.size_of("byteorder") > 16)
-        throw FormatError("has a byteorder record of " +
-                              std::to_string(archive.size_of("byteorder")) + " bytes",
-                          where);
+        throw FormatError(
+            "has a byteorder record of " + std::to_string(archive.size_of("byteorder")) + " bytes",
+            where);
       const std::string order = archive.read("byteorder");
       if (order != "little")
         throw FormatError("stores tensors in '" + order + "' byte order; only little is read",

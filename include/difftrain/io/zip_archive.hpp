@@ -60,11 +60,13 @@ class ZipArchive {
     if (r.method == 0) {
       if (r.size != 0) std::memcpy(out, src, r.size);
     } else {
-      const std::string data = inflate_capped({src, r.compressed_size}, r.size, here,
-                                              Compression::raw);
+      const std::string data =
+          inflate_capped({src, r.compressed_size}, r.size, here, Compression::raw);
       if (data.size() != r.size)
-        throw FormatError("inflates to " + std::to_string(data.size()) + " bytes, its directory "
-                              "entry declares " + std::to_string(r.size),
+        throw FormatError("inflates to " + std::to_string(data.size()) +
+                              " bytes, its directory "
+                              "entry declares " +
+                              std::to_string(r.size),
                           here);
       if (r.size != 0) std::memcpy(out, data.data(), r.size);
     }
@@ -203,13 +205,15 @@ class ZipArchive {
                std::to_string(r.compressed_size) + " compressed, more than deflate can expand",
            at);
     // The local header repeats the name; its own extra field may differ in length.
-    if (le<std::uint32_t>(local) != 0x04034b50) fail("record '" + full + "' has no local header", local);
+    if (le<std::uint32_t>(local) != 0x04034b50)
+      fail("record '" + full + "' has no local header", local);
     const std::uint64_t local_name = le<std::uint16_t>(local + 26);
     const std::uint64_t local_extra = le<std::uint16_t>(local + 28);
     r.data_offset = local + 30 + local_name + local_extra;
     if (r.data_offset > bytes_.size() || r.compressed_size > bytes_.size() - r.data_offset)
       fail("record '" + full + "' runs past the end of the file", local);
-    if (local_name != name_len || std::memcmp(bytes_.data() + local + 30, full.data(), name_len) != 0)
+    if (local_name != name_len ||
+        std::memcmp(bytes_.data() + local + 30, full.data(), name_len) != 0)
       fail("record '" + full + "' has a local header naming another record", local);
     // torch.save puts every record under one top folder.
     const auto slash = full.find('/');
@@ -217,8 +221,7 @@ class ZipArchive {
       fail("record '" + full + "' is not inside the archive's top folder", at);
     const std::string top = full.substr(0, slash);
     if (top_.empty()) top_ = top;
-    if (top != top_)
-      fail("record '" + full + "' lies outside the top folder '" + top_ + "'", at);
+    if (top != top_) fail("record '" + full + "' lies outside the top folder '" + top_ + "'", at);
     r.name = full.substr(slash + 1);
     if (!records_.emplace(r.name, r).second) fail("archive holds record '" + full + "' twice", at);
     return next;

@@ -127,6 +127,17 @@ class LrScheduler {
   /// Restores a state written by `state()`; validates it against this schedule and optimizer
   /// before changing anything.
   void load_state(const nlohmann::json& s) {
+    auto [last, bases] = checked_state(s);
+    base_lrs_ = std::move(bases);
+    set_step(last);
+  }
+
+  /// Validates a state written by `state()` without applying it: what load_state would refuse.
+  void check_state(const nlohmann::json& s) const { (void)checked_state(s); }
+
+ private:
+  [[nodiscard]] std::pair<std::int64_t, std::vector<double>> checked_state(
+      const nlohmann::json& s) const {
     const std::string where = "lr scheduler '" + detail::schedule_name(schedule_) + "' state";
     std::string saved_name;
     std::int64_t last = 0;
@@ -148,11 +159,9 @@ class LrScheduler {
       if (!std::isfinite(b) || b < 0)
         throw FormatError("base LR " + std::to_string(b) + " is invalid", where);
     if (last < -1) throw FormatError("last_epoch " + std::to_string(last) + " is below -1", where);
-    base_lrs_ = std::move(bases);
-    set_step(last);
+    return {last, std::move(bases)};
   }
 
- private:
   torch::optim::Optimizer* optimizer_;
   S schedule_;
   std::int64_t last_step_;

@@ -39,6 +39,7 @@
 #include "difftrain/ema/moving_average.hpp"
 #include "difftrain/ema/rules.hpp"
 #include "difftrain/io/torch_file.hpp"
+#include "difftrain/io/zip_archive.hpp"
 #include "difftrain/schedule/bind.hpp"
 #include "difftrain/schedule/diffusers.hpp"
 #include "difftrain/train/clipping.hpp"
@@ -344,7 +345,12 @@ class Trainer {
   /// wrong format, a version from the future, a different configuration or model is a typed error
   /// and leaves the trainer as it was.
   void load_state(const io::TorchValue& root) {
-    apply_state(check_state(root));
+    try {
+      apply_state(check_state(root));
+    } catch (const FormatError& e) {  // name the file when the part that refused did not
+      if (e.where().find(root.where()) != std::string::npos) throw;
+      throw FormatError(e.message(), root.where() + ": " + e.where());
+    }
     call([&](auto& cb) {
       if constexpr (requires { cb.on_resume(*this); }) cb.on_resume(*this);
     });
@@ -385,6 +391,7 @@ class Trainer {
       GradScaler probe = scaler_;  // load_state rebinds its tensors: the trainer's are untouched
       probe.load_state(js.at("scaler"));
     }
+    scheduler_->check_state(js.at("scheduler"));
     const nlohmann::json want = fingerprint();
     for (const auto& [key, value] : want.items())
       if (!js["fingerprint"].contains(key) || js["fingerprint"][key] != value)
@@ -413,9 +420,22 @@ class Trainer {
     if (model_tensors.size() != expected)
       throw ConfigError("holds tensors the model does not have", where + " model");
     std::map<std::string, at::Tensor> ema_shadows;
-    if constexpr (has_ema) ema_shadows = root.at("ema").tensor_map();
+    if constexpr (has_ema) {
+      ema_shadows = root.at("ema").tensor_map();
+      ema_->check_state(js.at("ema"), ema_shadows);
+    }
     const std::string opt_bytes =
         trainer_detail::tensor_bytes(root.at("optimizer").tensor(), where + " optimizer");
+    {
+      // LibTorch's reader of the inner archive checks no CRC-32: every record is checked here,
+      // so a damaged optimizer state is refused instead of loading with different numbers.
+      const io::ZipArchive inner({opt_bytes.data(), opt_bytes.size()}, where + " optimizer");
+      std::vector<char> buffer;
+      for (const auto& [name, record] : inner.records()) {
+        buffer.resize(static_cast<std::size_t>(record.size));
+        inner.read_into(name, buffer.data());
+      }
+    }
     const at::Tensor rng_cpu = root.at("rng_cpu").tensor();
     std::vector<at::Tensor> rng_cuda;
     for (const auto& t : root.at("rng_cuda").elements()) rng_cuda.push_back(t.tensor());
