@@ -73,8 +73,7 @@ class CsvLog {
 
   /// Makes the rows written so far durable.
   void flush() {
-    if (::fsync(fd_) != 0)
-      throw IoError("fsync failed: " + detail::errno_text(), path_.string());
+    if (::fsync(fd_) != 0) throw IoError("fsync failed: " + detail::errno_text(), path_.string());
   }
 
   /// Drops the rows whose first cell is a step after `step` (rows written after the checkpoint a
@@ -91,12 +90,14 @@ class CsvLog {
     std::size_t at = 0;
     for (bool header = true; at < text.size(); header = false) {
       const auto nl = text.find('\n', at);
-      const std::string_view line(text.data() + at, (nl == std::string::npos ? text.size() : nl) - at);
+      const std::string_view line(text.data() + at,
+                                  (nl == std::string::npos ? text.size() : nl) - at);
       at = nl == std::string::npos ? text.size() : nl + 1;
       std::int64_t row_step = 0;
       const std::string_view first = line.substr(0, line.find(','));
       const auto [end, err] = std::from_chars(first.data(), first.data() + first.size(), row_step);
-      if (!header && (err != std::errc() || end != first.data() + first.size() || row_step > step)) {
+      if (!header &&
+          (err != std::errc() || end != first.data() + first.size() || row_step > step)) {
         dropped = true;
         continue;
       }

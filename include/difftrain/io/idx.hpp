@@ -31,8 +31,7 @@ struct IdxHeader {
 };
 
 /// Reads the header at the start of `p` (n bytes of it are available).
-inline IdxHeader parse_idx_header(const unsigned char* p, std::size_t n,
-                                  const std::string& where) {
+inline IdxHeader parse_idx_header(const unsigned char* p, std::size_t n, const std::string& where) {
   if (n < 4 || p[0] != 0 || p[1] != 0)
     throw FormatError("is not an IDX file (the first two bytes must be zero)", where);
   IdxHeader h;
@@ -108,8 +107,8 @@ inline at::Tensor read_idx(const std::filesystem::path& path) {
     const std::span<const unsigned char> gz(reinterpret_cast<const unsigned char*>(raw.data()),
                                             raw.size());
     const std::string head = inflate_head(gz, 4 + 4 * 255, where, Compression::gzip);
-    const IdxHeader h = parse_idx_header(reinterpret_cast<const unsigned char*>(head.data()),
-                                         head.size(), where);
+    const IdxHeader h =
+        parse_idx_header(reinterpret_cast<const unsigned char*>(head.data()), head.size(), where);
     if (h.file_bytes() > raw.size() * 1032 + 1024)  // deflate expands at most 1032:1
       throw FormatError("declares " + std::to_string(h.file_bytes()) + " bytes, more than its " +
                             std::to_string(raw.size()) + " gzip bytes can hold",

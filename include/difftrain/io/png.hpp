@@ -121,9 +121,8 @@ inline std::map<std::string, std::string> read_text_chunks(std::span<const char>
           q = z + 1;
         }
         const std::span<const unsigned char> payload(q, static_cast<std::size_t>(end - q));
-        text[key] = compressed
-                        ? inflate_capped(payload, limits.max_text_bytes - text_bytes, here)
-                        : std::string(reinterpret_cast<const char*>(q), payload.size());
+        text[key] = compressed ? inflate_capped(payload, limits.max_text_bytes - text_bytes, here)
+                               : std::string(reinterpret_cast<const char*>(q), payload.size());
       }
       text_bytes += text[key].size();
       if (text_bytes > limits.max_text_bytes)

@@ -203,7 +203,8 @@ inline SafetensorsHeader parse_safetensors_header(const char* json, std::uint64_
           (v != 0 && count > std::numeric_limits<std::uint64_t>::max() / v))
         throw FormatError("element count overflows", at_name + " shape");
       count *= v;
-      if (v != 0 && strided > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()) / v)
+      if (v != 0 &&
+          strided > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()) / v)
         throw FormatError("sizes overflow a stride (" + entry["shape"].dump() + ")",
                           at_name + " shape");
       strided *= std::max<std::uint64_t>(v, 1);
@@ -330,7 +331,8 @@ inline SafetensorsFile load_safetensors(const std::filesystem::path& path, bool 
   mapping->size = size;
   if (size > 0) {
     mapping->data = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
-    if (mapping->data == MAP_FAILED) throw IoError("cannot map the file: " + detail::errno_text(), where);
+    if (mapping->data == MAP_FAILED)
+      throw IoError("cannot map the file: " + detail::errno_text(), where);
   }
   return parse_safetensors(static_cast<const char*>(mapping->data), size, mapping, false, where);
 }
