@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer targets (clang, ASan + UBSan) and runs each for a bounded time, starting from
 # the kept corpus in tests/fuzz/corpus/. New inputs go to build/fuzz/found/, never into the source
-# tree; a crash writes its input to build/fuzz/crashes/ and fails the run.
+# tree; a crash writes its input to build/fuzz/crashes/ and fails the run. Each target gets a
+# dictionary (tests/fuzz/dicts/) of pickle opcodes, zip signatures, JSON and PNG tokens, so nesting
+# depth and memo sharing are explored, not only byte flips.
 #   scripts/fuzz.sh [SECONDS_PER_TARGET]      (default 30)
 #   scripts/fuzz.sh --merge                   fold build/fuzz/found/ into the kept corpus (minimised)
 set -euo pipefail
@@ -31,6 +33,7 @@ for target in safetensors torch_file embedded_png; do
   fi
   echo "fuzz: $target for ${seconds}s"
   build/fuzz/tests/fuzz/fuzz_$target "$found" "tests/fuzz/corpus/$target" \
+    -dict="tests/fuzz/dicts/$target.dict" \
     -max_total_time="$seconds" -timeout=10 -rss_limit_mb=4096 -max_len=262144 \
     -artifact_prefix=build/fuzz/crashes/$target- -print_final_stats=1 2>&1 | tail -n 12
 done

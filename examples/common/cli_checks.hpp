@@ -12,14 +12,22 @@
 #include <cmath>
 #include <cstdio>
 #include <exception>
+#include <sstream>
 #include <string>
 
 namespace examples {
 
+/// `v` as a person writes it: 0, 1, 0.5, 10000, 1e+09.
+inline std::string short_number(double v) {
+  std::ostringstream out;
+  out << v;
+  return out.str();
+}
+
 /// A finite number in [lo, hi] (or (lo, hi] with `open_low`).
 inline CLI::Validator number_in(double lo, double hi, bool open_low = false) {
   const std::string range =
-      std::string(open_low ? "(" : "[") + std::to_string(lo) + ", " + std::to_string(hi) + "]";
+      std::string(open_low ? "(" : "[") + short_number(lo) + ", " + short_number(hi) + "]";
   return CLI::Validator(
       [=](std::string& text) -> std::string {
         double v = 0;

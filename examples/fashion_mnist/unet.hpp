@@ -27,10 +27,10 @@
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
-#include <difftrain/adapters/lora.hpp>
 #include <difftrain/diffusion/noise_schedule.hpp>
 #include <difftrain/nn/activation/elementwise.hpp>
 #include <difftrain/nn/blocks/spatial_transformer.hpp>
+#include <difftrain/nn/layers/adaptable.hpp>
 
 #include <cmath>
 #include <cstdint>
@@ -75,7 +75,7 @@ class ResBlockImpl : public torch::nn::Module {
     norm1 = register_module("norm1", GroupNorm(GroupNormOptions(8, in)));
     conv1 = register_module("conv1", Conv2d(Conv2dOptions(in, out, 3).padding(1)));
     // Adaptable (exactly a Linear until a LoRA branch is attached): how the condition enters.
-    emb_proj = register_module("emb_proj", dt::adapters::AdaptableLinear(emb, out));
+    emb_proj = register_module("emb_proj", dt::nn::AdaptableLinear(emb, out));
     norm2 = register_module("norm2", GroupNorm(GroupNormOptions(8, out)));
     conv2 = register_module("conv2", Conv2d(Conv2dOptions(out, out, 3).padding(1)));
     zero_(*conv2);
@@ -89,7 +89,7 @@ class ResBlockImpl : public torch::nn::Module {
   }
   torch::nn::GroupNorm norm1{nullptr}, norm2{nullptr};
   torch::nn::Conv2d conv1{nullptr}, conv2{nullptr}, skip{nullptr};
-  dt::adapters::AdaptableLinear emb_proj{nullptr};
+  dt::nn::AdaptableLinear emb_proj{nullptr};
 };
 TORCH_MODULE(ResBlock);
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The Fashion-MNIST example end to end on a tiny configuration: --help, the missing-dataset and
-# corrupted-file errors, a full run (train, checkpoint, sample, grid, score), the refusal to
+# The Fashion-MNIST example end to end on a tiny configuration: --help, bad flags and output
+# folders, the missing-dataset and corrupted-file errors, a full run (train, checkpoint, sample, grid, score), the refusal to
 # overwrite a run, pausing and resuming to the same losses, and Ctrl-C saving a checkpoint that
 # --resume continues from.
 #
@@ -27,6 +27,24 @@ for f in "$data"/*; do head -c 3000 "$f" >"$work/corrupt/$(basename "$f")"; done
 expect_rc 2 corrupt -- "$bin" --data-dir "$work/corrupt" --out "$work/corrupt-run"
 grep_in "$work/corrupt.err" "FormatError"
 
+# Flags and paths checked before any work: out-of-range or non-finite numbers (CLI11's validation
+# status 105), an empty or impossible output folder and a data file that is a folder (status 2).
+for bad in "--steps 9223372036854775807" "--lr 1e39" "--clip 1e300" "--p-uncond nan" \
+           "--guidance nan" "--ema-decay 2" "--batch-size 0"; do
+  # shellcheck disable=SC2086
+  expect_rc 105 "flag${bad%% *}" -- "$bin" ${bad} --out "$work/flags"
+  grep_in "$work/flag${bad%% *}.err" "must"
+done
+expect_rc 2 empty-out -- "$bin" "${tiny[@]}" --out ""
+grep_in "$work/empty-out.err" "ConfigError at --out"
+touch "$work/a-file"
+expect_rc 2 out-under-file -- "$bin" "${tiny[@]}" --out "$work/a-file/run"
+grep_in "$work/out-under-file.err" "IoError"
+mkdir -p "$work/folder-data"
+for f in "$data"/*; do mkdir -p "$work/folder-data/$(basename "$f")"; done
+expect_rc 2 folder-data -- "$bin" "${tiny[@]:2}" --data-dir "$work/folder-data" --out "$work/fd"
+grep_in "$work/folder-data.err" "is a folder, not a file"
+
 # A whole run.
 expect_rc 0 full -- "$bin" "${tiny[@]}" --steps 6 --out "$work/a"
 for f in samples.png loss.png loss.csv results.json ema.safetensors checkpoints/checkpoint-6.pt; do
@@ -51,6 +69,11 @@ grep_in "$work/resume.err" "step 3"
 cmp -s "$work/a/loss.csv" "$work/b/loss.csv" || {
   fail "resumed losses differ"; diff "$work/a/loss.csv" "$work/b/loss.csv"; }
 cmp -s "$work/a/samples.png" "$work/b/samples.png" || fail "resumed samples differ"
+
+# A stray file whose step does not fit in 64 bits is not a checkpoint: the run ignores it.
+mkdir -p "$work/stray/checkpoints"
+echo stray >"$work/stray/checkpoints/checkpoint-99999999999999999999999.pt"
+expect_rc 0 stray -- "$bin" "${tiny[@]}" --steps 2 --out "$work/stray"
 
 # Ctrl-C: a checkpoint, status 130, and --resume goes on from it.
 "$bin" "${tiny[@]}" --steps 100000 --out "$work/c" >"$work/sigint.out" 2>"$work/sigint.err" &

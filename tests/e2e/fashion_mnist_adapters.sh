@@ -17,8 +17,8 @@ tiny=(--data-dir "$data" --limit 2000 --base-steps 8 --batch-size 16 --adapter-i
 
 expect_rc 0 help -- "$bin" --help
 grep_in "$work/help.out" "--lora-rank"
-expect_rc 2 bad-class -- "$bin" "${tiny[@]}" --new-class 12 --out "$work/bad"
-grep_in "$work/bad-class.err" "ConfigError.*--new-class"
+expect_rc 105 bad-class -- "$bin" "${tiny[@]}" --new-class 12 --out "$work/bad"
+grep_in "$work/bad-class.err" "--new-class: must lie in \[0, 9\]"
 expect_rc 2 bad-init -- "$bin" "${tiny[@]}" --init-word ankle-boot --out "$work/bad"
 grep_in "$work/bad-init.err" "--init-word"
 expect_rc 2 bad-lr -- "$bin" "${tiny[@]}" --embedding-lr "0.1:x" --out "$work/bad"

@@ -1,6 +1,7 @@
 #include <difftrain/ema/ema.hpp>
 
 #include <gtest/gtest.h>
+
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/container/sequential.h>
@@ -8,10 +9,12 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
 
 #include "golden.hpp"
 
 namespace dt = difftrain;
+namespace fs = std::filesystem;
 namespace ema = difftrain::ema;
 namespace tst = difftrain::test;
 
@@ -93,9 +96,51 @@ void check_every_rule() {
 
 }  // namespace
 
+static void io_write(const std::filesystem::path& path, const std::string& text) {
+  std::ofstream(path) << text;
+}
+
 TEST(Ema, PerTensorEngineMatchesEveryReference) { check_every_rule<ema::PerTensor>(); }
 TEST(Ema, MultiTensorEngineMatchesEveryReference) { check_every_rule<ema::MultiTensor>(); }
 TEST(Ema, OffloadedEngineMatchesEveryReference) { check_every_rule<ema::Offloaded>(); }
+
+TEST(Ema, MultiTensorKeepsItsGroupingUntilAParameterGetsNewMemory) {
+  // The engine keeps its (device, dtype) groups between updates; parameters that get new memory
+  // (a dtype change, set_data) must be seen at the next update, not the stale tensors.
+  auto a = make_model();
+  auto b = make_model();
+  {
+    at::NoGradGuard no_grad;
+    for (std::size_t i = 0; i < a->parameters().size(); ++i)
+      b->parameters()[i].copy_(a->parameters()[i]);
+  }
+  ema::Ema<ema::Constant, ema::MultiTensor> fast(*a, {.decay = 0.9});
+  ema::Ema<ema::Constant, ema::PerTensor> slow(*b, {.decay = 0.9});
+  auto both = [&](const std::function<void(torch::nn::Module&)>& change) {
+    change(*a);
+    change(*b);
+    fast.update();
+    slow.update();
+    for (const auto& name : fast.names())
+      EXPECT_TRUE(at::allclose(fast.shadow(name), slow.shadow(name), 0, 0)) << name;
+  };
+  auto nudge = [](torch::nn::Module& m) {
+    at::NoGradGuard no_grad;
+    for (auto& p : m.parameters()) p.add_(0.25);
+  };
+  both(nudge);
+  both(nudge);                     // the cached grouping
+  both([](torch::nn::Module& m) {  // new memory for every parameter
+    at::NoGradGuard no_grad;
+    for (auto& p : m.parameters()) p.set_data(p.detach().clone() * 2);
+  });
+  both([](torch::nn::Module& m) {  // a half-precision copy of the first: cast at each update
+    at::NoGradGuard no_grad;
+    auto p = m.parameters().front();
+    p.set_data(p.detach().to(at::kHalf));
+  });
+  both(nudge);
+}
 
 TEST(Ema, SigmaRelToGammaMatchesEmaPytorch) {
   EXPECT_NEAR(ema::sigma_rel_to_gamma(0.15), tst::golden("ema.json")["karras_gamma"].get<double>(),
@@ -127,6 +172,50 @@ TEST(Ema, PostHocSynthesisMatchesEmaPytorch) {
                  [&](const std::string& n) { return at_100.at(n); });
   EXPECT_THROW((void)post.synthesize(6.9, 500), dt::ConfigError);
   EXPECT_THROW((ema::PostHocEma<>(*model, {.sigma_rels = {0.1}})), dt::ConfigError);
+}
+
+TEST(Ema, PostHocSnapshotsInAFolderSynthesiseWhatMemorySnapshotsDo) {
+  const fs::path dir =
+      fs::temp_directory_path() / ("difftrain-posthoc-" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  for (const auto& e : fs::directory_iterator(dir)) fs::remove(e.path());
+  auto a = make_model();
+  auto b = make_model();
+  {
+    at::NoGradGuard no_grad;
+    for (std::size_t i = 0; i < a->parameters().size(); ++i)
+      b->parameters()[i].copy_(a->parameters()[i]);
+  }
+  using Options = ema::PostHocEma<>::Options;
+  const Options in_memory{.sigma_rels = {0.05, 0.28}, .snapshot_every = 20};
+  Options on_disk = in_memory;
+  on_disk.snapshot_dir = dir;
+  ema::PostHocEma<> mem(*a, in_memory, {.frozen = ema::Frozen::average});
+  {
+    // Written by one object, read by a fresh one, as a resumed run reads what the run before wrote.
+    ema::PostHocEma<> first(*b, on_disk, {.frozen = ema::Frozen::average});
+    replay(*a, [&] { mem.update(); });
+    replay(*b, [&] { first.update(); });
+  }
+  ema::PostHocEma<> disk(*b, on_disk, {.frozen = ema::Frozen::average});
+  const auto listed = disk.snapshots();
+  ASSERT_EQ(listed.size(), mem.snapshots().size());
+  EXPECT_TRUE(fs::exists(dir / "0.20.pt"));
+  EXPECT_TRUE(fs::exists(dir / "1.200.pt"));
+  for (const auto& snap : listed) EXPECT_TRUE(snap.shadows.empty());
+  for (double sigma_rel : {0.1, 0.15, 0.2}) {
+    const auto want = mem.synthesize_sigma_rel(sigma_rel, 100);
+    const auto got = disk.synthesize_sigma_rel(sigma_rel, 100);
+    ASSERT_EQ(want.size(), got.size());
+    for (const auto& [name, t] : want) EXPECT_TRUE(at::equal(t, got.at(name))) << name;
+  }
+  // A damaged snapshot names its file; a snapshot of a third EMA is another configuration.
+  io_write(dir / "0.40.pt", "not a torch file");
+  EXPECT_THROW((void)disk.synthesize_sigma_rel(0.1), dt::FormatError);
+  fs::remove(dir / "0.40.pt");
+  io_write(dir / "2.40.pt", "x");
+  EXPECT_THROW((void)disk.snapshots(), dt::ConfigError);
+  fs::remove(dir / "2.40.pt");
 }
 
 TEST(Ema, OnlyTrainableParametersAreAveragedOthersCopied) {

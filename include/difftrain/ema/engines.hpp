@@ -1,7 +1,8 @@
 #pragma once
 // EMA update engines. They receive the rule's action and the (shadow, parameter) pairs to average.
 //   PerTensor   one in-place lerp per tensor: the reference, simplest, any device mix
-//   MultiTensor torch's _foreach_ kernels, one call per (device, dtype) group
+//   MultiTensor torch's _foreach_ kernels, one call per (device, dtype) group; the grouping is
+//               kept between updates while the tensors keep their memory
 //   Offloaded   shadows in (pinned) host memory; parameters staged to the host with non-blocking
 //               copies and averaged there, optionally on a worker thread that overlaps the next
 //               training step
@@ -52,31 +53,62 @@ struct MultiTensor {
 
   void average(std::span<Pair> pairs, double weight) {
     const at::NoGradGuard no_grad;
-    for (auto& [key, group] : groups(pairs)) at::_foreach_lerp_(group.first, group.second, weight);
+    for (Group& g : groups(pairs)) at::_foreach_lerp_(g.shadows, g.params, weight);
   }
   void copy(std::span<Pair> pairs) {
     const at::NoGradGuard no_grad;
-    for (auto& [key, group] : groups(pairs)) at::_foreach_copy_(group.first, group.second);
+    for (Group& g : groups(pairs)) at::_foreach_copy_(g.shadows, g.params);
   }
   void synchronize() {}
 
  private:
-  using Key = std::tuple<int, int, int>;  // shadow device type, index, dtype
-  static std::map<Key, std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>>> groups(
-      std::span<Pair> pairs) {
-    std::map<Key, std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>>> out;
-    for (Pair& p : pairs) {
-      const Key key{static_cast<int>(p.shadow.device().type()), p.shadow.device().index(),
-                    static_cast<int>(p.shadow.scalar_type())};
-      auto& g = out[key];
-      g.first.push_back(p.shadow);
-      at::Tensor src = p.param.detach();
+  // The tensors of one (device, dtype) of the shadows, in the lists _foreach_ takes.
+  struct Group {
+    std::vector<at::Tensor> shadows, params;
+    std::vector<std::pair<std::size_t, std::size_t>> converted;  // (slot, pair): cast each update
+  };
+  // The grouping of one list of pairs, kept while every tensor still has the memory it had.
+  struct Grouping {
+    std::vector<const void*> memory;  // shadow and parameter data pointers, pair by pair
+    std::vector<Group> groups;
+  };
+
+  std::vector<Group>& groups(std::span<Pair> pairs) {
+    Grouping& cached = cache_[pairs.data()];
+    bool same = cached.memory.size() == 2 * pairs.size();
+    for (std::size_t i = 0; same && i < pairs.size(); ++i)
+      same = cached.memory[2 * i] == pairs[i].shadow.data_ptr() &&
+             cached.memory[2 * i + 1] == pairs[i].param.data_ptr();
+    if (!same) cached = regroup(pairs);
+    // Parameters of another device or dtype than their shadow are cast afresh every update.
+    for (Group& g : cached.groups)
+      for (const auto& [slot, i] : g.converted)
+        g.params[slot] =
+            pairs[i].param.detach().to(pairs[i].shadow.device(), pairs[i].shadow.scalar_type());
+    return cached.groups;
+  }
+
+  static Grouping regroup(std::span<Pair> pairs) {
+    using Key = std::tuple<int, int, int>;  // shadow device type, index, dtype
+    std::map<Key, Group> by_key;
+    Grouping out;
+    for (std::size_t i = 0; i < pairs.size(); ++i) {
+      const Pair& p = pairs[i];
+      out.memory.push_back(p.shadow.data_ptr());
+      out.memory.push_back(p.param.data_ptr());
+      Group& g = by_key[Key{static_cast<int>(p.shadow.device().type()), p.shadow.device().index(),
+                            static_cast<int>(p.shadow.scalar_type())}];
+      g.shadows.push_back(p.shadow);
+      const at::Tensor src = p.param.detach();
       if (src.device() != p.shadow.device() || src.scalar_type() != p.shadow.scalar_type())
-        src = src.to(p.shadow.device(), p.shadow.scalar_type());
-      g.second.push_back(src);
+        g.converted.emplace_back(g.params.size(), i);
+      g.params.push_back(src);
     }
+    for (auto& [key, g] : by_key) out.groups.push_back(std::move(g));
     return out;
   }
+
+  std::map<const Pair*, Grouping> cache_;
 };
 
 struct Offloaded {

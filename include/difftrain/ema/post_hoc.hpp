@@ -3,12 +3,20 @@
 // EDM2): during training keep several power-function EMAs (different γ) and snapshot them every N
 // steps; afterwards synthesise the EMA of any other γ (or σ_rel) at any snapshot step as the
 // least-squares combination of the snapshots. Numbers follow ema-pytorch's PostHocEMA.
+//
+// Snapshots live in memory, or (with `snapshot_dir`) one file each in a folder as ema-pytorch's
+// checkpoint folder holds them (`<ema index>.<step>.pt`, torch.save format): memory then stays
+// bounded on long runs, synthesis streams the files one at a time, and a resumed run finds the
+// snapshots of the run before it.
 
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 
+#include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <cstdint>
+#include <filesystem>
 #include <map>
 #include <memory>
 #include <optional>
@@ -18,6 +26,7 @@
 
 #include "difftrain/core/error.hpp"
 #include "difftrain/ema/moving_average.hpp"
+#include "difftrain/io/torch_file.hpp"
 
 namespace difftrain::ema {
 
@@ -57,12 +66,14 @@ class PostHocEma {
     std::int64_t update_every = 1;
     std::int64_t snapshot_every = 1000;  ///< 0: only manual snapshot()
     at::ScalarType snapshot_dtype = at::kHalf;
+    std::filesystem::path snapshot_dir = {};  ///< empty: keep snapshots in memory
   };
 
   struct Snapshot {
     std::size_t ema_index;
     std::int64_t step;
-    std::map<std::string, at::Tensor> shadows;
+    std::map<std::string, at::Tensor> shadows;  ///< empty when the snapshot is a file
+    std::filesystem::path file = {};            ///< set when the snapshot is a file
   };
 
   PostHocEma(torch::nn::Module& model, const Options& o, const Tracking& tracking = {})
@@ -91,29 +102,65 @@ class PostHocEma {
   }
 
   /// Keeps the current shadows of every EMA (in `snapshot_dtype`, on the CPU).
+  /// Keeps the current shadows of every EMA (in `snapshot_dtype`, on the CPU), or writes them to
+  /// `snapshot_dir/<ema index>.<step>.pt` (atomically).
   void snapshot() {
     for (std::size_t i = 0; i < emas_.size(); ++i) {
       auto [scalars, shadows] = emas_[i]->state();
       for (auto& [name, t] : shadows) t = t.detach().to(at::kCPU, o_.snapshot_dtype, false, true);
-      snapshots_.push_back({i, step(), std::move(shadows)});
+      if (o_.snapshot_dir.empty()) {
+        snapshots_.push_back({i, step(), std::move(shadows), {}});
+      } else {
+        const auto file =
+            o_.snapshot_dir / (std::to_string(i) + "." + std::to_string(step()) + ".pt");
+        io::save_torch_file(file, io::to_ivalue(shadows));
+      }
     }
   }
 
   [[nodiscard]] std::int64_t step() const { return emas_.front()->rule().step(); }
   [[nodiscard]] const std::vector<double>& gammas() const noexcept { return gammas_; }
-  [[nodiscard]] const std::vector<Snapshot>& snapshots() const noexcept { return snapshots_; }
+  /// The snapshots so far: those in memory, or the files in `snapshot_dir` (written by this run
+  /// or an earlier one), ordered by step then EMA.
+  [[nodiscard]] std::vector<Snapshot> snapshots() const {
+    if (o_.snapshot_dir.empty()) return snapshots_;
+    std::vector<Snapshot> out;
+    std::error_code ec;
+    for (const auto& entry : std::filesystem::directory_iterator(o_.snapshot_dir, ec)) {
+      const std::string name = entry.path().filename().string();
+      const auto dot = name.find('.');
+      if (dot == std::string::npos || !name.ends_with(".pt")) continue;
+      std::size_t index = 0;
+      std::int64_t at_step = 0;
+      const char* end = name.data() + name.size() - 3;
+      const auto a = std::from_chars(name.data(), name.data() + dot, index);
+      const auto b = std::from_chars(name.data() + dot + 1, end, at_step);
+      if (a.ec != std::errc() || a.ptr != name.data() + dot || b.ec != std::errc() || b.ptr != end)
+        continue;  // not a snapshot's name
+      if (index >= gammas_.size())
+        throw ConfigError("snapshot of EMA " + std::to_string(index) + " but there are " +
+                              std::to_string(gammas_.size()) + " EMAs (another configuration?)",
+                          entry.path().string());
+      out.push_back({index, at_step, {}, entry.path()});
+    }
+    std::sort(out.begin(), out.end(), [](const Snapshot& x, const Snapshot& y) {
+      return std::pair(x.step, x.ema_index) < std::pair(y.step, y.ema_index);
+    });
+    return out;
+  }
   [[nodiscard]] Ema<Karras, Engine>& ema(std::size_t i) { return *emas_.at(i); }
 
   /// The weights of the EMA with exponent `gamma` at `step` (default: the last snapshot's step),
   /// synthesised from every snapshot. Float32 tensors by name.
   [[nodiscard]] std::map<std::string, at::Tensor> synthesize(
       double gamma, std::optional<std::int64_t> at_step = std::nullopt) const {
-    if (snapshots_.empty())
+    const std::vector<Snapshot> snapshots = this->snapshots();
+    if (snapshots.empty())
       throw ConfigError("there are no snapshots yet", "post-hoc ema synthesize");
     std::int64_t last = 0;
     std::vector<double> t_i;
     std::vector<double> g_i;
-    for (const Snapshot& s : snapshots_) {
+    for (const Snapshot& s : snapshots) {
       last = std::max(last, s.step);
       t_i.push_back(static_cast<double>(s.step));
       // ema-pytorch builds its γ tensor in float32 before solving in float64; so do we.
@@ -127,16 +174,34 @@ class PostHocEma {
     const std::vector<double> w = solve_post_hoc_weights(
         t_i, g_i, static_cast<double>(target), static_cast<double>(static_cast<float>(gamma)));
     std::map<std::string, at::Tensor> out;
-    for (std::size_t k = 0; k < snapshots_.size(); ++k)
-      for (const auto& [name, t] : snapshots_[k].shadows) {
+    for (std::size_t k = 0; k < snapshots.size(); ++k) {
+      // A file is read when its turn comes: one snapshot in memory at a time.
+      const std::map<std::string, at::Tensor> shadows =
+          snapshots[k].file.empty() ? snapshots[k].shadows
+                                    : io::load_torch_file(snapshots[k].file).tensor_map();
+      const std::string where = snapshots[k].file.empty() ? "post-hoc ema snapshot at step " +
+                                                                std::to_string(snapshots[k].step)
+                                                          : snapshots[k].file.string();
+      if (k > 0 && shadows.size() != out.size())
+        throw ShapeError("holds " + std::to_string(shadows.size()) + " tensors, the first " +
+                             std::to_string(out.size()),
+                         where);
+      for (const auto& [name, t] : shadows) {
         const at::Tensor term = t.to(at::kFloat) * w[k];
         auto it = out.find(name);
         if (it == out.end()) {
+          if (k > 0)
+            throw ShapeError("holds '" + name + "', which the first snapshot lacks", where);
           out.emplace(name, term);
+        } else if (it->second.sizes() != term.sizes()) {
+          throw ShapeError("'" + name + "' has shape " + c10::str(term.sizes()) +
+                               ", the first snapshot's is " + c10::str(it->second.sizes()),
+                           where);
         } else {
           it->second.add_(term);
         }
       }
+    }
     return out;
   }
   [[nodiscard]] std::map<std::string, at::Tensor> synthesize_sigma_rel(

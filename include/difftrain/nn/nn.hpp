@@ -5,4 +5,5 @@
 #include "difftrain/nn/attention/attention.hpp"
 #include "difftrain/nn/blocks/blocks.hpp"
 #include "difftrain/nn/init.hpp"
+#include "difftrain/nn/layers/adaptable.hpp"
 #include "difftrain/nn/module_tensors.hpp"

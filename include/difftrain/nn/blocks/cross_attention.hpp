@@ -18,10 +18,10 @@
 #include <string>
 #include <utility>
 
-#include "difftrain/adapters/lora.hpp"
 #include "difftrain/core/error.hpp"
 #include "difftrain/nn/attention/concepts.hpp"
 #include "difftrain/nn/attention/sdpa.hpp"
+#include "difftrain/nn/layers/adaptable.hpp"
 
 namespace difftrain::nn::blocks {
 
@@ -57,14 +57,13 @@ class CrossAttentionImpl : public torch::nn::Module {
     const std::int64_t inner = o.heads * o.dim_head;
     const std::int64_t context_dim = o.context_dim.value_or(o.query_dim);
     auto linear = [](std::int64_t in, std::int64_t out) {
-      return adapters::AdaptableLinear(torch::nn::LinearOptions(in, out).bias(false));
+      return AdaptableLinear(torch::nn::LinearOptions(in, out).bias(false));
     };
     to_q = register_module("to_q", linear(o.query_dim, inner));
     to_k = register_module("to_k", linear(context_dim, inner));
     to_v = register_module("to_v", linear(context_dim, inner));
-    to_out = register_module("to_out",
-                             torch::nn::Sequential(adapters::AdaptableLinear(inner, o.query_dim),
-                                                   torch::nn::Dropout(o.dropout)));
+    to_out = register_module("to_out", torch::nn::Sequential(AdaptableLinear(inner, o.query_dim),
+                                                             torch::nn::Dropout(o.dropout)));
   }
 
   void set_context_hook(ContextHook hook) { hook_ = std::move(hook); }
@@ -140,7 +139,7 @@ class CrossAttentionImpl : public torch::nn::Module {
   }
 
   // Adaptable: each can carry a LoRA branch (adapters::inject_lora).
-  adapters::AdaptableLinear to_q{nullptr}, to_k{nullptr}, to_v{nullptr};
+  AdaptableLinear to_q{nullptr}, to_k{nullptr}, to_v{nullptr};
   torch::nn::Sequential to_out{nullptr};
 
  private:

@@ -11,11 +11,11 @@
 #include <cstdint>
 #include <optional>
 
-#include "difftrain/adapters/lora.hpp"
 #include "difftrain/core/error.hpp"
 #include "difftrain/nn/activation/concepts.hpp"
 #include "difftrain/nn/activation/elementwise.hpp"
 #include "difftrain/nn/activation/module.hpp"
+#include "difftrain/nn/layers/adaptable.hpp"
 
 namespace difftrain::nn::blocks {
 
@@ -24,13 +24,13 @@ template <ElementwiseActivation Act = activation::GELU>
 class GEGLUImpl : public torch::nn::Module {
  public:
   GEGLUImpl(std::int64_t dim_in, std::int64_t dim_out) {
-    proj = register_module("proj", adapters::AdaptableLinear(dim_in, dim_out * 2));
+    proj = register_module("proj", AdaptableLinear(dim_in, dim_out * 2));
   }
   at::Tensor forward(const at::Tensor& x) {
     const auto halves = proj->forward(x).chunk(2, -1);
     return halves[0] * Act::forward(halves[1], typename Act::Options{});
   }
-  adapters::AdaptableLinear proj{nullptr};
+  AdaptableLinear proj{nullptr};
 };
 template <ElementwiseActivation Act = activation::GELU>
 using GEGLU = torch::nn::ModuleHolder<GEGLUImpl<Act>>;
@@ -40,12 +40,12 @@ template <Activation Act>
 class LinearActivationImpl : public torch::nn::Module {
  public:
   LinearActivationImpl(std::int64_t dim_in, std::int64_t dim_out)
-      : linear(register_module("0", adapters::AdaptableLinear(dim_in, dim_out))),
+      : linear(register_module("0", AdaptableLinear(dim_in, dim_out))),
         act(make_activation_module<Act>()) {
     register_module("1", act.ptr());
   }
   at::Tensor forward(const at::Tensor& x) { return act.forward(linear->forward(x)); }
-  adapters::AdaptableLinear linear;
+  AdaptableLinear linear;
   torch::nn::AnyModule act;
 };
 template <Activation Act>
@@ -77,7 +77,7 @@ class FeedForwardImpl : public torch::nn::Module {
       seq->push_back(LinearActivation<Act>(o.dim, inner));
     }
     seq->push_back(torch::nn::Dropout(o.dropout));
-    seq->push_back(adapters::AdaptableLinear(inner, o.dim_out.value_or(o.dim)));
+    seq->push_back(AdaptableLinear(inner, o.dim_out.value_or(o.dim)));
     net = register_module("net", seq);
   }
   at::Tensor forward(const at::Tensor& x) { return net->forward(x); }
