@@ -13,6 +13,7 @@ ALLOWED = {
     "io": {"core", "io"},
     "train": {"core", "nn", "schedule", "ema", "diffusion", "io", "train"},
     "eval": {"core", "eval"},
+    "distributed": {"core", "io", "nn", "schedule", "ema", "diffusion", "train", "distributed"},
     "adapters": {"core", "io", "nn", "schedule", "ema", "diffusion", "train", "adapters"},
 }
 

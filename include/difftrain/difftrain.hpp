@@ -5,6 +5,7 @@
 #include "difftrain/adapters/adapters.hpp"
 #include "difftrain/core/core.hpp"
 #include "difftrain/diffusion/diffusion.hpp"
+#include "difftrain/distributed/distributed.hpp"
 #include "difftrain/ema/ema.hpp"
 #include "difftrain/eval/eval.hpp"
 #include "difftrain/io/io.hpp"
