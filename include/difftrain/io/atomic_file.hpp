@@ -45,10 +45,10 @@ class AtomicFileWriter {
   explicit AtomicFileWriter(std::filesystem::path path) : path_(std::move(path)) {
     dir_ = path_.has_parent_path() ? path_.parent_path() : std::filesystem::path(".");
     std::error_code ec;
+    if (std::filesystem::exists(dir_, ec) && !std::filesystem::is_directory(dir_, ec))
+      throw IoError("is not a folder (a file is in the way)", dir_.string());
     std::filesystem::create_directories(dir_, ec);
     if (ec) throw IoError("cannot create the folder: " + ec.message(), dir_.string());
-    if (!std::filesystem::is_directory(dir_, ec))
-      throw IoError("is not a folder (a file is in the way)", dir_.string());
     std::random_device rd;
     tmp_ = dir_ / ("." + path_.filename().string() + ".tmp-" + std::to_string(::getpid()) + "-" +
                    std::to_string(rd()));
@@ -138,16 +138,9 @@ inline void AtomicFileWriter::remove_stale_temporary_files() const {
 /// it, before any work whose results would have nowhere to go.
 inline void ensure_writable_folder(const std::filesystem::path& dir) {
   if (dir.empty()) throw IoError("is empty; name the output folder", "output folder");
-  std::error_code ec;
-  if (std::filesystem::exists(dir, ec) && !std::filesystem::is_directory(dir, ec))
-    throw IoError("is not a folder (a file is in the way)", dir.string());
-  std::filesystem::create_directories(dir, ec);
-  if (ec) throw IoError("cannot create the folder: " + ec.message(), dir.string());
-  const std::filesystem::path probe = dir / (".write-probe-" + std::to_string(::getpid()));
-  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) throw IoError("cannot write files here: " + detail::errno_text(), dir.string());
-  ::close(fd);
-  ::unlink(probe.c_str());
+  // What every writer does first: make the folder and a temporary file in it, which the
+  // uncommitted writer removes again.
+  const AtomicFileWriter probe(dir / ".write-probe");
 }
 
 /// Opens `path` for reading and checks that it is a regular file; returns the descriptor (the

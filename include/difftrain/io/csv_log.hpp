@@ -79,12 +79,7 @@ class CsvLog {
   /// Drops the rows whose first cell is a step after `step` (rows written after the checkpoint a
   /// run resumes from; the resumed run writes them again). The file is replaced atomically.
   void drop_rows_after(std::int64_t step) {
-    struct stat st {};
-    if (::fstat(fd_, &st) != 0)
-      throw IoError("stat failed: " + detail::errno_text(), path_.string());
-    std::string text(static_cast<std::size_t>(st.st_size), '\0');
-    if (::pread(fd_, text.data(), text.size(), 0) != static_cast<ssize_t>(text.size()))
-      throw IoError("cannot read the existing log", path_.string());
+    const std::string text = contents();
     std::string kept;
     bool dropped = false;
     std::size_t at = 0;
@@ -145,15 +140,20 @@ class CsvLog {
     return h + "\n";
   }
 
-  void adopt_existing() {
+  // The log as it is on disk now.
+  [[nodiscard]] std::string contents() const {
     struct stat st {};
     if (::fstat(fd_, &st) != 0)
       throw IoError("stat failed: " + detail::errno_text(), path_.string());
-    const auto size = static_cast<std::size_t>(st.st_size);
-    if (size == 0) return detail::write_all(fd_, header_line(), path_.string());
-    std::string text(size, '\0');
-    if (::pread(fd_, text.data(), size, 0) != static_cast<ssize_t>(size))
+    std::string text(static_cast<std::size_t>(st.st_size), '\0');
+    if (::pread(fd_, text.data(), text.size(), 0) != static_cast<ssize_t>(text.size()))
       throw IoError("cannot read the existing log", path_.string());
+    return text;
+  }
+
+  void adopt_existing() {
+    const std::string text = contents();
+    if (text.empty()) return detail::write_all(fd_, header_line(), path_.string());
     const std::string want = header_line();
     const auto first_nl = text.find('\n');
     if (first_nl == std::string::npos && want.starts_with(text)) {  // the header itself was torn

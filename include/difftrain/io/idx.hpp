@@ -109,7 +109,7 @@ inline at::Tensor read_idx(const std::filesystem::path& path) {
     const std::string head = inflate_head(gz, 4 + 4 * 255, where, Compression::gzip);
     const IdxHeader h =
         parse_idx_header(reinterpret_cast<const unsigned char*>(head.data()), head.size(), where);
-    if (h.file_bytes() > raw.size() * 1032 + 1024)  // deflate expands at most 1032:1
+    if (h.file_bytes() > raw.size() * kMaxDeflateRatio + 1024)
       throw FormatError("declares " + std::to_string(h.file_bytes()) + " bytes, more than its " +
                             std::to_string(raw.size()) + " gzip bytes can hold",
                         where);

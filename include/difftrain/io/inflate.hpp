@@ -14,6 +14,10 @@
 
 namespace difftrain::io {
 
+/// Deflate cannot expand data by more than 1032:1: a header declaring more output than its
+/// compressed bytes can give is a lie, refused before anything is inflated or allocated.
+inline constexpr std::uint64_t kMaxDeflateRatio = 1032;
+
 /// zlib (PNG), gzip (.gz files) or raw deflate (zip records).
 enum class Compression { zlib, gzip, raw };
 

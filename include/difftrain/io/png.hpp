@@ -168,14 +168,14 @@ inline PngFile decode_png(std::span<const char> bytes, const std::string& where,
                           " pixels, over the limit of " + std::to_string(limits.max_pixels),
                       where);
   }
-  // Deflate expands at most 1032:1, so the image data bounds the rows the file can really hold; a
-  // few bytes declaring a huge image are refused here, before any pixel memory is allocated.
-  // Bits per pixel from IHDR (libpng accepted it, so it is there): depth times channels.
+  // Deflate expands at most kMaxDeflateRatio:1, so the image data bounds the rows the file can
+  // really hold; a few bytes declaring a huge image are refused here, before any pixel memory is
+  // allocated. Bits per pixel from IHDR (libpng accepted it, so it is there): depth times channels.
   const auto* ihdr = reinterpret_cast<const unsigned char*>(bytes.data()) + 16;
   const std::uint64_t channels = ihdr[9] == 2 ? 3 : ihdr[9] == 4 ? 2 : ihdr[9] == 6 ? 4 : 1;
   const std::uint64_t bits = std::uint64_t{ihdr[8]} * channels;
   const std::uint64_t raw_rows = std::uint64_t{img.height} * (1 + (img.width * bits + 7) / 8);
-  if (raw_rows > idat * 1032 + 1024) {
+  if (raw_rows > idat * kMaxDeflateRatio + 1024) {
     png_image_free(&img);
     throw FormatError("declares " + std::to_string(img.width) + "x" + std::to_string(img.height) +
                           " pixels, more than its " + std::to_string(idat) +

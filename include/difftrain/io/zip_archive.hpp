@@ -34,9 +34,6 @@ struct ZipRecord {
 
 class ZipArchive {
  public:
-  /// Deflate cannot expand data by more than 1032:1; a record declaring more is a lie.
-  static constexpr std::uint64_t kMaxDeflateRatio = 1032;
-
   /// Reads the directory of the archive held in `bytes` (which must outlive this object). Records
   /// live under one top folder (torch.save names it after the file); lookups leave it out.
   ZipArchive(std::span<const char> bytes, std::string where)

@@ -301,16 +301,7 @@ class Trainer {
     for (const auto& item : model_->named_buffers(true))
       model.insert(item.key(), item.value().detach().cpu().clone());
     root.insert("model", model);
-    std::string opt_bytes;
-    {
-      torch::serialize::OutputArchive archive;
-      optimizer_->save(archive);
-      archive.save_to([&](const void* data, std::size_t n) {
-        opt_bytes.append(static_cast<const char*>(data), n);
-        return n;
-      });
-    }
-    root.insert("optimizer", trainer_detail::bytes_tensor(opt_bytes));
+    root.insert("optimizer", trainer_detail::bytes_tensor(optimizer_bytes()));
     if constexpr (has_ema) {
       auto [scalars, shadows] = ema_->state();
       js["ema"] = scalars;
@@ -451,15 +442,7 @@ class Trainer {
     const auto& opt_bytes = s.opt_bytes;
     // The optimizer first: its archive is the part that can still refuse. Its current state is
     // kept and put back if the saved one does not load, so a refusal changes nothing.
-    std::string before;
-    {
-      torch::serialize::OutputArchive archive;
-      optimizer_->save(archive);
-      archive.save_to([&](const void* data, std::size_t n) {
-        before.append(static_cast<const char*>(data), n);
-        return n;
-      });
-    }
+    const std::string before = optimizer_bytes();
     auto load_optimizer = [&](const std::string& bytes) {
       torch::serialize::InputArchive archive;
       archive.load_from(bytes.data(), bytes.size());
@@ -516,6 +499,18 @@ class Trainer {
   }
 
  private:
+  // The optimizer's state as LibTorch's archive bytes (what a checkpoint stores).
+  [[nodiscard]] std::string optimizer_bytes() {
+    std::string bytes;
+    torch::serialize::OutputArchive archive;
+    optimizer_->save(archive);
+    archive.save_to([&](const void* data, std::size_t n) {
+      bytes.append(static_cast<const char*>(data), n);
+      return n;
+    });
+    return bytes;
+  }
+
   template <class T>
   static std::string detail_name() {
     if constexpr (requires { T::name; })
