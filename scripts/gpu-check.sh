@@ -6,6 +6,7 @@
 #   scripts/gpu-check.sh RESULTS_DIR [benchmark filter regex]
 #   XTENSOR_PREFIX   an install prefix of xtensor + xtl + xsimd headers, where none is installed
 #   GTEST_PREFIX / BENCHMARK_PREFIX   likewise, where their CMake packages are elsewhere
+#   GLOO_PREFIX   an install prefix of Gloo's headers (include/gloo), where none is installed
 set -uo pipefail
 out=${1:?usage: scripts/gpu-check.sh RESULTS_DIR [benchmark filter]}
 filter=${2:-.}
@@ -13,7 +14,7 @@ mkdir -p "$out"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 python=${DIFFTRAIN_PYTHON:-python3}
 build=${BUILD_DIR:-build/gpu}
-prefixes="${XTENSOR_PREFIX:-};${GTEST_PREFIX:-};${BENCHMARK_PREFIX:-};${CLI11_PREFIX:-}"
+prefixes="${XTENSOR_PREFIX:-};${GTEST_PREFIX:-};${BENCHMARK_PREFIX:-};${CLI11_PREFIX:-};${GLOO_PREFIX:-}"
 
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1

@@ -8,12 +8,17 @@
 //
 // Ctrl-C stops after the current step, saves a checkpoint and exits with status 130; run again
 // with --resume to continue. A second Ctrl-C kills the program at once.
+//
+// Under torchrun (`torchrun --nproc-per-node 2 --no-python fashion_mnist ...`) every rank trains
+// the same model on its share of each batch; rank 0 alone trains the classifier, writes the logs,
+// checkpoints, samples and results.
 
 #include <torch/cuda.h>
 #include <CLI/CLI.hpp>
 #include <difftrain/diffusion/ddim.hpp>
 #include <difftrain/diffusion/dpm_solver.hpp>
 #include <difftrain/diffusion/sample.hpp>
+#include <difftrain/distributed/data_parallel.hpp>
 #include <difftrain/ema/ema.hpp>
 #include <difftrain/eval/frechet_distance.hpp>
 #include <difftrain/io/image_grid.hpp>
@@ -93,6 +98,7 @@ struct Settings {
   std::string classifier;
   std::int64_t classifier_epochs = 4;
   double min_classifier_accuracy = 0.9;
+  double rank_timeout = 1800;
 };
 
 struct UNetConfig : tr::DefaultConfig {
@@ -102,6 +108,7 @@ struct UNetConfig : tr::DefaultConfig {
   using Clipping = tr::ClipByNorm;
   using Callbacks =
       std::tuple<tr::ProgressBar, tr::CsvLossLog, tr::CheckpointEvery, StopOnInterrupt>;
+  using Parallel = difftrain::distributed::DataParallel;
 };
 using UNetTrainer = tr::Trainer<fmnist::UNetImpl, UNetConfig>;
 
@@ -142,7 +149,20 @@ int run(const Settings& s) {
                                  "--device " + s.device);
   if (s.sampler != "dpm++" && s.sampler != "ddim")
     throw ConfigError("must be dpm++ or ddim, got '" + s.sampler + "'", "--sampler");
-  const at::Device device(s.device);
+  // The ranks of a torchrun launch (a world of one without it). Every rank checks the same flags
+  // and so fails the same way before this point.
+  const auto world = difftrain::distributed::World::from_environment(
+      {.timeout = std::chrono::milliseconds(static_cast<std::int64_t>(s.rank_timeout * 1000))});
+  if (s.batch_size % world->size() != 0)
+    throw ConfigError("is " + std::to_string(s.batch_size) + ", not a multiple of the " +
+                          std::to_string(world->size()) + " ranks sharing each batch",
+                      "--batch-size");
+  const bool main_rank = world->is_main();
+  // With CUDA, each rank of a node uses its own GPU.
+  const at::Device device =
+      s.device == "cuda" && world->distributed()
+          ? at::Device(at::kCUDA, static_cast<at::DeviceIndex>(world->local_rank()))
+          : at::Device(s.device);
   if (s.out.empty()) throw ConfigError("is empty; name the output folder", "--out");
   const fs::path out(s.out);
   const fs::path ckpt_dir = out / "checkpoints";
@@ -163,19 +183,24 @@ int run(const Settings& s) {
                s.data_dir.c_str(), seconds_since(t));
 
   // The judge first: a run whose scores would mean nothing stops before it trains anything.
+  // Rank 0 scores; the other ranks wait for it in the trainer's first collective.
   t = std::chrono::steady_clock::now();
   const fs::path classifier_path =
       s.classifier.empty() ? out / "classifier.safetensors" : fs::path(s.classifier);
-  auto judge = fmnist::classifier_for(data, {.epochs = s.classifier_epochs, .seed = s.seed},
-                                      classifier_path, device);
-  std::fprintf(stderr, "classifier: %.2f %% test accuracy (%s, %.1f s)\n",
-               100 * judge.test_accuracy, judge.from_cache ? "cached" : "trained",
-               seconds_since(t));
-  if (judge.test_accuracy < s.min_classifier_accuracy)
-    throw difftrain::NumericError(
-        "the classifier reached " + std::to_string(judge.test_accuracy) + " test accuracy, below " +
-            std::to_string(s.min_classifier_accuracy) + "; raise --classifier-epochs",
-        classifier_path.string());
+  std::optional<fmnist::TrainedClassifier> judge;
+  if (main_rank) {
+    judge = fmnist::classifier_for(data, {.epochs = s.classifier_epochs, .seed = s.seed},
+                                   classifier_path, device);
+    std::fprintf(stderr, "classifier: %.2f %% test accuracy (%s, %.1f s)\n",
+                 100 * judge->test_accuracy, judge->from_cache ? "cached" : "trained",
+                 seconds_since(t));
+    if (judge->test_accuracy < s.min_classifier_accuracy)
+      throw difftrain::NumericError(
+          "the classifier reached " + std::to_string(judge->test_accuracy) +
+              " test accuracy, below " + std::to_string(s.min_classifier_accuracy) +
+              "; raise --classifier-epochs",
+          classifier_path.string());
+  }
 
   // The diffusion model and its trainer. Seeded again here so its weights and noise do not depend
   // on whether the classifier was trained (drawing numbers) or loaded from the cache.
@@ -193,15 +218,16 @@ int run(const Settings& s) {
   o.schedule.num_training_steps = s.steps;
   o.ema.rule.decay = s.ema_decay;
   o.clipping.max_norm = s.clip;
+  o.parallel.world = world;
   auto remove = [](const fs::path& path) {
     std::error_code ec;
     fs::remove(path, ec);
     if (ec) throw difftrain::IoError("cannot remove: " + ec.message(), path.string());
   };
-  if (s.overwrite && !s.resume)
-    for (const auto& [step, path] : tr::CheckpointEvery::list(ckpt_dir)) remove(path);
   const fs::path loss_csv = out / "loss.csv";
-  if (!s.resume) remove(loss_csv);
+  if (main_rank && s.overwrite && !s.resume)
+    for (const auto& [step, path] : tr::CheckpointEvery::list(ckpt_dir)) remove(path);
+  if (main_rank && !s.resume) remove(loss_csv);
   const std::int64_t n = data.train.size();
   const std::int64_t per_epoch = std::max<std::int64_t>(1, n / s.batch_size);
 
@@ -234,25 +260,36 @@ int run(const Settings& s) {
   }
 
   // Batches are a function of the step alone, so a resumed run sees exactly the batches the
-  // uninterrupted one would have.
+  // uninterrupted one would have. Every rank draws the same batch and takes its share of it.
   const at::Tensor images = data.train.images.to(device);
   const at::Tensor labels = data.train.labels.to(device);
   fmnist::EpochBatches batches(n, s.batch_size, s.seed, device);
+  const std::int64_t share = std::min(s.batch_size, n) / world->size();
+  if (share < 1)
+    throw ConfigError("leaves no image of each batch to some of the " +
+                          std::to_string(world->size()) + " ranks (" + std::to_string(n) +
+                          " images)",
+                      "--limit");
   auto source = [&](std::int64_t step, std::int64_t /*micro*/) {
-    const at::Tensor idx = batches.indices(step);
+    const at::Tensor idx = batches.indices(step).narrow(0, world->rank() * share, share);
     return fmnist::UNetImpl::Batch{images.index_select(0, idx), labels.index_select(0, idx)};
   };
+  // Each rank its own noise and label dropout (a resumed run restores each rank's generator).
+  if (world->rank() > 0 && !s.resume) tr::set_seed(s.seed + 7919 * world->rank());
 
   std::signal(SIGINT, on_sigint);
   t = std::chrono::steady_clock::now();
-  std::fprintf(stderr, "train: %lld steps of %lld images, UNet with %lld parameters, on %s\n",
-               static_cast<long long>(s.steps), static_cast<long long>(s.batch_size),
-               static_cast<long long>([&] {
-                 std::int64_t c = 0;
-                 for (const auto& p : net->parameters()) c += p.numel();
-                 return c;
-               }()),
-               s.device.c_str());
+  if (main_rank)
+    std::fprintf(
+        stderr, "train: %lld steps of %lld images, UNet with %lld parameters, on %s%s\n",
+        static_cast<long long>(s.steps), static_cast<long long>(s.batch_size),
+        static_cast<long long>([&] {
+          std::int64_t c = 0;
+          for (const auto& p : net->parameters()) c += p.numel();
+          return c;
+        }()),
+        s.device.c_str(),
+        world->distributed() ? (", " + std::to_string(world->size()) + " ranks").c_str() : "");
   trainer->fit(source, s.steps);
   const double train_seconds = seconds_since(t);
   const std::int64_t trained_steps = trainer->global_step() - resumed_from;
@@ -260,6 +297,7 @@ int run(const Settings& s) {
   auto& checkpoints = std::get<tr::CheckpointEvery>(trainer->callbacks());
   if (trained_steps > 0 && trainer->global_step() % s.checkpoint_every != 0)
     checkpoints.save(*trainer);  // the last step, unless the callback just saved it
+  if (!main_rank) return g_interrupted.load() ? 130 : 0;  // rank 0 samples, scores and reports
   if (g_interrupted.load() || trainer->global_step() < s.steps) {
     std::fprintf(stderr,
                  "%s at step %lld; checkpoint saved in %s; run again with --resume to continue\n",
@@ -306,7 +344,7 @@ int run(const Settings& s) {
 
   // Score: class accuracy of the samples and the Fréchet distance to the real test images in the
   // classifier's feature space; the real-vs-real distance at the same sample count is the floor.
-  auto& cls = judge.net;
+  auto& cls = judge->net;
   cls->eval();
   const at::Tensor pred = fmnist::batched(samples, 500, [&](const at::Tensor& x) {
                             return cls->forward(x).argmax(1);
@@ -334,7 +372,7 @@ int run(const Settings& s) {
                                   {"per_class_accuracy", per_class_json},
                                   {"frechet_distance", fd},
                                   {"frechet_distance_real_at_same_count", fd_floor},
-                                  {"classifier_test_accuracy", judge.test_accuracy},
+                                  {"classifier_test_accuracy", judge->test_accuracy},
                                   {"samples", samples.size(0)},
                                   {"sampler", s.sampler},
                                   {"sampling_steps", s.sample_steps},
@@ -388,6 +426,10 @@ int main(int argc, char** argv) {
       ->check(examples::count_in(0, 100'000'000));
   g->add_flag("--overwrite", s.overwrite, "start again even if OUT holds checkpoints");
   g->add_flag("--progress", s.progress, "show the progress bar even when stderr is not a terminal");
+  g->add_option("--rank-timeout", s.rank_timeout,
+                "seconds a rank of a torchrun launch waits for the others before it stops")
+      ->check(examples::number_in(0, 1e7, true))
+      ->capture_default_str();
   auto* m = app.add_option_group("training");
   m->add_option("--steps", s.steps, "optimizer steps")
       ->check(examples::count_in(1, 100'000'000))

@@ -1,8 +1,16 @@
-// Data-parallel building blocks that need no process group: the per-rank shard of the data.
+// Data-parallel building blocks checked in one process: the per-rank shard of the data and the
+// world read from the launcher's environment. Ranks talking to each other are checked by
+// tests/distributed/run_checks.py, which starts several processes.
 #include <gtest/gtest.h>
 #include <difftrain/distributed/sampler.hpp>
+#include <difftrain/distributed/world.hpp>
 
+#include <chrono>
+#include <cstdlib>
+#include <optional>
 #include <set>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "golden.hpp"
@@ -39,4 +47,116 @@ TEST(DistributedSampler, RanksSplitAnEpochAndBadSettingsAreConfigErrors) {
   EXPECT_THROW(dist::DistributedSampler(10, {.num_replicas = 2, .rank = 2}),
                difftrain::ConfigError);
   EXPECT_THROW(dist::DistributedSampler(-1, {}), difftrain::ConfigError);
+}
+
+// ---- the launcher's environment --------------------------------------------------------------
+
+namespace {
+// Sets the launcher's variables for one test and restores the environment after it.
+class LauncherEnv {
+ public:
+  explicit LauncherEnv(const std::vector<std::pair<const char*, const char*>>& vars) {
+    for (const char* k : kNames) {
+      const char* v = std::getenv(k);
+      saved_.emplace_back(k, v != nullptr ? std::optional<std::string>(v) : std::nullopt);
+      ::unsetenv(k);
+    }
+    for (const auto& [k, v] : vars) ::setenv(k, v, 1);
+  }
+  ~LauncherEnv() {
+    for (const auto& [k, v] : saved_) {
+      if (v)
+        ::setenv(k, v->c_str(), 1);
+      else
+        ::unsetenv(k);
+    }
+  }
+  LauncherEnv(const LauncherEnv&) = delete;
+  LauncherEnv& operator=(const LauncherEnv&) = delete;
+
+ private:
+  static constexpr const char* kNames[] = {
+      "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"};
+  std::vector<std::pair<const char*, std::optional<std::string>>> saved_;
+};
+
+// The ConfigError from_environment raises, or "" when it raises none.
+std::string world_error(const std::vector<std::pair<const char*, const char*>>& vars) {
+  LauncherEnv env(vars);
+  try {
+    (void)dist::World::from_environment({.timeout = std::chrono::milliseconds(2000)});
+  } catch (const difftrain::ConfigError& e) {
+    return e.what();
+  }
+  return "";
+}
+}  // namespace
+
+TEST(World, WithoutTheLauncherItIsOneProcessWithNoGroup) {
+  LauncherEnv env({});
+  const auto w = dist::World::from_environment();
+  EXPECT_EQ(w->rank(), 0);
+  EXPECT_EQ(w->size(), 1);
+  EXPECT_TRUE(w->is_main());
+  EXPECT_FALSE(w->distributed());
+  // Collectives on a world of one change nothing and need no group.
+  at::Tensor t = at::arange(4, at::kDouble);
+  w->all_reduce_sum(t);
+  EXPECT_TRUE(at::equal(t, at::arange(4, at::kDouble)));
+  w->barrier();
+  EXPECT_EQ(w->all_gather(t).size(), 1U);
+}
+
+TEST(World, AWorldOfOneFromTorchrunNeedsNoRendezvous) {
+  // torchrun --nproc-per-node 1 sets the variables; no store is started or reached.
+  const auto w = [] {
+    LauncherEnv env({{"RANK", "0"},
+                     {"WORLD_SIZE", "1"},
+                     {"LOCAL_RANK", "0"},
+                     {"LOCAL_WORLD_SIZE", "1"},
+                     {"MASTER_ADDR", "no-such-host.invalid"},
+                     {"MASTER_PORT", "1"}});
+    return dist::World::from_environment();
+  }();
+  EXPECT_EQ(w->size(), 1);
+  EXPECT_FALSE(w->distributed());
+}
+
+TEST(World, EveryMalformedVariableIsAConfigErrorNamingIt) {
+  struct Case {
+    std::vector<std::pair<const char*, const char*>> vars;
+    std::string expect;
+  };
+  const std::vector<Case> cases = {
+      {{{"RANK", "0"}}, "WORLD_SIZE: is not set"},
+      {{{"WORLD_SIZE", "2"}}, "RANK: is not set"},
+      {{{"RANK", "zero"}, {"WORLD_SIZE", "2"}}, "RANK: is 'zero', not an integer"},
+      {{{"RANK", "1x"}, {"WORLD_SIZE", "2"}}, "RANK: is '1x', not an integer"},
+      {{{"RANK", ""}, {"WORLD_SIZE", "2"}}, "RANK: is '', not an integer"},
+      {{{"RANK", "2"}, {"WORLD_SIZE", "2"}}, "RANK: is 2, outside [0, 1]"},
+      {{{"RANK", "-1"}, {"WORLD_SIZE", "2"}}, "RANK: is -1, outside [0, 1]"},
+      {{{"RANK", "0"}, {"WORLD_SIZE", "0"}}, "WORLD_SIZE: is 0, outside"},
+      {{{"RANK", "0"}, {"WORLD_SIZE", "99999999999999999999"}}, "WORLD_SIZE: is '9"},
+      {{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"LOCAL_WORLD_SIZE", "3"}},
+       "LOCAL_WORLD_SIZE: is 3, outside [1, 2]"},
+      {{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "1"}},
+       "LOCAL_RANK: is 1, outside [0, 0]"},
+      {{{"RANK", "0"}, {"WORLD_SIZE", "2"}}, "MASTER_ADDR: is not set"},
+      {{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}},
+       "MASTER_PORT: is not set"},
+      {{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "0"}},
+       "MASTER_PORT: is 0, outside [1, 65535]"},
+      {{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "70000"}},
+       "MASTER_PORT: is 70000, outside [1, 65535]"},
+  };
+  for (const auto& c : cases) {
+    const std::string got = world_error(c.vars);
+    EXPECT_NE(got.find("difftrain::ConfigError"), std::string::npos) << c.expect << " / " << got;
+    EXPECT_NE(got.find(c.expect), std::string::npos) << c.expect << " / " << got;
+  }
+  {
+    LauncherEnv env({});
+    EXPECT_THROW((void)dist::World::from_environment({.timeout = std::chrono::milliseconds(0)}),
+                 difftrain::ConfigError);
+  }
 }

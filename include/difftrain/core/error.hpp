@@ -65,6 +65,9 @@ DIFFTRAIN_DEFINE_ERROR(DeviceError, "A device or dtype cannot do what was asked.
 DIFFTRAIN_DEFINE_ERROR(IoError,
                        "A file or folder cannot be read or written: missing, a folder where a "
                        "file belongs, no permission, a read-only or full disk.")
+DIFFTRAIN_DEFINE_ERROR(DistributedError,
+                       "Another process of a distributed run failed, hung or disagreed: a rank "
+                       "died, a collective timed out, the rendezvous could not be reached.")
 
 #undef DIFFTRAIN_DEFINE_ERROR
 

@@ -91,29 +91,40 @@ class CsvLossLog {
     std::int64_t steps_per_epoch = 0;  ///< 0: epoch columns stay 0
     std::int64_t every = 1;
   };
-  explicit CsvLossLog(const Options& o)
-      : o_(o), log_(o.path, {"step", "epoch", "epoch_step", "loss", "learn_rate"}) {}
+  explicit CsvLossLog(const Options& o) : o_(o) {}
+  /// The file opens when training begins (the trainer's constructor), so a log that cannot be
+  /// written stops the run before any step; only rank 0 of a distributed run opens it.
+  template <class T>
+  void on_train_begin(T& /*t*/) {
+    (void)log();
+  }
   template <class T>
   void on_step_end(T& /*t*/, const StepInfo& s) {
     if (!s.stepped || s.step % o_.every != 0) return;
     const std::int64_t epoch = o_.steps_per_epoch > 0 ? (s.step - 1) / o_.steps_per_epoch : 0;
     const std::int64_t epoch_step =
         o_.steps_per_epoch > 0 ? (s.step - 1) % o_.steps_per_epoch + 1 : s.step;
-    log_.row(s.step, epoch, epoch_step, s.loss, s.lr.empty() ? 0.0 : s.lr.front());
+    log().row(s.step, epoch, epoch_step, s.loss, s.lr.empty() ? 0.0 : s.lr.front());
   }
   template <class T>
   void on_train_end(T& /*t*/) {
-    log_.flush();
+    log().flush();
   }
   /// A resumed run writes the steps after its checkpoint again: their old rows go.
   template <class T>
   void on_resume(T& t) {
-    log_.drop_rows_after(t.global_step());
+    log().drop_rows_after(t.global_step());
   }
 
  private:
+  io::CsvLog& log() {
+    if (!log_)
+      log_.emplace(o_.path,
+                   std::vector<std::string>{"step", "epoch", "epoch_step", "loss", "learn_rate"});
+    return *log_;
+  }
   Options o_;
-  io::CsvLog log_;
+  std::optional<io::CsvLog> log_;
 };
 
 /// Mean ± standard error of the loss over the last `window` steps (the web UI keeps 32).
@@ -162,6 +173,8 @@ class CheckpointEvery {
     std::int64_t every = 1000;
     std::size_t keep_last = 3;
   };
+  /// Saving is collective in a distributed run: every rank gathers its part, rank 0 writes.
+  static constexpr bool every_rank = true;
   explicit CheckpointEvery(const Options& o) : o_(o) {
     if (o.every < 1 || o.keep_last < 1)
       throw ConfigError("every and keep_last must be >= 1", "CheckpointEvery");
@@ -173,6 +186,9 @@ class CheckpointEvery {
   template <class T>
   void save(T& t) {
     t.save_checkpoint(path_for(t.global_step()));
+    if constexpr (requires { t.is_main(); }) {
+      if (!t.is_main()) return;  // rank 0 wrote it; rank 0 prunes
+    }
     prune();
   }
   [[nodiscard]] std::filesystem::path path_for(std::int64_t step) const {
@@ -259,6 +275,8 @@ class EarlyStop {
     std::int64_t patience = 100;
     double min_delta = 0.0;
   };
+  /// Sees the loss averaged over ranks, so every rank stops at the same step.
+  static constexpr bool every_rank = true;
   explicit EarlyStop(const Options& o) : o_(o) {}
   template <class T>
   void on_step_end(T& t, const StepInfo& s) {

@@ -44,6 +44,7 @@
 #include "difftrain/schedule/diffusers.hpp"
 #include "difftrain/train/clipping.hpp"
 #include "difftrain/train/optimizer.hpp"
+#include "difftrain/train/parallel.hpp"
 #include "difftrain/train/precision.hpp"
 
 namespace difftrain::train {
@@ -91,6 +92,7 @@ struct DefaultConfig {
   using Precision = Fp32;
   using Clipping = ClipByNorm;
   using Callbacks = std::tuple<>;
+  using Parallel = SingleProcess;
 };
 
 enum class NanPolicy {
@@ -107,6 +109,17 @@ struct EmaOptions {
 };
 template <>
 struct EmaOptions<NoEma> {};
+
+// Config::Parallel, or SingleProcess for a Config written before it existed.
+template <class C>
+struct ParallelOf {
+  using type = SingleProcess;
+};
+template <class C>
+requires requires { typename C::Parallel; }
+struct ParallelOf<C> {
+  using type = typename C::Parallel;
+};
 
 inline at::Tensor bytes_tensor(const std::string& s) {
   at::Tensor t = at::empty({static_cast<std::int64_t>(s.size())}, at::kByte);
@@ -142,6 +155,9 @@ class Trainer {
   static_assert(
       ClippingPolicy<typename Config::Clipping>,
       "difftrain: Config::Clipping needs a name, Options and `double apply(params, step)`");
+  static_assert(ParallelPolicy<typename trainer_detail::ParallelOf<Config>::type>,
+                "difftrain: Config::Parallel needs a name, Options, a constructor from (module, "
+                "params, options), rank/world_size and the step hooks of train/parallel.hpp");
 
  public:
   using Batch = typename Model::Batch;
@@ -151,6 +167,7 @@ class Trainer {
   using PrecisionT = typename Config::Precision;
   using ClippingT = typename Config::Clipping;
   using CallbacksT = typename Config::Callbacks;
+  using ParallelT = typename trainer_detail::ParallelOf<Config>::type;
   static constexpr bool has_ema = !std::is_same_v<EmaT, NoEma>;
   static constexpr int kFormatVersion = 1;
 
@@ -164,6 +181,10 @@ class Trainer {
     std::int64_t accumulation_steps = 1;
     std::optional<std::int64_t> max_batch_size{};
     NanPolicy on_nan = NanPolicy::stop;
+    typename ParallelT::Options parallel{};
+    /// Resuming with another number of ranks than the checkpoint was written with changes the
+    /// global batch; it is a ConfigError unless allowed here.
+    bool allow_world_size_change = false;
   };
 
   Trainer(Model& model, Options options, CallbacksT callbacks = {})
@@ -184,6 +205,8 @@ class Trainer {
     optimizer_ = OptimizerPolicyT::make(groups_, o_.optimizer);
     for (const auto& g : groups_) params_.insert(params_.end(), g.params.begin(), g.params.end());
     scheduler_.emplace(*optimizer_, ScheduleT(o_.schedule));
+    // Before the EMA copies the weights: with more than one rank they become rank 0's here.
+    parallel_ = std::make_unique<ParallelT>(model, params_, o_.parallel);
     if constexpr (has_ema)
       ema_ = std::make_unique<EmaT>(model, o_.ema.rule, o_.ema.engine, o_.ema.tracking);
     call([&](auto& cb) {
@@ -206,23 +229,33 @@ class Trainer {
     model_->train();
     optimizer_->zero_grad(/*set_to_none=*/true);
     double loss_sum = 0.0;
-    for (const Batch& micro : micro_batches) {
-      const double l = accumulate(micro);
-      if (!std::isfinite(l)) {
-        optimizer_->zero_grad(true);
-        ++nonfinite_;
-        if (o_.on_nan == NanPolicy::stop)
-          throw NumericError("loss is " + std::to_string(l) + "; the step was not applied",
-                             "Trainer step " + std::to_string(step_ + 1));
-        info.loss = l;
-        info.stepped = false;
-        info.step = step_;
-        finish(info, start);
-        return info;
-      }
+    // The first non-finite loss of the step; with more than one rank, the step goes on to the
+    // point where the ranks agree (so a NaN anywhere drops the step everywhere).
+    std::optional<double> bad;
+    step_bad_ = false;
+    step_bad_agreed_only_ = false;
+    for (std::size_t m = 0; m < micro_batches.size(); ++m) {
+      const double l = accumulate(micro_batches[m], m + 1 == micro_batches.size());
+      if (!std::isfinite(l) && !bad) bad = l;
+      if (bad && parallel_->world_size() == 1) break;
       loss_sum += l;
     }
-    info.loss = loss_sum / static_cast<double>(o_.accumulation_steps);
+    if (bad) {
+      optimizer_->zero_grad(true);
+      ++nonfinite_;
+      const bool here = !step_bad_agreed_only_;
+      if (o_.on_nan == NanPolicy::stop)
+        throw NumericError(here ? "loss is " + std::to_string(*bad) + "; the step was not applied"
+                                : "a loss on another rank was not finite; the step was not "
+                                  "applied on any rank",
+                           "Trainer step " + std::to_string(step_ + 1) + rank_suffix());
+      info.loss = *bad;
+      info.stepped = false;
+      info.step = step_;
+      finish(info, start);
+      return info;
+    }
+    info.loss = parallel_->mean(loss_sum / static_cast<double>(o_.accumulation_steps));
     scaler_.unscale_(*optimizer_);
     info.grad_norm = clipping_.apply(params_, step_);
     info.stepped = scaler_.step(*optimizer_);
@@ -249,6 +282,8 @@ class Trainer {
       std::vector<Batch> micro;
       for (std::int64_t m = 0; m < o_.accumulation_steps; ++m) micro.push_back(source(step_, m));
       (void)step(micro);
+      // A stop asked on any rank (a callback runs on rank 0 only) stops every rank at this step.
+      if (parallel_->world_size() > 1) stop_requested_ = !parallel_->all_ok(!stop_requested_);
     }
     call([&](auto& cb) {
       if constexpr (requires { cb.on_train_end(*this); }) cb.on_train_end(*this);
@@ -309,7 +344,15 @@ class Trainer {
       for (const auto& [k, v] : shadows) e.insert(k, v.detach().cpu().clone());
       root.insert("ema", e);
     }
-    root.insert("rng_cpu", at::detail::getDefaultCPUGenerator().get_state());
+    js["world_size"] = parallel_->world_size();
+    // Every rank's generator (each draws its own noise); rank 0's also under the old key.
+    const at::Tensor rng = at::detail::getDefaultCPUGenerator().get_state();
+    root.insert("rng_cpu", rng);
+    if (parallel_->world_size() > 1) {
+      auto ranks = io::torch_list();
+      for (const at::Tensor& t : parallel_->gather(rng)) ranks.push_back(t);
+      root.insert("rng_cpu_ranks", ranks);
+    }
     auto cuda = io::torch_list();
     if (torch::cuda::is_available())
       for (c10::DeviceIndex i = 0; i < static_cast<c10::DeviceIndex>(torch::cuda::device_count());
@@ -336,15 +379,7 @@ class Trainer {
   /// wrong format, a version from the future, a different configuration or model is a typed error
   /// and leaves the trainer as it was.
   void load_state(const io::TorchValue& root) {
-    try {
-      apply_state(check_state(root));
-    } catch (const FormatError& e) {  // name the file when the part that refused did not
-      if (e.where().find(root.where()) != std::string::npos) throw;
-      throw FormatError(e.message(), root.where() + ": " + e.where());
-    }
-    call([&](auto& cb) {
-      if constexpr (requires { cb.on_resume(*this); }) cb.on_resume(*this);
-    });
+    load_agreed(root.where(), [&] { return checked_naming_file(root); });
   }
 
   /// The checking half of load_state (a multi-model trainer checks every model before applying).
@@ -427,7 +462,26 @@ class Trainer {
         inner.read_into(name, buffer.data());
       }
     }
-    const at::Tensor rng_cpu = root.at("rng_cpu").tensor();
+    if (js.contains("world_size")) {
+      if (!js["world_size"].is_number_integer() || js["world_size"].get<std::int64_t>() < 1)
+        throw FormatError("has a world_size that is not a positive integer", where + " json");
+    }
+    const std::int64_t saved_world = js.value("world_size", std::int64_t{1});
+    if (saved_world != parallel_->world_size() && !o_.allow_world_size_change)
+      throw ConfigError("was written by " + std::to_string(saved_world) + " ranks, this run has " +
+                            std::to_string(parallel_->world_size()) +
+                            " (the global batch would change); set allow_world_size_change to "
+                            "resume anyway",
+                        where);
+    at::Tensor rng_cpu = root.at("rng_cpu").tensor();
+    if (saved_world == parallel_->world_size() && saved_world > 1) {
+      const auto ranks = root.at("rng_cpu_ranks").elements();
+      if (static_cast<std::int64_t>(ranks.size()) != saved_world)
+        throw FormatError("holds " + std::to_string(ranks.size()) + " generator states for " +
+                              std::to_string(saved_world) + " ranks",
+                          where + " rng_cpu_ranks");
+      rng_cpu = ranks[static_cast<std::size_t>(parallel_->rank())].tensor();
+    }
     std::vector<at::Tensor> rng_cuda;
     for (const auto& t : root.at("rng_cuda").elements()) rng_cuda.push_back(t.tensor());
     return {where,     std::move(js), saved_step,         model_tensors, std::move(ema_shadows),
@@ -483,14 +537,37 @@ class Trainer {
   }
 
   /// Writes the state atomically (temporary file, fsync, rename, fsync of the folder).
+  /// In a distributed run every rank calls it (the state gathers each rank's generator); rank 0
+  /// writes and the others wait until it has, and learn whether it could.
   void save_checkpoint(const std::filesystem::path& path) {
     if (!all_finite())
       throw NumericError(
           "the model holds non-finite weights; not saving them over a good checkpoint",
           path.string());
-    io::save_torch_file(path, state());
+    const c10::IValue st = state();
+    std::exception_ptr failed;
+    if (parallel_->rank() == 0) {
+      try {
+        io::save_torch_file(path, st);
+      } catch (...) {
+        failed = std::current_exception();
+      }
+    }
+    if (!parallel_->decide(!failed)) {
+      if (failed) std::rethrow_exception(failed);
+      throw IoError("rank 0 could not write the checkpoint (its error says why)", path.string());
+    }
   }
-  void load_checkpoint(const std::filesystem::path& path) { load_state(io::load_torch_file(path)); }
+
+  /// This process's rank in a distributed run (0 otherwise) and the number of ranks.
+  [[nodiscard]] std::int64_t rank() const { return parallel_->rank(); }
+  [[nodiscard]] std::int64_t world_size() const { return parallel_->world_size(); }
+  [[nodiscard]] bool is_main() const { return parallel_->rank() == 0; }
+  /// Every rank of a distributed run reads the file; all of them go on only when all could use
+  /// it (the others' error says another rank refused), so they resume from the same one.
+  void load_checkpoint(const std::filesystem::path& path) {
+    load_agreed(path.string(), [&] { return checked_naming_file(io::load_torch_file(path)); });
+  }
 
   [[nodiscard]] bool all_finite() const {
     for (const at::Tensor& p : model_->parameters())
@@ -499,6 +576,43 @@ class Trainer {
   }
 
  private:
+  // check_state, with the file named in a FormatError whose part did not name it.
+  CheckedState checked_naming_file(const io::TorchValue& root) const {
+    try {
+      return check_state(root);
+    } catch (const FormatError& e) {
+      if (e.where().find(root.where()) != std::string::npos) throw;
+      throw FormatError(e.message(), root.where() + ": " + e.where());
+    }
+  }
+
+  // Checks on every rank, applies only when every rank could; then rank 0's weights everywhere.
+  template <class Check>
+  void load_agreed(const std::string& where, Check&& check) {
+    std::optional<CheckedState> checked;
+    std::exception_ptr failed;
+    try {
+      checked.emplace(check());
+    } catch (...) {
+      failed = std::current_exception();
+    }
+    if (!parallel_->all_ok(!failed)) {
+      if (failed) std::rethrow_exception(failed);
+      throw FormatError("could not be used by another rank (its error says why)", where);
+    }
+    apply_state(*checked);
+    parallel_->start();
+    call([&](auto& cb) {
+      if constexpr (requires { cb.on_resume(*this); }) cb.on_resume(*this);
+    });
+  }
+
+  [[nodiscard]] std::string rank_suffix() const {
+    if (parallel_->world_size() == 1) return "";
+    return " (rank " + std::to_string(parallel_->rank()) + " of " +
+           std::to_string(parallel_->world_size()) + ")";
+  }
+
   // The optimizer's state as LibTorch's archive bytes (what a checkpoint stores).
   [[nodiscard]] std::string optimizer_bytes() {
     std::string bytes;
@@ -522,16 +636,17 @@ class Trainer {
   }
 
   // Forward/backward of one micro-batch, in chunks when max_batch_size asks; returns its loss.
-  double accumulate(const Batch& micro) {
+  // `last`: the step's last micro-batch, whose last backward shares gradients between ranks.
+  double accumulate(const Batch& micro, bool last) {
     const double per_micro = 1.0 / static_cast<double>(o_.accumulation_steps);
-    if (!o_.max_batch_size) return backward_one(micro, per_micro);
+    if (!o_.max_batch_size) return backward_one(micro, per_micro, last);
     if constexpr (SplittableBatch<Batch>) {
       const std::int64_t n = micro.size();
       double total = 0.0;
       for (std::int64_t s = 0; s < n; s += *o_.max_batch_size) {
         const std::int64_t len = std::min(*o_.max_batch_size, n - s);
         const double frac = static_cast<double>(len) / static_cast<double>(n);
-        total += backward_one(micro.slice(s, len), per_micro * frac) * frac;
+        total += backward_one(micro.slice(s, len), per_micro * frac, last && s + len == n) * frac;
       }
       return total;
     } else {
@@ -540,7 +655,14 @@ class Trainer {
     }
   }
 
-  double backward_one(const Batch& b, double weight) {
+  // `sync`: the step's last backward. Before it the ranks agree that every loss of the step was
+  // finite; a rank that already saw a non-finite one computes nothing more until then.
+  double backward_one(const Batch& b, double weight, bool sync) {
+    if (step_bad_) {
+      if (sync) (void)parallel_->all_ok(false);
+      return std::nan("");
+    }
+    parallel_->before_forward(sync);
     at::Tensor loss;
     if constexpr (PrecisionT::autocast) {
       const c10::DeviceType dev = params_.empty() ? c10::kCPU : params_.front().device().type();
@@ -552,8 +674,23 @@ class Trainer {
     if (loss.numel() != 1)
       throw ShapeError("loss must be a scalar, got shape " + c10::str(loss.sizes()), "Model::loss");
     const double value = loss.detach().item<double>();
-    if (!std::isfinite(value)) return value;
-    scaler_.scale(loss * weight).backward();
+    step_bad_agreed_only_ = false;
+    if (!std::isfinite(value)) {
+      step_bad_ = true;
+      if (sync) (void)parallel_->all_ok(false);
+      return value;
+    }
+    if (!sync) {
+      scaler_.scale(loss * weight).backward();
+      return value;
+    }
+    if (!parallel_->all_ok(true)) {
+      step_bad_ = true;
+      step_bad_agreed_only_ = true;
+      return std::nan("");
+    }
+    parallel_->before_backward();
+    parallel_->guard([&] { scaler_.scale(loss * weight).backward(); });
     return value;
   }
 
@@ -564,9 +701,20 @@ class Trainer {
     });
   }
 
+  // Callbacks run on rank 0 only (they print and write), except those that must act on every
+  // rank (a checkpoint's state is gathered from all; a stop must stop all) and say so.
   template <class F>
   void call(F&& f) {
-    std::apply([&](auto&... cb) { (f(cb), ...); }, callbacks_);
+    const bool main = parallel_->rank() == 0;
+    std::apply(
+        [&](auto&... cb) {
+          (
+              [&](auto& c) {
+                if (main || EveryRankCallback<std::remove_cvref_t<decltype(c)>>) f(c);
+              }(cb),
+              ...);
+        },
+        callbacks_);
   }
 
   Model* model_;
@@ -583,6 +731,9 @@ class Trainer {
   std::int64_t nonfinite_ = 0;
   std::int64_t overflow_skips_ = 0;
   bool stop_requested_ = false;
+  std::unique_ptr<ParallelT> parallel_;
+  bool step_bad_ = false;              // a loss of this step was not finite (here or elsewhere)
+  bool step_bad_agreed_only_ = false;  // ... and only another rank saw it
 };
 
 }  // namespace difftrain::train

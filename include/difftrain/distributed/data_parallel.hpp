@@ -1,0 +1,209 @@
+#pragma once
+// Config::Parallel = distributed::DataParallel: every rank trains the same model on its share of
+// the batch, and gradients are averaged over the ranks before the optimizer step, as PyTorch's
+// DistributedDataParallel does, on the same engine (c10d::Reducer):
+//
+// - at start (and after a resume) every parameter and buffer is rank 0's (one broadcast per
+//   dtype), after checking that every rank holds the same model;
+// - gradients are averaged by bucketed all-reduce launched from autograd hooks while backward is
+//   still running: DDP's 25 MiB buckets (1 MiB for the first), first one bucket for everything,
+//   then rebuilt after the first step in the order backward produced the gradients;
+// - only the step's last backward shares gradients: the accumulation micro-batches before it
+//   accumulate locally (DDP's no_sync);
+// - buffers are rank 0's before every forward (DDP's broadcast_buffers);
+// - before the last backward the ranks agree whether every loss of the step was finite, so a
+//   NaN on one rank skips (or stops) the step on all of them.
+//
+// Since every rank then holds the same averaged gradient, gradient clipping sees the global
+// gradient and the fp16 scaler's overflow decision is the same everywhere without further talk.
+// With a world of one nothing is communicated and no reducer exists.
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+#include <torch/csrc/distributed/c10d/reducer.hpp>
+
+#include <cstdint>
+#include <limits>
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "difftrain/core/error.hpp"
+#include "difftrain/distributed/world.hpp"
+
+namespace difftrain::distributed {
+
+class DataParallel {
+ public:
+  static constexpr std::string_view name = "data-parallel";
+
+  struct Options {
+    /// The processes to share steps with; null reads them from the launcher's environment
+    /// (World::from_environment with `world_options`).
+    std::shared_ptr<World> world{};
+    WorldOptions world_options{};
+    /// DDP's bucket_cap_mb and its first, smaller bucket.
+    double bucket_cap_mb = 25.0;
+    double first_bucket_cap_mb = 1.0;
+    /// DDP's broadcast_buffers: rank 0's buffers before every forward.
+    bool broadcast_buffers = true;
+  };
+
+  DataParallel(torch::nn::Module& model, const std::vector<at::Tensor>& params, const Options& o)
+      : model_(&model), params_(params), o_(o) {
+    if (!(o_.bucket_cap_mb > 0.0) || !(o_.first_bucket_cap_mb > 0.0))
+      throw ConfigError("bucket sizes must be positive", "DataParallel options");
+    world_ = o_.world ? o_.world : World::from_environment(o_.world_options);
+    if (!world_->distributed()) return;
+    check_same_model();
+    start();
+    std::vector<bool> sparse(params_.size(), false);
+    // DDP without find_unused_parameters: one bucket per dtype and device for the first step
+    // (no size limit); the reducer rebuilds them from the order of the first backward.
+    auto [buckets, limits] = c10d::compute_bucket_assignment_by_size(
+        params_, {static_cast<std::size_t>(std::numeric_limits<std::int64_t>::max())}, sparse);
+    (void)limits;
+    std::unordered_map<std::size_t, std::string> names;
+    reducer_ = std::make_unique<c10d::Reducer>(
+        params_, std::vector<std::vector<std::size_t>>(buckets.rbegin(), buckets.rend()),
+        world_->group(), sparse, mib(o_.bucket_cap_mb), /*find_unused_parameters=*/false,
+        /*gradient_as_bucket_view=*/false, names, mib(o_.first_bucket_cap_mb),
+        /*skip_all_reduce_unused_params=*/false, /*use_python_reducer=*/false,
+        std::vector<std::int64_t>{});
+  }
+
+  DataParallel(const DataParallel&) = delete;
+  DataParallel& operator=(const DataParallel&) = delete;
+
+  [[nodiscard]] std::int64_t rank() const { return world_->rank(); }
+  [[nodiscard]] std::int64_t world_size() const { return world_->size(); }
+  [[nodiscard]] const World& world() const { return *world_; }
+
+  /// Every parameter and buffer becomes rank 0's.
+  void start() {
+    if (!world_->distributed()) return;
+    std::vector<at::Tensor> all;
+    for (const auto& p : model_->parameters()) all.push_back(p);
+    for (const auto& b : model_->buffers()) all.push_back(b);
+    broadcast_flat(all);
+  }
+
+  void before_forward(bool sync) {
+    if (!world_->distributed()) return;
+    if (sync) reducer_->prepare_for_forward();
+    guard([&] { (void)reducer_->rebuild_buckets(); });
+    if (o_.broadcast_buffers) {
+      std::vector<at::Tensor> buffers = model_->buffers();
+      broadcast_flat(buffers);
+    }
+  }
+
+  /// True when `ok` on every rank.
+  [[nodiscard]] bool all_ok(bool ok) {
+    if (!world_->distributed()) return ok;
+    at::Tensor flag = at::full({1}, ok ? 0.0 : 1.0, at::kDouble);
+    world_->all_reduce_sum(flag);
+    return flag.item<double>() == 0.0;
+  }
+
+  void before_backward() {
+    if (world_->distributed()) reducer_->prepare_for_backward({});
+  }
+
+  /// Runs `f` (the backward that shares gradients); a failure of the group is a DistributedError.
+  template <class F>
+  void guard(F&& f) {
+    if (!world_->distributed()) return std::forward<F>(f)();
+    try {
+      std::forward<F>(f)();
+    } catch (const DistributedError&) {
+      throw;
+    } catch (const c10::Error& e) {
+      throw world_->failure("sharing gradients", world_detail::first_line(e));
+    } catch (const Error&) {
+      throw;
+    } catch (const std::exception& e) {  // Gloo's own (a peer reset the connection)
+      throw world_->failure("sharing gradients", e.what());
+    }
+  }
+
+  [[nodiscard]] double mean(double x) {
+    if (!world_->distributed()) return x;
+    at::Tensor t = at::full({1}, x, at::kDouble);
+    world_->all_reduce_sum(t);
+    return t.item<double>() / static_cast<double>(world_->size());
+  }
+
+  [[nodiscard]] std::vector<at::Tensor> gather(const at::Tensor& t) {
+    return world_->all_gather(t);
+  }
+
+  /// Rank 0's `ok`, known on every rank (and a barrier: nobody goes on before rank 0 decided).
+  [[nodiscard]] bool decide(bool ok) {
+    if (!world_->distributed()) return ok;
+    std::vector<at::Tensor> flag{at::full({1}, ok ? 1.0 : 0.0, at::kDouble)};
+    world_->broadcast(flag, 0);
+    return flag[0].item<double>() != 0.0;
+  }
+
+ private:
+  static std::int64_t mib(double m) { return static_cast<std::int64_t>(m * 1024.0 * 1024.0); }
+
+  // The same number of parameters and buffers with the same shapes and dtypes on every rank;
+  // otherwise the broadcast and the buckets would pair up different tensors.
+  void check_same_model() {
+    std::uint64_t h = 1469598103934665603ULL;  // FNV-1a over the dtypes and shapes
+    auto mix = [&](std::int64_t v) {
+      h ^= static_cast<std::uint64_t>(v);
+      h *= 1099511628211ULL;
+    };
+    for (const auto& p : params_) {
+      mix(static_cast<std::int64_t>(p.scalar_type()));
+      for (auto s : p.sizes()) mix(s);
+    }
+    for (const auto& b : model_->buffers()) {
+      mix(static_cast<std::int64_t>(b.scalar_type()));
+      for (auto s : b.sizes()) mix(s);
+    }
+    const at::Tensor mine = at::tensor(
+        {static_cast<std::int64_t>(params_.size()), static_cast<std::int64_t>(h >> 1)}, at::kLong);
+    const auto all = world_->all_gather(mine);
+    for (std::size_t r = 0; r < all.size(); ++r)
+      if (!at::equal(all[r], all[0]))
+        throw ConfigError("rank " + std::to_string(r) +
+                              " trains a model with different parameters or buffers than rank 0 "
+                              "(count, shapes or dtypes differ)",
+                          "DataParallel, rank " + std::to_string(world_->rank()));
+  }
+
+  // Rank 0's values into `tensors`, one broadcast per dtype and device.
+  void broadcast_flat(std::vector<at::Tensor>& tensors) {
+    std::map<std::pair<int, std::string>, std::vector<at::Tensor>> groups;
+    for (const auto& t : tensors)
+      groups[{static_cast<int>(t.scalar_type()), t.device().str()}].push_back(t);
+    at::NoGradGuard no_grad;
+    for (auto& [key, ts] : groups) {
+      std::vector<at::Tensor> flat_parts;
+      for (const auto& t : ts) flat_parts.push_back(t.detach().reshape({-1}));
+      std::vector<at::Tensor> flat{at::cat(flat_parts)};
+      world_->broadcast(flat, 0);
+      std::int64_t at_ = 0;
+      for (auto& t : ts) {
+        t.detach().copy_(flat[0].narrow(0, at_, t.numel()).view(t.sizes()));
+        at_ += t.numel();
+      }
+    }
+  }
+
+  torch::nn::Module* model_;
+  std::vector<at::Tensor> params_;
+  Options o_;
+  std::shared_ptr<World> world_;
+  std::unique_ptr<c10d::Reducer> reducer_;
+};
+
+}  // namespace difftrain::distributed

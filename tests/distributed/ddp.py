@@ -1,0 +1,90 @@
+"""PyTorch's own DistributedDataParallel on the model, data and settings of worker.cpp.
+
+Run under torchrun (one process per rank); writes <out>.rank<r>.json with the weights it ends
+with. Gradient accumulation uses DDP's no_sync for every micro-batch but the last, as the
+difftrain trainer does; clipping by the global norm after the all-reduce.
+"""
+
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+GLOBAL_BATCH, IN, OUT = 16, 8, 4
+
+
+def global_batch(step, micro):
+    f64 = torch.float64
+    x = torch.sin(torch.arange(GLOBAL_BATCH * IN, dtype=f64) * 0.1 + 0.7 * step + 1.3 * micro)
+    y = torch.cos(torch.arange(GLOBAL_BATCH * OUT, dtype=f64) * 0.05 + 0.3 * step - 0.9 * micro)
+    return x.reshape(GLOBAL_BATCH, IN), y.reshape(GLOBAL_BATCH, OUT)
+
+
+class Net(nn.Module):
+    def __init__(self, dtype):
+        super().__init__()
+        self.fc1 = nn.Linear(IN, 16)
+        self.fc2 = nn.Linear(16, OUT)
+        self.register_buffer("scale", torch.ones(OUT, dtype=torch.float64))
+        self.to(dtype)
+        with torch.no_grad():
+            for k, (_, p) in enumerate(self.named_parameters()):
+                v = torch.sin(torch.arange(p.numel(), dtype=torch.float64) * 0.37 + k) * 0.3
+                p.copy_(v.reshape(p.shape))
+
+    def forward(self, x, y):
+        pred = self.fc2(torch.tanh(self.fc1(x))) * self.scale
+        return (pred - y).pow(2).mean()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--accumulation", type=int, default=1)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dtype = torch.float32 if a.dtype == "float32" else torch.float64
+    net = Net(dtype)
+    if rank != 0:  # as worker.cpp: other ranks start elsewhere; DDP makes them rank 0's
+        with torch.no_grad():
+            for p in net.parameters():
+                p.add_(0.5)
+            net.scale.fill_(2.0)
+    ddp = nn.parallel.DistributedDataParallel(net)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2, betas=(0.9, 0.999), eps=1e-8,
+                            weight_decay=1e-2)
+    rows = GLOBAL_BATCH // world
+    losses = []
+    for step in range(a.steps):
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for m in range(a.accumulation):
+            x, y = global_batch(step, m)
+            x = x[rank * rows:(rank + 1) * rows].to(dtype)
+            y = y[rank * rows:(rank + 1) * rows].to(dtype)
+            if m + 1 < a.accumulation:
+                with ddp.no_sync():
+                    loss = ddp(x, y)
+                    (loss / a.accumulation).backward()
+            else:
+                loss = ddp(x, y)
+                (loss / a.accumulation).backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 0.5)
+        opt.step()
+        losses.append(total / a.accumulation)
+    weights = torch.cat([p.detach().double().reshape(-1) for p in net.parameters()]).tolist()
+    with open(f"{a.out}.rank{rank}.json", "w") as f:
+        json.dump({"rank": rank, "world_size": world, "step": a.steps, "weights": weights,
+                   "losses": losses, "error": None}, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

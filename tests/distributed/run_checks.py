@@ -1,0 +1,228 @@
+"""Launches ranks of tests/distributed/worker.cpp on this machine (Gloo over 127.0.0.1) and
+checks what they end with.
+
+    run_checks.py <worker> <check>
+
+checks:
+  equivalence    N ranks x (batch / N) end with the weights of 1 process x batch (float64, 1e-10),
+                 over accumulation 1-3, chunked and not, 2 and 4 ranks; every rank identical
+  python_parity  the worker under torchrun ends where PyTorch's DistributedDataParallel under
+                 torchrun ends (float32, 1e-6)
+  resume         2 ranks stopped at a checkpoint and resumed end bit-identical to an
+                 uninterrupted run (per-rank random noise in the loss)
+  faults         a rank that exits, and one that hangs, make the other stop with a
+                 DistributedError within the timeout
+  nan            a NaN loss on one rank skips the step on both (or stops both)
+  world_size     a 2-rank checkpoint resumed by 1 process is a ConfigError unless allowed
+"""
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = pathlib.Path(__file__).resolve().parent
+TORCHRUN = pathlib.Path(sys.executable).parent / "torchrun"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env_for(rank, world, port):
+    e = dict(os.environ)
+    e.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+             LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+             GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    e.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    return e
+
+
+def launch(worker, world, out, *args, timeout=120, grace=None):
+    """Runs `world` ranks of the worker; returns each rank's JSON (or None) and exit codes. With
+    `grace`, the others are killed that many seconds after rank 0 ended (a hung rank)."""
+    port = free_port()
+    procs = [subprocess.Popen([worker, "--out", out, *map(str, args)],
+                              env=env_for(r, world, port), stderr=subprocess.PIPE, text=True)
+             for r in range(world)]
+    if grace is not None:
+        try:
+            procs[0].wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        timeout = grace
+    return collect(procs, out, world, timeout)
+
+
+def single(worker, out, *args, timeout=120):
+    e = dict(os.environ, OMP_NUM_THREADS="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        e.pop(k, None)
+    p = subprocess.Popen([worker, "--out", out, *map(str, args)], env=e,
+                         stderr=subprocess.PIPE, text=True)
+    return collect([p], out, 1, timeout)
+
+
+def collect(procs, out, world, timeout):
+    deadline = time.monotonic() + timeout
+    codes = []
+    for p in procs:
+        try:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        codes.append(p.returncode)
+    results = []
+    for r in range(world):
+        f = pathlib.Path(f"{out}.rank{r}.json")
+        results.append(json.loads(f.read_text()) if f.exists() else None)
+    return results, codes
+
+
+def max_diff(a, b):
+    assert len(a) == len(b), (len(a), len(b))
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+def ok(cond, what):
+    print(("PASS " if cond else "FAIL ") + what, flush=True)
+    if not cond:
+        sys.exit(1)
+
+
+def no_errors(results, what):
+    for r, res in enumerate(results):
+        ok(res is not None and res["error"] is None,
+           f"{what}: rank {r} finished ({res['error'] if res else 'no result'})")
+
+
+def check_equivalence(worker, tmp):
+    configs = [(acc, chunk, world) for acc in (1, 2, 3) for chunk in (0, 3) for world in (2,)]
+    configs += [(2, 0, 4), (3, 3, 4)]
+    for acc, chunk, world in configs:
+        what = f"accumulation {acc}, chunk {chunk or 'none'}, {world} ranks"
+        args = ["--steps", 50, "--accumulation", acc, "--chunk", chunk, "--dtype", "float64"]
+        one, _ = single(worker, f"{tmp}/one-{acc}-{chunk}-{world}", *args)
+        many, _ = launch(worker, world, f"{tmp}/many-{acc}-{chunk}-{world}", *args)
+        no_errors(one + many, what)
+        d = max_diff(one[0]["weights"], many[0]["weights"])
+        ok(d <= 1e-10, f"{what}: weights equal 1 process x whole batch (max diff {d:.2e})")
+        ok(all(m["weights"] == many[0]["weights"] for m in many),
+           f"{what}: every rank holds the same weights")
+        ok(all(m["scale"] == 1.0 for m in many), f"{what}: buffers are rank 0's")
+        dl = max_diff(one[0]["losses"], many[0]["losses"])
+        ok(dl <= 1e-12, f"{what}: reported loss is the mean over ranks (max diff {dl:.2e})")
+
+
+def torchrun(cmd, world, timeout=180):
+    e = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    return subprocess.run([str(TORCHRUN), "--standalone", f"--nproc-per-node={world}", *cmd],
+                          env=e, timeout=timeout, capture_output=True, text=True)
+
+
+def check_python_parity(worker, tmp):
+    for acc in (1, 2):
+        args = ["--steps", "50", "--accumulation", str(acc), "--dtype", "float32"]
+        c = torchrun(["--no-python", worker, "--out", f"{tmp}/cpp{acc}", *args], 2)
+        ok(c.returncode == 0, f"accumulation {acc}: difftrain under torchrun ran ({c.stderr[-2000:]})")
+        p = torchrun([str(HERE / "ddp.py"), "--out", f"{tmp}/py{acc}", *args], 2)
+        ok(p.returncode == 0, f"accumulation {acc}: Python DDP under torchrun ran ({p.stderr[-2000:]})")
+        for r in range(2):
+            cpp = json.loads(pathlib.Path(f"{tmp}/cpp{acc}.rank{r}.json").read_text())
+            py = json.loads(pathlib.Path(f"{tmp}/py{acc}.rank{r}.json").read_text())
+            ok(cpp["error"] is None, f"rank {r}: no error")
+            d = max_diff(cpp["weights"], py["weights"])
+            ok(d <= 1e-6, f"accumulation {acc}, rank {r}: weights equal Python DDP's (max diff {d:.2e})")
+            dl = max_diff(cpp["losses"], [sum(l) / len(l) for l in zip(*[
+                json.loads(pathlib.Path(f"{tmp}/py{acc}.rank{q}.json").read_text())["losses"]
+                for q in range(2)])])
+            ok(dl <= 1e-5, f"accumulation {acc}, rank {r}: loss is the rank mean of Python's ({dl:.2e})")
+
+
+def check_resume(worker, tmp):
+    common = ["--noise", "--save-every", 10, "--accumulation", 2, "--chunk", 3]
+    full, _ = launch(worker, 2, f"{tmp}/full", "--steps", 30, "--checkpoint-dir", f"{tmp}/a", *common)
+    part, _ = launch(worker, 2, f"{tmp}/part", "--steps", 10, "--checkpoint-dir", f"{tmp}/b", *common)
+    rest, _ = launch(worker, 2, f"{tmp}/rest", "--steps", 30, "--checkpoint-dir", f"{tmp}/b",
+                     "--resume", *common)
+    no_errors(full + part + rest, "resume")
+    for r in range(2):
+        ok(rest[r]["weights"] == full[r]["weights"],
+           f"rank {r}: resumed weights are bit-identical to the uninterrupted run")
+        ok(rest[r]["losses"] == full[r]["losses"][10:],
+           f"rank {r}: resumed losses are bit-identical (each rank's own noise continues)")
+    names = sorted(p.name for p in pathlib.Path(f"{tmp}/b").iterdir())
+    ok(names == ["checkpoint-10.pt", "checkpoint-20.pt", "checkpoint-30.pt"],
+       f"rank 0 wrote each checkpoint once, nothing else ({names})")
+
+
+def check_faults(worker, tmp):
+    for fault in ("--die-at", "--hang-at"):
+        timeout_ms = 4000
+        start = time.monotonic()
+        res, codes = launch(worker, 2, f"{tmp}/{fault[2:]}", "--steps", 50, fault, 3,
+                            "--timeout-ms", timeout_ms, timeout=60, grace=2)
+        r0 = res[0]
+        ok(r0 is not None and r0["error"] is not None
+           and r0["error"]["type"] == "difftrain::DistributedError",
+           f"{fault[2:]}: rank 0 stopped with a DistributedError ({r0 and r0['error']})")
+        ok(r0["seconds"] <= timeout_ms / 1000 + 10,
+           f"{fault[2:]}: within the timeout ({r0['seconds']:.1f} s, timeout {timeout_ms / 1000} s)")
+        ok("rank 0 of 2" in r0["error"]["message"], f"{fault[2:]}: the error names the rank")
+        ok(codes[0] == 3, f"{fault[2:]}: rank 0 exited with its error code ({codes[0]})")
+        print(f"     {fault[2:]}: {time.monotonic() - start:.1f} s in all", flush=True)
+    # Nobody at the rendezvous: rank 1 alone waits for rank 0's store.
+    port = free_port()
+    p = subprocess.Popen([worker, "--out", f"{tmp}/alone", "--timeout-ms", "3000"],
+                         env=env_for(1, 2, port), stderr=subprocess.PIPE, text=True)
+    res, _ = collect([p], f"{tmp}/alone", 0, 60)
+    r1 = json.loads(pathlib.Path(f"{tmp}/alone.rank1.json").read_text())
+    ok(r1["error"] is not None and r1["error"]["type"] == "difftrain::DistributedError"
+       and "rendezvous" in r1["error"]["message"],
+       f"an unanswered rendezvous is a DistributedError ({r1['error']})")
+
+
+def check_nan(worker, tmp):
+    res, _ = launch(worker, 2, f"{tmp}/skip", "--steps", 6, "--nan-at", 2, "--on-nan", "skip")
+    no_errors(res, "nan skip")
+    ok(all(r["skipped_nonfinite"] == 1 for r in res), "a NaN on rank 1 skipped the step on both")
+    ok(res[0]["weights"] == res[1]["weights"], "both ranks still hold the same weights")
+    ok(len(res[0]["losses"]) == 7 and res[0]["losses"][2] is None,
+       "the skipped step reports a non-finite loss on both")
+    res, _ = launch(worker, 2, f"{tmp}/stop", "--steps", 6, "--nan-at", 2, "--on-nan", "stop")
+    for r in range(2):
+        e = res[r]["error"]
+        ok(e is not None and e["type"] == "difftrain::NumericError",
+           f"stop: rank {r} stopped with a NumericError ({e})")
+    ok("another rank" in res[0]["error"]["message"], "rank 0's error says the NaN was elsewhere")
+
+
+def check_world_size(worker, tmp):
+    res, _ = launch(worker, 2, f"{tmp}/two", "--steps", 4, "--save-every", 4,
+                    "--checkpoint-dir", f"{tmp}/c")
+    no_errors(res, "2-rank run")
+    one, _ = single(worker, f"{tmp}/one", "--steps", 8, "--checkpoint-dir", f"{tmp}/c", "--resume")
+    e = one[0]["error"]
+    ok(e is not None and e["type"] == "difftrain::ConfigError" and "2 ranks" in e["message"],
+       f"resuming 2 ranks' checkpoint in 1 process is a ConfigError ({e})")
+    one, _ = single(worker, f"{tmp}/one-allowed", "--steps", 8, "--checkpoint-dir", f"{tmp}/c",
+                    "--resume", "--allow-world-size-change")
+    no_errors(one, "allowed world-size change")
+    ok(one[0]["step"] == 8, "the allowed resume went on from step 4 to 8")
+
+
+def main():
+    worker, check = sys.argv[1], sys.argv[2]
+    with tempfile.TemporaryDirectory(prefix="difftrain-dist-") as tmp:
+        globals()[f"check_{check}"](os.path.abspath(worker), tmp)
+
+
+if __name__ == "__main__":
+    main()

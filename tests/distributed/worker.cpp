@@ -1,0 +1,217 @@
+// One rank of the distributed tests (tests/distributed/run_checks.py launches it, directly or
+// under torchrun). It trains a small regression network on data that is a formula of the step,
+// the micro-batch and the example (so every rank, and Python's reference, can make it), takes its
+// rank's rows of each global micro-batch, and writes what it ended with as JSON:
+//   {"rank", "world_size", "step", "weights": [...], "losses": [...], "skipped_nonfinite",
+//    "error": {"type", "message"} | null, "seconds"}
+// Faults are injected on request: a rank that exits, one that hangs, a NaN loss on one rank.
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/linear.h>
+
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <csignal>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <thread>
+
+#include "difftrain/core/error.hpp"
+#include "difftrain/distributed/data_parallel.hpp"
+#include "difftrain/train/callbacks.hpp"
+#include "difftrain/train/trainer.hpp"
+
+namespace dt = difftrain;
+
+namespace {
+
+constexpr std::int64_t kGlobalBatch = 16;
+constexpr std::int64_t kIn = 8;
+constexpr std::int64_t kOut = 4;
+
+struct Settings {
+  std::int64_t steps = 50;
+  std::int64_t accumulation = 1;
+  std::int64_t chunk = 0;  // max_batch_size; 0: none
+  std::string dtype = "float64";
+  std::string out;
+  std::string checkpoint_dir;
+  std::int64_t save_every = 0;
+  bool resume = false;
+  bool noise = false;
+  std::int64_t die_at = -1;   // rank 1 exits before this step
+  std::int64_t hang_at = -1;  // rank 1 sleeps before this step
+  std::int64_t nan_at = -1;   // rank 1's loss is NaN at this step
+  std::string on_nan = "skip";
+  std::int64_t timeout_ms = 60000;
+  bool allow_world_size_change = false;
+};
+
+struct Batch {
+  at::Tensor x, y;
+  [[nodiscard]] std::int64_t size() const { return x.size(0); }
+  [[nodiscard]] Batch slice(std::int64_t start, std::int64_t length) const {
+    return {x.narrow(0, start, length), y.narrow(0, start, length)};
+  }
+};
+
+// The global micro-batch `micro` of step `step`: the same formula in tests/distributed/ddp.py.
+std::pair<at::Tensor, at::Tensor> global_batch(std::int64_t step, std::int64_t micro) {
+  const auto f64 = at::TensorOptions().dtype(at::kDouble);
+  const at::Tensor x = at::sin(at::arange(kGlobalBatch * kIn, f64) * 0.1 +
+                               0.7 * static_cast<double>(step) + 1.3 * static_cast<double>(micro))
+                           .reshape({kGlobalBatch, kIn});
+  const at::Tensor y = at::cos(at::arange(kGlobalBatch * kOut, f64) * 0.05 +
+                               0.3 * static_cast<double>(step) - 0.9 * static_cast<double>(micro))
+                           .reshape({kGlobalBatch, kOut});
+  return {x, y};
+}
+
+struct Net : torch::nn::Module {
+  using Batch = ::Batch;
+  Net(at::ScalarType dtype, bool noise) : noise_(noise) {
+    fc1 = register_module("fc1", torch::nn::Linear(kIn, 16));
+    fc2 = register_module("fc2", torch::nn::Linear(16, kOut));
+    scale = register_buffer("scale", at::ones({kOut}, at::kDouble));
+    to(dtype);
+    // Deterministic weights: the same formula in tests/distributed/ddp.py.
+    at::NoGradGuard no_grad;
+    std::int64_t k = 0;
+    for (auto& p : named_parameters(true)) {
+      const at::Tensor v =
+          at::sin(at::arange(p.value().numel(), at::kDouble) * 0.37 + static_cast<double>(k++)) *
+          0.3;
+      p.value().copy_(v.reshape(p.value().sizes()));
+    }
+  }
+  at::Tensor loss(const Batch& b) {
+    at::Tensor pred = fc2->forward(at::tanh(fc1->forward(b.x))) * scale;
+    at::Tensor y = b.y;
+    if (noise_) y = y + 0.01 * at::randn_like(y);
+    at::Tensor l = (pred - y).pow(2).mean();
+    if (poison_) l = l * std::nan("");
+    return l;
+  }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  at::Tensor scale;
+  bool noise_;
+  bool poison_ = false;
+};
+
+struct Config : dt::train::DefaultConfig {
+  using Parallel = dt::distributed::DataParallel;
+  using Callbacks = std::tuple<dt::train::CheckpointEvery>;
+};
+using Trainer = dt::train::Trainer<Net, Config>;
+
+nlohmann::json run(const Settings& s, std::int64_t& rank_out) {
+  const at::ScalarType dtype = s.dtype == "float32" ? at::kFloat : at::kDouble;
+  Net net(dtype, s.noise);
+  Trainer::Options o;
+  o.optimizer.lr = 1e-2;
+  o.groups.decay_groups = false;
+  o.clipping.max_norm = 0.5;
+  o.accumulation_steps = s.accumulation;
+  if (s.chunk > 0) o.max_batch_size = s.chunk;
+  o.on_nan = s.on_nan == "stop" ? dt::train::NanPolicy::stop : dt::train::NanPolicy::skip;
+  o.parallel.world_options.timeout = std::chrono::milliseconds(s.timeout_ms);
+  o.allow_world_size_change = s.allow_world_size_change;
+  // Before the trainer: rank 1 starts from other weights and buffers, which must become rank 0's.
+  const auto world = dt::distributed::World::from_environment(o.parallel.world_options);
+  o.parallel.world = world;
+  rank_out = world->rank();
+  if (world->rank() != 0) {
+    at::NoGradGuard no_grad;
+    for (auto& p : net.parameters()) p.add_(0.5);
+    net.scale.fill_(2.0);
+  }
+  at::manual_seed(1234 + static_cast<std::uint64_t>(world->rank()));
+  dt::train::CheckpointEvery::Options co;
+  co.dir = std::filesystem::path(s.checkpoint_dir.empty() ? "unused" : s.checkpoint_dir);
+  co.every = s.save_every > 0 ? s.save_every : std::numeric_limits<std::int64_t>::max();
+  co.keep_last = 100;
+  Trainer trainer(net, o, {dt::train::CheckpointEvery(co)});
+  if (s.resume) {
+    const auto all = dt::train::CheckpointEvery::list(co.dir);
+    if (all.empty()) throw dt::IoError("no checkpoint to resume from", co.dir.string());
+    trainer.load_checkpoint(all.back().second);
+  }
+  const std::int64_t world_size = world->size();
+  const std::int64_t rows = kGlobalBatch / world_size;
+  nlohmann::json losses = nlohmann::json::array();
+  bool poisoned = false;
+  while (trainer.global_step() < s.steps) {
+    const std::int64_t step = trainer.global_step();
+    if (world->rank() == 1 && step == s.die_at) std::_Exit(9);
+    if (world->rank() == 1 && step == s.hang_at) std::this_thread::sleep_for(std::chrono::hours(1));
+    // Once: the skipped step is done again, with clean data this time.
+    net.poison_ = world->rank() == 1 && step == s.nan_at && !poisoned;
+    poisoned = poisoned || net.poison_;
+    std::vector<Batch> micro;
+    for (std::int64_t m = 0; m < s.accumulation; ++m) {
+      auto [x, y] = global_batch(step, m);
+      micro.push_back({x.narrow(0, world->rank() * rows, rows).to(dtype),
+                       y.narrow(0, world->rank() * rows, rows).to(dtype)});
+    }
+    const auto info = trainer.step(micro);
+    losses.push_back(info.loss);
+  }
+  nlohmann::json weights = nlohmann::json::array();
+  for (const auto& p : net.parameters()) {
+    const at::Tensor flat = p.detach().to(at::kDouble).reshape({-1}).contiguous();
+    for (std::int64_t i = 0; i < flat.numel(); ++i) weights.push_back(flat[i].item<double>());
+  }
+  return {{"step", trainer.global_step()},
+          {"world_size", world_size},
+          {"weights", weights},
+          {"scale", net.scale[0].item<double>()},
+          {"losses", losses},
+          {"skipped_nonfinite", trainer.skipped_nonfinite()}};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"one rank of difftrain's distributed checks"};
+  Settings s;
+  app.add_option("--steps", s.steps);
+  app.add_option("--accumulation", s.accumulation);
+  app.add_option("--chunk", s.chunk);
+  app.add_option("--dtype", s.dtype)->check(CLI::IsMember({"float32", "float64"}));
+  app.add_option("--out", s.out)->required();
+  app.add_option("--checkpoint-dir", s.checkpoint_dir);
+  app.add_option("--save-every", s.save_every);
+  app.add_flag("--resume", s.resume);
+  app.add_flag("--noise", s.noise);
+  app.add_option("--die-at", s.die_at);
+  app.add_option("--hang-at", s.hang_at);
+  app.add_option("--nan-at", s.nan_at);
+  app.add_option("--on-nan", s.on_nan)->check(CLI::IsMember({"skip", "stop"}));
+  app.add_option("--timeout-ms", s.timeout_ms);
+  app.add_flag("--allow-world-size-change", s.allow_world_size_change);
+  CLI11_PARSE(app, argc, argv);
+  const auto start = std::chrono::steady_clock::now();
+  std::int64_t rank = std::getenv("RANK") != nullptr ? std::atoll(std::getenv("RANK")) : 0;
+  nlohmann::json result;
+  int rc = 0;
+  try {
+    result = run(s, rank);
+    result["error"] = nullptr;
+  } catch (const dt::Error& e) {
+    result["error"] = {{"type", e.kind()}, {"message", e.what()}};
+    rc = 3;
+  }
+  result["rank"] = rank;
+  result["seconds"] =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::ofstream(s.out + ".rank" + std::to_string(rank) + ".json") << result.dump() << "\n";
+  if (rc != 0) std::cerr << "rank " << rank << ": " << result["error"]["message"] << "\n";
+  // Quick exit: with a dead peer, the process group's destructor may wait on its threads.
+  std::cout.flush();
+  std::_Exit(rc);
+}

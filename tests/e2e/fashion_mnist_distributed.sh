@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The Fashion-MNIST example under torchrun with 2 ranks on this machine (Gloo over 127.0.0.1): a
+# tiny run finishes, its outputs exist once (rank 0 writes them), the loss log has one row per
+# step; a batch the ranks cannot share is refused by every rank before any work; the run resumes
+# under torchrun from its last checkpoint.
+#
+#   fashion_mnist_distributed.sh PROGRAM TORCHRUN WORKDIR [DATA_DIR]
+set -uo pipefail
+bin=$1 torchrun=$2 work=$3 data=${4:-/usr/share/datasets/fashion-mnist}
+rm -rf "$work" && mkdir -p "$work"
+# shellcheck source=common.sh
+source "$(dirname "$0")/common.sh"
+export GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1
+
+tiny=(--data-dir "$data" --limit 512 --checkpoint-every 2 --keep 2
+      --samples-per-class 2 --sample-steps 3 --classifier "$work/classifier.safetensors"
+      --classifier-epochs 1 --min-classifier-accuracy 0 --seed 7 --rank-timeout 120)
+launch=("$torchrun" --standalone --nproc-per-node 2 --no-python "$bin")
+
+expect_rc 0 two-ranks -- "${launch[@]}" "${tiny[@]}" --batch-size 16 --steps 4 --out "$work/a"
+for f in samples.png loss.png loss.csv results.json ema.safetensors checkpoints/checkpoint-4.pt; do
+  [ -s "$work/a/$f" ] || fail "the 2-rank run did not write $f"
+done
+[ "$(wc -l <"$work/a/loss.csv")" -eq 5 ] || fail "loss.csv should have a header and 4 rows"
+[ "$(grep -c "class accuracy of the samples" "$work/two-ranks.out")" -eq 1 ] ||
+  fail "the results should be reported once"
+grep_in "$work/two-ranks.err" "2 ranks"
+stray=$(find "$work/a" -name '.*' -type f)
+[ -z "$stray" ] || fail "temporary files left behind: $stray"
+
+# Each rank takes batch / 2 images: an odd batch is refused on every rank before any work.
+expect_rc 1 odd-batch -- "${launch[@]}" "${tiny[@]}" --steps 4 --batch-size 15 --out "$work/b"
+grep_in "$work/odd-batch.err" "not a multiple of the 2 ranks"
+
+# Resumed under torchrun from step 4 to 6.
+expect_rc 0 resume -- "${launch[@]}" "${tiny[@]}" --batch-size 16 --steps 6 --resume --out "$work/a"
+grep_in "$work/resume.err" "continuing from"
+[ "$(wc -l <"$work/a/loss.csv")" -eq 7 ] || fail "the resumed loss.csv should have 6 rows"
+grep_in "$work/a/results.json" '"resumed_from": 4'
+
+[ "$failures" -eq 0 ] && echo "fashion_mnist under torchrun: all checks passed"
+exit $((failures > 0))
