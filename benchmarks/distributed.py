@@ -3,9 +3,10 @@ under torchrun on this machine (Gloo over 127.0.0.1), in the same run.
 
     distributed.py BENCH_BINARY [--layers 12 --width 1024 --batch 64 --ranks 2]
 
-Prints difftrain's timings, the share of all-reduce time hidden behind backward (goal >= 0.5 with
-buckets; 0 by construction for all-reduce after backward), and the step time against Python's DDP
-(AdamW, clip_grad_norm_, same sizes): ratio = difftrain / Python.
+Prints both sides' timings (local forward + backward; then one all-reduce after it; bucketed
+all-reduce from hooks; a whole step with AdamW and clip_grad_norm_), the share of all-reduce time
+hidden behind backward by the buckets, (after - buckets) / (after - local) (goal >= 0.5; 0 by
+construction for all-reduce after backward), and the step time ratio difftrain / Python DDP.
 """
 
 import argparse
@@ -34,20 +35,45 @@ class Mlp(nn.Module):
 net = Mlp()
 ddp = nn.parallel.DistributedDataParallel(net)
 opt = torch.optim.AdamW(net.parameters(), lr=1e-4, weight_decay=1e-2)
-t = []
-for i in range(iterations + 2):
-    dist.barrier()
-    start = time.perf_counter()
+params = list(net.parameters())
+def timed(f):
+    t = []
+    for i in range(iterations + 2):
+        dist.barrier()
+        start = time.perf_counter()
+        f()
+        if i >= 2:
+            t.append(time.perf_counter() - start)
+    return sorted(t)[len(t) // 2]
+def zero():
+    for p in params:
+        p.grad = None
+def local():
+    zero()
+    net(x, y).backward()
+def after():
+    local()
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(flat)
+    flat.div_(dist.get_world_size())
+    at = 0
+    for p in params:
+        p.grad.copy_(flat[at:at + p.numel()].view_as(p))
+        at += p.numel()
+def buckets():
+    zero()
+    ddp(x, y).backward()
+def step():
     opt.zero_grad(set_to_none=True)
     loss = ddp(x, y)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
     opt.step()
     loss.item()
-    if i >= 2:
-        t.append(time.perf_counter() - start)
+r = {"local": timed(local), "after": timed(after), "buckets": timed(buckets), "step": timed(step)}
+r["hidden"] = (r["after"] - r["buckets"]) / (r["after"] - r["local"])
 if dist.get_rank() == 0:
-    print(json.dumps({"step": sorted(t)[len(t) // 2]}))
+    print(json.dumps(r))
 dist.destroy_process_group()
 '''
 
@@ -80,10 +106,11 @@ def main():
     params_mib = a.layers * (a.width * a.width + a.width) * 4 / 2**20
     print(f"{a.ranks} ranks, MLP {a.layers} x {a.width} ({params_mib:.0f} MiB of float32 "
           f"gradients), batch {a.batch} per rank, 1 thread per rank")
+    print(f"  {'':8s} {'difftrain':>10s} {'Python DDP':>11s}")
     for k in ("local", "after", "buckets", "step"):
-        print(f"  {k:8s} {cpp[k] * 1e3:8.1f} ms")
+        print(f"  {k:8s} {cpp[k] * 1e3:7.1f} ms {py[k] * 1e3:8.1f} ms")
     print(f"  all-reduce hidden behind backward: {cpp['hidden']:.2f} with buckets "
-          f"(all-reduce after backward: 0 by construction)")
+          f"(Python DDP: {py['hidden']:.2f}; all-reduce after backward: 0 by construction)")
     print(f"  step vs Python DDP: {cpp['step'] * 1e3:.1f} ms / {py['step'] * 1e3:.1f} ms = "
           f"ratio {cpp['step'] / py['step']:.3f}")
     print(json.dumps({"difftrain": cpp, "python_ddp": py}))

@@ -30,6 +30,9 @@ echo "cold build: $(( $(date +%s) - start )) s on $(nproc) cores" | tee -a "$out
 "$build/tests/difftrain_tests" --gtest_output="json:$out/tests.json" 2>&1 | tee "$out/tests.log" | tail -15
 "$build/benchmarks/difftrain_bench" --benchmark_filter="$filter" \
   --benchmark_out="$out/bench.json" --benchmark_out_format=json 2>&1 | tee "$out/bench.log" | tail -40
+# Data-parallel: 2 ranks under torchrun beside Python's DDP (Gloo; torchrun from the same torch).
+"$python" benchmarks/distributed.py "$build/benchmarks/difftrain_bench_distributed" 2>&1 |
+  tee "$out/bench_distributed.log" | tail -9
 
 # The main job on the GPU: a longer Fashion-MNIST run (needs the IDX files; CLI11's headers via
 # CLI11_PREFIX in CMAKE_PREFIX_PATH where no package is installed).
