@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The Fashion-MNIST example under torchrun with 2 ranks on this machine (Gloo over 127.0.0.1): a
 # tiny run finishes, its outputs exist once (rank 0 writes them), the loss log has one row per
-# step; a batch the ranks cannot share is refused by every rank before any work; the run resumes
-# under torchrun from its last checkpoint.
+# step; a batch the ranks cannot share is refused by every rank before any work; a run paused by
+# rank 0 stops on every rank and resumes under torchrun (a changed LR refused unless taken).
 #
 #   fashion_mnist_distributed.sh PROGRAM TORCHRUN WORKDIR [DATA_DIR]
 set -uo pipefail
@@ -32,11 +32,26 @@ stray=$(find "$work/a" -name '.*' -type f)
 expect_rc 1 odd-batch -- "${launch[@]}" "${tiny[@]}" --steps 4 --batch-size 15 --out "$work/b"
 grep_in "$work/odd-batch.err" "not a multiple of the 2 ranks"
 
-# Resumed under torchrun from step 4 to 6.
-expect_rc 0 resume -- "${launch[@]}" "${tiny[@]}" --batch-size 16 --steps 6 --resume --out "$work/a"
+# Paused at step 4 by rank 0 (every rank stops at the same step), then resumed under torchrun:
+# with another LR it is refused by every rank unless told to take it; with the same one it goes on
+# from step 4 to 6.
+expect_rc 0 pause -- "${launch[@]}" "${tiny[@]}" --batch-size 16 --steps 6 --stop-at-step 4 \
+  --out "$work/p"
+grep_in "$work/pause.err" "paused at step 4"
+[ -e "$work/p/results.json" ] && fail "a paused run should not sample"
+[ -s "$work/p/checkpoints/checkpoint-4.pt" ] || fail "the paused run saved no checkpoint"
+expect_rc 1 new-lr -- "${launch[@]}" "${tiny[@]}" --batch-size 16 --steps 6 --lr 5e-3 --resume \
+  --out "$work/p"
+grep_in "$work/new-lr.err" "take_on_resume.lr"
+expect_rc 0 resume -- "${launch[@]}" "${tiny[@]}" --batch-size 16 --steps 6 --resume --out "$work/p"
 grep_in "$work/resume.err" "continuing from"
-[ "$(wc -l <"$work/a/loss.csv")" -eq 7 ] || fail "the resumed loss.csv should have 6 rows"
-grep_in "$work/a/results.json" '"resumed_from": 4'
+[ "$(wc -l <"$work/p/loss.csv")" -eq 7 ] || fail "the resumed loss.csv should have 6 rows"
+grep_in "$work/p/results.json" '"resumed_from": 4'
+# The same run, taking a new LR on purpose, from the step-4 checkpoint of a copy.
+mkdir -p "$work/q/checkpoints" && cp "$work/p/checkpoints/checkpoint-4.pt" "$work/q/checkpoints/"
+expect_rc 0 take-new -- "${launch[@]}" "${tiny[@]}" --batch-size 16 --steps 6 --lr 5e-3 --resume \
+  --take-new-settings --out "$work/q"
+grep_in "$work/q/results.json" '"resumed_from": 4'
 
 [ "$failures" -eq 0 ] && echo "fashion_mnist under torchrun: all checks passed"
 exit $((failures > 0))

@@ -343,4 +343,25 @@ TEST(Sample, OneLoopForEverySamplerWithGuidanceAndChunks) {
   EXPECT_THROW((void)df::sample(ddim, model, noise, {}, at::zeros({4})), dt::ShapeError);
   EXPECT_THROW((void)df::sample(ddim, model, noise, {.guidance_scale = 2.0}, cond, at::zeros({3})),
                dt::ShapeError);
+  // An unconditional model takes no cond: the same result as a conditional one ignoring it, with
+  // every sampler and chunking; guidance without a conditioning is a ConfigError.
+  auto uncond_model = [](const at::Tensor& xs, const at::Tensor& ts) {
+    return 0.5 * at::tanh(xs) + ts.reshape({-1, 1, 1, 1}) * 1e-4;
+  };
+  auto ignoring = [&](const at::Tensor& xs, const at::Tensor& ts, const at::Tensor& /*c*/) {
+    return uncond_model(xs, ts);
+  };
+  for (std::int64_t chunk : {2, 5}) {
+    df::Ddim d1(s, {}), d2(s, {});
+    const df::SampleOptions so{.num_inference_steps = 7, .chunk_size = chunk};
+    EXPECT_TRUE(at::equal(df::sample(d1, uncond_model, noise, so),
+                          df::sample(d2, ignoring, noise, so, cond)));
+    df::Ddpm p1(s, {}), p2(s, {});
+    EXPECT_TRUE(at::equal(df::sample(p1, uncond_model, noise, so, seeded(3)),
+                          df::sample(p2, ignoring, noise, so, cond, std::nullopt, seeded(3))));
+  }
+  EXPECT_THROW((void)df::sample(ddim, uncond_model, noise, {.guidance_scale = 2.0}),
+               dt::ConfigError);
+  EXPECT_THROW((void)df::sample(ddim, model, noise, {.guidance_scale = 2.0}, at::Tensor(), uncond),
+               dt::ConfigError);
 }

@@ -8,6 +8,7 @@
 #include <difftrain/io/csv_log.hpp>
 #include <difftrain/io/embedded_data.hpp>
 #include <difftrain/io/idx.hpp>
+#include <difftrain/io/remove_tree.hpp>
 #include <difftrain/io/torch_file.hpp>
 
 #include <chrono>
@@ -447,7 +448,7 @@ TEST(AtomicFile, AFailingDiskIsAnIoErrorAndKeepsThePreviousFile) {
 
 TEST(AtomicFile, PathsThatCannotBeReadOrWrittenAreIoErrorsNamingThem) {
   const fs::path dir = scratch("io-paths");
-  fs::remove_all(dir);
+  (void)dt::io::remove_tree(dir);
   fs::create_directories(dir / "a-folder");
   io::write_file_atomic(dir / "a-file", std::vector<char>(4, 'x'));
   auto io_error = [](auto&& f) { return error_of<dt::IoError>(f); };
@@ -652,4 +653,34 @@ TEST(Idx, DamagedFilesAreFormatErrors) {
     io::write_file_atomic(cut, std::span<const char>(gz.data(), gz.size() / 2));
     EXPECT_TRUE(contains(error_of<dt::FormatError>([&] { (void)io::read_idx(cut); }), "truncated"));
   }
+}
+
+// A whole tree goes, deepest first, without std::filesystem::remove_all (which can crash in a
+// program linked to the torch wheel); a link inside is removed, never followed.
+TEST(RemoveTree, RemovesEverythingBelowAndNeverFollowsALink) {
+  const fs::path root = scratch("remove-tree");
+  const fs::path outside = scratch("remove-tree-outside.txt");
+  std::ofstream(outside) << "keep me";
+  fs::create_directories(root / "a" / "b" / "c");
+  fs::create_directories(root / "empty");
+  for (int i = 0; i < 20; ++i) std::ofstream(root / "a" / "b" / ("f" + std::to_string(i))) << i;
+  std::ofstream(root / "a" / "b" / "c" / "deep.txt") << "x";
+  fs::create_symlink(outside, root / "a" / "link-to-file");
+  fs::create_directory_symlink(fs::temp_directory_path(), root / "a" / "link-to-folder");
+  // root, a, b, c, empty; 20 files + deep.txt; 2 links
+  EXPECT_EQ(io::remove_tree(root), 5U + 21U + 2U);
+  EXPECT_FALSE(fs::exists(fs::symlink_status(root)));
+  EXPECT_TRUE(fs::exists(outside));  // the link went, not what it pointed to
+  EXPECT_TRUE(fs::exists(fs::temp_directory_path()));
+  // A missing path is nothing to do; a single file or link is removed alone.
+  EXPECT_EQ(io::remove_tree(root), 0U);
+  const fs::path lone = scratch("remove-tree-lone.txt");
+  std::ofstream(lone) << "x";
+  EXPECT_EQ(io::remove_tree(lone), 1U);
+  EXPECT_FALSE(fs::exists(lone));
+  // What cannot go is an IoError naming it; an empty path is refused.
+  const std::string msg = error_of<dt::IoError>([] { (void)io::remove_tree("/proc/self/status"); });
+  EXPECT_NE(msg.find("/proc/self/status"), std::string::npos) << msg;
+  EXPECT_THROW((void)io::remove_tree(""), dt::IoError);
+  (void)io::remove_tree(outside);
 }

@@ -2,6 +2,7 @@
 // identical resume, damaged checkpoints, the non-finite loss guard, the gradient scaler against
 // torch's, parameter groups and callbacks.
 #include <gtest/gtest.h>
+#include <difftrain/io/remove_tree.hpp>
 #include <difftrain/io/safetensors.hpp>
 #include <difftrain/io/zip_archive.hpp>
 #include <difftrain/train/train.hpp>
@@ -201,7 +202,7 @@ TEST(Trainer, AResumedRunEndsBitIdenticalToAnUninterruptedOne) {
 
 TEST(Trainer, DamagedFutureOrMismatchedCheckpointsAreTypedErrorsAndChangeNothing) {
   const fs::path dir = scratch("ckpts");
-  fs::remove_all(dir);
+  (void)dt::io::remove_tree(dir);
   auto net = std::make_shared<NetImpl>();
   using T = tr::Trainer<NetImpl, ResumeConfig>;
   T trainer(*net, parity_options());
@@ -460,9 +461,126 @@ TEST(ParamGroups, RulesByNameGetTheirOwnLrAndNoDecayGroupsSplitOff) {
   EXPECT_EQ(frozen[0].names.size(), 5U);  // fc1.weight left out
 }
 
+// Every setting of every optimizer policy, and of a group rule, against the values torch refuses
+// (or would take silently: a NaN, an infinity): a ConfigError naming the policy and the option,
+// before any optimizer exists. The values torch accepts still build one.
+TEST(OptimizerOptions, EveryBadSettingIsAConfigErrorNamingIt) {
+  NetImpl net;
+  const auto groups = tr::make_param_groups(net, {});
+  const double nan = std::nan(""), inf = std::numeric_limits<double>::infinity();
+  auto expect_refused = [](const std::function<void()>& make, const std::string& option,
+                           double value) {
+    try {
+      make();
+      ADD_FAILURE() << option << " = " << value << " was accepted";
+    } catch (const dt::ConfigError& e) {
+      EXPECT_EQ(e.where(), option) << e.what();
+      EXPECT_NE(std::string(e.what()).find("must be"), std::string::npos) << e.what();
+    }
+  };
+  std::size_t refused = 0;
+  // A field of an Adam-family policy: lr, eps, weight_decay >= 0; betas in [0, 1).
+  auto adam_family = [&]<class P>(P, const std::string& name) {
+    using O = typename P::Options;
+    const std::vector<std::pair<std::string, double O::*>> nonneg = {
+        {"lr", &O::lr}, {"eps", &O::eps}, {"weight_decay", &O::weight_decay}};
+    const std::vector<std::pair<std::string, double O::*>> betas = {{"beta1", &O::beta1},
+                                                                    {"beta2", &O::beta2}};
+    for (const auto& [field, member] : nonneg)
+      for (double bad : {-1e-3, -inf, nan, inf}) {
+        O o;
+        o.*member = bad;
+        expect_refused([&] { (void)P::make(groups, o); }, name + " options: " + field, bad);
+        ++refused;
+      }
+    for (const auto& [field, member] : betas)
+      for (double bad : {-0.1, 1.0, 1.5, nan, inf}) {
+        O o;
+        o.*member = bad;
+        expect_refused([&] { (void)P::make(groups, o); }, name + " options: " + field, bad);
+        ++refused;
+      }
+    for (double good : {0.0, 1e-12, 0.5}) {
+      O o;
+      o.lr = good;
+      o.beta1 = good;
+      o.eps = good;
+      o.weight_decay = good;
+      EXPECT_NO_THROW((void)P::make(groups, o)) << name << " " << good;
+    }
+  };
+  adam_family(tr::AdamW{}, "AdamW");
+  adam_family(tr::Adam{}, "Adam");
+  using S = tr::SGD::Options;
+  const std::vector<std::pair<std::string, double S::*>> sgd = {
+      {"lr", &S::lr}, {"momentum", &S::momentum}, {"weight_decay", &S::weight_decay}};
+  for (const auto& [field, member] : sgd)
+    for (double bad : {-1e-3, nan, inf}) {
+      S o;
+      o.*member = bad;
+      expect_refused([&] { (void)tr::SGD::make(groups, o); }, "SGD options: " + field, bad);
+      ++refused;
+    }
+  for (double bad : {nan, -inf}) {
+    S o;
+    o.dampening = bad;
+    expect_refused([&] { (void)tr::SGD::make(groups, o); }, "SGD options: dampening", bad);
+    ++refused;
+  }
+  {
+    S o;
+    o.nesterov = true;  // torch: "Nesterov momentum requires a momentum and zero dampening"
+    EXPECT_THROW((void)tr::SGD::make(groups, o), dt::ConfigError);
+    o.momentum = 0.9;
+    EXPECT_NO_THROW((void)tr::SGD::make(groups, o));
+  }
+  // A group rule's own lr and weight decay.
+  for (double bad : {-1e-3, nan, inf}) {
+    tr::GroupingOptions g;
+    g.rules.push_back({"fc2\\.", bad, std::nullopt});
+    expect_refused([&] { (void)tr::make_param_groups(net, g); },
+                   "parameter group rule 0 ('fc2\\.') lr", bad);
+    g.rules[0] = {"fc2\\.", std::nullopt, bad};
+    expect_refused([&] { (void)tr::make_param_groups(net, g); },
+                   "parameter group rule 0 ('fc2\\.') weight_decay", bad);
+    refused += 2;
+  }
+  EXPECT_EQ(refused, 2U * (12 + 10) + 9 + 2 + 6);
+  // Through the trainer: the error comes before training, naming the option.
+  tr::Trainer<NetImpl>::Options o;
+  o.optimizer.lr = -1e-3;
+  EXPECT_THROW(tr::Trainer<NetImpl>(net, o), dt::ConfigError);
+}
+
+// With a rule group (its own, smaller LR) first in the optimizer, the logs show the default
+// group's LR, which is the run's LR, not the rule's.
+TEST(Callbacks, LogsShowTheDefaultGroupsLrNotTheFirstRules) {
+  const fs::path dir = scratch("shown-lr");
+  struct LogConfig : tr::DefaultConfig {
+    using Callbacks = std::tuple<tr::CsvLossLog>;
+  };
+  NetImpl net;
+  tr::Trainer<NetImpl, LogConfig>::Options o;
+  o.optimizer.lr = 3e-4;
+  o.groups.rules.push_back({"fc2\\.", 1e-6, std::nullopt});
+  tr::Trainer<NetImpl, LogConfig> t(net, o, {tr::CsvLossLog({dir / "loss.csv", 0, 1})});
+  ASSERT_EQ(t.param_groups().front().label, "rule 0");
+  const auto info = t.step({{at::randn({4, 6}), at::randn({4, 4})}});
+  EXPECT_DOUBLE_EQ(info.lr.front(), 1e-6);
+  EXPECT_DOUBLE_EQ(tr::shown_lr(t, info), 3e-4);
+  std::get<tr::CsvLossLog>(t.callbacks()).on_train_end(t);
+  std::ifstream in(dir / "loss.csv");
+  std::string header, row;
+  std::getline(in, header);
+  std::getline(in, row);
+  EXPECT_DOUBLE_EQ(std::stod(row.substr(row.rfind(',') + 1)), 3e-4) << row;
+  tr::ProgressBar bar({.total_steps = 10, .every = 1, .force = false});
+  EXPECT_NE(bar.line(info, tr::shown_lr(t, info)).find("lr 0.0003"), std::string::npos);
+}
+
 TEST(Callbacks, LogStatisticsCheckpointsAndEarlyStop) {
   const fs::path dir = scratch("callbacks");
-  fs::remove_all(dir);
+  (void)dt::io::remove_tree(dir);
   struct Cfg : ParityConfig {
     using Callbacks = std::tuple<tr::CsvLossLog, tr::LossStatistics, tr::CheckpointEvery,
                                  tr::EarlyStop, tr::ProgressBar>;
@@ -504,7 +622,7 @@ TEST(Callbacks, LogStatisticsCheckpointsAndEarlyStop) {
 
 TEST(Callbacks, AResumedRunsLossLogHoldsEveryStepOnce) {
   const fs::path dir = scratch("log-resume");
-  fs::remove_all(dir);
+  (void)dt::io::remove_tree(dir);
   struct Cfg : ParityConfig {
     using Callbacks = std::tuple<tr::CsvLossLog, tr::CheckpointEvery>;
   };
@@ -631,4 +749,129 @@ TEST(Clipping, ScheduledLimitsFollowTheStepStringAndCastTrainingParamsCastsOnlyT
   tr::cast_training_params(net);
   EXPECT_EQ(net.fc1->weight.scalar_type(), at::kFloat);
   EXPECT_EQ(net.fc2->weight.scalar_type(), at::kHalf);  // frozen: left as it was
+}
+
+// fit past the schedule's horizon is refused before any step, naming the option; up to it is fine.
+TEST(Trainer, FitPastTheSchedulesHorizonIsAConfigError) {
+  struct CosineConfig : tr::DefaultConfig {
+    using Schedule = dt::schedule::Cosine;
+  };
+  NetImpl net;
+  tr::Trainer<NetImpl, CosineConfig>::Options o;
+  o.schedule.num_warmup_steps = 2;
+  o.schedule.num_training_steps = 5;
+  tr::Trainer<NetImpl, CosineConfig> t(net, o);
+  auto source = [](std::int64_t, std::int64_t) {
+    return Batch{at::randn({4, 6}), at::randn({4, 4})};
+  };
+  try {
+    t.fit(source, 6);
+    ADD_FAILURE() << "fit past num_training_steps was accepted";
+  } catch (const dt::ConfigError& e) {
+    EXPECT_EQ(e.where(), "Trainer options: schedule.num_training_steps");
+    EXPECT_NE(std::string(e.what()).find("until step 6"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(t.global_step(), 0);
+  t.fit(source, 5);
+  EXPECT_EQ(t.global_step(), 5);
+}
+
+// A checkpoint written with other settings than the trainer loading it: each kind of setting
+// (base LR, schedule options, optimizer settings, EMA options) is refused by name and leaves the
+// trainer as it was, or, when take_on_resume lists it, the resumed run trains on with the new one.
+TEST(Trainer, ResumingWithChangedSettingsIsRefusedByNameOrTakesThemOnRequest) {
+  struct EmaConfig : tr::DefaultConfig {
+    using Schedule = dt::schedule::Cosine;
+    using Ema = dt::ema::Ema<dt::ema::WarmupDecay>;
+  };
+  using T = tr::Trainer<NetImpl, EmaConfig>;
+  auto options = [] {
+    T::Options o;
+    o.optimizer.lr = 1e-3;
+    o.schedule.num_warmup_steps = 2;
+    o.schedule.num_training_steps = 20;
+    o.ema.rule.decay = 0.99;
+    return o;
+  };
+  auto source = [](std::int64_t s, std::int64_t) {
+    at::Generator g = at::make_generator<at::CPUGeneratorImpl>(static_cast<std::uint64_t>(s));
+    return Batch{at::randn({4, 6}, g), at::randn({4, 4}, g)};
+  };
+  const fs::path ckpt = scratch("changed-settings.pt");
+  {
+    NetImpl net;
+    T a(net, options());
+    a.fit(source, 3);
+    a.save_checkpoint(ckpt);
+  }
+  struct Change {
+    std::string name;
+    std::function<void(T::Options&)> change;
+    std::string expect;  // in the refusal
+    std::function<void(T::Options&)> take;
+    std::function<void(T&)> check;  // after a resume that takes it
+  };
+  const std::vector<Change> changes = {
+      {"lr", [](T::Options& o) { o.optimizer.lr = 2e-3; }, "lr of group 'default'",
+       [](T::Options& o) { o.take_on_resume.lr = true; },
+       [](T& t) {
+         EXPECT_DOUBLE_EQ(t.scheduler().base_lrs().front(), 2e-3);
+         const dt::schedule::Cosine c({2, 20, 0.5});
+         EXPECT_DOUBLE_EQ(t.scheduler().last_lr().front(), c.lr(t.scheduler().last_step(), 2e-3));
+       }},
+      {"schedule", [](T::Options& o) { o.schedule.num_training_steps = 40; },
+       "a schedule whose LR curve", [](T::Options& o) { o.take_on_resume.schedule = true; },
+       [](T& t) {
+         const dt::schedule::Cosine c({2, 40, 0.5});
+         EXPECT_DOUBLE_EQ(t.scheduler().last_lr().front(), c.lr(t.scheduler().last_step(), 1e-3));
+       }},
+      {"optimizer", [](T::Options& o) { o.optimizer.weight_decay = 0.1; },
+       "optimizer weight_decay in group 'default'",
+       [](T::Options& o) { o.take_on_resume.optimizer = true; },
+       [](T& t) {
+         const auto& g = t.optimizer().param_groups().front().options();
+         EXPECT_DOUBLE_EQ(static_cast<const torch::optim::AdamWOptions&>(g).weight_decay(), 0.1);
+         EXPECT_DOUBLE_EQ(g.get_lr(), t.scheduler().last_lr().front());
+       }},
+      {"ema", [](T::Options& o) { o.ema.rule.decay = 0.5; }, "EMA decay",
+       [](T::Options& o) { o.take_on_resume.ema = true; },
+       [](T& t) {
+         EXPECT_DOUBLE_EQ(t.ema().rule().state()["decay"].get<double>(), 0.5);
+         EXPECT_EQ(t.ema().rule().state()["optimization_step"].get<std::int64_t>(), 3);
+       }},
+  };
+  for (const auto& c : changes) {
+    SCOPED_TRACE(c.name);
+    NetImpl net;
+    T::Options o = options();
+    c.change(o);
+    T t(net, o);
+    const at::Tensor before = net.fc1->weight.detach().clone();
+    try {
+      t.load_checkpoint(ckpt);
+      ADD_FAILURE() << "a checkpoint with another " << c.name << " was taken";
+    } catch (const dt::ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find(c.expect), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("take_on_resume." + c.name), std::string::npos)
+          << e.what();
+    }
+    EXPECT_EQ(t.global_step(), 0);
+    EXPECT_TRUE(at::equal(net.fc1->weight, before));
+    // Taken on request.
+    NetImpl net2;
+    T::Options o2 = options();
+    c.change(o2);
+    c.take(o2);
+    T t2(net2, o2);
+    t2.load_checkpoint(ckpt);
+    EXPECT_EQ(t2.global_step(), 3);
+    c.check(t2);
+    t2.fit(source, 5);  // and trains on
+    EXPECT_EQ(t2.global_step(), 5);
+  }
+  // Unchanged settings load as before.
+  NetImpl net;
+  T same(net, options());
+  same.load_checkpoint(ckpt);
+  EXPECT_EQ(same.global_step(), 3);
 }

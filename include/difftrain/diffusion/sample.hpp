@@ -8,7 +8,8 @@
 //                                   labels, null_labels);
 //
 // `model(x, t, cond)` returns the prediction for a batch x at timestep t (a 1-d tensor, one value
-// per sample) and conditioning `cond` (a tensor whose first dimension is the batch).
+// per sample) and conditioning `cond` (a tensor whose first dimension is the batch). An
+// unconditional model, `model(x, t)`, is sampled without a `cond` argument.
 
 #include <ATen/ATen.h>
 #include <ATen/core/Generator.h>
@@ -46,6 +47,10 @@ at::Tensor sample(S& sampler, Model&& model, const at::Tensor& noise, const Samp
                   const at::Tensor& cond, const std::optional<at::Tensor>& uncond = std::nullopt,
                   std::optional<at::Generator> generator = std::nullopt) {
   const bool guided = o.guidance_scale != 1.0;
+  if (guided && !cond.defined())
+    throw ConfigError("guidance (scale " + std::to_string(o.guidance_scale) +
+                          ") needs a conditioning; an unconditional model samples with scale 1",
+                      "diffusion::sample cond");
   if (guided && !uncond)
     throw ConfigError("guidance needs the unconditional (null) conditioning",
                       "diffusion::sample uncond");
@@ -64,7 +69,7 @@ at::Tensor sample(S& sampler, Model&& model, const at::Tensor& noise, const Samp
     S chunk_sampler = sampler;  // multistep samplers keep per-run history
     chunk_sampler.set_timesteps(o.num_inference_steps);
     at::Tensor x = noise.slice(0, begin, end);
-    const at::Tensor c = cond.slice(0, begin, end);
+    const at::Tensor c = cond.defined() ? cond.slice(0, begin, end) : at::Tensor();
     for (std::size_t i = 0; i < timesteps.size(); ++i) {
       const at::Tensor in = chunk_sampler.model_input(x);
       const at::Tensor t = at::full({end - begin}, static_cast<double>(timesteps[i]),
@@ -82,6 +87,18 @@ at::Tensor sample(S& sampler, Model&& model, const at::Tensor& noise, const Samp
     }
     return x;
   });
+}
+
+/// Samples an unconditional model, `model(x, t)`, from `noise` (guidance needs a conditioning: the
+/// scale must be 1).
+template <UniformSampler S, class Model>
+requires std::invocable<Model&, const at::Tensor&, const at::Tensor&> at::Tensor sample(
+    S& sampler, Model&& model, const at::Tensor& noise, const SampleOptions& o,
+    std::optional<at::Generator> generator = std::nullopt) {
+  auto conditioned = [&](const at::Tensor& x, const at::Tensor& t, const at::Tensor& /*none*/) {
+    return model(x, t);
+  };
+  return sample(sampler, conditioned, noise, o, at::Tensor(), std::nullopt, std::move(generator));
 }
 
 }  // namespace difftrain::diffusion

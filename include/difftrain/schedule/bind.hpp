@@ -107,6 +107,17 @@ class LrScheduler {
     last_step_ = step;
   }
 
+  /// Replaces each group's base LR (a resumed run that trains on with new LRs) and sets the LRs of
+  /// the current step from them.
+  void rebase(std::vector<double> base_lrs) {
+    if (base_lrs.size() != base_lrs_.size())
+      throw ConfigError("got " + std::to_string(base_lrs.size()) + " base LRs for " +
+                            std::to_string(base_lrs_.size()) + " parameter groups",
+                        "lr scheduler '" + detail::schedule_name(schedule_) + "'");
+    base_lrs_ = std::move(base_lrs);
+    set_step(last_step_);
+  }
+
   [[nodiscard]] std::int64_t last_step() const noexcept { return last_step_; }
   [[nodiscard]] const std::vector<double>& base_lrs() const noexcept { return base_lrs_; }
   [[nodiscard]] std::vector<double> last_lr() const {

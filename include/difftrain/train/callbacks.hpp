@@ -27,6 +27,18 @@
 
 namespace difftrain::train {
 
+/// The learning rate a log shows for a step: the default group's. Rule groups (their own LR, see
+/// GroupingOptions) come first in the optimizer, so the first group is not the one to show.
+template <class T>
+double shown_lr(const T& t, const StepInfo& s) {
+  if constexpr (requires { t.param_groups(); }) {
+    const auto& groups = t.param_groups();
+    for (std::size_t i = 0; i < groups.size() && i < s.lr.size(); ++i)
+      if (groups[i].label == "default" || groups[i].label == "default/no_decay") return s.lr[i];
+  }
+  return s.lr.empty() ? 0.0 : s.lr.front();
+}
+
 /// One line, rewritten in place: step/total, it/s, loss, LR, ETA. Quiet when stderr is not a
 /// terminal (logs stay clean), unless `force`.
 class ProgressBar {
@@ -47,9 +59,9 @@ class ProgressBar {
     first_step_ = t.global_step();
   }
   template <class T>
-  void on_step_end(T& /*t*/, const StepInfo& s) {
+  void on_step_end(T& t, const StepInfo& s) {
     if (!active_ || s.step % o_.every != 0) return;
-    std::fputs(("\r" + line(s)).c_str(), o_.out);
+    std::fputs(("\r" + line(s, shown_lr(t, s))).c_str(), o_.out);
     std::fflush(o_.out);
   }
   template <class T>
@@ -57,8 +69,8 @@ class ProgressBar {
     if (active_) std::fputc('\n', o_.out);
   }
 
-  /// The text shown for a step (also what tests look at).
-  [[nodiscard]] std::string line(const StepInfo& s) const {
+  /// The text shown for a step (also what tests look at); `lr` defaults to the first group's.
+  [[nodiscard]] std::string line(const StepInfo& s, std::optional<double> lr = {}) const {
     const double elapsed =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
     const double done = static_cast<double>(s.step - first_step_);
@@ -72,7 +84,7 @@ class ProgressBar {
     }
     std::snprintf(buf, sizeof buf, "step %lld/%lld  %.2f it/s  loss %.5f  lr %.3g  eta %s",
                   static_cast<long long>(s.step), static_cast<long long>(o_.total_steps), rate,
-                  s.loss, s.lr.empty() ? 0.0 : s.lr.front(), eta.c_str());
+                  s.loss, lr.value_or(s.lr.empty() ? 0.0 : s.lr.front()), eta.c_str());
     return buf;
   }
 
@@ -99,12 +111,12 @@ class CsvLossLog {
     (void)log();
   }
   template <class T>
-  void on_step_end(T& /*t*/, const StepInfo& s) {
+  void on_step_end(T& t, const StepInfo& s) {
     if (!s.stepped || s.step % o_.every != 0) return;
     const std::int64_t epoch = o_.steps_per_epoch > 0 ? (s.step - 1) / o_.steps_per_epoch : 0;
     const std::int64_t epoch_step =
         o_.steps_per_epoch > 0 ? (s.step - 1) % o_.steps_per_epoch + 1 : s.step;
-    log().row(s.step, epoch, epoch_step, s.loss, s.lr.empty() ? 0.0 : s.lr.front());
+    log().row(s.step, epoch, epoch_step, s.loss, shown_lr(t, s));
   }
   template <class T>
   void on_train_end(T& /*t*/) {

@@ -14,9 +14,11 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
+#include <cmath>
 #include <memory>
 #include <optional>
 #include <regex>
+#include <sstream>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -50,11 +52,38 @@ struct ParamGroup {
   std::optional<double> weight_decay;
 };
 
+namespace optimizer_detail {
+// Torch's own checks on an optimizer setting (it throws c10::Error with a stack trace, or accepts
+// a NaN), as a ConfigError naming the option: finite, at least `lo`, and below `below`, when given.
+inline void check_setting(double value, const std::string& option,
+                          std::optional<double> lo = std::nullopt,
+                          std::optional<double> below = std::nullopt) {
+  if (std::isfinite(value) && (!lo || value >= *lo) && (!below || value < *below)) return;
+  auto text = [](double v) {
+    std::ostringstream s;
+    s << v;
+    return s.str();
+  };
+  std::string want = "must be a finite number";
+  if (lo) want += " >= " + text(*lo);
+  if (below) want += std::string(lo ? " and" : "") + " < " + text(*below);
+  throw ConfigError(want + ", got " + text(value), option);
+}
+}  // namespace optimizer_detail
+
 /// The groups for the trainable parameters of `module`; frozen parameters are left out, and a rule
-/// that matches nothing is a ConfigError (a typo in a pattern would otherwise train the wrong set).
+/// that matches nothing is a ConfigError (a typo in a pattern would otherwise train the wrong set),
+/// as is a rule's negative or non-finite lr or weight decay.
 inline std::vector<ParamGroup> make_param_groups(const torch::nn::Module& module,
                                                  const GroupingOptions& o) {
   std::vector<std::regex> rules;
+  for (std::size_t i = 0; i < o.rules.size(); ++i) {
+    const std::string where =
+        "parameter group rule " + std::to_string(i) + " ('" + o.rules[i].pattern + "')";
+    if (o.rules[i].lr) optimizer_detail::check_setting(*o.rules[i].lr, where + " lr", 0.0);
+    if (o.rules[i].weight_decay)
+      optimizer_detail::check_setting(*o.rules[i].weight_decay, where + " weight_decay", 0.0);
+  }
   for (const auto& r : o.rules) {
     try {
       rules.emplace_back(r.pattern);
@@ -107,6 +136,16 @@ inline std::vector<ParamGroup> make_param_groups(const torch::nn::Module& module
 }
 
 namespace optimizer_detail {
+// What torch.optim.Adam and AdamW accept: lr, eps and weight decay >= 0, betas in [0, 1).
+template <class O>
+void check_adam(const O& o, const std::string& where) {
+  check_setting(o.lr, where + ": lr", 0.0);
+  check_setting(o.beta1, where + ": beta1", 0.0, 1.0);
+  check_setting(o.beta2, where + ": beta2", 0.0, 1.0);
+  check_setting(o.eps, where + ": eps", 0.0);
+  check_setting(o.weight_decay, where + ": weight_decay", 0.0);
+}
+
 template <class TorchOptions>
 std::vector<torch::optim::OptimizerParamGroup> torch_groups(const std::vector<ParamGroup>& groups,
                                                             const TorchOptions& defaults) {
@@ -132,6 +171,7 @@ struct AdamW {
   };
   static std::unique_ptr<torch::optim::Optimizer> make(const std::vector<ParamGroup>& groups,
                                                        const Options& o) {
+    optimizer_detail::check_adam(o, "AdamW options");
     torch::optim::AdamWOptions d(o.lr);
     d.betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay).amsgrad(o.amsgrad);
     return std::make_unique<torch::optim::AdamW>(optimizer_detail::torch_groups(groups, d), d);
@@ -149,6 +189,7 @@ struct Adam {
   };
   static std::unique_ptr<torch::optim::Optimizer> make(const std::vector<ParamGroup>& groups,
                                                        const Options& o) {
+    optimizer_detail::check_adam(o, "Adam options");
     torch::optim::AdamOptions d(o.lr);
     d.betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay).amsgrad(o.amsgrad);
     return std::make_unique<torch::optim::Adam>(optimizer_detail::torch_groups(groups, d), d);
@@ -166,6 +207,14 @@ struct SGD {
   };
   static std::unique_ptr<torch::optim::Optimizer> make(const std::vector<ParamGroup>& groups,
                                                        const Options& o) {
+    using optimizer_detail::check_setting;
+    check_setting(o.lr, "SGD options: lr", 0.0);
+    check_setting(o.momentum, "SGD options: momentum", 0.0);
+    check_setting(o.dampening, "SGD options: dampening");
+    check_setting(o.weight_decay, "SGD options: weight_decay", 0.0);
+    if (o.nesterov && (o.momentum <= 0.0 || o.dampening != 0.0))
+      throw ConfigError("needs momentum > 0 and dampening = 0 (as torch.optim.SGD)",
+                        "SGD options: nesterov");
     torch::optim::SGDOptions d(o.lr);
     d.momentum(o.momentum).dampening(o.dampening).weight_decay(o.weight_decay).nesterov(o.nesterov);
     return std::make_unique<torch::optim::SGD>(optimizer_detail::torch_groups(groups, d), d);

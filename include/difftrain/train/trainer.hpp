@@ -35,12 +35,15 @@
 #include <utility>
 #include <vector>
 
+#include "difftrain/core/concepts.hpp"
 #include "difftrain/core/error.hpp"
+#include "difftrain/ema/concepts.hpp"
 #include "difftrain/ema/moving_average.hpp"
 #include "difftrain/ema/rules.hpp"
 #include "difftrain/io/torch_file.hpp"
 #include "difftrain/io/zip_archive.hpp"
 #include "difftrain/schedule/bind.hpp"
+#include "difftrain/schedule/concepts.hpp"
 #include "difftrain/schedule/diffusers.hpp"
 #include "difftrain/train/clipping.hpp"
 #include "difftrain/train/optimizer.hpp"
@@ -66,6 +69,10 @@ concept SplittableBatch = requires(const B& b, std::int64_t i) {
 
 template <class M>
 consteval bool diagnose_trainable_model() {
+  static_assert(
+      !requires { typename M::ContainedType; },
+      "difftrain: the model is a TORCH_MODULE holder; name its module type instead "
+      "(`Trainer<NetImpl, Config>`) and pass `*net`");
   static_assert(std::derived_from<M, torch::nn::Module>,
                 "difftrain: a trainable model must derive from torch::nn::Module");
   static_assert(
@@ -83,6 +90,51 @@ consteval bool diagnose_trainable_model() {
 struct NoEma {
   static constexpr std::string_view name = "none";
 };
+
+template <class C>
+concept ClippingFromOptions =
+    HasOptions<C> && std::constructible_from<C, const typename C::Options&>;
+
+// One sentence per missing piece, so a policy that lacks one is told which.
+template <class C>
+consteval bool diagnose_clipping() {
+  static_assert(NamedPolicy<C>,
+                "difftrain: Config::Clipping needs `static constexpr std::string_view name`");
+  static_assert(HasOptions<C>, "difftrain: Config::Clipping needs a nested `struct Options {}`");
+  static_assert(ClippingFromOptions<C>,
+                "difftrain: Config::Clipping needs a constructor from `const Options&`");
+  static_assert(
+      requires(C & c, const std::vector<at::Tensor>& p) {
+        { c.apply(p, std::int64_t{0}) } -> std::convertible_to<double>;
+      },
+      "difftrain: Config::Clipping needs `double apply(const std::vector<at::Tensor>& params, "
+      "std::int64_t step)` returning the gradient norm");
+  return ClippingPolicy<C>;
+}
+
+template <class E>
+consteval bool diagnose_ema() {
+  if constexpr (std::is_same_v<E, NoEma>) {
+    return true;
+  } else {
+    static_assert(!ema::DecayRule<E>,
+                  "difftrain: Config::Ema names a decay rule, not an EMA: wrap it, `using Ema = "
+                  "ema::Ema<ThatRule>;` (or ema::Ema<ThatRule, AnEngine>)");
+    static_assert(
+        requires {
+          typename E::rule_type;
+          typename E::engine_type;
+        },
+        "difftrain: Config::Ema must be `ema::Ema<Rule, Engine>` (e.g. "
+        "`ema::Ema<ema::WarmupDecay>`) or train::NoEma");
+    return true;
+  }
+}
+
+template <class T>
+struct IsTuple : std::false_type {};
+template <class... A>
+struct IsTuple<std::tuple<A...>> : std::true_type {};
 
 /// What Config may leave out.
 struct DefaultConfig {
@@ -152,9 +204,13 @@ class Trainer {
                 "std::unique_ptr<torch::optim::Optimizer> make(groups, options)`");
   static_assert(PrecisionPolicy<typename Config::Precision>,
                 "difftrain: Config::Precision needs a name and `autocast`, `scaled`, `dtype`");
-  static_assert(
-      ClippingPolicy<typename Config::Clipping>,
-      "difftrain: Config::Clipping needs a name, Options and `double apply(params, step)`");
+  static_assert(diagnose_clipping<typename Config::Clipping>());
+  static_assert(schedule::diagnose_lr_schedule<typename Config::Schedule>(),
+                "difftrain: Config::Schedule is not an LR schedule (see the message above)");
+  static_assert(diagnose_ema<typename Config::Ema>());
+  static_assert(IsTuple<typename Config::Callbacks>::value,
+                "difftrain: Config::Callbacks must be a std::tuple of callback objects, e.g. "
+                "`std::tuple<train::ProgressBar, train::CsvLossLog>` (std::tuple<> for none)");
   static_assert(ParallelPolicy<typename trainer_detail::ParallelOf<Config>::type>,
                 "difftrain: Config::Parallel needs a name, Options, a constructor from (module, "
                 "params, options), rank/world_size and the step hooks of train/parallel.hpp");
@@ -185,6 +241,15 @@ class Trainer {
     /// Resuming with another number of ranks than the checkpoint was written with changes the
     /// global batch; it is a ConfigError unless allowed here.
     bool allow_world_size_change = false;
+    /// A checkpoint written with other settings than this trainer's is refused, naming the
+    /// setting, unless the setting is listed here: then the resumed run trains on with this
+    /// trainer's (fine-tuning from a checkpoint with a new LR, say).
+    struct TakeOnResume {
+      bool lr = false;         ///< the base LR of each group (optimizer.lr and the rules' lr)
+      bool schedule = false;   ///< the schedule's options (its LR curve)
+      bool optimizer = false;  ///< the optimizer's other settings (betas, eps, weight decay, ...)
+      bool ema = false;        ///< the EMA rule's options (decay, ...); its counters continue
+    } take_on_resume{};
   };
 
   Trainer(Model& model, Options options, CallbacksT callbacks = {})
@@ -205,6 +270,9 @@ class Trainer {
     optimizer_ = OptimizerPolicyT::make(groups_, o_.optimizer);
     for (const auto& g : groups_) params_.insert(params_.end(), g.params.begin(), g.params.end());
     scheduler_.emplace(*optimizer_, ScheduleT(o_.schedule));
+    // This trainer's own settings, which a resumed checkpoint's are compared with.
+    option_base_lrs_ = scheduler_->base_lrs();
+    for (auto& g : optimizer_->param_groups()) option_groups_.push_back(g.options().clone());
     // Before the EMA copies the weights: with more than one rank they become rank 0's here.
     parallel_ = std::make_unique<ParallelT>(model, params_, o_.parallel);
     if constexpr (has_ema)
@@ -277,6 +345,16 @@ class Trainer {
   template <class Source>
   requires std::invocable<Source&, std::int64_t, std::int64_t>
   void fit(Source&& source, std::int64_t until_step) {
+    // A schedule with a horizon is defined up to it: past it diffusers' cosine climbs back to the
+    // peak and the linear one stays at zero. Training past it is a mistake in the options.
+    if constexpr (requires { o_.schedule.num_training_steps; }) {
+      if (until_step > o_.schedule.num_training_steps)
+        throw ConfigError("is " + std::to_string(o_.schedule.num_training_steps) +
+                              ", but fit trains until step " + std::to_string(until_step) +
+                              "; the schedule is not defined past its horizon (set it to the "
+                              "run's length)",
+                          "Trainer options: schedule.num_training_steps");
+    }
     stop_requested_ = false;
     while (step_ < until_step && !stop_requested_) {
       std::vector<Batch> micro;
@@ -345,6 +423,11 @@ class Trainer {
       root.insert("ema", e);
     }
     js["world_size"] = parallel_->world_size();
+    {
+      nlohmann::json groups = nlohmann::json::array();
+      for (const auto& g : option_groups_) groups.push_back(optimizer_settings(*g));
+      js["settings"] = {{"schedule_curve", schedule_curve()}, {"optimizer", groups}};
+    }
     // Every rank's generator (each draws its own noise); rank 0's also under the old key.
     const at::Tensor rng = at::detail::getDefaultCPUGenerator().get_state();
     root.insert("rng_cpu", rng);
@@ -445,6 +528,7 @@ class Trainer {
     for (const auto& item : model_->named_buffers(true)) check(item.key(), item.value());
     if (model_tensors.size() != expected)
       throw ConfigError("holds tensors the model does not have", where + " model");
+    check_settings(js, where);
     std::map<std::string, at::Tensor> ema_shadows;
     if constexpr (has_ema) {
       ema_shadows = root.at("ema").tensor_map();
@@ -518,7 +602,11 @@ class Trainer {
       for (const auto& item : model_->named_buffers(true))
         item.value().copy_(model_tensors.at(item.key()));
     }
+    if (o_.take_on_resume.optimizer)
+      for (std::size_t i = 0; i < option_groups_.size(); ++i)
+        optimizer_->param_groups()[i].set_options(option_groups_[i]->clone());
     scheduler_->load_state(js.at("scheduler"));
+    if (o_.take_on_resume.lr) scheduler_->rebase(option_base_lrs_);
     scaler_.load_state(js.at("scaler"));
     if constexpr (has_ema) ema_->load_state(js.at("ema"), s.ema_shadows);
     at::Generator cpu_gen = at::detail::getDefaultCPUGenerator();
@@ -576,6 +664,106 @@ class Trainer {
   }
 
  private:
+  // The schedule's LR (for a base LR of 1) at steps from the first to far past any horizon: two
+  // schedules with different options differ somewhere here.
+  [[nodiscard]] nlohmann::json schedule_curve() const {
+    nlohmann::json curve = nlohmann::json::array();
+    const ScheduleT& sch = scheduler_->schedule();
+    for (std::int64_t step : {0,   1,   2,    3,    5,    8,     10,    20,    50,     100,
+                              200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000, 1000000}) {
+      double lr = 0;
+      if constexpr (schedule::HasGroupLrAt<ScheduleT>)
+        lr = sch.lr(step, 1.0, 0);
+      else
+        lr = sch.lr(step, 1.0);
+      curve.push_back(std::isfinite(lr) ? nlohmann::json(lr) : nlohmann::json(nullptr));
+    }
+    return curve;
+  }
+
+  // An optimizer group's settings besides its LR (which the schedule sets), for the optimizers
+  // difftrain names; another optimizer's are not compared.
+  static nlohmann::json optimizer_settings(const torch::optim::OptimizerOptions& o) {
+    if (const auto* w = dynamic_cast<const torch::optim::AdamWOptions*>(&o))
+      return {{"beta1", std::get<0>(w->betas())},
+              {"beta2", std::get<1>(w->betas())},
+              {"eps", w->eps()},
+              {"weight_decay", w->weight_decay()},
+              {"amsgrad", w->amsgrad()}};
+    if (const auto* a = dynamic_cast<const torch::optim::AdamOptions*>(&o))
+      return {{"beta1", std::get<0>(a->betas())},
+              {"beta2", std::get<1>(a->betas())},
+              {"eps", a->eps()},
+              {"weight_decay", a->weight_decay()},
+              {"amsgrad", a->amsgrad()}};
+    if (const auto* g = dynamic_cast<const torch::optim::SGDOptions*>(&o))
+      return {{"momentum", g->momentum()},
+              {"dampening", g->dampening()},
+              {"weight_decay", g->weight_decay()},
+              {"nesterov", g->nesterov()}};
+    return nlohmann::json::object();
+  }
+
+  // The EMA rule's options as its state names them: the keys of a fresh rule's state that a few
+  // updates leave unchanged (the others are counters).
+  [[nodiscard]] nlohmann::json ema_options() const requires has_ema {
+    typename EmaT::rule_type rule(o_.ema.rule);
+    const nlohmann::json before = rule.state();
+    for (int i = 0; i < 3; ++i) (void)rule.next();
+    const nlohmann::json after = rule.state();
+    nlohmann::json out = nlohmann::json::object();
+    for (const auto& [key, value] : before.items())
+      if (after.contains(key) && after[key] == value) out[key] = value;
+    return out;
+  }
+
+  // The saved settings against this trainer's: a difference is a ConfigError naming the setting,
+  // unless take_on_resume lists it (the EMA's options are then replaced in `js` here, so the rule
+  // loads with this trainer's).
+  void check_settings(nlohmann::json& js, const std::string& where) const {
+    const std::string at = where + " settings";
+    auto refuse = [&](const std::string& what, const nlohmann::json& saved,
+                      const nlohmann::json& now, const std::string& take) {
+      throw ConfigError("was written with " + what + " = " + saved.dump() + ", this trainer has " +
+                            now.dump() + "; set Options::take_on_resume." + take +
+                            " to train on with this trainer's",
+                        at);
+    };
+    const nlohmann::json bases = js["scheduler"].value("base_lrs", nlohmann::json::array());
+    if (!o_.take_on_resume.lr && bases != nlohmann::json(option_base_lrs_)) {
+      for (std::size_t i = 0; i < groups_.size() && i < bases.size(); ++i)
+        if (bases[i] != nlohmann::json(option_base_lrs_[i]))
+          refuse("lr of group '" + groups_[i].label + "'", bases[i], option_base_lrs_[i], "lr");
+    }
+    if (!js.contains("settings") || !js["settings"].is_object()) return;  // an older checkpoint
+    const nlohmann::json& saved = js["settings"];
+    if (!o_.take_on_resume.schedule && saved.contains("schedule_curve")) {
+      const nlohmann::json now = schedule_curve();
+      const nlohmann::json& was = saved["schedule_curve"];
+      if (was != now)
+        refuse("a schedule whose LR curve (base LR 1, at steps 0, 1, 2, 3, 5, 8, 10, 20, ...)", was,
+               now, "schedule");
+    }
+    if (!o_.take_on_resume.optimizer && saved.contains("optimizer")) {
+      const nlohmann::json& was = saved["optimizer"];
+      for (std::size_t i = 0; i < option_groups_.size() && i < was.size(); ++i) {
+        const nlohmann::json now = optimizer_settings(*option_groups_[i]);
+        for (const auto& [key, value] : now.items())
+          if (was[i].contains(key) && was[i][key] != value)
+            refuse("optimizer " + key + " in group '" + groups_[i].label + "'", was[i][key], value,
+                   "optimizer");
+      }
+    }
+    if constexpr (has_ema) {
+      const nlohmann::json now = ema_options();
+      for (const auto& [key, value] : now.items()) {
+        if (!js["ema"].contains(key) || js["ema"][key] == value) continue;
+        if (!o_.take_on_resume.ema) refuse("EMA " + key, js["ema"][key], value, "ema");
+        js["ema"][key] = value;
+      }
+    }
+  }
+
   // check_state, with the file named in a FormatError whose part did not name it.
   CheckedState checked_naming_file(const io::TorchValue& root) const {
     try {
@@ -732,6 +920,8 @@ class Trainer {
   std::int64_t overflow_skips_ = 0;
   bool stop_requested_ = false;
   std::unique_ptr<ParallelT> parallel_;
+  std::vector<double> option_base_lrs_;  // this trainer's settings, before any resume
+  std::vector<std::unique_ptr<torch::optim::OptimizerOptions>> option_groups_;
   bool step_bad_ = false;              // a loss of this step was not finite (here or elsewhere)
   bool step_bad_agreed_only_ = false;  // ... and only another rank saw it
 };
