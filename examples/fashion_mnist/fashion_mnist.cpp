@@ -23,6 +23,7 @@
 #include <difftrain/eval/frechet_distance.hpp>
 #include <difftrain/io/image_grid.hpp>
 #include <difftrain/nn/module_tensors.hpp>
+#include <difftrain/schedule/by_name.hpp>
 #include <difftrain/train/callbacks.hpp>
 #include <difftrain/train/seeding.hpp>
 #include <difftrain/train/trainer.hpp>
@@ -79,6 +80,7 @@ struct Settings {
   double lr = 2e-3;
   double weight_decay = 0.01;
   std::int64_t warmup = 100;
+  std::string lr_scheduler = "cosine";
   double ema_decay = 0.995;
   double clip = 1.0;
   double p_uncond = 0.1;
@@ -104,7 +106,7 @@ struct Settings {
 
 struct UNetConfig : tr::DefaultConfig {
   using Optimizer = tr::AdamW;
-  using Schedule = difftrain::schedule::Cosine;
+  using Schedule = difftrain::schedule::ByName;  // --lr-scheduler, diffusers' names
   using Ema = difftrain::ema::Ema<difftrain::ema::WarmupDecay>;
   using Clipping = tr::ClipByNorm;
   using Callbacks =
@@ -215,8 +217,9 @@ int run(const Settings& s) {
   UNetTrainer::Options o;
   o.optimizer.lr = s.lr;
   o.optimizer.weight_decay = s.weight_decay;
-  o.schedule.num_warmup_steps = std::min(s.warmup, s.steps);
-  o.schedule.num_training_steps = s.steps;
+  o.schedule.lr_scheduler = s.lr_scheduler;
+  o.schedule.args.num_warmup_steps = std::min(s.warmup, s.steps);
+  o.schedule.args.num_training_steps = s.steps;
   o.ema.rule.decay = s.ema_decay;
   o.clipping.max_norm = s.clip;
   o.parallel.world = world;
@@ -385,6 +388,8 @@ int run(const Settings& s) {
                                   {"guidance_scale", s.guidance},
                                   {"steps", trainer->global_step()},
                                   {"batch_size", s.batch_size},
+                                  {"lr_scheduler", s.lr_scheduler},
+                                  {"lr", s.lr},
                                   {"train_seconds", train_seconds},
                                   {"steps_per_second", steps_per_second},
                                   {"sample_seconds", sample_seconds},
@@ -419,7 +424,7 @@ int main(int argc, char** argv) {
   g->add_option("--data-dir", s.data_dir,
                 "directory with the IDX files (train-*, t10k-*; .gz or not)")
       ->capture_default_str();
-  g->add_option("--out", s.out, "output directory")->capture_default_str();
+  g->add_option("--out,--output_dir", s.out, "output directory")->capture_default_str();
   g->add_option("--device", s.device, "cpu, cuda or cuda:N")->capture_default_str();
   g->add_option("--seed", s.seed, "seeds weights, batches, noise and samples")
       ->capture_default_str();
@@ -439,38 +444,45 @@ int main(int argc, char** argv) {
       ->check(examples::number_in(0, 1e7, true))
       ->capture_default_str();
   auto* m = app.add_option_group("training");
-  m->add_option("--steps", s.steps, "optimizer steps")
+  m->add_option("--steps,--max_train_steps", s.steps, "optimizer steps")
       ->check(examples::count_in(1, 100'000'000))
       ->capture_default_str();
-  m->add_option("--batch-size", s.batch_size, "images per step")
+  m->add_option("--batch-size,--train_batch_size", s.batch_size, "images per step")
       ->check(examples::count_in(1, 1'000'000))
       ->capture_default_str();
   m->add_option("--channels", s.channels, "UNet width C (multiple of 16)")
       ->check(examples::count_in(16, 4096))
       ->capture_default_str();
   m->add_flag("--attention-14", s.attention_14, "transformers at 14×14 too (slower on a CPU)");
-  m->add_option("--lr", s.lr, "peak AdamW learning rate")
+  m->add_option("--lr,--learning_rate", s.lr, "peak AdamW learning rate")
       ->check(examples::number_in(0, 1e4, true))
       ->capture_default_str();
-  m->add_option("--weight-decay", s.weight_decay, "AdamW decay (not on biases, norms, embeddings)")
+  m->add_option("--weight-decay,--adam_weight_decay", s.weight_decay,
+                "AdamW decay (not on biases, norms, embeddings)")
       ->check(examples::number_in(0, 1e4))
       ->capture_default_str();
-  m->add_option("--warmup", s.warmup, "linear warm-up steps before the cosine decay")
+  m->add_option("--lr-scheduler,--lr_scheduler", s.lr_scheduler,
+                "LR schedule after the warm-up (diffusers' names)")
+      ->check(CLI::IsMember({"linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
+                             "constant_with_warmup"}))
+      ->capture_default_str();
+  m->add_option("--warmup,--lr_warmup_steps", s.warmup, "linear warm-up steps before the schedule")
       ->check(examples::count_in(0, 100'000'000))
       ->capture_default_str();
   m->add_option("--ema-decay", s.ema_decay, "EMA decay cap (diffusers' warm-up rule)")
       ->check(examples::number_in(0, 1))
       ->capture_default_str();
-  m->add_option("--clip", s.clip, "gradient norm clipping")
+  m->add_option("--clip,--max_grad_norm", s.clip, "gradient norm clipping")
       ->check(examples::number_in(0, 1e9, true))
       ->capture_default_str();
   m->add_option("--p-uncond", s.p_uncond, "chance a label is dropped to the null class")
       ->check(examples::number_in(0, 1))
       ->capture_default_str();
-  m->add_option("--checkpoint-every", s.checkpoint_every, "steps between checkpoints")
+  m->add_option("--checkpoint-every,--checkpointing_steps", s.checkpoint_every,
+                "steps between checkpoints")
       ->check(examples::count_in(1, 100'000'000))
       ->capture_default_str();
-  m->add_option("--keep", s.keep, "checkpoints kept")
+  m->add_option("--keep,--checkpoints_total_limit", s.keep, "checkpoints kept")
       ->check(examples::count_in(1, 1'000'000))
       ->capture_default_str();
   auto* e = app.add_option_group("sampling and scoring");
@@ -498,6 +510,10 @@ int main(int argc, char** argv) {
                 "refuse to score with a weaker classifier")
       ->check(examples::number_in(0, 1))
       ->capture_default_str();
+  // A config file (TOML or INI: `lr = 1e-3`, any of an option's long names) read first; flags
+  // on the command line win over it.
+  app.set_config("--config", "", "read options from this TOML/INI file (flags given here win)");
+  app.allow_config_extras(CLI::config_extras_mode::error);  // a misspelt key is an error
   CLI11_PARSE(app, argc, argv);
   return examples::run_reporting_errors([&] { return run(s); });
 }

@@ -35,6 +35,8 @@ for bad in "--steps 9223372036854775807" "--lr 1e39" "--clip 1e300" "--p-uncond 
   expect_rc 105 "flag${bad%% *}" -- "$bin" ${bad} --out "$work/flags"
   grep_in "$work/flag${bad%% *}.err" "must"
 done
+expect_rc 105 bad-scheduler -- "$bin" --lr-scheduler cosine_annealing --out "$work/flags"
+grep_in "$work/bad-scheduler.err" "lr-scheduler"
 expect_rc 2 empty-out -- "$bin" "${tiny[@]}" --out ""
 grep_in "$work/empty-out.err" "ConfigError at --out"
 touch "$work/a-file"
@@ -69,6 +71,22 @@ grep_in "$work/resume.err" "step 3"
 cmp -s "$work/a/loss.csv" "$work/b/loss.csv" || {
   fail "resumed losses differ"; diff "$work/a/loss.csv" "$work/b/loss.csv"; }
 cmp -s "$work/a/samples.png" "$work/b/samples.png" || fail "resumed samples differ"
+
+# diffusers' flag names, and a config file whose values the command line overrides; the schedule
+# chosen by name.
+cat >"$work/run.toml" <<'TOML'
+max_train_steps = 5
+learning_rate = 0.002
+lr_scheduler = "linear"
+TOML
+expect_rc 0 config -- "$bin" "${tiny[@]}" --config "$work/run.toml" --max_train_steps 3 \
+  --output_dir "$work/cfg"
+grep_in "$work/cfg/results.json" '"lr_scheduler": "linear"'
+grep_in "$work/cfg/results.json" '"steps": 3'
+grep_in "$work/cfg/results.json" '"lr": 0.002'
+printf 'no_such_option = 1\n' >"$work/bad.toml"
+expect_rc 110 bad-config -- "$bin" --config "$work/bad.toml" --out "$work/flags"
+grep_in "$work/bad-config.err" "no_such_option"
 
 # A stray file whose step does not fit in 64 bits is not a checkpoint: the run ignores it.
 mkdir -p "$work/stray/checkpoints"

@@ -575,3 +575,73 @@ TEST(Schedule, PerGroupWarmupBoundToAnOptimizerDampensEachGroupByItsOwnPeriod) {
   EXPECT_THROW(sch::LrScheduler<S>(three, S({.warmup = {.warmup_periods = {2, 4}}})),
                dt::ConfigError);
 }
+
+// The schedule chosen at run time by diffusers' name: every name gives the numbers of the static
+// policy of that name, its options come from JSON with every wrong key or kind named, and a bad
+// name or a missing argument is refused when it is built.
+TEST(ByName, EveryDiffusersNameEqualsItsStaticPolicyAndJsonIsChecked) {
+  sch::SchedulerArgs a;
+  a.num_warmup_steps = 10;
+  a.num_training_steps = 100;
+  a.num_cycles = 2;
+  a.power = 2.0;
+  a.step_rules = "1:10,0.5:50,0.1";
+  const std::vector<std::pair<std::string, std::function<double(std::int64_t)>>> cases = {
+      {"constant",
+       [](std::int64_t s) { return sch::Constant(sch::Constant::Options{}).lr(s, 0.1); }},
+      {"constant_with_warmup",
+       [](std::int64_t s) { return sch::ConstantWithWarmup({.num_warmup_steps = 10}).lr(s, 0.1); }},
+      {"linear",
+       [](std::int64_t s) {
+         return sch::Linear({.num_warmup_steps = 10, .num_training_steps = 100}).lr(s, 0.1);
+       }},
+      {"cosine",
+       [](std::int64_t s) {
+         return sch::Cosine({.num_warmup_steps = 10, .num_training_steps = 100}).lr(s, 0.1);
+       }},
+      {"cosine_with_restarts",
+       [](std::int64_t s) {
+         return sch::CosineWithRestarts(
+                    {.num_warmup_steps = 10, .num_training_steps = 100, .num_cycles = 2})
+             .lr(s, 0.1);
+       }},
+      {"polynomial",
+       [&](std::int64_t s) { return sch::get_scheduler("polynomial", a).lr(s, 0.1); }},
+      {"piecewise_constant",
+       [](std::int64_t s) {
+         return sch::PiecewiseConstant({.step_rules = "1:10,0.5:50,0.1"}).lr(s, 0.1);
+       }},
+  };
+  for (const auto& [name, want] : cases) {
+    const sch::ByName by({.lr_scheduler = name, .args = a});
+    EXPECT_EQ(by.chosen(), name);
+    for (std::int64_t s = 0; s <= 120; ++s) EXPECT_EQ(by.lr(s, 0.1), want(s)) << name << " " << s;
+  }
+  // JSON: what a config file holds.
+  const auto o = sch::ByName::from_json(nlohmann::json::parse(
+      R"({"lr_scheduler": "cosine_with_restarts", "num_warmup_steps": 10,
+          "num_training_steps": 100, "num_cycles": 2, "power": 2, "lr_end": 1e-6})"));
+  EXPECT_EQ(o.lr_scheduler, "cosine_with_restarts");
+  EXPECT_EQ(o.args.num_warmup_steps, 10);
+  EXPECT_EQ(o.args.num_training_steps, 100);
+  EXPECT_EQ(o.args.num_cycles, 2);
+  EXPECT_DOUBLE_EQ(o.args.lr_end, 1e-6);
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {R"({"lr_schedular": "cosine"})", "lr schedule.lr_schedular"},
+      {R"({"num_warmup_steps": 1.5})", "lr schedule.num_warmup_steps"},
+      {R"({"num_training_steps": "100"})", "lr schedule.num_training_steps"},
+      {R"({"power": "two"})", "lr schedule.power"},
+      {R"({"lr_scheduler": 3})", "lr schedule.lr_scheduler"},
+      {R"([1, 2])", "lr schedule"},
+  };
+  for (const auto& [text, where] : bad) {
+    try {
+      (void)sch::ByName::from_json(nlohmann::json::parse(text));
+      ADD_FAILURE() << text << " was accepted";
+    } catch (const dt::ConfigError& e) {
+      EXPECT_EQ(e.where(), where) << e.what();
+    }
+  }
+  EXPECT_THROW(sch::ByName({.lr_scheduler = "cosine_annealing_typo"}), dt::ConfigError);
+  EXPECT_THROW(sch::ByName({.lr_scheduler = "cosine"}), dt::ConfigError);  // no steps given
+}

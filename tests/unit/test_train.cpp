@@ -3,6 +3,7 @@
 // torch's, parameter groups and callbacks.
 #include <gtest/gtest.h>
 #include <difftrain/io/remove_tree.hpp>
+#include <difftrain/schedule/by_name.hpp>
 #include <difftrain/io/safetensors.hpp>
 #include <difftrain/io/zip_archive.hpp>
 #include <difftrain/train/train.hpp>
@@ -874,4 +875,50 @@ TEST(Trainer, ResumingWithChangedSettingsIsRefusedByNameOrTakesThemOnRequest) {
   T same(net, options());
   same.load_checkpoint(ckpt);
   EXPECT_EQ(same.global_step(), 3);
+}
+
+// A trainer whose schedule is chosen at run time trains with the numbers of the static one, is
+// held to the chosen schedule's horizon, and a checkpoint of another chosen schedule is refused.
+TEST(Trainer, AScheduleChosenByNameTrainsAsTheStaticOne) {
+  struct Static : tr::DefaultConfig {
+    using Schedule = dt::schedule::Cosine;
+  };
+  struct Chosen : tr::DefaultConfig {
+    using Schedule = dt::schedule::ByName;
+  };
+  auto source = [](std::int64_t s, std::int64_t) {
+    at::Generator g = at::make_generator<at::CPUGeneratorImpl>(static_cast<std::uint64_t>(s));
+    return Batch{at::randn({4, 6}, g), at::randn({4, 4}, g)};
+  };
+  at::manual_seed(3);
+  NetImpl a;
+  at::manual_seed(3);
+  NetImpl b;
+  tr::Trainer<NetImpl, Static>::Options sa;
+  sa.schedule = {.num_warmup_steps = 3, .num_training_steps = 12};
+  tr::Trainer<NetImpl, Chosen>::Options sb;
+  sb.schedule = dt::schedule::ByName::from_json(nlohmann::json::parse(
+      R"({"lr_scheduler": "cosine", "num_warmup_steps": 3, "num_training_steps": 12})"));
+  tr::Trainer<NetImpl, Static> ta(a, sa);
+  tr::Trainer<NetImpl, Chosen> tb(b, sb);
+  for (std::int64_t s = 0; s < 12; ++s) {
+    const auto ia = ta.step({source(s, 0)});
+    const auto ib = tb.step({source(s, 0)});
+    EXPECT_EQ(ia.lr, ib.lr) << s;
+  }
+  EXPECT_TRUE(at::equal(a.fc1->weight, b.fc1->weight));
+  EXPECT_THROW(tb.fit(source, 13), dt::ConfigError);  // past the chosen schedule's horizon
+  const fs::path ckpt = scratch("by-name.pt");
+  tb.save_checkpoint(ckpt);
+  NetImpl c;
+  tr::Trainer<NetImpl, Chosen>::Options sc;
+  sc.schedule.lr_scheduler = "linear";
+  sc.schedule.args = sb.schedule.args;
+  tr::Trainer<NetImpl, Chosen> tc(c, sc);
+  try {
+    tc.load_checkpoint(ckpt);
+    ADD_FAILURE() << "a checkpoint of another chosen schedule was taken";
+  } catch (const dt::ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("take_on_resume.schedule"), std::string::npos) << e.what();
+  }
 }

@@ -2,6 +2,7 @@
 // Umbrella header of the schedule layer.
 
 #include "difftrain/schedule/bind.hpp"
+#include "difftrain/schedule/by_name.hpp"
 #include "difftrain/schedule/cogvideox.hpp"
 #include "difftrain/schedule/concepts.hpp"
 #include "difftrain/schedule/diffusers.hpp"

@@ -347,14 +347,17 @@ class Trainer {
   void fit(Source&& source, std::int64_t until_step) {
     // A schedule with a horizon is defined up to it: past it diffusers' cosine climbs back to the
     // peak and the linear one stays at zero. Training past it is a mistake in the options.
-    if constexpr (requires { o_.schedule.num_training_steps; }) {
-      if (until_step > o_.schedule.num_training_steps)
-        throw ConfigError("is " + std::to_string(o_.schedule.num_training_steps) +
-                              ", but fit trains until step " + std::to_string(until_step) +
-                              "; the schedule is not defined past its horizon (set it to the "
-                              "run's length)",
-                          "Trainer options: schedule.num_training_steps");
-    }
+    std::optional<std::int64_t> horizon;
+    if constexpr (requires { o_.schedule.num_training_steps; })
+      horizon = o_.schedule.num_training_steps;
+    else if constexpr (requires { ScheduleT::horizon(o_.schedule); })
+      horizon = ScheduleT::horizon(o_.schedule);  // a schedule chosen at run time
+    if (horizon && until_step > *horizon)
+      throw ConfigError("is " + std::to_string(*horizon) + ", but fit trains until step " +
+                            std::to_string(until_step) +
+                            "; the schedule is not defined past its horizon (set it to the run's "
+                            "length)",
+                        "Trainer options: schedule.num_training_steps");
     stop_requested_ = false;
     while (step_ < until_step && !stop_requested_) {
       std::vector<Batch> micro;
