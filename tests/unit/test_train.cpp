@@ -3,9 +3,9 @@
 // torch's, parameter groups and callbacks.
 #include <gtest/gtest.h>
 #include <difftrain/io/remove_tree.hpp>
-#include <difftrain/schedule/by_name.hpp>
 #include <difftrain/io/safetensors.hpp>
 #include <difftrain/io/zip_archive.hpp>
+#include <difftrain/schedule/by_name.hpp>
 #include <difftrain/train/train.hpp>
 
 #include <filesystem>
