@@ -32,7 +32,8 @@ macro(difftrain_locate_torch)
   find_package(Torch QUIET)
   if(NOT Torch_FOUND)
     message(FATAL_ERROR
-      "difftrain: LibTorch not found. Run `bash scripts/setup.sh` (installs torch into a venv), "
-      "or pass -DTorch_DIR=<torch.utils.cmake_prefix_path>/Torch, or -DDIFFTRAIN_PYTHON=<python with torch>.")
+      "difftrain: LibTorch not found (asked ${DIFFTRAIN_PYTHON}). Pass "
+      "-DTorch_DIR=<torch.utils.cmake_prefix_path>/Torch or -DDIFFTRAIN_PYTHON=<a python with "
+      "torch>; in difftrain's checkout, `bash scripts/setup.sh` installs torch into a venv.")
   endif()
 endmacro()

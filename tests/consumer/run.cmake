@@ -1,5 +1,7 @@
 # Installs difftrain into a scratch prefix, then configures, builds and runs a tiny consumer
 # project that only does `find_package(difftrain)` + `target_link_libraries(app difftrain::difftrain)`.
+# Then moves the installed package elsewhere and does it again with no Torch_DIR: the package finds
+# this machine's LibTorch through DIFFTRAIN_PYTHON's torch, not the path it was installed with.
 file(REMOVE_RECURSE ${WORK_DIR})
 set(prefix ${WORK_DIR}/prefix)
 
@@ -25,4 +27,20 @@ run_step("build consumer" ${CMAKE_COMMAND} --build ${WORK_DIR}/build)
 run_step("run consumer" ${WORK_DIR}/build/consumer)
 if(NOT last_output MATCHES "consumer ok")
   message(FATAL_ERROR "consumer test: unexpected output:\n${last_output}")
+endif()
+
+file(RENAME ${prefix} ${WORK_DIR}/moved)
+run_step("configure consumer of the moved package" ${CMAKE_COMMAND} -S ${SOURCE_DIR}/tests/consumer
+         -B ${WORK_DIR}/build-moved -G ${GENERATOR} -DCMAKE_CXX_COMPILER=${CXX}
+         -DCMAKE_PREFIX_PATH=${WORK_DIR}/moved -DDIFFTRAIN_PYTHON=${PYTHON})
+run_step("build consumer of the moved package" ${CMAKE_COMMAND} --build ${WORK_DIR}/build-moved)
+run_step("run consumer of the moved package" ${WORK_DIR}/build-moved/consumer)
+if(NOT last_output MATCHES "consumer ok")
+  message(FATAL_ERROR "consumer test (moved package): unexpected output:\n${last_output}")
+endif()
+file(GLOB_RECURSE config ${WORK_DIR}/moved/*difftrainConfig.cmake)
+file(READ ${config} text)
+string(FIND "${text}" "${Torch_DIR}" baked)
+if(NOT baked EQUAL -1)
+  message(FATAL_ERROR "consumer test: the installed config names the installing machine's Torch")
 endif()
