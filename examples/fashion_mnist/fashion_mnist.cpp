@@ -223,10 +223,11 @@ int run(const Settings& s) {
   o.ema.rule.decay = s.ema_decay;
   o.clipping.max_norm = s.clip;
   o.parallel.world = world;
-  // A checkpoint written with another LR, schedule (--steps, --warmup), weight decay or EMA decay
-  // is refused by name, unless the run is told to train on with this command line's.
+  // A checkpoint written with another LR, schedule (--steps, --warmup), weight decay, clipping or
+  // EMA decay is refused by name, unless the run is told to train on with this command line's.
   if (s.take_new_settings)
-    o.take_on_resume = {.lr = true, .schedule = true, .optimizer = true, .ema = true};
+    o.take_on_resume = {
+        .lr = true, .schedule = true, .optimizer = true, .ema = true, .clipping = true};
   auto remove = [](const fs::path& path) {
     std::error_code ec;
     fs::remove(path, ec);
@@ -436,8 +437,9 @@ int main(int argc, char** argv) {
       ->check(examples::count_in(0, 100'000'000));
   g->add_flag("--overwrite", s.overwrite, "start again even if OUT holds checkpoints");
   g->add_flag("--take-new-settings", s.take_new_settings,
-              "with --resume: train on with this command line's LR, schedule, weight decay and "
-              "EMA decay when the checkpoint was written with others (else they are refused)");
+              "with --resume: train on with this command line's LR, schedule, weight decay, "
+              "clipping and EMA decay when the checkpoint was written with others (else they are "
+              "refused)");
   g->add_flag("--progress", s.progress, "show the progress bar even when stderr is not a terminal");
   g->add_option("--rank-timeout", s.rank_timeout,
                 "seconds a rank of a torchrun launch waits for the others before it stops")

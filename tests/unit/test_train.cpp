@@ -834,6 +834,9 @@ TEST(Trainer, ResumingWithChangedSettingsIsRefusedByNameOrTakesThemOnRequest) {
          EXPECT_DOUBLE_EQ(static_cast<const torch::optim::AdamWOptions&>(g).weight_decay(), 0.1);
          EXPECT_DOUBLE_EQ(g.get_lr(), t.scheduler().last_lr().front());
        }},
+      {"clipping", [](T::Options& o) { o.clipping.max_norm = 0.5; },
+       "a clipping policy whose effect", [](T::Options& o) { o.take_on_resume.clipping = true; },
+       [](T& /*t*/) {}},
       {"ema", [](T::Options& o) { o.ema.rule.decay = 0.5; }, "EMA decay",
        [](T::Options& o) { o.take_on_resume.ema = true; },
        [](T& t) {

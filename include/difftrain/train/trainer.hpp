@@ -249,6 +249,7 @@ class Trainer {
       bool schedule = false;   ///< the schedule's options (its LR curve)
       bool optimizer = false;  ///< the optimizer's other settings (betas, eps, weight decay, ...)
       bool ema = false;        ///< the EMA rule's options (decay, ...); its counters continue
+      bool clipping = false;   ///< the clipping policy's options (max_norm, ...)
     } take_on_resume{};
   };
 
@@ -429,7 +430,9 @@ class Trainer {
     {
       nlohmann::json groups = nlohmann::json::array();
       for (const auto& g : option_groups_) groups.push_back(optimizer_settings(*g));
-      js["settings"] = {{"schedule_curve", schedule_curve()}, {"optimizer", groups}};
+      js["settings"] = {{"schedule_curve", schedule_curve()},
+                        {"optimizer", groups},
+                        {"clipping", clipping_probe()}};
     }
     // Every rank's generator (each draws its own noise); rank 0's also under the old key.
     const at::Tensor rng = at::detail::getDefaultCPUGenerator().get_state();
@@ -684,6 +687,25 @@ class Trainer {
     return curve;
   }
 
+  // What the clipping policy does to a few gradients (small, large, huge, at several steps): two
+  // policies with different options (max_norm, a clip value, a step string) differ somewhere here.
+  [[nodiscard]] nlohmann::json clipping_probe() const {
+    ClippingT clip(o_.clipping);
+    nlohmann::json out = nlohmann::json::array();
+    auto number = [](double v) {
+      return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(nullptr);
+    };
+    for (std::int64_t step : {0, 10, 100, 1000, 10000})
+      for (double scale : {0.01, 1.0, 100.0}) {
+        at::Tensor p = at::zeros({2}, at::kDouble).requires_grad_();
+        p.mutable_grad() = at::tensor({3.0, -4.0}, at::kDouble) * scale;
+        const double norm = clip.apply({p}, step);
+        out.push_back(
+            {number(norm), number(p.grad()[0].item<double>()), number(p.grad()[1].item<double>())});
+      }
+    return out;
+  }
+
   // An optimizer group's settings besides its LR (which the schedule sets), for the optimizers
   // difftrain names; another optimizer's are not compared.
   static nlohmann::json optimizer_settings(const torch::optim::OptimizerOptions& o) {
@@ -747,6 +769,10 @@ class Trainer {
         refuse("a schedule whose LR curve (base LR 1, at steps 0, 1, 2, 3, 5, 8, 10, 20, ...)", was,
                now, "schedule");
     }
+    if (!o_.take_on_resume.clipping && saved.contains("clipping") &&
+        saved["clipping"] != clipping_probe())
+      refuse("a clipping policy whose effect on probe gradients", saved["clipping"],
+             clipping_probe(), "clipping");
     if (!o_.take_on_resume.optimizer && saved.contains("optimizer")) {
       const nlohmann::json& was = saved["optimizer"];
       for (std::size_t i = 0; i < option_groups_.size() && i < was.size(); ++i) {
