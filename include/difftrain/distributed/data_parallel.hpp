@@ -118,17 +118,7 @@ class DataParallel {
   template <class F>
   void guard(F&& f) {
     if (!world_->distributed()) return std::forward<F>(f)();
-    try {
-      std::forward<F>(f)();
-    } catch (const DistributedError&) {
-      throw;
-    } catch (const c10::Error& e) {
-      throw world_->failure("sharing gradients", world_detail::first_line(e));
-    } catch (const Error&) {
-      throw;
-    } catch (const std::exception& e) {  // Gloo's own (a peer reset the connection)
-      throw world_->failure("sharing gradients", e.what());
-    }
+    world_->guarded("sharing gradients", std::forward<F>(f));
   }
 
   [[nodiscard]] double mean(double x) {
@@ -161,14 +151,12 @@ class DataParallel {
       h ^= static_cast<std::uint64_t>(v);
       h *= 1099511628211ULL;
     };
-    for (const auto& p : params_) {
-      mix(static_cast<std::int64_t>(p.scalar_type()));
-      for (auto s : p.sizes()) mix(s);
-    }
-    for (const auto& b : model_->buffers()) {
-      mix(static_cast<std::int64_t>(b.scalar_type()));
-      for (auto s : b.sizes()) mix(s);
-    }
+    auto mix_tensor = [&](const at::Tensor& t) {
+      mix(static_cast<std::int64_t>(t.scalar_type()));
+      for (auto s : t.sizes()) mix(s);
+    };
+    for (const auto& p : params_) mix_tensor(p);
+    for (const auto& b : model_->buffers()) mix_tensor(b);
     const at::Tensor mine = at::tensor(
         {static_cast<std::int64_t>(params_.size()), static_cast<std::int64_t>(h >> 1)}, at::kLong);
     const auto all = world_->all_gather(mine);

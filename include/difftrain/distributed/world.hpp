@@ -20,9 +20,11 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
+#include <exception>
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "difftrain/core/error.hpp"
@@ -178,17 +180,25 @@ class World {
     run("barrier", [&] { return group_->barrier(); });
   }
 
-  /// Turns a failure of `what` (a c10d error) into a DistributedError naming it and this rank.
+  /// Runs `f`; a failure of the group in it (a c10d or Gloo error) becomes a DistributedError
+  /// naming `what` and this rank. difftrain's own errors pass through unchanged.
   template <class F>
-  void run(const std::string& what, F&& start) const {
+  void guarded(const std::string& what, F&& f) const {
     try {
-      auto work = start();
-      work->wait(timeout_);
+      std::forward<F>(f)();
+    } catch (const Error&) {
+      throw;
     } catch (const c10::Error& e) {
       throw failure(what, world_detail::first_line(e));
     } catch (const std::exception& e) {  // Gloo's own (a peer reset the connection)
       throw failure(what, e.what());
     }
+  }
+
+  /// Starts a collective with `start` and waits for it, as `guarded`.
+  template <class F>
+  void run(const std::string& what, F&& start) const {
+    guarded(what, [&] { start()->wait(timeout_); });
   }
 
   [[nodiscard]] DistributedError failure(const std::string& what, const std::string& why) const {

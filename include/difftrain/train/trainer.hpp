@@ -709,18 +709,15 @@ class Trainer {
   // An optimizer group's settings besides its LR (which the schedule sets), for the optimizers
   // difftrain names; another optimizer's are not compared.
   static nlohmann::json optimizer_settings(const torch::optim::OptimizerOptions& o) {
-    if (const auto* w = dynamic_cast<const torch::optim::AdamWOptions*>(&o))
-      return {{"beta1", std::get<0>(w->betas())},
-              {"beta2", std::get<1>(w->betas())},
-              {"eps", w->eps()},
-              {"weight_decay", w->weight_decay()},
-              {"amsgrad", w->amsgrad()}};
-    if (const auto* a = dynamic_cast<const torch::optim::AdamOptions*>(&o))
-      return {{"beta1", std::get<0>(a->betas())},
-              {"beta2", std::get<1>(a->betas())},
-              {"eps", a->eps()},
-              {"weight_decay", a->weight_decay()},
-              {"amsgrad", a->amsgrad()}};
+    auto adam = [](const auto& a) -> nlohmann::json {  // AdamW's and Adam's are the same fields
+      return {{"beta1", std::get<0>(a.betas())},
+              {"beta2", std::get<1>(a.betas())},
+              {"eps", a.eps()},
+              {"weight_decay", a.weight_decay()},
+              {"amsgrad", a.amsgrad()}};
+    };
+    if (const auto* w = dynamic_cast<const torch::optim::AdamWOptions*>(&o)) return adam(*w);
+    if (const auto* a = dynamic_cast<const torch::optim::AdamOptions*>(&o)) return adam(*a);
     if (const auto* g = dynamic_cast<const torch::optim::SGDOptions*>(&o))
       return {{"momentum", g->momentum()},
               {"dampening", g->dampening()},
@@ -769,10 +766,12 @@ class Trainer {
         refuse("a schedule whose LR curve (base LR 1, at steps 0, 1, 2, 3, 5, 8, 10, 20, ...)", was,
                now, "schedule");
     }
-    if (!o_.take_on_resume.clipping && saved.contains("clipping") &&
-        saved["clipping"] != clipping_probe())
-      refuse("a clipping policy whose effect on probe gradients", saved["clipping"],
-             clipping_probe(), "clipping");
+    if (!o_.take_on_resume.clipping && saved.contains("clipping")) {
+      const nlohmann::json now = clipping_probe();
+      if (saved["clipping"] != now)
+        refuse("a clipping policy whose effect on probe gradients", saved["clipping"], now,
+               "clipping");
+    }
     if (!o_.take_on_resume.optimizer && saved.contains("optimizer")) {
       const nlohmann::json& was = saved["optimizer"];
       for (std::size_t i = 0; i < option_groups_.size() && i < was.size(); ++i) {
