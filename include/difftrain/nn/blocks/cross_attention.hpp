@@ -34,6 +34,7 @@ struct CrossAttentionOptions {
   std::int64_t heads = 8;
   std::int64_t dim_head = 64;
   double dropout = 0.0;
+  bool qkv_bias = false;  // diffusers' VAE attention has biases on to_q, to_k, to_v
 };
 
 /// Optional inputs of one call.
@@ -56,8 +57,8 @@ class CrossAttentionImpl : public torch::nn::Module {
       throw ConfigError("query_dim, heads and dim_head must be positive", "CrossAttention");
     const std::int64_t inner = o.heads * o.dim_head;
     const std::int64_t context_dim = o.context_dim.value_or(o.query_dim);
-    auto linear = [](std::int64_t in, std::int64_t out) {
-      return AdaptableLinear(torch::nn::LinearOptions(in, out).bias(false));
+    auto linear = [&o](std::int64_t in, std::int64_t out) {
+      return AdaptableLinear(torch::nn::LinearOptions(in, out).bias(o.qkv_bias));
     };
     to_q = register_module("to_q", linear(o.query_dim, inner));
     to_k = register_module("to_k", linear(context_dim, inner));

@@ -1,0 +1,356 @@
+#pragma once
+// diffusers' AutoencoderKL — the VAE of Stable Diffusion — built from its `config.json`, with
+// diffusers' parameter names. encode() gives the diagonal Gaussian posterior over latents,
+// decode() the image; the latents a UNet trains on are (sample − shift_factor) · scaling_factor.
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/conv.h>
+#include <torch/nn/modules/normalization.h>
+#include <torch/nn/pimpl.h>
+
+#include <cmath>
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "difftrain/core/error.hpp"
+#include "difftrain/models/config_reader.hpp"
+#include "difftrain/models/embeddings.hpp"
+#include "difftrain/models/unet_blocks.hpp"
+
+namespace difftrain::models {
+
+/// The posterior of a VAE encoding: mean and log-variance (clamped to [-30, 20]) per latent.
+struct DiagonalGaussianDistribution {
+  at::Tensor mean, logvar, std, var;
+  bool deterministic = false;
+
+  explicit DiagonalGaussianDistribution(const at::Tensor& parameters, bool deterministic_ = false)
+      : deterministic(deterministic_) {
+    if (parameters.dim() < 2 || parameters.size(1) % 2 != 0)
+      throw ShapeError(
+          "the moments must have an even channel count, got " + c10::str(parameters.sizes()),
+          "DiagonalGaussianDistribution");
+    const auto halves = parameters.chunk(2, 1);
+    mean = halves[0];
+    logvar = halves[1].clamp(-30.0, 20.0);
+    std = (0.5 * logvar).exp();
+    var = logvar.exp();
+    if (deterministic) std = var = at::zeros_like(mean);
+  }
+
+  /// mean + std · ε, ε ~ N(0, 1) drawn from `generator` (the global one when undefined).
+  [[nodiscard]] at::Tensor sample(std::optional<at::Generator> generator = std::nullopt) const {
+    return mean + std * at::randn(mean.sizes(), generator, mean.options());
+  }
+  [[nodiscard]] at::Tensor mode() const { return mean; }
+  /// KL divergence to N(0, 1), summed over all but the batch dimension.
+  [[nodiscard]] at::Tensor kl() const {
+    if (deterministic) return at::zeros({1}, mean.options());
+    return 0.5 * (mean.pow(2) + var - 1.0 - logvar).sum({1, 2, 3});
+  }
+  /// Negative log-likelihood of `x`, summed over all but the batch dimension.
+  [[nodiscard]] at::Tensor nll(const at::Tensor& x) const {
+    if (deterministic) return at::zeros({1}, mean.options());
+    return 0.5 * (std::log(2.0 * M_PI) + logvar + (x - mean).pow(2) / var).sum({1, 2, 3});
+  }
+};
+
+/// The fields of diffusers' AutoencoderKL config, with diffusers' defaults.
+struct AutoencoderKLConfig {
+  std::int64_t in_channels = 3, out_channels = 3;
+  std::vector<std::string> down_block_types{"DownEncoderBlock2D"};
+  std::vector<std::string> up_block_types{"UpDecoderBlock2D"};
+  std::vector<std::int64_t> block_out_channels{64};
+  std::int64_t layers_per_block = 1;
+  std::string act_fn = "silu";
+  std::int64_t latent_channels = 4;
+  std::int64_t norm_num_groups = 32;
+  nlohmann::json sample_size = 32;  // an int or [h, w]; the tiling size in diffusers
+  double scaling_factor = 0.18215;
+  std::optional<double> shift_factor;
+  std::optional<std::vector<double>> latents_mean, latents_std;
+  bool force_upcast = true;  // diffusers' pipelines run an fp16 VAE in float32
+  bool use_quant_conv = true, use_post_quant_conv = true;
+  bool mid_block_add_attention = true;
+
+  void resolve(const std::string& where) {
+    const std::size_t n = block_out_channels.size();
+    if (n == 0) throw ConfigError("'block_out_channels' is empty", where);
+    if (down_block_types.size() != n || up_block_types.size() != n)
+      throw ConfigError(
+          "'down_block_types' and 'up_block_types' need one entry per "
+          "'block_out_channels' entry (" +
+              std::to_string(n) + ")",
+          where);
+    for (const auto& t : down_block_types)
+      if (t != "DownEncoderBlock2D")
+        throw ConfigError("'down_block_types' has \"" + t +
+                              "\", which difftrain does not build (DownEncoderBlock2D)",
+                          where);
+    for (const auto& t : up_block_types)
+      if (t != "UpDecoderBlock2D")
+        throw ConfigError(
+            "'up_block_types' has \"" + t + "\", which difftrain does not build (UpDecoderBlock2D)",
+            where);
+    for (auto c : block_out_channels)
+      if (c <= 0 || norm_num_groups <= 0 || c % norm_num_groups != 0)
+        throw ConfigError("'block_out_channels' entry " + std::to_string(c) +
+                              " is not a positive multiple of norm_num_groups " +
+                              std::to_string(norm_num_groups),
+                          where);
+    if (layers_per_block <= 0) throw ConfigError("'layers_per_block' must be positive", where);
+    if (latent_channels <= 0) throw ConfigError("'latent_channels' must be positive", where);
+    if (!std::isfinite(scaling_factor) || scaling_factor == 0.0)
+      throw ConfigError("'scaling_factor' must be finite and non-zero", where);
+  }
+
+  static AutoencoderKLConfig from_json(const nlohmann::json& j, const std::string& where) {
+    ConfigReader r(j, where);
+    AutoencoderKLConfig c;
+    c.in_channels = r.get("in_channels", c.in_channels);
+    c.out_channels = r.get("out_channels", c.out_channels);
+    c.down_block_types = r.get("down_block_types", c.down_block_types);
+    c.up_block_types = r.get("up_block_types", c.up_block_types);
+    c.block_out_channels = r.get("block_out_channels", c.block_out_channels);
+    c.layers_per_block = r.get("layers_per_block", c.layers_per_block);
+    c.act_fn = r.get("act_fn", c.act_fn);
+    c.latent_channels = r.get("latent_channels", c.latent_channels);
+    c.norm_num_groups = r.get("norm_num_groups", c.norm_num_groups);
+    c.sample_size = r.get("sample_size", c.sample_size);
+    c.scaling_factor = r.get("scaling_factor", c.scaling_factor);
+    c.shift_factor = r.optional<double>("shift_factor");
+    c.latents_mean = r.optional<std::vector<double>>("latents_mean");
+    c.latents_std = r.optional<std::vector<double>>("latents_std");
+    c.force_upcast = r.get("force_upcast", c.force_upcast);
+    c.use_quant_conv = r.get("use_quant_conv", c.use_quant_conv);
+    c.use_post_quant_conv = r.get("use_post_quant_conv", c.use_post_quant_conv);
+    c.mid_block_add_attention = r.get("mid_block_add_attention", c.mid_block_add_attention);
+    r.finish();
+    c.resolve(where);
+    return c;
+  }
+
+  [[nodiscard]] nlohmann::json to_json() const {
+    nlohmann::json j;
+    j["_class_name"] = "AutoencoderKL";
+    j["_diffusers_version"] = "0.30.0";
+    j["in_channels"] = in_channels;
+    j["out_channels"] = out_channels;
+    j["down_block_types"] = down_block_types;
+    j["up_block_types"] = up_block_types;
+    j["block_out_channels"] = block_out_channels;
+    j["layers_per_block"] = layers_per_block;
+    j["act_fn"] = act_fn;
+    j["latent_channels"] = latent_channels;
+    j["norm_num_groups"] = norm_num_groups;
+    j["sample_size"] = sample_size;
+    j["scaling_factor"] = scaling_factor;
+    j["shift_factor"] = shift_factor ? nlohmann::json(*shift_factor) : nullptr;
+    j["latents_mean"] = latents_mean ? nlohmann::json(*latents_mean) : nullptr;
+    j["latents_std"] = latents_std ? nlohmann::json(*latents_std) : nullptr;
+    j["force_upcast"] = force_upcast;
+    j["use_quant_conv"] = use_quant_conv;
+    j["use_post_quant_conv"] = use_post_quant_conv;
+    j["mid_block_add_attention"] = mid_block_add_attention;
+    return j;
+  }
+};
+
+namespace vae_detail {
+inline ResnetSettings resnet_settings(const AutoencoderKLConfig& c) {
+  ResnetSettings s;
+  s.groups = c.norm_num_groups;
+  s.eps = 1e-6;
+  return s;
+}
+template <nn::attention::AttentionBackend Backend, nn::ElementwiseActivation Act>
+MidBlock<Backend, Act> mid_block(const AutoencoderKLConfig& c) {
+  MidBlockOptions m;
+  m.channels = c.block_out_channels.back();
+  m.num_layers = 1;
+  m.resnet = resnet_settings(c);
+  if (c.mid_block_add_attention) m.self_attention_head_dim = m.channels;  // one head
+  return MidBlock<Backend, Act>(m);
+}
+}  // namespace vae_detail
+
+template <nn::attention::AttentionBackend Backend, nn::ElementwiseActivation Act>
+class VaeEncoderImpl : public torch::nn::Module {
+ public:
+  explicit VaeEncoderImpl(const AutoencoderKLConfig& c) {
+    using namespace torch::nn;
+    const auto& ch = c.block_out_channels;
+    conv_in = register_module("conv_in", Conv2d(Conv2dOptions(c.in_channels, ch[0], 3).padding(1)));
+    down_blocks = register_module("down_blocks", ModuleList());
+    std::int64_t out = ch[0];
+    for (std::size_t i = 0; i < ch.size(); ++i) {
+      DownBlockOptions d;
+      d.in_channels = out;
+      d.out_channels = out = ch[i];
+      d.num_layers = c.layers_per_block;
+      d.resnet = vae_detail::resnet_settings(c);
+      d.add_downsample = i + 1 < ch.size();
+      d.downsample_padding = 0;
+      down_.push_back(DownBlock<Backend, Act>(d));
+      down_blocks->push_back(down_.back());
+    }
+    mid_block = register_module("mid_block", vae_detail::mid_block<Backend, Act>(c));
+    conv_norm_out = register_module(
+        "conv_norm_out", GroupNorm(GroupNormOptions(c.norm_num_groups, ch.back()).eps(1e-6)));
+    conv_out = register_module(
+        "conv_out", Conv2d(Conv2dOptions(ch.back(), 2 * c.latent_channels, 3).padding(1)));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    at::Tensor h = conv_in->forward(x);
+    for (auto& d : down_) h = d->forward(h, {}, {}, nullptr);
+    h = mid_block->forward(h);
+    return conv_out->forward(at::silu(conv_norm_out->forward(h)));  // SiLU whatever act_fn says
+  }
+  void set_checkpointing(bool on) {
+    for (auto& d : down_) d->set_checkpointing(on);
+    mid_block->set_checkpointing(on);
+  }
+  torch::nn::Conv2d conv_in{nullptr}, conv_out{nullptr};
+  torch::nn::ModuleList down_blocks{nullptr};
+  MidBlock<Backend, Act> mid_block{nullptr};
+  torch::nn::GroupNorm conv_norm_out{nullptr};
+
+ private:
+  std::vector<DownBlock<Backend, Act>> down_;
+};
+
+template <nn::attention::AttentionBackend Backend, nn::ElementwiseActivation Act>
+class VaeDecoderImpl : public torch::nn::Module {
+ public:
+  explicit VaeDecoderImpl(const AutoencoderKLConfig& c) {
+    using namespace torch::nn;
+    const auto& ch = c.block_out_channels;
+    conv_in = register_module("conv_in",
+                              Conv2d(Conv2dOptions(c.latent_channels, ch.back(), 3).padding(1)));
+    up_blocks = register_module("up_blocks", ModuleList());
+    mid_block = register_module("mid_block", vae_detail::mid_block<Backend, Act>(c));
+    std::int64_t out = ch.back();
+    for (std::size_t i = 0; i < ch.size(); ++i) {
+      UpBlockOptions u;
+      u.prev_output_channels = out;
+      u.out_channels = out = ch[ch.size() - 1 - i];
+      u.num_layers = c.layers_per_block + 1;
+      u.resnet = vae_detail::resnet_settings(c);
+      u.add_upsample = i + 1 < ch.size();
+      u.skips = false;
+      up_.push_back(UpBlock<Backend, Act>(u));
+      up_blocks->push_back(up_.back());
+    }
+    conv_norm_out = register_module(
+        "conv_norm_out", GroupNorm(GroupNormOptions(c.norm_num_groups, ch[0]).eps(1e-6)));
+    conv_out =
+        register_module("conv_out", Conv2d(Conv2dOptions(ch[0], c.out_channels, 3).padding(1)));
+  }
+  at::Tensor forward(const at::Tensor& z) {
+    at::Tensor h = mid_block->forward(conv_in->forward(z));
+    for (auto& u : up_) h = u->forward(h, {}, {}, nullptr);
+    return conv_out->forward(at::silu(conv_norm_out->forward(h)));
+  }
+  void set_checkpointing(bool on) {
+    for (auto& u : up_) u->set_checkpointing(on);
+    mid_block->set_checkpointing(on);
+  }
+  torch::nn::Conv2d conv_in{nullptr}, conv_out{nullptr};
+  torch::nn::ModuleList up_blocks{nullptr};
+  MidBlock<Backend, Act> mid_block{nullptr};
+  torch::nn::GroupNorm conv_norm_out{nullptr};
+
+ private:
+  std::vector<UpBlock<Backend, Act>> up_;
+};
+
+template <nn::attention::AttentionBackend Backend = nn::attention::Sdpa<nn::attention::Auto>,
+          nn::ElementwiseActivation Act = nn::activation::SiLU>
+class AutoencoderKLImpl : public torch::nn::Module {
+ public:
+  using Config = AutoencoderKLConfig;
+
+  explicit AutoencoderKLImpl(Config config, const std::string& where = "AutoencoderKL")
+      : c_(std::move(config)) {
+    c_.resolve(where);
+    check_activation<Act>("act_fn", c_.act_fn, where);
+    encoder = register_module("encoder", torch::nn::ModuleHolder<VaeEncoderImpl<Backend, Act>>(c_));
+    decoder = register_module("decoder", torch::nn::ModuleHolder<VaeDecoderImpl<Backend, Act>>(c_));
+    const std::int64_t l = c_.latent_channels;
+    if (c_.use_quant_conv)
+      quant_conv = register_module("quant_conv",
+                                   torch::nn::Conv2d(torch::nn::Conv2dOptions(2 * l, 2 * l, 1)));
+    if (c_.use_post_quant_conv)
+      post_quant_conv =
+          register_module("post_quant_conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(l, l, 1)));
+  }
+
+  [[nodiscard]] const Config& config() const { return c_; }
+  /// How many times smaller the latents are than the image.
+  [[nodiscard]] std::int64_t downscale() const {
+    return std::int64_t{1} << (c_.block_out_channels.size() - 1);
+  }
+
+  DiagonalGaussianDistribution encode(const at::Tensor& x) {
+    if (x.dim() != 4 || x.size(1) != c_.in_channels)
+      throw ShapeError("images must be (B, " + std::to_string(c_.in_channels) + ", H, W), got " +
+                           c10::str(x.sizes()),
+                       "AutoencoderKL::encode");
+    at::Tensor moments = encoder->forward(x);
+    if (quant_conv) moments = quant_conv->forward(moments);
+    return DiagonalGaussianDistribution(moments);
+  }
+
+  at::Tensor decode(const at::Tensor& z) {
+    if (z.dim() != 4 || z.size(1) != c_.latent_channels)
+      throw ShapeError("latents must be (B, " + std::to_string(c_.latent_channels) +
+                           ", h, w), got " + c10::str(z.sizes()),
+                       "AutoencoderKL::decode");
+    return decoder->forward(post_quant_conv ? post_quant_conv->forward(z) : z);
+  }
+
+  /// Reconstruction through the posterior's mode (or a sample of it).
+  at::Tensor forward(const at::Tensor& x, bool sample_posterior = false,
+                     std::optional<at::Generator> generator = std::nullopt) {
+    const auto posterior = encode(x);
+    return decode(sample_posterior ? posterior.sample(std::move(generator)) : posterior.mode());
+  }
+
+  /// What a latent diffusion model trains on, as diffusers' training scripts compute it:
+  /// (posterior sample − shift_factor) · scaling_factor.
+  at::Tensor encode_latents(const at::Tensor& images,
+                            std::optional<at::Generator> generator = std::nullopt) {
+    at::Tensor z = encode(images).sample(std::move(generator));
+    if (c_.shift_factor) z = z - *c_.shift_factor;
+    return z * c_.scaling_factor;
+  }
+  /// Images from latents a model produced: the inverse scaling, then decode.
+  at::Tensor decode_latents(const at::Tensor& latents) {
+    at::Tensor z = latents / c_.scaling_factor;
+    if (c_.shift_factor) z = z + *c_.shift_factor;
+    return decode(z);
+  }
+
+  void set_gradient_checkpointing(bool on) {
+    encoder->set_checkpointing(on);
+    decoder->set_checkpointing(on);
+  }
+
+  torch::nn::ModuleHolder<VaeEncoderImpl<Backend, Act>> encoder{nullptr};
+  torch::nn::ModuleHolder<VaeDecoderImpl<Backend, Act>> decoder{nullptr};
+  torch::nn::Conv2d quant_conv{nullptr}, post_quant_conv{nullptr};
+
+ private:
+  Config c_;
+};
+
+template <nn::attention::AttentionBackend Backend = nn::attention::Sdpa<nn::attention::Auto>,
+          nn::ElementwiseActivation Act = nn::activation::SiLU>
+using AutoencoderKL = torch::nn::ModuleHolder<AutoencoderKLImpl<Backend, Act>>;
+
+}  // namespace difftrain::models

@@ -1,0 +1,12 @@
+#pragma once
+// Umbrella header of the models layer: diffusers' UNet2DConditionModel and AutoencoderKL, their
+// building blocks, and diffusers model folders.
+
+#include "difftrain/models/autoencoder_kl.hpp"
+#include "difftrain/models/config_reader.hpp"
+#include "difftrain/models/embeddings.hpp"
+#include "difftrain/models/pretrained.hpp"
+#include "difftrain/models/resnet.hpp"
+#include "difftrain/models/transformer_2d.hpp"
+#include "difftrain/models/unet_2d_condition.hpp"
+#include "difftrain/models/unet_blocks.hpp"

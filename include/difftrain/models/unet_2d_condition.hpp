@@ -1,0 +1,577 @@
+#pragma once
+// diffusers' UNet2DConditionModel — the UNet of Stable Diffusion 1.x/2.x and of diffusers'
+// class-conditional and small test configurations — built from its `config.json`, parameter for
+// parameter. The attention backend and the activation are compile-time policies (the config's
+// act_fn must name the activation policy); every config field is read, and a field or value
+// difftrain does not build is a ConfigError naming it.
+//
+//   conv_in → down blocks (skips saved) → mid block → up blocks (skips consumed) →
+//   GroupNorm → act → conv_out, with the timestep embedding (+ class embedding) in every resnet
+//   and encoder_hidden_states in every cross-attention.
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/conv.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+#include <torch/nn/pimpl.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "difftrain/core/error.hpp"
+#include "difftrain/models/config_reader.hpp"
+#include "difftrain/models/embeddings.hpp"
+#include "difftrain/models/unet_blocks.hpp"
+
+namespace difftrain::models {
+
+/// The fields of diffusers' UNet2DConditionModel config that difftrain builds, with diffusers'
+/// defaults. Per-block fields hold one entry per down block.
+struct UNet2DConditionConfig {
+  std::optional<nlohmann::json> sample_size;  // metadata only (an int or [h, w])
+  std::int64_t in_channels = 4, out_channels = 4;
+  bool center_input_sample = false;
+  bool flip_sin_to_cos = true;
+  double freq_shift = 0;
+  std::vector<std::string> down_block_types{"CrossAttnDownBlock2D", "CrossAttnDownBlock2D",
+                                            "CrossAttnDownBlock2D", "DownBlock2D"};
+  std::optional<std::string> mid_block_type = "UNetMidBlock2DCrossAttn";
+  std::vector<std::string> up_block_types{"UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D",
+                                          "CrossAttnUpBlock2D"};
+  std::vector<bool> only_cross_attention;  // per block; empty: all false
+  std::optional<bool> mid_block_only_cross_attention;
+  std::vector<std::int64_t> block_out_channels{320, 640, 1280, 1280};
+  std::vector<std::int64_t> layers_per_block;  // per block; empty: 2
+  std::int64_t downsample_padding = 1;
+  double mid_block_scale_factor = 1;
+  double dropout = 0;
+  std::string act_fn = "silu";
+  std::int64_t norm_num_groups = 32;
+  double norm_eps = 1e-5;
+  std::vector<std::int64_t> cross_attention_dim;           // per block; empty: 1280
+  std::vector<std::int64_t> transformer_layers_per_block;  // per block; empty: 1
+  std::optional<std::int64_t> encoder_hid_dim;
+  std::optional<std::string> encoder_hid_dim_type;  // "text_proj"
+  /// diffusers' `attention_head_dim`, which for this model is the number of heads per block
+  /// (the head size is channels / heads); empty: 8.
+  std::vector<std::int64_t> attention_head_dim;
+  bool use_linear_projection = false;
+  std::optional<std::string> class_embed_type;  // timestep, identity, projection, simple_projection
+  std::optional<std::int64_t> num_class_embeds;
+  bool upcast_attention = false;  // no effect with scaled-dot-product attention, as in diffusers
+  std::string resnet_time_scale_shift = "default";
+  std::optional<std::int64_t> time_embedding_dim;
+  std::optional<std::string> time_embedding_act_fn;
+  std::optional<std::string> timestep_post_act;
+  std::optional<std::int64_t> time_cond_proj_dim;
+  std::int64_t conv_in_kernel = 3, conv_out_kernel = 3;
+  std::optional<std::int64_t> projection_class_embeddings_input_dim;
+  bool class_embeddings_concat = false;
+
+  [[nodiscard]] std::size_t blocks() const { return down_block_types.size(); }
+
+  /// Fills the per-block lists and checks that the whole makes a UNet difftrain can build.
+  void resolve(const std::string& where) {
+    const std::size_t n = blocks();
+    if (n == 0) throw ConfigError("'down_block_types' is empty", where);
+    auto fill = [&](auto& v, auto value, const char* name) {
+      if (v.empty()) v.assign(n, value);
+      if (v.size() != n)
+        throw ConfigError("'" + std::string(name) + "' has " + std::to_string(v.size()) +
+                              " entries for " + std::to_string(n) + " down blocks",
+                          where);
+    };
+    fill(only_cross_attention, false, "only_cross_attention");
+    fill(layers_per_block, std::int64_t{2}, "layers_per_block");
+    fill(cross_attention_dim, std::int64_t{1280}, "cross_attention_dim");
+    fill(transformer_layers_per_block, std::int64_t{1}, "transformer_layers_per_block");
+    fill(attention_head_dim, std::int64_t{8}, "attention_head_dim");
+    if (up_block_types.size() != n)
+      throw ConfigError("'up_block_types' has " + std::to_string(up_block_types.size()) +
+                            " entries and 'down_block_types' " + std::to_string(n) +
+                            "; they must match",
+                        where);
+    if (block_out_channels.size() != n)
+      throw ConfigError("'block_out_channels' has " + std::to_string(block_out_channels.size()) +
+                            " entries for " + std::to_string(n) + " down blocks",
+                        where);
+    auto strip = [](std::string t) { return t.starts_with("UNetRes") ? t.substr(7) : t; };
+    for (auto& t : down_block_types) {
+      t = strip(t);
+      if (t != "DownBlock2D" && t != "CrossAttnDownBlock2D")
+        throw ConfigError("'down_block_types' has \"" + t +
+                              "\", which difftrain does not build (DownBlock2D, "
+                              "CrossAttnDownBlock2D)",
+                          where);
+    }
+    for (auto& t : up_block_types) {
+      t = strip(t);
+      if (t != "UpBlock2D" && t != "CrossAttnUpBlock2D")
+        throw ConfigError("'up_block_types' has \"" + t +
+                              "\", which difftrain does not build (UpBlock2D, CrossAttnUpBlock2D)",
+                          where);
+    }
+    if (mid_block_type && *mid_block_type != "UNetMidBlock2DCrossAttn" &&
+        *mid_block_type != "UNetMidBlock2D")
+      throw ConfigError("'mid_block_type' = \"" + *mid_block_type +
+                            "\" is not built by difftrain (UNetMidBlock2DCrossAttn, "
+                            "UNetMidBlock2D or null)",
+                        where);
+    for (auto c : block_out_channels)
+      if (c <= 0 || c % norm_num_groups != 0)
+        throw ConfigError("'block_out_channels' entry " + std::to_string(c) +
+                              " is not a positive multiple of norm_num_groups " +
+                              std::to_string(norm_num_groups),
+                          where);
+    for (std::size_t i = 0; i < n; ++i)
+      if (attention_head_dim[i] <= 0 || block_out_channels[i] % attention_head_dim[i] != 0)
+        throw ConfigError(
+            "'attention_head_dim' (the number of heads here, as diffusers reads it) "
+            "entry " +
+                std::to_string(attention_head_dim[i]) + " does not divide " +
+                std::to_string(block_out_channels[i]) + " channels",
+            where);
+    if (conv_in_kernel <= 0 || conv_in_kernel % 2 == 0 || conv_out_kernel <= 0 ||
+        conv_out_kernel % 2 == 0)
+      throw ConfigError("'conv_in_kernel' and 'conv_out_kernel' must be odd and positive", where);
+    if (class_embed_type && *class_embed_type != "timestep" && *class_embed_type != "identity" &&
+        *class_embed_type != "projection" && *class_embed_type != "simple_projection")
+      throw ConfigError("'class_embed_type' = \"" + *class_embed_type +
+                            "\" is unknown (timestep, identity, projection, simple_projection)",
+                        where);
+    if (class_embed_type &&
+        (*class_embed_type == "projection" || *class_embed_type == "simple_projection") &&
+        !projection_class_embeddings_input_dim)
+      throw ConfigError("'class_embed_type' = \"" + *class_embed_type +
+                            "\" needs 'projection_class_embeddings_input_dim'",
+                        where);
+    if (encoder_hid_dim && !encoder_hid_dim_type) encoder_hid_dim_type = "text_proj";
+    if (encoder_hid_dim_type) {
+      if (*encoder_hid_dim_type != "text_proj")
+        throw ConfigError("'encoder_hid_dim_type' = \"" + *encoder_hid_dim_type +
+                              "\" is not supported (only \"text_proj\")",
+                          where);
+      if (!encoder_hid_dim)
+        throw ConfigError("'encoder_hid_dim_type' needs 'encoder_hid_dim'", where);
+      if (std::adjacent_find(cross_attention_dim.begin(), cross_attention_dim.end(),
+                             std::not_equal_to<>()) != cross_attention_dim.end())
+        throw ConfigError("'encoder_hid_dim' needs a single 'cross_attention_dim'", where);
+    }
+    time_embedding_norm_from(resnet_time_scale_shift, where);
+    for (const auto* act : {&time_embedding_act_fn, &timestep_post_act})
+      if (*act && !diffusers_activation(**act))
+        throw ConfigError("unknown activation \"" + **act + "\"", where);
+  }
+
+  [[nodiscard]] std::int64_t time_embed_dim() const {
+    return time_embedding_dim.value_or(block_out_channels.at(0) * 4);
+  }
+  [[nodiscard]] bool any_cross_attention() const {
+    const auto is_cross = [](const std::string& t) { return t.starts_with("CrossAttn"); };
+    return std::any_of(down_block_types.begin(), down_block_types.end(), is_cross) ||
+           std::any_of(up_block_types.begin(), up_block_types.end(), is_cross) ||
+           mid_block_type == "UNetMidBlock2DCrossAttn";
+  }
+
+  static UNet2DConditionConfig from_json(const nlohmann::json& j, const std::string& where) {
+    ConfigReader r(j, where);
+    UNet2DConditionConfig c;
+    c.sample_size = r.optional<nlohmann::json>("sample_size");
+    c.in_channels = r.get("in_channels", c.in_channels);
+    c.out_channels = r.get("out_channels", c.out_channels);
+    c.center_input_sample = r.get("center_input_sample", c.center_input_sample);
+    c.flip_sin_to_cos = r.get("flip_sin_to_cos", c.flip_sin_to_cos);
+    c.freq_shift = r.get("freq_shift", c.freq_shift);
+    c.down_block_types = r.get("down_block_types", c.down_block_types);
+    // mid_block_type may be null on purpose (no mid block): absent means the default.
+    r.accept("mid_block_type");
+    if (j.contains("mid_block_type")) c.mid_block_type = r.optional<std::string>("mid_block_type");
+    c.up_block_types = r.get("up_block_types", c.up_block_types);
+    const std::size_t n = c.down_block_types.size();
+    c.only_cross_attention = r.per_block("only_cross_attention", n, false);
+    c.mid_block_only_cross_attention = r.optional<bool>("mid_block_only_cross_attention");
+    c.block_out_channels = r.get("block_out_channels", c.block_out_channels);
+    c.layers_per_block = r.per_block<std::int64_t>("layers_per_block", n, 2);
+    c.downsample_padding = r.get("downsample_padding", c.downsample_padding);
+    c.mid_block_scale_factor = r.get("mid_block_scale_factor", c.mid_block_scale_factor);
+    c.dropout = r.get("dropout", c.dropout);
+    c.act_fn = r.get("act_fn", c.act_fn);
+    r.accept("norm_num_groups");
+    if (j.contains("norm_num_groups") && j["norm_num_groups"].is_null())
+      throw ConfigError("'norm_num_groups' = null is not supported (the resnets need groups)",
+                        where);
+    c.norm_num_groups = r.get("norm_num_groups", c.norm_num_groups);
+    c.norm_eps = r.get("norm_eps", c.norm_eps);
+    c.cross_attention_dim = r.per_block<std::int64_t>("cross_attention_dim", n, 1280);
+    if (j.contains("transformer_layers_per_block") && j["transformer_layers_per_block"].is_array())
+      for (const auto& e : j["transformer_layers_per_block"])
+        if (e.is_array())
+          throw ConfigError(
+              "'transformer_layers_per_block' with a list per block (an "
+              "asymmetric UNet) is not supported",
+              where);
+    c.transformer_layers_per_block =
+        r.per_block<std::int64_t>("transformer_layers_per_block", n, 1);
+    r.require_default("reverse_transformer_layers_per_block", nullptr);
+    c.encoder_hid_dim = r.optional<std::int64_t>("encoder_hid_dim");
+    c.encoder_hid_dim_type = r.optional<std::string>("encoder_hid_dim_type");
+    c.attention_head_dim = r.per_block<std::int64_t>("attention_head_dim", n, 8);
+    r.require_default("num_attention_heads", nullptr,
+                      "diffusers itself refuses it for this model; use attention_head_dim");
+    r.require_default("dual_cross_attention", false);
+    c.use_linear_projection = r.get("use_linear_projection", c.use_linear_projection);
+    c.class_embed_type = r.optional<std::string>("class_embed_type");
+    r.require_default("addition_embed_type", nullptr,
+                      "SDXL-style added conditions are not built yet");
+    r.accept("addition_time_embed_dim");        // used only with addition_embed_type
+    r.accept("addition_embed_type_num_heads");  // likewise
+    c.num_class_embeds = r.optional<std::int64_t>("num_class_embeds");
+    c.upcast_attention = r.get("upcast_attention", c.upcast_attention);
+    c.resnet_time_scale_shift = r.get("resnet_time_scale_shift", c.resnet_time_scale_shift);
+    // Passed by diffusers only to block types difftrain does not build: no effect here.
+    r.accept("resnet_skip_time_act");
+    r.accept("resnet_out_scale_factor");
+    r.require_default("time_embedding_type", "positional");
+    c.time_embedding_dim = r.optional<std::int64_t>("time_embedding_dim");
+    c.time_embedding_act_fn = r.optional<std::string>("time_embedding_act_fn");
+    c.timestep_post_act = r.optional<std::string>("timestep_post_act");
+    c.time_cond_proj_dim = r.optional<std::int64_t>("time_cond_proj_dim");
+    c.conv_in_kernel = r.get("conv_in_kernel", c.conv_in_kernel);
+    c.conv_out_kernel = r.get("conv_out_kernel", c.conv_out_kernel);
+    c.projection_class_embeddings_input_dim =
+        r.optional<std::int64_t>("projection_class_embeddings_input_dim");
+    r.require_default("attention_type", "default");
+    c.class_embeddings_concat = r.get("class_embeddings_concat", c.class_embeddings_concat);
+    r.require_default("cross_attention_norm", nullptr);
+    r.finish();
+    c.resolve(where);
+    return c;
+  }
+
+  /// The config as diffusers writes it (so `from_pretrained` reads the folder back).
+  [[nodiscard]] nlohmann::json to_json() const {
+    nlohmann::json j;
+    j["_class_name"] = "UNet2DConditionModel";
+    j["_diffusers_version"] = "0.30.0";
+    j["sample_size"] = sample_size.value_or(nullptr);
+    j["in_channels"] = in_channels;
+    j["out_channels"] = out_channels;
+    j["center_input_sample"] = center_input_sample;
+    j["flip_sin_to_cos"] = flip_sin_to_cos;
+    j["freq_shift"] = freq_shift;
+    j["down_block_types"] = down_block_types;
+    j["mid_block_type"] = mid_block_type ? nlohmann::json(*mid_block_type) : nullptr;
+    j["up_block_types"] = up_block_types;
+    j["only_cross_attention"] = only_cross_attention;
+    j["mid_block_only_cross_attention"] =
+        mid_block_only_cross_attention ? nlohmann::json(*mid_block_only_cross_attention) : nullptr;
+    j["block_out_channels"] = block_out_channels;
+    j["layers_per_block"] = layers_per_block;
+    j["downsample_padding"] = downsample_padding;
+    j["mid_block_scale_factor"] = mid_block_scale_factor;
+    j["dropout"] = dropout;
+    j["act_fn"] = act_fn;
+    j["norm_num_groups"] = norm_num_groups;
+    j["norm_eps"] = norm_eps;
+    j["cross_attention_dim"] = cross_attention_dim;
+    j["transformer_layers_per_block"] = transformer_layers_per_block;
+    j["encoder_hid_dim"] = encoder_hid_dim ? nlohmann::json(*encoder_hid_dim) : nullptr;
+    j["encoder_hid_dim_type"] =
+        encoder_hid_dim_type ? nlohmann::json(*encoder_hid_dim_type) : nullptr;
+    j["attention_head_dim"] = attention_head_dim;
+    j["use_linear_projection"] = use_linear_projection;
+    j["class_embed_type"] = class_embed_type ? nlohmann::json(*class_embed_type) : nullptr;
+    j["num_class_embeds"] = num_class_embeds ? nlohmann::json(*num_class_embeds) : nullptr;
+    j["upcast_attention"] = upcast_attention;
+    j["resnet_time_scale_shift"] = resnet_time_scale_shift;
+    j["time_embedding_type"] = "positional";
+    j["time_embedding_dim"] = time_embedding_dim ? nlohmann::json(*time_embedding_dim) : nullptr;
+    j["time_embedding_act_fn"] =
+        time_embedding_act_fn ? nlohmann::json(*time_embedding_act_fn) : nullptr;
+    j["timestep_post_act"] = timestep_post_act ? nlohmann::json(*timestep_post_act) : nullptr;
+    j["time_cond_proj_dim"] = time_cond_proj_dim ? nlohmann::json(*time_cond_proj_dim) : nullptr;
+    j["conv_in_kernel"] = conv_in_kernel;
+    j["conv_out_kernel"] = conv_out_kernel;
+    j["projection_class_embeddings_input_dim"] =
+        projection_class_embeddings_input_dim
+            ? nlohmann::json(*projection_class_embeddings_input_dim)
+            : nullptr;
+    j["class_embeddings_concat"] = class_embeddings_concat;
+    return j;
+  }
+};
+
+/// Optional inputs of a UNet call.
+struct UNetConditions {
+  at::Tensor class_labels;   // (B,) labels, or (B, D) for "identity"/"projection" class embeddings
+  at::Tensor timestep_cond;  // (B, time_cond_proj_dim)
+};
+
+template <nn::attention::AttentionBackend Backend = nn::attention::Sdpa<nn::attention::Auto>,
+          nn::ElementwiseActivation Act = nn::activation::SiLU>
+class UNet2DConditionModelImpl : public torch::nn::Module {
+ public:
+  using Config = UNet2DConditionConfig;
+
+  explicit UNet2DConditionModelImpl(Config config,
+                                    const std::string& where = "UNet2DConditionModel")
+      : c_(std::move(config)) {
+    c_.resolve(where);
+    check_activation<Act>("act_fn", c_.act_fn, where);
+    using namespace torch::nn;
+    const auto& ch = c_.block_out_channels;
+    const std::size_t n = c_.blocks();
+    const std::int64_t temb = c_.time_embed_dim();
+    conv_in =
+        register_module("conv_in", Conv2d(Conv2dOptions(c_.in_channels, ch[0], c_.conv_in_kernel)
+                                              .padding((c_.conv_in_kernel - 1) / 2)));
+    TimestepEmbeddingOptions te;
+    te.in_channels = ch[0];
+    te.time_embed_dim = temb;
+    te.post_act = c_.timestep_post_act;
+    te.cond_proj_dim = c_.time_cond_proj_dim;
+    time_embedding = register_module("time_embedding", TimestepEmbedding<Act>(te));
+    if (c_.encoder_hid_dim)
+      encoder_hid_proj = register_module("encoder_hid_proj",
+                                         Linear(*c_.encoder_hid_dim, c_.cross_attention_dim[0]));
+    if (!c_.class_embed_type && c_.num_class_embeds) {
+      class_embedding = register_module("class_embedding", Embedding(*c_.num_class_embeds, temb));
+    } else if (c_.class_embed_type == "timestep") {
+      TimestepEmbeddingOptions ce;
+      ce.in_channels = ch[0];
+      ce.time_embed_dim = temb;
+      class_timestep_ = register_module("class_embedding", TimestepEmbedding<Act>(ce));
+    } else if (c_.class_embed_type == "projection") {
+      // diffusers builds this one with its default activation (silu), whatever act_fn says.
+      TimestepEmbeddingOptions ce;
+      ce.in_channels = *c_.projection_class_embeddings_input_dim;
+      ce.time_embed_dim = temb;
+      class_projection_ =
+          register_module("class_embedding", TimestepEmbedding<nn::activation::SiLU>(ce));
+    } else if (c_.class_embed_type == "simple_projection") {
+      class_linear_ = register_module("class_embedding",
+                                      Linear(*c_.projection_class_embeddings_input_dim, temb));
+    }
+    down_blocks = register_module("down_blocks", ModuleList());
+    up_blocks = register_module("up_blocks", ModuleList());
+
+    ResnetSettings rs;
+    rs.temb_channels = c_.class_embeddings_concat ? 2 * temb : temb;
+    rs.groups = c_.norm_num_groups;
+    rs.eps = c_.norm_eps;
+    rs.dropout = c_.dropout;
+    rs.time_embedding_norm = time_embedding_norm_from(c_.resnet_time_scale_shift, where);
+    auto cross = [&](std::size_t i, bool only_cross) {
+      CrossAttentionSettings a;
+      a.num_attention_heads = c_.attention_head_dim[i];
+      a.transformer_layers = c_.transformer_layers_per_block[i];
+      a.cross_attention_dim = c_.cross_attention_dim[i];
+      a.use_linear_projection = c_.use_linear_projection;
+      a.only_cross_attention = only_cross;
+      return a;
+    };
+    std::int64_t out = ch[0];
+    for (std::size_t i = 0; i < n; ++i) {
+      DownBlockOptions d;
+      d.in_channels = out;
+      d.out_channels = out = ch[i];
+      d.num_layers = c_.layers_per_block[i];
+      d.resnet = rs;
+      if (c_.down_block_types[i] == "CrossAttnDownBlock2D")
+        d.attention = cross(i, c_.only_cross_attention[i]);
+      d.add_downsample = i + 1 < n;
+      d.downsample_padding = c_.downsample_padding;
+      down_.push_back(DownBlock<Backend, Act>(d));
+      down_blocks->push_back(down_.back());
+    }
+    if (c_.mid_block_type) {
+      MidBlockOptions m;
+      m.channels = ch.back();
+      m.resnet = rs;
+      m.resnet.output_scale_factor = c_.mid_block_scale_factor;
+      if (*c_.mid_block_type == "UNetMidBlock2DCrossAttn") {
+        // As diffusers: this mid block ignores (mid_block_)only_cross_attention.
+        m.attention = cross(n - 1, false);
+        m.num_layers = 1;
+      } else {
+        m.num_layers = 0;  // UNetMidBlock2D in a UNet2DConditionModel: one resnet, no attention
+      }
+      mid_block = register_module("mid_block", MidBlock<Backend, Act>(m));
+    }
+    out = ch.back();
+    for (std::size_t i = 0; i < n; ++i) {
+      const std::size_t r = n - 1 - i;  // the matching down block
+      UpBlockOptions u;
+      u.prev_output_channels = out;
+      u.out_channels = out = ch[r];
+      u.in_channels = ch[r == 0 ? 0 : r - 1];
+      u.num_layers = c_.layers_per_block[r] + 1;
+      u.resnet = rs;
+      if (c_.up_block_types[i] == "CrossAttnUpBlock2D")
+        u.attention = cross(r, c_.only_cross_attention[r]);
+      u.add_upsample = i + 1 < n;
+      up_.push_back(UpBlock<Backend, Act>(u));
+      up_blocks->push_back(up_.back());
+    }
+    conv_norm_out = register_module(
+        "conv_norm_out", GroupNorm(GroupNormOptions(c_.norm_num_groups, ch[0]).eps(c_.norm_eps)));
+    conv_out =
+        register_module("conv_out", Conv2d(Conv2dOptions(ch[0], c_.out_channels, c_.conv_out_kernel)
+                                               .padding((c_.conv_out_kernel - 1) / 2)));
+  }
+
+  [[nodiscard]] const Config& config() const { return c_; }
+
+  /// Gradient checkpointing of every resnet and transformer block (diffusers'
+  /// enable_gradient_checkpointing): activations are recomputed in backward.
+  void set_gradient_checkpointing(bool on) {
+    for (auto& d : down_) d->set_checkpointing(on);
+    if (mid_block) mid_block->set_checkpointing(on);
+    for (auto& u : up_) u->set_checkpointing(on);
+  }
+
+  /// Every Transformer2DModel, in the order diffusers' attention processors are listed
+  /// (down blocks, up blocks, mid block).
+  [[nodiscard]] std::vector<std::pair<std::string, Transformer2DModel<Backend>>> transformers()
+      const {
+    std::vector<std::pair<std::string, Transformer2DModel<Backend>>> out;
+    for (std::size_t i = 0; i < down_.size(); ++i)
+      for (std::size_t k = 0; k < down_[i]->transformers().size(); ++k)
+        out.emplace_back("down_blocks." + std::to_string(i) + ".attentions." + std::to_string(k),
+                         down_[i]->transformers()[k]);
+    for (std::size_t i = 0; i < up_.size(); ++i)
+      for (std::size_t k = 0; k < up_[i]->transformers().size(); ++k)
+        out.emplace_back("up_blocks." + std::to_string(i) + ".attentions." + std::to_string(k),
+                         up_[i]->transformers()[k]);
+    if (mid_block)
+      for (std::size_t k = 0; k < mid_block->transformers().size(); ++k)
+        out.emplace_back("mid_block.attentions." + std::to_string(k), mid_block->transformers()[k]);
+    return out;
+  }
+
+  /// ε, v or x0 (as trained) for `sample` (B, in_channels, H, W) at `timestep` (a scalar or one
+  /// per sample, integer or fractional), attending to `encoder_hidden_states` (B, L, D).
+  at::Tensor forward(at::Tensor sample, const at::Tensor& timestep,
+                     at::Tensor encoder_hidden_states = {}, const UNetConditions& cond = {}) {
+    const std::string where = "UNet2DConditionModel";
+    if (sample.dim() != 4 || sample.size(1) != c_.in_channels)
+      throw ShapeError("sample must be (B, " + std::to_string(c_.in_channels) + ", H, W), got " +
+                           c10::str(sample.sizes()),
+                       where);
+    const std::int64_t batch = sample.size(0);
+    if (!timestep.defined() || timestep.dim() > 1 ||
+        (timestep.dim() == 1 && timestep.size(0) != batch && timestep.size(0) != 1))
+      throw ShapeError("timestep must be a scalar or (B,) = (" + std::to_string(batch) + "), got " +
+                           (timestep.defined() ? c10::str(timestep.sizes()) : "none"),
+                       where);
+    if (c_.any_cross_attention()) {
+      const std::int64_t d =
+          c_.encoder_hid_dim ? *c_.encoder_hid_dim : c_.cross_attention_dim.front();
+      if (!encoder_hidden_states.defined() || encoder_hidden_states.dim() != 3 ||
+          encoder_hidden_states.size(0) != batch)
+        throw ShapeError(
+            "encoder_hidden_states must be (" + std::to_string(batch) + ", L, " +
+                std::to_string(d) + "), got " +
+                (encoder_hidden_states.defined() ? c10::str(encoder_hidden_states.sizes())
+                                                 : std::string("none")),
+            where);
+    }
+    // With sizes that do not halve evenly down to the last block, each upsampler is told the
+    // size of its skip instead of doubling.
+    const std::int64_t factor = std::int64_t{1} << (up_.size() - 1);
+    const bool forward_upsample_size = sample.size(2) % factor != 0 || sample.size(3) % factor != 0;
+
+    if (c_.center_input_sample) sample = 2 * sample - 1.0;
+    const at::Tensor t = timestep.to(sample.device()).reshape({-1}).expand({batch});
+    at::Tensor emb = time_embedding->forward(
+        timestep_embedding(t, c_.block_out_channels[0], c_.flip_sin_to_cos, c_.freq_shift)
+            .to(sample.scalar_type()),
+        cond.timestep_cond);
+    if (at::Tensor class_emb = class_embed(sample, cond.class_labels); class_emb.defined())
+      emb = c_.class_embeddings_concat ? at::cat({emb, class_emb}, -1) : emb + class_emb;
+    if (c_.time_embedding_act_fn)
+      emb = apply_activation(*diffusers_activation(*c_.time_embedding_act_fn), emb);
+    if (encoder_hid_proj) encoder_hidden_states = encoder_hid_proj->forward(encoder_hidden_states);
+
+    at::Tensor h = conv_in->forward(sample);
+    std::vector<at::Tensor> skips{h};
+    for (auto& d : down_) h = d->forward(h, emb, encoder_hidden_states, &skips);
+    if (mid_block) h = mid_block->forward(h, emb, encoder_hidden_states);
+    for (std::size_t i = 0; i < up_.size(); ++i) {
+      std::optional<std::vector<std::int64_t>> size;
+      const std::size_t take = up_[i]->num_resnets();
+      if (i + 1 < up_.size() && forward_upsample_size)
+        size = skips[skips.size() - take - 1].sizes().slice(2).vec();
+      h = up_[i]->forward(h, emb, encoder_hidden_states, &skips, size);
+    }
+    h = Act::forward(conv_norm_out->forward(h), typename Act::Options{});
+    return conv_out->forward(h);
+  }
+
+  torch::nn::Conv2d conv_in{nullptr}, conv_out{nullptr};
+  TimestepEmbedding<Act> time_embedding{nullptr};
+  torch::nn::Linear encoder_hid_proj{nullptr};
+  torch::nn::Embedding class_embedding{nullptr};
+  torch::nn::ModuleList down_blocks{nullptr}, up_blocks{nullptr};
+  MidBlock<Backend, Act> mid_block{nullptr};
+  torch::nn::GroupNorm conv_norm_out{nullptr};
+
+ private:
+  at::Tensor class_embed(const at::Tensor& sample, const at::Tensor& labels) {
+    const bool has = class_embedding || class_timestep_ || class_projection_ || class_linear_ ||
+                     c_.class_embed_type == "identity";
+    if (!has) return {};
+    const std::string where = "UNet2DConditionModel";
+    if (!labels.defined())
+      throw ShapeError(
+          "this UNet is class-conditional (" +
+              (c_.class_embed_type ? "class_embed_type \"" + *c_.class_embed_type + "\""
+                                   : "num_class_embeds " + std::to_string(*c_.num_class_embeds)) +
+              "): pass class_labels",
+          where);
+    if (labels.size(0) != sample.size(0))
+      throw ShapeError("class_labels has " + std::to_string(labels.size(0)) +
+                           " rows for a batch of " + std::to_string(sample.size(0)),
+                       where);
+    if (class_embedding) {
+      if (at::isFloatingType(labels.scalar_type()))
+        throw ShapeError("class_labels must be integer labels for num_class_embeds", where);
+      const auto [lo, hi] = at::aminmax(labels);
+      if (lo.item<std::int64_t>() < 0 || hi.item<std::int64_t>() >= *c_.num_class_embeds)
+        throw ShapeError("class_labels must lie in [0, " + std::to_string(*c_.num_class_embeds) +
+                             "); got " + std::to_string(lo.item<std::int64_t>()) + " to " +
+                             std::to_string(hi.item<std::int64_t>()),
+                         where);
+      return class_embedding->forward(labels.to(at::kLong)).to(sample.scalar_type());
+    }
+    if (class_timestep_)
+      return class_timestep_
+          ->forward(timestep_embedding(labels.reshape({-1}), c_.block_out_channels[0],
+                                       c_.flip_sin_to_cos, c_.freq_shift)
+                        .to(sample.scalar_type()))
+          .to(sample.scalar_type());
+    if (class_projection_) return class_projection_->forward(labels).to(sample.scalar_type());
+    if (class_linear_) return class_linear_->forward(labels).to(sample.scalar_type());
+    return labels.to(sample.scalar_type());  // identity
+  }
+
+  Config c_;
+  TimestepEmbedding<Act> class_timestep_{nullptr};
+  TimestepEmbedding<nn::activation::SiLU> class_projection_{nullptr};
+  torch::nn::Linear class_linear_{nullptr};
+  std::vector<DownBlock<Backend, Act>> down_;
+  std::vector<UpBlock<Backend, Act>> up_;
+};
+
+template <nn::attention::AttentionBackend Backend = nn::attention::Sdpa<nn::attention::Auto>,
+          nn::ElementwiseActivation Act = nn::activation::SiLU>
+using UNet2DConditionModel = torch::nn::ModuleHolder<UNet2DConditionModelImpl<Backend, Act>>;
+
+}  // namespace difftrain::models
