@@ -14,7 +14,8 @@ ALLOWED = {
     "train": {"core", "nn", "schedule", "ema", "diffusion", "io", "train"},
     "eval": {"core", "eval"},
     "distributed": {"core", "io", "nn", "schedule", "ema", "diffusion", "train", "distributed"},
-    "adapters": {"core", "io", "nn", "schedule", "ema", "diffusion", "train", "adapters"},
+    "models": {"core", "io", "nn", "models"},
+    "adapters": {"core", "io", "nn", "schedule", "ema", "diffusion", "train", "models", "adapters"},
 }
 
 root = pathlib.Path(__file__).resolve().parent.parent / "include" / "difftrain"

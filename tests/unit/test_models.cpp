@@ -3,6 +3,7 @@
 // full-size Stable Diffusion configurations have diffusers' parameter names and shapes, folders
 // round-trip, and bad folders and configs fail with typed errors naming the file and field.
 #include <unistd.h>
+#include <difftrain/io/remove_tree.hpp>
 #include <difftrain/io/safetensors.hpp>
 #include <difftrain/models/models.hpp>
 
@@ -31,7 +32,7 @@ fs::path golden_models() { return fs::path(DIFFTRAIN_GOLDEN_DIR) / "models"; }
 [[maybe_unused]] fs::path scratch(const std::string& name) {
   const fs::path dir =
       fs::temp_directory_path() / ("difftrain-models-" + name + "-" + std::to_string(::getpid()));
-  fs::remove_all(dir);
+  dt::io::remove_tree(dir);
   fs::create_directories(dir);
   return dir;
 }
@@ -161,4 +162,310 @@ TEST(Models, FullSizeStableDiffusionConfigsHaveDiffusersParameters) {
   models::AutoencoderKL<> vae(
       models::AutoencoderKLConfig::from_json(full["sd_vae"]["config"], "vae"));
   compare(*vae, full["sd_vae"]);
+}
+
+namespace {
+
+/// Copies a golden folder to a scratch folder, to break it.
+fs::path copy_of(const std::string& name, const std::string& as) {
+  const fs::path dir = scratch(as);
+  fs::copy(golden_models() / name, dir, fs::copy_options::recursive);
+  return dir;
+}
+
+template <class Error, class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "wrong error type: " << e.what();
+    return {};
+  }
+  ADD_FAILURE() << "no error";
+  return {};
+}
+
+void write_text(const fs::path& p, const std::string& text) { std::ofstream(p) << text; }
+
+nlohmann::json read_json(const fs::path& p) { return nlohmann::json::parse(std::ifstream(p)); }
+
+}  // namespace
+
+TEST(Models, GradientCheckpointingGivesTheSameGradients) {
+  const auto io = dt::io::load_safetensors(golden_models() / "unet_conv_proj.io.safetensors", true);
+  const auto& t = io.tensors;
+  auto run = [&](bool checkpointing) {
+    auto unet =
+        models::from_pretrained<models::UNet2DConditionModel<>>(golden_models() / "unet_conv_proj");
+    unet->train();
+    unet->set_gradient_checkpointing(checkpointing);
+    const at::Tensor out = unet->forward(t.at("input.sample"), t.at("input.timestep"),
+                                         t.at("input.encoder_hidden_states"));
+    (out * t.at("weight")).sum().backward();
+    std::map<std::string, at::Tensor> grads;
+    for (const auto& p : unet->named_parameters()) grads[p.key()] = p.value().grad();
+    return std::make_pair(out.detach(), grads);
+  };
+  const auto [plain_out, plain] = run(false);
+  const auto [ckpt_out, ckpt] = run(true);
+  EXPECT_TRUE(at::equal(plain_out, ckpt_out));
+  for (const auto& [name, g] : plain) expect_close(ckpt.at(name), g, 1e-6, name);
+
+  auto vae = models::from_pretrained<models::AutoencoderKL<>>(golden_models() / "vae_two_levels");
+  vae->train();
+  const at::Tensor x = at::randn({1, 3, 16, 16});
+  vae->forward(x).square().sum().backward();
+  std::map<std::string, at::Tensor> vae_plain;
+  for (const auto& p : vae->named_parameters()) vae_plain[p.key()] = p.value().grad().clone();
+  vae->zero_grad();
+  vae->set_gradient_checkpointing(true);
+  vae->forward(x).square().sum().backward();
+  for (const auto& p : vae->named_parameters())
+    expect_close(p.value().grad(), vae_plain.at(p.key()), 1e-6, p.key());
+}
+
+// A folder difftrain saves loads back bit for bit, sharded or not, in a variant or not; a save
+// over an earlier sharded one removes the shards it no longer uses. With DIFFTRAIN_MODELS_OUT
+// set, it also leaves a changed UNet and VAE (and their outputs) there for
+// tests/reference/check_cpp_models.py to load in diffusers.
+TEST(Models, SavedFoldersRoundTrip) {
+  const fs::path dir = scratch("roundtrip");
+  auto unet = models::from_pretrained<models::UNet2DConditionModel<>>(golden_models() /
+                                                                      "unet_linear_3_levels");
+  {
+    at::NoGradGuard no_grad;
+    at::manual_seed(7);
+    for (auto& p : unet->parameters()) p.add_(at::randn_like(p) * 0.01);
+  }
+  models::SaveOptions sharded;
+  sharded.max_shard_size = 200'000;
+  const auto files = models::save_pretrained(unet, dir / "unet", sharded);
+  EXPECT_GT(files.size(), 2U);
+  EXPECT_TRUE(fs::exists(dir / "unet" / models::kWeightsIndexName));
+  auto back = models::from_pretrained<models::UNet2DConditionModel<>>(dir / "unet");
+  const auto want = unet->named_parameters();
+  for (const auto& p : back->named_parameters())
+    EXPECT_TRUE(at::equal(p.value(), want[p.key()])) << p.key();
+  EXPECT_EQ(back->config().to_json(), unet->config().to_json());
+
+  // Saved again unsharded: the shards and the index of the first save are gone.
+  models::save_pretrained(unet, dir / "unet");
+  std::size_t weight_files = 0;
+  for (const auto& e : fs::directory_iterator(dir / "unet"))
+    if (e.path().filename().string().starts_with("diffusion_pytorch_model")) ++weight_files;
+  EXPECT_EQ(weight_files, 1U);
+  back = models::from_pretrained<models::UNet2DConditionModel<>>(dir / "unet");
+  for (const auto& p : back->named_parameters())
+    EXPECT_TRUE(at::equal(p.value(), want[p.key()])) << p.key();
+
+  // An fp16 variant beside the float32 weights: loads as the half-rounded values.
+  models::SaveOptions half;
+  half.variant = "fp16";
+  half.dtype = at::kHalf;
+  models::save_pretrained(unet, dir / "unet", half);
+  EXPECT_TRUE(fs::exists(dir / "unet" / "diffusion_pytorch_model.fp16.safetensors"));
+  models::LoadOptions lo;
+  lo.variant = "fp16";
+  back = models::from_pretrained<models::UNet2DConditionModel<>>(dir / "unet", lo);
+  for (const auto& p : back->named_parameters())
+    EXPECT_TRUE(at::equal(p.value(), want[p.key()].to(at::kHalf).to(at::kFloat))) << p.key();
+  lo.dtype = at::kHalf;
+  back = models::from_pretrained<models::UNet2DConditionModel<>>(dir / "unet", lo);
+  EXPECT_EQ(back->parameters()[0].scalar_type(), at::kHalf);
+
+  if (const char* out = std::getenv("DIFFTRAIN_MODELS_OUT")) {
+    const fs::path o = out;
+    const auto io =
+        dt::io::load_safetensors(golden_models() / "unet_conv_proj.io.safetensors", true);
+    const auto& t = io.tensors;
+    auto u =
+        models::from_pretrained<models::UNet2DConditionModel<>>(golden_models() / "unet_conv_proj");
+    auto vae = models::from_pretrained<models::AutoencoderKL<>>(golden_models() / "vae_two_levels");
+    at::NoGradGuard no_grad;
+    at::manual_seed(11);
+    for (auto& p : u->parameters()) p.add_(at::randn_like(p) * 0.02);
+    for (auto& p : vae->parameters()) p.add_(at::randn_like(p) * 0.02);
+    models::save_pretrained(u, o / "unet", sharded);
+    models::save_pretrained(vae, o / "vae");
+    u->eval();
+    vae->eval();
+    const at::Tensor x = at::randn({2, 3, 16, 16});
+    dt::io::save_safetensors(o / "outputs.safetensors",
+                             {{"sample", t.at("input.sample")},
+                              {"timestep", t.at("input.timestep")},
+                              {"encoder_hidden_states", t.at("input.encoder_hidden_states")},
+                              {"unet", u->forward(t.at("input.sample"), t.at("input.timestep"),
+                                                  t.at("input.encoder_hidden_states"))},
+                              {"x", x},
+                              {"vae_mean", vae->encode(x).mean},
+                              {"vae_recon", vae->forward(x)}});
+  }
+  dt::io::remove_tree(dir);
+}
+
+TEST(Models, BadFoldersFailWithTypedErrorsAndLoadNothing) {
+  using Unet = models::UNet2DConditionModel<>;
+  const std::string name = "unet_linear_3_levels";  // sharded
+  auto msg = error_of<dt::IoError>([&] { models::from_pretrained<Unet>(scratch("none") / "x"); });
+  EXPECT_NE(msg.find("not a folder"), std::string::npos) << msg;
+
+  fs::path d = copy_of(name, "no_config");
+  fs::remove(d / "config.json");
+  msg = error_of<dt::IoError>([&] { models::from_pretrained<Unet>(d); });
+  EXPECT_NE(msg.find("config.json"), std::string::npos) << msg;
+
+  d = copy_of(name, "bad_json");
+  write_text(d / "config.json", "{\"in_channels\": 4,");
+  msg = error_of<dt::FormatError>([&] { models::from_pretrained<Unet>(d); });
+  EXPECT_NE(msg.find("config.json"), std::string::npos) << msg;
+
+  d = copy_of("unet_conv_proj", "no_weights");
+  fs::remove(d / models::kWeightsName);
+  msg = error_of<dt::IoError>([&] { models::from_pretrained<Unet>(d); });
+  EXPECT_NE(msg.find("diffusion_pytorch_model.safetensors"), std::string::npos) << msg;
+  write_text(d / "diffusion_pytorch_model.bin", "x");
+  msg = error_of<dt::IoError>([&] { models::from_pretrained<Unet>(d); });
+  EXPECT_NE(msg.find(".bin"), std::string::npos) << msg;
+
+  d = copy_of("unet_timestep_classes", "variant_only");
+  msg = error_of<dt::IoError>(
+      [&] { models::from_pretrained<models::UNet2DConditionModel<Backend, Mish>>(d); });
+  EXPECT_NE(msg.find("variant \"fp16\""), std::string::npos) << msg;  // exists, not asked for
+
+  d = copy_of(name, "missing_shard");
+  fs::remove(d / "diffusion_pytorch_model-00002-of-00005.safetensors");
+  msg = error_of<dt::IoError>([&] { models::from_pretrained<Unet>(d); });
+  EXPECT_NE(msg.find("00002-of-00005"), std::string::npos) << msg;
+
+  d = copy_of(name, "truncated_shard");
+  const fs::path shard = d / "diffusion_pytorch_model-00003-of-00005.safetensors";
+  fs::resize_file(shard, fs::file_size(shard) - 100);
+  msg = error_of<dt::FormatError>([&] { models::from_pretrained<Unet>(d); });
+  EXPECT_NE(msg.find("00003-of-00005"), std::string::npos) << msg;
+
+  d = copy_of(name, "index_lies");
+  auto index = read_json(d / models::kWeightsIndexName);
+  const std::string moved = index["weight_map"].begin().key();
+  index["weight_map"][moved] = "diffusion_pytorch_model-00005-of-00005.safetensors";
+  write_text(d / models::kWeightsIndexName, index.dump());
+  msg = error_of<dt::FormatError>([&] { models::from_pretrained<Unet>(d); });
+  EXPECT_NE(msg.find(moved), std::string::npos) << msg;
+
+  // Tensors that do not fit: each named, and the model left as it was.
+  auto unet = models::from_pretrained<Unet>(golden_models() / name);
+  std::map<std::string, at::Tensor> before;
+  for (const auto& p : unet->named_parameters()) before[p.key()] = p.value().clone();
+  auto weights = models::read_model_weights(golden_models() / name);
+  auto broken = weights;
+  broken["conv_in.weight"] = at::zeros({1, 2, 3, 3});     // shape
+  broken["conv_out.bias"] = at::zeros({4}, at::kInt);     // dtype
+  broken.erase("time_embedding.linear_1.weight");         // missing
+  broken["down_blocks.0.extra.weight"] = at::zeros({2});  // unexpected
+  for (auto& [k, v] : broken) (void)k, v = v.clone();
+  broken["conv_in.bias"] = at::full_like(weights.at("conv_in.bias"), 7.0);  // would change
+  msg = error_of<dt::FormatError>([&] { models::load_weights(*unet, broken, "test"); });
+  for (const char* needle :
+       {"conv_in.weight", "conv_out.bias", "Int", "missing 'time_embedding.linear_1.weight'",
+        "unexpected 'down_blocks.0.extra.weight'"})
+    EXPECT_NE(msg.find(needle), std::string::npos) << needle << " in " << msg;
+  for (const auto& p : unet->named_parameters())
+    EXPECT_TRUE(at::equal(p.value(), before.at(p.key()))) << p.key() << " changed";
+
+  d = copy_of("vae_two_levels", "wrong_class");
+  msg = error_of<dt::ConfigError>([&] { models::from_pretrained<Unet>(d); });
+  EXPECT_NE(msg.find("AutoencoderKL"), std::string::npos) << msg;
+  dt::io::remove_tree(fs::temp_directory_path() /
+                      ("difftrain-models-none-" + std::to_string(::getpid())));
+}
+
+// Every config mistake is a ConfigError naming the field.
+TEST(Models, ConfigMistakesAreNamed) {
+  const nlohmann::json base = read_json(golden_models() / "unet_conv_proj" / "config.json");
+  const std::vector<std::pair<nlohmann::json, std::string>> cases = {
+      {{{"flux_capacitor", 1}}, "unknown field 'flux_capacitor'"},
+      {{{"dual_cross_attention", true}}, "dual_cross_attention"},
+      {{{"attention_type", "gated"}}, "attention_type"},
+      {{{"time_embedding_type", "fourier"}}, "time_embedding_type"},
+      {{{"addition_embed_type", "text_time"}}, "addition_embed_type"},
+      {{{"num_attention_heads", 4}}, "num_attention_heads"},
+      {{{"cross_attention_norm", "group_norm"}}, "cross_attention_norm"},
+      {{{"down_block_types", {"SimpleCrossAttnDownBlock2D", "DownBlock2D"}}},
+       "SimpleCrossAttnDownBlock2D"},
+      {{{"up_block_types", {"UpBlock2D", "AttnUpBlock2D"}}}, "AttnUpBlock2D"},
+      {{{"mid_block_type", "UNetMidBlock2DSimpleCrossAttn"}}, "mid_block_type"},
+      {{{"up_block_types", {"UpBlock2D"}}}, "up_block_types"},
+      {{{"layers_per_block", {1, 1, 1}}}, "layers_per_block"},
+      {{{"layers_per_block", "two"}}, "layers_per_block"},
+      {{{"layers_per_block", 2.5}}, "layers_per_block"},
+      {{{"attention_head_dim", {3, 4}}}, "attention_head_dim"},
+      {{{"norm_num_groups", 7}}, "norm_num_groups"},
+      {{{"norm_num_groups", nullptr}}, "norm_num_groups"},
+      {{{"act_fn", "swishy"}}, "act_fn"},
+      {{{"act_fn", "mish"}}, "Mish"},  // the config's activation is not the policy's
+      {{{"resnet_time_scale_shift", "spatial"}}, "resnet_time_scale_shift"},
+      {{{"class_embed_type", "projection"}}, "projection_class_embeddings_input_dim"},
+      {{{"class_embed_type", "text"}}, "class_embed_type"},
+      {{{"encoder_hid_dim_type", "image_proj"}, {"encoder_hid_dim", 8}}, "encoder_hid_dim_type"},
+      {{{"conv_in_kernel", 2}}, "conv_in_kernel"},
+      {{{"transformer_layers_per_block", {{1, 2}, {1}}}}, "transformer_layers_per_block"},
+      {{{"block_out_channels", {32}}}, "block_out_channels"},
+  };
+  for (const auto& [patch, needle] : cases) {
+    nlohmann::json j = base;
+    j.merge_patch(patch);
+    if (patch.contains("norm_num_groups") && patch["norm_num_groups"].is_null())
+      j["norm_num_groups"] = nullptr;  // merge_patch deletes on null
+    const std::string msg = error_of<dt::ConfigError>([&] {
+      models::UNet2DConditionModel<> unet(models::UNet2DConditionConfig::from_json(j, "cfg.json"),
+                                          "cfg.json");
+    });
+    EXPECT_NE(msg.find(needle), std::string::npos) << patch.dump() << " → " << msg;
+    EXPECT_NE(msg.find("cfg.json"), std::string::npos) << msg;
+  }
+  const nlohmann::json vae = read_json(golden_models() / "vae_two_levels" / "config.json");
+  for (const auto& [patch, needle] : std::vector<std::pair<nlohmann::json, std::string>>{
+           {{{"down_block_types", {"DownEncoderBlock2D", "AttnDownEncoderBlock2D"}}},
+            "AttnDownEncoderBlock2D"},
+           {{{"up_block_types", {"UpDecoderBlock2D"}}}, "up_block_types"},
+           {{{"scaling_factor", 0.0}}, "scaling_factor"},
+           {{{"latent_channels", "4"}}, "latent_channels"},
+           {{{"use_tiling", true}}, "use_tiling"}}) {
+    nlohmann::json j = vae;
+    j.merge_patch(patch);
+    const std::string msg = error_of<dt::ConfigError>(
+        [&] { models::AutoencoderKL<> m(models::AutoencoderKLConfig::from_json(j, "vae.json")); });
+    EXPECT_NE(msg.find(needle), std::string::npos) << patch.dump() << " → " << msg;
+  }
+}
+
+TEST(Models, WrongInputsAreShapeErrors) {
+  auto unet = models::from_pretrained<models::UNet2DConditionModel<>>(golden_models() /
+                                                                      "unet_linear_3_levels");
+  const at::Tensor x = at::randn({2, 4, 8, 8}), ctx = at::randn({2, 3, 24});
+  const at::Tensor labels = at::tensor({1, 2});
+  models::UNetConditions cond;
+  cond.class_labels = labels;
+  EXPECT_THROW(unet->forward(at::randn({2, 3, 8, 8}), at::tensor({1, 2}), ctx, cond),
+               dt::ShapeError);
+  EXPECT_THROW(unet->forward(x, at::tensor({1, 2, 3}), ctx, cond), dt::ShapeError);
+  EXPECT_THROW(unet->forward(x, at::tensor({1, 2}), {}, cond), dt::ShapeError);
+  auto msg = error_of<dt::ShapeError>([&] { unet->forward(x, at::tensor({1, 2}), ctx); });
+  EXPECT_NE(msg.find("class_labels"), std::string::npos) << msg;
+  cond.class_labels = at::tensor({1, 10});
+  msg = error_of<dt::ShapeError>([&] { unet->forward(x, at::tensor({1, 2}), ctx, cond); });
+  EXPECT_NE(msg.find("[0, 10)"), std::string::npos) << msg;
+  // A scalar timestep is broadcast over the batch, as diffusers does.
+  cond.class_labels = labels;
+  EXPECT_EQ(unet->forward(x, at::tensor(5), ctx, cond).sizes(), x.sizes());
+  auto vae = models::from_pretrained<models::AutoencoderKL<>>(golden_models() / "vae_two_levels");
+  EXPECT_THROW(vae->encode(at::randn({1, 4, 16, 16})), dt::ShapeError);
+  EXPECT_THROW(vae->decode(at::randn({1, 3, 4, 4})), dt::ShapeError);
+  // Latents as the training scripts make them, and back.
+  const at::Tensor images = at::randn({1, 3, 16, 16});
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
+  const at::Tensor latents = vae->encode_latents(images, gen);
+  EXPECT_EQ(latents.sizes(), (std::vector<std::int64_t>{1, 4, 8, 8}));
+  EXPECT_EQ(vae->decode_latents(latents).sizes(), images.sizes());
 }

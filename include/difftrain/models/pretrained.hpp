@@ -113,6 +113,18 @@ inline WeightFiles find_weight_files(const std::filesystem::path& folder,
         "safetensors with diffusers' save_pretrained)";
   else if (variant && std::filesystem::exists(folder / kWeightsName))
     hint = "; it has the weights without the \"" + *variant + "\" variant";
+  else if (!variant)
+    for (const auto& e : std::filesystem::directory_iterator(folder)) {
+      const std::string f = e.path().filename().string();
+      const std::string prefix = "diffusion_pytorch_model.", suffix = ".safetensors";
+      if (f.size() > prefix.size() + suffix.size() && f.starts_with(prefix) &&
+          f.ends_with(suffix)) {
+        hint = "; it has " + f + ", weights saved with variant \"" +
+               f.substr(prefix.size(), f.size() - prefix.size() - suffix.size()) +
+               "\" (pass it as LoadOptions::variant)";
+        break;
+      }
+    }
   throw IoError("the model folder has neither " + single.filename().string() + " nor " +
                     index.filename().string() + hint,
                 folder.string());

@@ -165,6 +165,11 @@ struct UNet2DConditionConfig {
         throw ConfigError("'encoder_hid_dim' needs a single 'cross_attention_dim'", where);
     }
     time_embedding_norm_from(resnet_time_scale_shift, where);
+    if (!diffusers_activation(act_fn))
+      throw ConfigError(
+          "'act_fn' = \"" + act_fn +
+              "\" is not an activation diffusers knows (silu, swish, mish, gelu, relu)",
+          where);
     for (const auto* act : {&time_embedding_act_fn, &timestep_post_act})
       if (*act && !diffusers_activation(**act))
         throw ConfigError("unknown activation \"" + **act + "\"", where);
