@@ -16,7 +16,8 @@ def main(binary, golden_dir):
     diffusers_logging.set_verbosity_error()
     out = pathlib.Path(tempfile.mkdtemp())
     env = dict(os.environ, DIFFTRAIN_MODELS_OUT=str(out), DIFFTRAIN_GOLDEN_DIR=golden_dir)
-    subprocess.run([binary, "--gtest_filter=Models.SavedFoldersRoundTrip"], check=True, env=env)
+    subprocess.run([binary, "--gtest_filter=Models.SavedFoldersRoundTrip:Models.UNetLora*"],
+                   check=True, env=env)
     t = load_file(out / "outputs.safetensors")
     unet = UNet2DConditionModel.from_pretrained(out / "unet").eval()
     vae = AutoencoderKL.from_pretrained(out / "vae").eval()
@@ -29,6 +30,52 @@ def main(binary, golden_dir):
         err = (got - want).abs().max().item() / max(1.0, want.abs().max().item())
         assert err < 1e-5, (name, err)
         print(f"{name}: diffusers on difftrain's folder, max scaled error {err:.2e}")
+    check_lora(out, pathlib.Path(golden_dir))
+
+
+def merged(unet, state_dict, alphas):
+    """Applies a LoRA in diffusers' own key form (what its lora_state_dict returns) to a copy of the
+    UNet's weights with PEFT's formula W + (alpha / rank) * B @ A; every key must name a Linear."""
+    weights = {k: v.clone() for k, v in unet.state_dict().items()}
+    pairs = {}
+    for key, value in state_dict.items():
+        assert key.startswith("unet."), key
+        key = key[len("unet."):]
+        if ".processor." in key:  # kohya files come back in the attention-processor naming
+            module, rest = key.split(".processor.")
+            proj, part = rest.split("_lora.")
+            proj = "to_out.0" if proj == "to_out" else proj
+            side = "A" if part.startswith("down") else "B"
+            alpha = alphas.get("unet." + key + ".alpha")
+            pairs.setdefault(f"{module}.{proj}", {})[side] = value
+            if alpha is not None:
+                pairs[f"{module}.{proj}"]["alpha"] = alpha
+        else:
+            module, side = key.rsplit(".lora_", 1)
+            pairs.setdefault(module, {})[side[0]] = value
+    for module, p in pairs.items():
+        w = weights[module + ".weight"]
+        rank = p["A"].shape[0]
+        scale = p.get("alpha", 8.0) / rank  # PEFT keeps alpha in its adapter config: 8 here
+        weights[module + ".weight"] = w + scale * p["B"] @ p["A"]
+    return weights, len(pairs)
+
+
+def check_lora(out, golden):
+    from diffusers.loaders.lora_pipeline import StableDiffusionLoraLoaderMixin as Loader
+
+    io = load_file(golden / "models" / "unet_conv_proj.io.safetensors")
+    want = load_file(out / "lora_output.safetensors")["output"]
+    for layout in ("peft", "kohya"):
+        state_dict, alphas = Loader.lora_state_dict(load_file(out / f"lora_{layout}.safetensors"))
+        unet = UNet2DConditionModel.from_pretrained(golden / "models" / "unet_conv_proj").eval()
+        weights, n = merged(unet, state_dict, alphas or {})
+        unet.load_state_dict(weights)
+        with torch.no_grad():
+            y = unet(io["input.sample"], io["input.timestep"], io["input.encoder_hidden_states"]).sample
+        err = (y - want).abs().max().item() / max(1.0, want.abs().max().item())
+        assert err < 1e-5, (layout, err)
+        print(f"LoRA ({layout}, {n} layers) read by diffusers' lora_state_dict: max scaled error {err:.2e}")
 
 
 if __name__ == "__main__":

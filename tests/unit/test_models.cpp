@@ -3,6 +3,7 @@
 // full-size Stable Diffusion configurations have diffusers' parameter names and shapes, folders
 // round-trip, and bad folders and configs fail with typed errors naming the file and field.
 #include <unistd.h>
+#include <difftrain/adapters/unet_adapters.hpp>
 #include <difftrain/io/remove_tree.hpp>
 #include <difftrain/io/safetensors.hpp>
 #include <difftrain/models/models.hpp>
@@ -468,4 +469,98 @@ TEST(Models, WrongInputsAreShapeErrors) {
   const at::Tensor latents = vae->encode_latents(images, gen);
   EXPECT_EQ(latents.sizes(), (std::vector<std::int64_t>{1, 4, 8, 8}));
   EXPECT_EQ(vae->decode_latents(latents).sizes(), images.sizes());
+}
+
+// LoRA on every attention projection of a diffusers UNet, trained a few steps; its PEFT and kohya
+// files load back into a fresh UNet and give the same output. With DIFFTRAIN_MODELS_OUT set, the
+// files and the adapted output go there for check_cpp_models.py to apply in diffusers.
+TEST(Models, UNetLoraTrainsAndItsFilesLoadBack) {
+  namespace ad = difftrain::adapters;
+  const auto io = dt::io::load_safetensors(golden_models() / "unet_conv_proj.io.safetensors", true);
+  const auto& t = io.tensors;
+  auto unet =
+      models::from_pretrained<models::UNet2DConditionModel<>>(golden_models() / "unet_conv_proj");
+  const auto adapted = ad::inject_lora(*unet, ad::unet_lora_targets(), {.rank = 4, .alpha = 8.0});
+  // 2 transformers of one block each in the conv_proj config: attn1 and attn2, 4 projections each.
+  std::size_t blocks = 0;
+  for (const auto& [name, tr] : unet->transformers()) blocks += tr->blocks().size();
+  EXPECT_EQ(adapted.size(), blocks * 8);
+  std::vector<at::Tensor> trainable;
+  for (const auto& p : unet->parameters())
+    if (p.requires_grad()) trainable.push_back(p);
+  EXPECT_EQ(trainable.size(), adapted.size() * 2);
+  torch::optim::AdamW opt(trainable, torch::optim::AdamWOptions(1e-2));
+  const at::Tensor target = at::randn(t.at("input.sample").sizes(), at::kFloat);
+  double first = 0, last = 0;
+  for (int step = 0; step < 8; ++step) {
+    opt.zero_grad();
+    const at::Tensor loss = (unet->forward(t.at("input.sample"), t.at("input.timestep"),
+                                           t.at("input.encoder_hidden_states")) -
+                             target)
+                                .square()
+                                .mean();
+    loss.backward();
+    opt.step();
+    (step == 0 ? first : last) = loss.item<double>();
+  }
+  EXPECT_LT(last, first);
+  unet->eval();
+  at::NoGradGuard no_grad;
+  const at::Tensor out = unet->forward(t.at("input.sample"), t.at("input.timestep"),
+                                       t.at("input.encoder_hidden_states"));
+  const auto peft = ad::lora_state_dict(*unet, ad::unet_lora_keys(ad::LoraLayout::peft));
+  const auto kohya = ad::lora_state_dict(*unet, ad::unet_lora_keys(ad::LoraLayout::kohya));
+  EXPECT_TRUE(peft.contains(
+      "unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_out.0.lora_A.weight"));
+  EXPECT_TRUE(kohya.contains(
+      "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn2_to_k.lora_up.weight"));
+  for (const auto* file : {&peft, &kohya}) {
+    auto fresh =
+        models::from_pretrained<models::UNet2DConditionModel<>>(golden_models() / "unet_conv_proj");
+    fresh->eval();
+    const auto layout = file == &peft ? ad::LoraLayout::peft : ad::LoraLayout::kohya;
+    ad::load_lora_state_dict(*fresh, *file, ad::unet_lora_keys(layout), {.rank = 4, .alpha = 8.0});
+    expect_close(fresh->forward(t.at("input.sample"), t.at("input.timestep"),
+                                t.at("input.encoder_hidden_states")),
+                 out, 1e-6, file == &peft ? "peft" : "kohya");
+  }
+  if (const char* dir = std::getenv("DIFFTRAIN_MODELS_OUT")) {
+    const fs::path o = dir;
+    fs::create_directories(o);
+    dt::io::save_safetensors(o / "lora_peft.safetensors", peft);
+    dt::io::save_safetensors(o / "lora_kohya.safetensors", kohya);
+    dt::io::save_safetensors(o / "lora_output.safetensors", {{"output", out}});
+  }
+}
+
+// The web UI's hypernetwork on every attention layer of the UNet: the output changes, gradients
+// reach the hypernetwork, and detaching restores the plain UNet.
+TEST(Models, HypernetworkHooksEveryUNetAttentionLayer) {
+  namespace ad = difftrain::adapters;
+  const auto io = dt::io::load_safetensors(golden_models() / "unet_conv_proj.io.safetensors", true);
+  const auto& t = io.tensors;
+  auto unet =
+      models::from_pretrained<models::UNet2DConditionModel<>>(golden_models() / "unet_conv_proj");
+  unet->eval();
+  auto run = [&] {
+    return unet->forward(t.at("input.sample"), t.at("input.timestep"),
+                         t.at("input.encoder_hidden_states"));
+  };
+  const at::Tensor plain = run().detach();
+  ad::HypernetworkOptions ho;
+  ho.activation_func = "relu";
+  ad::Hypernetwork hn("test", {32, 64}, ho);
+  hn.train();
+  std::size_t blocks = 0;
+  for (const auto& [name, tr] : unet->transformers()) blocks += tr->blocks().size();
+  EXPECT_EQ(ad::attach_hypernetwork(*unet, hn), blocks * 2);
+  const at::Tensor hooked = run();
+  EXPECT_GT((hooked - plain).abs().max().item<double>(), 1e-4);
+  hooked.square().sum().backward();
+  for (const auto& w : hn.weights()) {
+    ASSERT_TRUE(w.grad().defined());
+    EXPECT_GT(w.grad().abs().sum().item<double>(), 0.0);
+  }
+  ad::detach_hypernetwork(*unet);
+  EXPECT_TRUE(at::equal(run().detach(), plain));
 }
