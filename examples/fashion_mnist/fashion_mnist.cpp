@@ -82,6 +82,9 @@ struct Settings {
   std::int64_t warmup = 100;
   std::string lr_scheduler = "cosine";
   double ema_decay = 0.995;
+  std::string ema_rule = "warmup_decay";
+  std::string ema_settings = "{}";
+  std::string mixed_precision = "no";
   double clip = 1.0;
   double p_uncond = 0.1;
   std::int64_t checkpoint_every = 250;
@@ -107,13 +110,36 @@ struct Settings {
 struct UNetConfig : tr::DefaultConfig {
   using Optimizer = tr::AdamW;
   using Schedule = difftrain::schedule::ByName;  // --lr-scheduler, diffusers' names
-  using Ema = difftrain::ema::Ema<difftrain::ema::WarmupDecay>;
+  using Ema = difftrain::ema::Ema<difftrain::ema::RuleByName>;  // --ema-rule, --ema-settings
+  using Precision = tr::PrecisionByName;                         // --mixed_precision
   using Clipping = tr::ClipByNorm;
   using Callbacks =
       std::tuple<tr::ProgressBar, tr::CsvLossLog, tr::CheckpointEvery, StopOnInterrupt>;
   using Parallel = difftrain::distributed::DataParallel;
 };
 using UNetTrainer = tr::Trainer<fmnist::UNetImpl, UNetConfig>;
+
+/// The EMA rule of the command line: --ema-rule with --ema-settings (a JSON object), and
+/// --ema-decay as the rule's decay (beta for ema_pytorch) unless the settings give one.
+nlohmann::json ema_rule_json(const Settings& s) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(s.ema_settings);
+  } catch (const nlohmann::json::parse_error& e) {
+    throw ConfigError(std::string("is not valid JSON: ") + e.what(), "--ema-settings");
+  }
+  if (!j.is_object()) throw ConfigError("must be a JSON object", "--ema-settings");
+  if (j.contains("rule")) throw ConfigError("name the rule with --ema-rule", "--ema-settings");
+  j["rule"] = s.ema_rule;
+  const char* decay_key = s.ema_rule == "ema_pytorch" ? "beta"
+                          : s.ema_rule == "karras"    ? nullptr
+                                                      : "decay";
+  if (decay_key != nullptr && !j.contains(decay_key)) j[decay_key] = s.ema_decay;
+  return j;
+}
+difftrain::ema::RuleByName::Options ema_rule_options(const Settings& s) {
+  return difftrain::ema::RuleByName::from_json(ema_rule_json(s), "--ema-rule/--ema-settings");
+}
 
 double seconds_since(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
@@ -145,6 +171,7 @@ at::Tensor sample(const Settings& s, fmnist::UNet& net, const df::NoiseSchedule&
 
 int run(const Settings& s) {
   const auto t_start = std::chrono::steady_clock::now();
+  (void)ema_rule_options(s);  // a wrong EMA setting is named before any work
   if (s.device != "cpu" && s.device.rfind("cuda", 0) != 0)
     throw ConfigError("must be cpu or cuda[:N], got '" + s.device + "'", "--device");
   if (s.device != "cpu" && !torch::cuda::is_available())
@@ -220,7 +247,8 @@ int run(const Settings& s) {
   o.schedule.lr_scheduler = s.lr_scheduler;
   o.schedule.args.num_warmup_steps = std::min(s.warmup, s.steps);
   o.schedule.args.num_training_steps = s.steps;
-  o.ema.rule.decay = s.ema_decay;
+  o.ema.rule = ema_rule_options(s);
+  o.precision.mixed_precision = s.mixed_precision;
   o.clipping.max_norm = s.clip;
   o.parallel.world = world;
   // A checkpoint written with another LR, schedule (--steps, --warmup), weight decay, clipping or
@@ -391,6 +419,8 @@ int run(const Settings& s) {
                                   {"batch_size", s.batch_size},
                                   {"lr_scheduler", s.lr_scheduler},
                                   {"lr", s.lr},
+                                  {"ema", ema_rule_json(s)},
+                                  {"mixed_precision", s.mixed_precision},
                                   {"train_seconds", train_seconds},
                                   {"steps_per_second", steps_per_second},
                                   {"sample_seconds", sample_seconds},
@@ -471,8 +501,18 @@ int main(int argc, char** argv) {
   m->add_option("--warmup,--lr_warmup_steps", s.warmup, "linear warm-up steps before the schedule")
       ->check(examples::count_in(0, 100'000'000))
       ->capture_default_str();
-  m->add_option("--ema-decay", s.ema_decay, "EMA decay cap (diffusers' warm-up rule)")
+  m->add_option("--ema-decay", s.ema_decay, "EMA decay cap (beta for ema_pytorch)")
       ->check(examples::number_in(0, 1))
+      ->capture_default_str();
+  m->add_option("--ema-rule", s.ema_rule, "EMA decay rule")
+      ->check(CLI::IsMember({"constant", "warmup_decay", "lit_ema", "ema_pytorch", "karras"}))
+      ->capture_default_str();
+  m->add_option("--ema-settings", s.ema_settings,
+                "the rule's other options as JSON, e.g. '{\"use_ema_warmup\": true}'")
+      ->capture_default_str();
+  m->add_option("--mixed-precision,--mixed_precision", s.mixed_precision,
+                "no (float32), bf16 or fp16 (autocast; fp16 with loss scaling)")
+      ->check(CLI::IsMember({"no", "fp32", "bf16", "fp16"}))
       ->capture_default_str();
   m->add_option("--clip,--max_grad_norm", s.clip, "gradient norm clipping")
       ->check(examples::number_in(0, 1e9, true))

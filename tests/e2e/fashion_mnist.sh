@@ -37,6 +37,12 @@ for bad in "--steps 9223372036854775807" "--lr 1e39" "--clip 1e300" "--p-uncond 
 done
 expect_rc 105 bad-scheduler -- "$bin" --lr-scheduler cosine_annealing --out "$work/flags"
 grep_in "$work/bad-scheduler.err" "lr-scheduler"
+expect_rc 105 bad-ema-rule -- "$bin" --ema-rule polyak --out "$work/flags"
+grep_in "$work/bad-ema-rule.err" "ema-rule"
+expect_rc 105 bad-precision -- "$bin" --mixed_precision fp8 --out "$work/flags"
+grep_in "$work/bad-precision.err" "mixed"
+expect_rc 2 bad-ema-setting -- "$bin" "${tiny[@]}" --ema-settings '{"decay_rate": 0.9}' --out "$work/flags"
+grep_in "$work/bad-ema-setting.err" "decay_rate"
 expect_rc 2 empty-out -- "$bin" "${tiny[@]}" --out ""
 grep_in "$work/empty-out.err" "ConfigError at --out"
 touch "$work/a-file"
@@ -92,6 +98,11 @@ grep_in "$work/bad-config.err" "no_such_option"
 mkdir -p "$work/stray/checkpoints"
 echo stray >"$work/stray/checkpoints/checkpoint-99999999999999999999999.pt"
 expect_rc 0 stray -- "$bin" "${tiny[@]}" --steps 2 --out "$work/stray"
+# The EMA rule and the precision chosen on the command line, recorded in results.json.
+expect_rc 0 runtime-choices -- "$bin" "${tiny[@]}" --steps 2 --ema-rule ema_pytorch \
+  --ema-settings '{"update_after_step": 0, "update_every": 1}' --mixed_precision bf16 --out "$work/rt"
+grep_in "$work/rt/results.json" '"mixed_precision": "bf16"'
+grep_in "$work/rt/results.json" '"rule": "ema_pytorch"'
 
 # Ctrl-C: a checkpoint, status 130, and --resume goes on from it.
 "$bin" "${tiny[@]}" --steps 100000 --out "$work/c" >"$work/sigint.out" 2>"$work/sigint.err" &

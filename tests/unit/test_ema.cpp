@@ -340,3 +340,90 @@ TEST(Ema, BadOptionsAreConfigErrors) {
   EXPECT_THROW((ema::Ema<ema::EmaPytorch>(*model, {.update_every = 0})), dt::ConfigError);
   EXPECT_THROW((ema::Ema<ema::LitEma>(*model, {.decay = -0.1})), dt::ConfigError);
 }
+
+// The rule chosen by name decays exactly as the static rule of that name with the same options,
+// for every rule, and its state round-trips; mistakes are ConfigErrors naming the key.
+TEST(Ema, RuleByNameIsTheStaticRuleOfThatName) {
+  auto same = [](auto a, auto b, const std::string& what) {
+    for (int i = 0; i < 400; ++i) {
+      const ema::Action x = a.next(), y = b.next();
+      ASSERT_EQ(static_cast<int>(x.kind), static_cast<int>(y.kind)) << what << " at " << i;
+      ASSERT_EQ(x.decay, y.decay) << what << " at " << i;
+      ASSERT_EQ(x.copy_first, y.copy_first) << what << " at " << i;
+      ASSERT_EQ(x.update_model, y.update_model) << what << " at " << i;
+    }
+    EXPECT_EQ(a.state(), b.state()) << what;
+  };
+  using J = nlohmann::json;
+  auto by = [](const J& j) { return ema::RuleByName(ema::RuleByName::from_json(j)); };
+  same(by({{"rule", "constant"}, {"decay", 0.99}}), ema::Constant({.decay = 0.99}), "constant");
+  same(by({{"rule", "warmup_decay"},
+           {"decay", 0.999},
+           {"use_ema_warmup", true},
+           {"power", 0.75},
+           {"update_after_step", 5}}),
+       ema::WarmupDecay(
+           {.decay = 0.999, .update_after_step = 5, .use_ema_warmup = true, .power = 0.75}),
+       "warmup_decay");
+  same(by({{"rule", "lit_ema"}, {"decay", 0.995}}), ema::LitEma({.decay = 0.995}), "lit_ema");
+  same(
+      by({{"rule", "ema_pytorch"}, {"beta", 0.99}, {"update_after_step", 10}, {"update_every", 3}}),
+      ema::EmaPytorch({.beta = 0.99, .update_after_step = 10, .update_every = 3}), "ema_pytorch");
+  same(by({{"rule", "karras"}, {"update_every", 7}}), ema::Karras({.update_every = 7}), "karras");
+  same(by({{"rule", "warmup_decay"}}), ema::WarmupDecay({}), "defaults");
+
+  // State round trip through the by-name rule, and a resume with another rule refused by name.
+  auto a = by({{"rule", "warmup_decay"}, {"decay", 0.999}});
+  for (int i = 0; i < 17; ++i) (void)a.next();
+  auto b = by({{"rule", "warmup_decay"}, {"decay", 0.999}});
+  b.load_state(a.state());
+  EXPECT_EQ(a.next().decay, b.next().decay);
+  EXPECT_EQ(b.chosen(), "warmup_decay");
+  auto c = by({{"rule", "lit_ema"}});
+  EXPECT_THROW(c.load_state(a.state()), dt::FormatError);
+
+  auto message = [&](const J& j) -> std::string {
+    try {
+      (void)by(j);
+    } catch (const dt::ConfigError& e) {
+      return e.what();
+    }
+    ADD_FAILURE() << "accepted " << j.dump();
+    return {};
+  };
+  EXPECT_NE(message({{"rule", "polyak"}}).find("unknown EMA rule \"polyak\""), std::string::npos);
+  EXPECT_NE(message({{"rule", "warmup_decay"}, {"decay_rate", 0.9}}).find("decay_rate"),
+            std::string::npos);
+  // A counter is state, not a setting.
+  EXPECT_NE(message({{"rule", "warmup_decay"}, {"optimization_step", 9}}).find("optimization_step"),
+            std::string::npos);
+  EXPECT_NE(message({{"rule", "warmup_decay"}, {"update_after_step", 2.5}}).find("an integer"),
+            std::string::npos);
+  EXPECT_NE(message({{"rule", "constant"}, {"decay", 1.5}}).find("decay"), std::string::npos);
+  EXPECT_NE(message({{"rule", "karras"}, {"update_every", "often"}}).find("update_every"),
+            std::string::npos);
+  EXPECT_NE(message({{"rule", 3}}).find("rule"), std::string::npos);
+
+  // In an Ema over a model: the same shadows as the static rule.
+  torch::nn::Linear m1(4, 3), m2(4, 3);
+  {
+    at::NoGradGuard g;
+    for (std::size_t i = 0; i < m1->parameters().size(); ++i)
+      m2->parameters()[i].copy_(m1->parameters()[i]);
+  }
+  ema::Ema<ema::RuleByName> e1(
+      *m1, ema::RuleByName::from_json({{"rule", "warmup_decay"}, {"decay", 0.9}}));
+  ema::Ema<ema::WarmupDecay> e2(*m2, {.decay = 0.9});
+  for (int i = 0; i < 20; ++i) {
+    at::NoGradGuard g;
+    for (auto* m : {&m1, &m2})
+      for (auto& p : (*m)->parameters()) p.add_(0.01 * (i + 1));
+    e1.update();
+    e2.update();
+  }
+  const auto [rule1, shadows1] = e1.state();
+  const auto [rule2, shadows2] = e2.state();
+  EXPECT_EQ(rule1, rule2);
+  ASSERT_EQ(shadows1.size(), shadows2.size());
+  for (const auto& [name, t] : shadows1) EXPECT_TRUE(at::equal(t, shadows2.at(name))) << name;
+}

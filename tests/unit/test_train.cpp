@@ -925,3 +925,57 @@ TEST(Trainer, AScheduleChosenByNameTrainsAsTheStaticOne) {
     EXPECT_NE(std::string(e.what()).find("take_on_resume.schedule"), std::string::npos) << e.what();
   }
 }
+
+// The precision chosen by name trains exactly as the static policy of that name; its fingerprint
+// names the chosen precision, so checkpoints move between the two; an unknown name is refused.
+TEST(Trainer, PrecisionByNameIsTheStaticPolicyOfThatName) {
+  auto run = [](auto tag, const std::string& choice) {
+    using Cfg = typename decltype(tag)::type;
+    tr::set_seed(21);
+    auto net = std::make_shared<NetImpl>();
+    typename tr::Trainer<NetImpl, Cfg>::Options o;
+    o.optimizer.lr = 1e-3;
+    o.schedule = {2, 10, 0.5};
+    o.ema.rule.decay = 0.5;
+    if constexpr (requires { o.precision.mixed_precision; }) o.precision.mixed_precision = choice;
+    tr::Trainer<NetImpl, Cfg> trainer(*net, o);
+    trainer.fit(source, 3);
+    std::vector<at::Tensor> out;
+    for (const auto& p : net->parameters()) out.push_back(p.detach().clone());
+    return std::make_tuple(out, trainer.fingerprint()["precision"].template get<std::string>(),
+                           trainer.scaler().enabled());
+  };
+  struct Bf16 : ParityConfig {
+    using Precision = tr::AutocastBf16;
+  };
+  struct Fp16 : ParityConfig {
+    using Precision = tr::AutocastFp16;
+  };
+  struct ByName : ParityConfig {
+    using Precision = tr::PrecisionByName;
+  };
+  for (const auto& [choice, want_name] : std::vector<std::pair<std::string, std::string>>{
+           {"no", "fp32"}, {"fp32", "fp32"}, {"bf16", "bf16"}, {"fp16", "fp16"}}) {
+    SCOPED_TRACE(choice);
+    const auto [by_params, by_name, by_scaled] = run(std::type_identity<ByName>{}, choice);
+    const auto [st_params, st_name, st_scaled] =
+        want_name == "bf16"   ? run(std::type_identity<Bf16>{}, "")
+        : want_name == "fp16" ? run(std::type_identity<Fp16>{}, "")
+                              : run(std::type_identity<ParityConfig>{}, "");
+    EXPECT_EQ(by_name, want_name);
+    EXPECT_EQ(st_name, want_name);
+    EXPECT_EQ(by_scaled, st_scaled);
+    ASSERT_EQ(by_params.size(), st_params.size());
+    for (std::size_t i = 0; i < by_params.size(); ++i)
+      EXPECT_TRUE(at::equal(by_params[i], st_params[i])) << i;
+  }
+  auto net = std::make_shared<NetImpl>();
+  tr::Trainer<NetImpl, ByName>::Options o;
+  o.precision.mixed_precision = "fp8";
+  try {
+    tr::Trainer<NetImpl, ByName> t(*net, o);
+    ADD_FAILURE() << "fp8 accepted";
+  } catch (const dt::ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("mixed_precision"), std::string::npos) << e.what();
+  }
+}

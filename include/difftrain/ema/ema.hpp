@@ -1,6 +1,7 @@
 #pragma once
 // Umbrella header of the EMA layer: decay rules, update engines, Ema<Rule, Engine>, post-hoc EMA.
 
+#include "difftrain/ema/by_name.hpp"
 #include "difftrain/ema/concepts.hpp"
 #include "difftrain/ema/engines.hpp"
 #include "difftrain/ema/moving_average.hpp"

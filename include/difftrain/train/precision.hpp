@@ -190,11 +190,90 @@ struct AutocastFp16 {
   static constexpr at::ScalarType dtype = at::kHalf;
 };
 
+/// A precision fixed at compile time (Fp32, AutocastBf16, AutocastFp16).
 template <class P>
-concept PrecisionPolicy = NamedPolicy<P> && requires {
+concept StaticPrecision = NamedPolicy<P> && requires {
   { P::autocast } -> std::convertible_to<bool>;
   { P::scaled } -> std::convertible_to<bool>;
   { P::dtype } -> std::convertible_to<at::ScalarType>;
+};
+
+/// Config::Precision = PrecisionByName: the precision chosen at run time, as diffusers' scripts
+/// take `--mixed_precision no|fp16|bf16` ("fp32" is "no"). The trainer reads the choice from
+/// Options::precision; the numbers are those of the static policy of that name.
+struct PrecisionByName {
+  static constexpr std::string_view name = "by_name";
+  struct Options {
+    std::string mixed_precision = "no";  ///< no (fp32), bf16, fp16
+  };
+  explicit PrecisionByName(const Options& o) {
+    if (o.mixed_precision == "no" || o.mixed_precision == "fp32") {
+      set<Fp32>();
+    } else if (o.mixed_precision == "bf16") {
+      set<AutocastBf16>();
+    } else if (o.mixed_precision == "fp16") {
+      set<AutocastFp16>();
+    } else {
+      throw ConfigError("\"" + o.mixed_precision + "\" is not a precision (no, fp32, bf16, fp16)",
+                        "mixed_precision");
+    }
+  }
+  bool autocast = false;
+  bool scaled = false;
+  at::ScalarType dtype = at::kFloat;
+  std::string_view chosen = Fp32::name;  ///< the static policy's name
+
+ private:
+  template <class P>
+  void set() {
+    autocast = P::autocast;
+    scaled = P::scaled;
+    dtype = P::dtype;
+    chosen = P::name;
+  }
+};
+
+/// A precision chosen at run time from its Options.
+template <class P>
+concept RuntimePrecision = NamedPolicy<P> && HasOptions<P> &&
+    std::constructible_from<P, const typename P::Options&> && requires(const P& p) {
+  { p.autocast } -> std::convertible_to<bool>;
+  { p.scaled } -> std::convertible_to<bool>;
+  { p.dtype } -> std::convertible_to<at::ScalarType>;
+  { p.chosen } -> std::convertible_to<std::string_view>;
+};
+
+template <class P>
+concept PrecisionPolicy = StaticPrecision<P> || RuntimePrecision<P>;
+
+namespace precision_detail {
+struct NoOptions {};
+template <class P>
+struct OptionsOf {
+  using type = NoOptions;
+};
+template <RuntimePrecision P>
+struct OptionsOf<P> {
+  using type = typename P::Options;
+};
+}  // namespace precision_detail
+
+/// What a precision policy decided, read the same way for both kinds.
+struct PrecisionChoice {
+  bool autocast = false;
+  bool scaled = false;
+  at::ScalarType dtype = at::kFloat;
+  std::string_view name = Fp32::name;
+
+  template <StaticPrecision P>
+  static PrecisionChoice of(const precision_detail::NoOptions& /*unused*/) {
+    return {P::autocast, P::scaled, P::dtype, P::name};
+  }
+  template <RuntimePrecision P>
+  static PrecisionChoice of(const typename P::Options& o) {
+    const P p(o);
+    return {p.autocast, p.scaled, p.dtype, p.chosen};
+  }
 };
 
 /// diffusers' cast_training_params: trainable parameters (those that require grad) to `dtype`,

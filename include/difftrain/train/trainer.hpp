@@ -203,7 +203,8 @@ class Trainer {
                 "difftrain: Config::Optimizer needs a name, Options and `static "
                 "std::unique_ptr<torch::optim::Optimizer> make(groups, options)`");
   static_assert(PrecisionPolicy<typename Config::Precision>,
-                "difftrain: Config::Precision needs a name and `autocast`, `scaled`, `dtype`");
+                "difftrain: Config::Precision needs a name and `autocast`, `scaled`, `dtype` "
+                "(static constexpr, or members of an instance built from its Options)");
   static_assert(diagnose_clipping<typename Config::Clipping>());
   static_assert(schedule::diagnose_lr_schedule<typename Config::Schedule>(),
                 "difftrain: Config::Schedule is not an LR schedule (see the message above)");
@@ -233,6 +234,8 @@ class Trainer {
     typename ScheduleT::Options schedule{};
     trainer_detail::EmaOptions<EmaT> ema{};
     typename ClippingT::Options clipping{};
+    /// For PrecisionByName: which precision ("no", "bf16", "fp16"); empty for static policies.
+    typename precision_detail::OptionsOf<PrecisionT>::type precision{};
     GradScaler::Options scaler{};
     std::int64_t accumulation_steps = 1;
     std::optional<std::int64_t> max_batch_size{};
@@ -257,9 +260,10 @@ class Trainer {
       : model_(&model),
         o_(std::move(options)),
         clipping_(o_.clipping),
+        precision_(PrecisionChoice::of<PrecisionT>(o_.precision)),
         scaler_([&] {
           GradScaler::Options s = o_.scaler;
-          s.enabled = PrecisionT::scaled;
+          s.enabled = precision_.scaled;
           return s;
         }()),
         callbacks_(std::move(callbacks)) {
@@ -395,7 +399,7 @@ class Trainer {
     return {{"optimizer", OptimizerPolicyT::name},
             {"schedule", detail_name<ScheduleT>()},
             {"ema", detail_name<EmaT>()},
-            {"precision", PrecisionT::name},
+            {"precision", precision_.name},
             {"clipping", ClippingT::name},
             {"accumulation_steps", o_.accumulation_steps},
             {"param_groups", groups}};
@@ -880,9 +884,9 @@ class Trainer {
     }
     parallel_->before_forward(sync);
     at::Tensor loss;
-    if constexpr (PrecisionT::autocast) {
+    if (precision_.autocast) {
       const c10::DeviceType dev = params_.empty() ? c10::kCPU : params_.front().device().type();
-      AutocastGuard guard(dev, PrecisionT::dtype);
+      AutocastGuard guard(dev, precision_.dtype);
       loss = model_->loss(b);
     } else {
       loss = model_->loss(b);
@@ -941,6 +945,7 @@ class Trainer {
   std::optional<schedule::LrScheduler<ScheduleT>> scheduler_;
   std::unique_ptr<EmaT> ema_;
   ClippingT clipping_;
+  PrecisionChoice precision_;  // before scaler_, which it enables
   GradScaler scaler_;
   CallbacksT callbacks_;
   std::int64_t step_ = 0;
