@@ -26,6 +26,7 @@
 #include <difftrain/io/image_grid.hpp>
 #include <difftrain/io/png.hpp>
 #include <difftrain/nn/module_tensors.hpp>
+#include <difftrain/schedule/step_string.hpp>
 #include <difftrain/train/callbacks.hpp>
 #include <difftrain/train/seeding.hpp>
 #include <difftrain/train/trainer.hpp>
@@ -345,6 +346,15 @@ int run(const Settings& s) {
     throw ConfigError("must name one of the nine known classes, got '" + s.init_word + "'",
                       "--init-word");
   if (s.out.empty()) throw ConfigError("is empty; name the output folder", "--out");
+  // The step strings are read before any work, so a bad one costs no classifier or base model.
+  for (const auto& [flag, text] : {std::pair<std::string, std::string>{"--embedding-lr", s.ti_lr},
+                                   {"--hypernetwork-lr", s.hn_lr}}) {
+    try {
+      (void)difftrain::schedule::StepString({.text = text});
+    } catch (const difftrain::ConfigError& e) {
+      throw ConfigError(e.message() + " (" + e.where() + ")", flag);
+    }
+  }
   const fs::path out(s.out), adapters = out / "adapters", log = out / "log";
   difftrain::io::ensure_writable_folder(out);
   difftrain::io::ensure_writable_folder(adapters);
@@ -546,7 +556,7 @@ int main(int argc, char** argv) {
   app.get_formatter()->column_width(34);
   auto* g = app.add_option_group("data and run");
   g->add_option("--data-dir", s.data_dir, "directory with the IDX files")->capture_default_str();
-  g->add_option("--out", s.out, "output directory")->capture_default_str();
+  g->add_option("--out,--output_dir", s.out, "output directory")->capture_default_str();
   g->add_option("--seed", s.seed, "seeds everything")->capture_default_str();
   g->add_option("--limit", s.limit, "use only the first N images of each split (0: all)")
       ->check(examples::count_in(0, 100'000'000));
@@ -570,10 +580,10 @@ int main(int argc, char** argv) {
   a->add_option("--adapter-images", s.adapter_images, "images of the new class the adapters see")
       ->check(examples::count_in(1, 100'000'000))
       ->capture_default_str();
-  a->add_option("--adapter-steps", s.adapter_steps, "steps per adapter")
+  a->add_option("--adapter-steps,--max_train_steps", s.adapter_steps, "steps per adapter")
       ->check(examples::count_in(1, 100'000'000))
       ->capture_default_str();
-  a->add_option("--adapter-batch", s.adapter_batch, "images per adapter step")
+  a->add_option("--adapter-batch,--train_batch_size", s.adapter_batch, "images per adapter step")
       ->check(examples::count_in(1, 1'000'000))
       ->capture_default_str();
   a->add_option("--init-word", s.init_word, "class whose vectors start the embedding")
@@ -584,10 +594,10 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   a->add_option("--hn-structure", s.hn_structure, "hypernetwork layer structure")
       ->capture_default_str();
-  a->add_option("--lora-lr", s.lora_lr, "LoRA learning rate")
+  a->add_option("--lora-lr,--learning_rate", s.lora_lr, "LoRA learning rate")
       ->check(examples::number_in(0, 1e4, true))
       ->capture_default_str();
-  a->add_option("--lora-rank", s.lora_rank, "LoRA rank")
+  a->add_option("--lora-rank,--rank", s.lora_rank, "LoRA rank")
       ->check(examples::count_in(1, 4096))
       ->capture_default_str();
   a->add_option("--lora-alpha", s.lora_alpha, "LoRA alpha")

@@ -23,6 +23,12 @@ expect_rc 2 bad-init -- "$bin" "${tiny[@]}" --init-word ankle-boot --out "$work/
 grep_in "$work/bad-init.err" "--init-word"
 expect_rc 2 bad-lr -- "$bin" "${tiny[@]}" --embedding-lr "0.1:x" --out "$work/bad"
 grep_in "$work/bad-lr.err" "step string"
+# Refused before any work: no classifier was trained for it.
+expect_rc 2 negative-lr -- "$bin" "${tiny[@]}" --hypernetwork-lr "-0.01" --out "$work/neg"
+grep_in "$work/negative-lr.err" "--hypernetwork-lr"
+[ ! -e "$work/neg" ] || fail "the run started work before checking the LR"
+expect_rc 0 diffusers-flags -- "$bin" --help
+grep_in "$work/diffusers-flags.out" "--learning_rate"
 
 expect_rc 0 full -- "$bin" "${tiny[@]}" --out "$work/a"
 for f in samples.png results.json base.safetensors adapters/ankle-boot.pt adapters/ankle-boot.pt.optim \
