@@ -90,6 +90,12 @@ struct Settings {
   std::int64_t checkpoint_every = 250;
   std::int64_t keep = 2;
   bool resume = false;
+  std::string resume_from;  // diffusers' --resume_from_checkpoint: a checkpoint file or "latest"
+  std::string logging_dir;  // the loss log's folder (default: --out)
+  std::string prediction_type = "epsilon";
+  double snr_gamma = 0.0;
+  double adam_beta1 = 0.9, adam_beta2 = 0.999, adam_epsilon = 1e-8;
+  std::int64_t accumulation = 1;
   bool take_new_settings = false;
   std::int64_t stop_at = 0;
   bool overwrite = false;
@@ -109,9 +115,9 @@ struct Settings {
 
 struct UNetConfig : tr::DefaultConfig {
   using Optimizer = tr::AdamW;
-  using Schedule = difftrain::schedule::ByName;  // --lr-scheduler, diffusers' names
+  using Schedule = difftrain::schedule::ByName;                 // --lr-scheduler, diffusers' names
   using Ema = difftrain::ema::Ema<difftrain::ema::RuleByName>;  // --ema-rule, --ema-settings
-  using Precision = tr::PrecisionByName;                         // --mixed_precision
+  using Precision = tr::PrecisionByName;                        // --mixed_precision
   using Clipping = tr::ClipByNorm;
   using Callbacks =
       std::tuple<tr::ProgressBar, tr::CsvLossLog, tr::CheckpointEvery, StopOnInterrupt>;
@@ -121,6 +127,14 @@ using UNetTrainer = tr::Trainer<fmnist::UNetImpl, UNetConfig>;
 
 /// The EMA rule of the command line: --ema-rule with --ema-settings (a JSON object), and
 /// --ema-decay as the rule's decay (beta for ema_pytorch) unless the settings give one.
+df::Prediction prediction_of(const std::string& name) {
+  if (name == "v_prediction") return df::Prediction::v_prediction;
+  if (name == "sample") return df::Prediction::sample;
+  if (name == "epsilon") return df::Prediction::epsilon;
+  throw ConfigError("must be epsilon, v_prediction or sample, got '" + name + "'",
+                    "--prediction-type");
+}
+
 nlohmann::json ema_rule_json(const Settings& s) {
   nlohmann::json j;
   try {
@@ -204,6 +218,7 @@ int run(const Settings& s) {
         ckpt_dir.string());
   difftrain::io::ensure_writable_folder(out);
   difftrain::io::ensure_writable_folder(ckpt_dir);
+  if (!s.logging_dir.empty()) difftrain::io::ensure_writable_folder(s.logging_dir);
   tr::set_seed(s.seed);
 
   auto t = std::chrono::steady_clock::now();
@@ -236,14 +251,20 @@ int run(const Settings& s) {
   // on whether the classifier was trained (drawing numbers) or loaded from the cache.
   tr::set_seed(s.seed);
   const df::NoiseSchedule schedule;
-  fmnist::UNet net(
-      fmnist::UNetOptions{
-          .channels = s.channels, .attention_14 = s.attention_14, .p_uncond = s.p_uncond},
-      schedule);
+  fmnist::UNet net(fmnist::UNetOptions{.channels = s.channels,
+                                       .attention_14 = s.attention_14,
+                                       .p_uncond = s.p_uncond,
+                                       .prediction = prediction_of(s.prediction_type),
+                                       .snr_gamma = s.snr_gamma},
+                   schedule);
   net->to(device);
   UNetTrainer::Options o;
   o.optimizer.lr = s.lr;
   o.optimizer.weight_decay = s.weight_decay;
+  o.optimizer.beta1 = s.adam_beta1;
+  o.optimizer.beta2 = s.adam_beta2;
+  o.optimizer.eps = s.adam_epsilon;
+  o.accumulation_steps = s.accumulation;
   o.schedule.lr_scheduler = s.lr_scheduler;
   o.schedule.args.num_warmup_steps = std::min(s.warmup, s.steps);
   o.schedule.args.num_training_steps = s.steps;
@@ -261,12 +282,12 @@ int run(const Settings& s) {
     fs::remove(path, ec);
     if (ec) throw difftrain::IoError("cannot remove: " + ec.message(), path.string());
   };
-  const fs::path loss_csv = out / "loss.csv";
+  const fs::path loss_csv = (s.logging_dir.empty() ? out : fs::path(s.logging_dir)) / "loss.csv";
   if (main_rank && s.overwrite && !s.resume)
     for (const auto& [step, path] : tr::CheckpointEvery::list(ckpt_dir)) remove(path);
   if (main_rank && !s.resume) remove(loss_csv);
   const std::int64_t n = data.train.size();
-  const std::int64_t per_epoch = std::max<std::int64_t>(1, n / s.batch_size);
+  const std::int64_t per_epoch = std::max<std::int64_t>(1, n / (s.batch_size * s.accumulation));
 
   std::int64_t resumed_from = 0;
   std::unique_ptr<UNetTrainer> trainer;
@@ -286,7 +307,13 @@ int run(const Settings& s) {
     // note. Loading cuts the loss log back to the checkpoint's step (CsvLossLog::on_resume).
     trainer = make_trainer();
     std::vector<std::string> skipped;
-    const auto from = tr::resume_latest(*trainer, ckpt_dir, &skipped);
+    std::optional<fs::path> from;
+    if (!s.resume_from.empty() && s.resume_from != "latest") {
+      trainer->load_checkpoint(s.resume_from);  // a file named on purpose: no fallback
+      from = fs::path(s.resume_from);
+    } else {
+      from = tr::resume_latest(*trainer, ckpt_dir, &skipped);
+    }
     for (const auto& why : skipped) std::fprintf(stderr, "resume: skipped %s\n", why.c_str());
     if (!from) throw ConfigError("holds no readable checkpoint to resume from", ckpt_dir.string());
     resumed_from = trainer->global_step();
@@ -307,8 +334,10 @@ int run(const Settings& s) {
                           std::to_string(world->size()) + " ranks (" + std::to_string(n) +
                           " images)",
                       "--limit");
-  auto source = [&](std::int64_t step, std::int64_t /*micro*/) {
-    const at::Tensor idx = batches.indices(step).narrow(0, world->rank() * share, share);
+  // With accumulation, each micro-batch of a step is the next batch of the epoch order.
+  auto source = [&](std::int64_t step, std::int64_t micro) {
+    const at::Tensor idx =
+        batches.indices(step * s.accumulation + micro).narrow(0, world->rank() * share, share);
     return fmnist::UNetImpl::Batch{images.index_select(0, idx), labels.index_select(0, idx)};
   };
   // Each rank its own noise and label dropout (a resumed run restores each rank's generator).
@@ -421,6 +450,9 @@ int run(const Settings& s) {
                                   {"lr", s.lr},
                                   {"ema", ema_rule_json(s)},
                                   {"mixed_precision", s.mixed_precision},
+                                  {"prediction_type", s.prediction_type},
+                                  {"snr_gamma", s.snr_gamma},
+                                  {"gradient_accumulation_steps", s.accumulation},
                                   {"train_seconds", train_seconds},
                                   {"steps_per_second", steps_per_second},
                                   {"sample_seconds", sample_seconds},
@@ -462,6 +494,9 @@ int main(int argc, char** argv) {
   g->add_option("--limit", s.limit, "use only the first N images of each split (0: all)")
       ->check(examples::count_in(0, 100'000'000));
   g->add_flag("--resume", s.resume, "continue from the latest checkpoint in OUT/checkpoints");
+  g->add_option("--resume_from_checkpoint", s.resume_from,
+                "continue from this checkpoint file, or \"latest\" (as --resume)");
+  g->add_option("--logging_dir", s.logging_dir, "folder of loss.csv (default: --out)");
   g->add_option("--stop-at-step", s.stop_at,
                 "pause at this step: save a checkpoint and exit (continue with --resume)")
       ->check(examples::count_in(0, 100'000'000));
@@ -510,6 +545,26 @@ int main(int argc, char** argv) {
   m->add_option("--ema-settings", s.ema_settings,
                 "the rule's other options as JSON, e.g. '{\"use_ema_warmup\": true}'")
       ->capture_default_str();
+  m->add_option("--prediction-type,--prediction_type", s.prediction_type,
+                "what the UNet predicts: epsilon, v_prediction or sample")
+      ->check(CLI::IsMember({"epsilon", "v_prediction", "sample"}))
+      ->capture_default_str();
+  m->add_option("--snr-gamma,--snr_gamma", s.snr_gamma, "min-SNR-γ loss weighting (0: off)")
+      ->check(examples::number_in(0, 1e6))
+      ->capture_default_str();
+  m->add_option("--adam_beta1", s.adam_beta1, "AdamW β₁")
+      ->check(examples::number_in(0, 1))
+      ->capture_default_str();
+  m->add_option("--adam_beta2", s.adam_beta2, "AdamW β₂")
+      ->check(examples::number_in(0, 1))
+      ->capture_default_str();
+  m->add_option("--adam_epsilon", s.adam_epsilon, "AdamW ε")
+      ->check(examples::number_in(0, 1, true))
+      ->capture_default_str();
+  m->add_option("--gradient-accumulation-steps,--gradient_accumulation_steps", s.accumulation,
+                "micro-batches of --batch-size per optimizer step")
+      ->check(examples::count_in(1, 1'000'000))
+      ->capture_default_str();
   m->add_option("--mixed-precision,--mixed_precision", s.mixed_precision,
                 "no (float32), bf16 or fp16 (autocast; fp16 with loss scaling)")
       ->check(CLI::IsMember({"no", "fp32", "bf16", "fp16"}))
@@ -557,5 +612,6 @@ int main(int argc, char** argv) {
   app.set_config("--config", "", "read options from this TOML/INI file (flags given here win)");
   app.allow_config_extras(CLI::config_extras_mode::error);  // a misspelt key is an error
   CLI11_PARSE(app, argc, argv);
+  if (!s.resume_from.empty()) s.resume = true;  // "latest" or a file: either way a resume
   return examples::run_reporting_errors([&] { return run(s); });
 }

@@ -28,6 +28,7 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
 #include <difftrain/diffusion/noise_schedule.hpp>
+#include <difftrain/diffusion/weighting.hpp>
 #include <difftrain/nn/activation/elementwise.hpp>
 #include <difftrain/nn/blocks/spatial_transformer.hpp>
 #include <difftrain/nn/layers/adaptable.hpp>
@@ -51,7 +52,8 @@ struct UNetOptions {
   double p_uncond = 0.1;            ///< chance a training label becomes the null class
   dt::diffusion::Prediction prediction = dt::diffusion::Prediction::epsilon;
   bool pooled_context =
-      false;  ///< ResBlocks see a projection of the context, not a label embedding
+      false;               ///< ResBlocks see a projection of the context, not a label embedding
+  double snr_gamma = 0.0;  ///< > 0: min-SNR-γ loss weighting (diffusers' --snr_gamma)
 };
 
 /// Stores every 4-D parameter channels-last: the classifier's convolutions run ~1.5× faster so
@@ -204,7 +206,13 @@ class UNetImpl : public torch::nn::Module {
     const at::Tensor labels =
         at::where(drop, at::full_like(batch.labels, null_label()), batch.labels);
     const at::Tensor pred = forward(xt, t, labels);
-    return at::mse_loss(pred, schedule_->target(o_.prediction, x0, noise, t));
+    const at::Tensor target = schedule_->target(o_.prediction, x0, noise, t);
+    if (o_.snr_gamma <= 0) return at::mse_loss(pred, target);
+    // diffusers' train_text_to_image.py: per-sample MSE weighted by min(SNR, γ)/SNR (ε) or
+    // /(SNR + 1) (v), then the mean.
+    const at::Tensor weights = dt::diffusion::min_snr_weights(
+        schedule_->snr(t).to(pred.device(), at::kFloat), o_.snr_gamma, o_.prediction);
+    return ((pred - target).square().mean({1, 2, 3}) * weights).mean();
   }
 
   torch::nn::Linear time_in{nullptr}, time_out{nullptr}, pool_proj{nullptr};

@@ -77,6 +77,21 @@ grep_in "$work/resume.err" "step 3"
 cmp -s "$work/a/loss.csv" "$work/b/loss.csv" || {
   fail "resumed losses differ"; diff "$work/a/loss.csv" "$work/b/loss.csv"; }
 cmp -s "$work/a/samples.png" "$work/b/samples.png" || fail "resumed samples differ"
+# diffusers' --resume_from_checkpoint with a file: the run goes on from that checkpoint's step.
+expect_rc 0 resume-file -- "$bin" "${tiny[@]}" --steps 6 --overwrite \
+  --resume_from_checkpoint "$work/b/checkpoints/checkpoint-4.pt" --out "$work/b2"
+grep_in "$work/resume-file.err" "checkpoint-4.pt (step 4)"
+expect_rc 2 resume-missing -- "$bin" "${tiny[@]}" --steps 6 \
+  --resume_from_checkpoint "$work/b/checkpoints/checkpoint-5.pt" --out "$work/b3"
+grep_in "$work/resume-missing.err" "checkpoint-5.pt"
+# diffusers' training flags: v-prediction, min-SNR, accumulation, Adam settings, a logging folder.
+expect_rc 0 diffusers-flags -- "$bin" "${tiny[@]}" --steps 2 --prediction_type v_prediction \
+  --snr_gamma 5 --gradient_accumulation_steps 2 --adam_beta1 0.85 --adam_beta2 0.99 \
+  --adam_epsilon 1e-6 --logging_dir "$work/logs" --out "$work/df"
+grep_in "$work/df/results.json" '"prediction_type": "v_prediction"'
+grep_in "$work/df/results.json" '"gradient_accumulation_steps": 2'
+[ "$(wc -l <"$work/logs/loss.csv")" -eq 3 ] || fail "the loss log is not in --logging_dir"
+expect_rc 105 bad-beta -- "$bin" --adam_beta2 1.5 --out "$work/flags"
 
 # diffusers' flag names, and a config file whose values the command line overrides; the schedule
 # chosen by name.
