@@ -5,6 +5,7 @@
 // non-zero exit status, never an abort.
 
 #include <c10/util/Exception.h>
+#include <torch/cuda.h>
 #include <CLI/CLI.hpp>
 #include <difftrain/core/error.hpp>
 #include <difftrain/io/atomic_file.hpp>
@@ -53,6 +54,26 @@ inline CLI::Validator count_in(long long lo, long long hi) {
         return {};
       },
       "INT in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
+}
+
+/// The device a --device flag names: "cpu", "cuda" or "cuda:N", and CUDA only where there is one.
+inline c10::Device device_from(const std::string& name) {
+  if (name != "cpu" && name.rfind("cuda", 0) != 0)
+    throw difftrain::ConfigError("must be cpu or cuda[:N], got '" + name + "'", "--device");
+  c10::Device device(c10::DeviceType::CPU);
+  try {
+    device = c10::Device(name);
+  } catch (const c10::Error&) {
+    throw difftrain::ConfigError("is not a device name: '" + name + "'", "--device");
+  }
+  if (device.is_cuda() && !torch::cuda::is_available())
+    throw difftrain::DeviceError("this machine has no CUDA device", "--device " + name);
+  if (device.is_cuda() && device.has_index() &&
+      device.index() >= static_cast<c10::DeviceIndex>(torch::cuda::device_count()))
+    throw difftrain::DeviceError(
+        "there are " + std::to_string(torch::cuda::device_count()) + " CUDA devices",
+        "--device " + name);
+  return device;
 }
 
 /// Runs `body` and turns every failure into a message and an exit status: 2 for difftrain's

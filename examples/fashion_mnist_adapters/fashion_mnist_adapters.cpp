@@ -68,6 +68,7 @@ struct Settings {
   std::int64_t adapter_images = 300;
   std::int64_t adapter_steps = 300;
   std::int64_t adapter_batch = 32;
+  std::string device = "cpu";
   std::string ti_lr = "0.05:150, 0.02";
   std::string hn_lr = "0.02:150, 0.01";
   std::string hn_structure = "1,2,1";
@@ -138,10 +139,11 @@ class TextEncoder {
           f.emplace_back(pos, x.fixes[next_fix++].second);
         const std::int64_t tok = x.tokens[i];
         if (tok == kPlaceholder) {
-          parts.push_back(at::zeros({1, width}));
+          parts.push_back(at::zeros({1, width}, device()));
           pos += 1;
         } else if (tok >= kFirstClassToken && tok <= kFirstClassToken + fmnist::kClasses) {
-          parts.push_back(net_->context(at::tensor({tok - kFirstClassToken}, at::kLong))[0]);
+          parts.push_back(
+              net_->context(at::tensor({tok - kFirstClassToken}, at::kLong).to(device()))[0]);
           pos += n;
         } else {
           throw ConfigError("names no class and no embedding of the database",
@@ -159,6 +161,9 @@ class TextEncoder {
   }
 
  private:
+  [[nodiscard]] at::TensorOptions device() const {
+    return at::TensorOptions().device(net_->parameters().front().device());
+  }
   std::int64_t id_of(const std::string& w) {
     for (std::int64_t c = 0; c < fmnist::kClasses; ++c)
       if (w == word_of(c)) return kFirstClassToken + c;
@@ -211,10 +216,12 @@ void base_model(const Settings& s, const fmnist::Dataset& data, const df::NoiseS
     }
   }
   tr::set_seed(s.seed);
+  const at::Device device(s.device);
   fmnist::UNet net(unet_options(s), schedule);
+  net->to(device);
   const at::Tensor keep = data.train.labels.ne(s.new_class).nonzero().flatten();
-  const at::Tensor images = data.train.images.index_select(0, keep);
-  const at::Tensor labels = data.train.labels.index_select(0, keep);
+  const at::Tensor images = data.train.images.index_select(0, keep).to(device);
+  const at::Tensor labels = data.train.labels.index_select(0, keep).to(device);
   const std::int64_t n = images.size(0);
   tr::Trainer<fmnist::UNetImpl, BaseConfig>::Options o;
   o.optimizer.lr = s.lr;
@@ -223,7 +230,7 @@ void base_model(const Settings& s, const fmnist::Dataset& data, const df::NoiseS
   o.ema.rule.decay = 0.995;
   tr::Trainer<fmnist::UNetImpl, BaseConfig> trainer(
       *net, o, {tr::ProgressBar({.total_steps = s.base_steps, .every = 10})});
-  fmnist::EpochBatches batches(n, s.batch_size, s.seed);
+  fmnist::EpochBatches batches(n, s.batch_size, s.seed, device);
   std::fprintf(stderr, "base: %lld steps on %lld images of nine classes (without %s)\n",
                static_cast<long long>(s.base_steps), static_cast<long long>(n),
                fmnist::kClassNames[static_cast<std::size_t>(s.new_class)]);
@@ -241,6 +248,7 @@ void base_model(const Settings& s, const fmnist::Dataset& data, const df::NoiseS
 
 fmnist::UNet load_base(const Settings& s, const df::NoiseSchedule& schedule, const fs::path& path) {
   fmnist::UNet net(unet_options(s), schedule);
+  net->to(at::Device(s.device));  // loading copies the file's tensors onto the device
   difftrain::nn::load_module_tensors(*net, difftrain::io::load_safetensors(path, true).tensors,
                                      path.string(), /*buffers=*/false);
   net->eval();
@@ -269,7 +277,7 @@ ad::AdapterData<at::Tensor> adapter_data(const Settings& s, const at::Tensor& im
     return perm.narrow(0, j * s.adapter_batch, s.adapter_batch);
   };
   d.loss = [images, loss = std::move(loss)](const at::Tensor& idx) {
-    return loss(images.index_select(0, idx));
+    return loss(images.index_select(0, idx.to(images.device())));
   };
   return d;
 }
@@ -323,7 +331,7 @@ std::vector<std::string> split_words(const std::string& text) {
 at::Tensor sample(const Settings& s, const df::NoiseSchedule& schedule, fmnist::UNet& net,
                   const at::Tensor& cond, const at::Tensor& uncond, bool by_label) {
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(s.seed + 1);
-  const at::Tensor noise = at::randn({cond.size(0), 1, 28, 28}, gen);
+  const at::Tensor noise = at::randn({cond.size(0), 1, 28, 28}, gen).to(cond.device());
   df::DpmSolverPP2M dpm(schedule, {.prediction_type = net->options().prediction,
                                    .clipping = df::Clipping{.clip_sample = true}});
   const df::SampleOptions opts{
@@ -333,6 +341,14 @@ at::Tensor sample(const Settings& s, const df::NoiseSchedule& schedule, fmnist::
     return by_label ? net->forward(x, t, c) : net->forward_context(x, t, c);
   };
   return df::sample(dpm, model, noise, opts, cond, uncond).clamp(-1, 1);
+}
+
+/// The hypernetwork's modules onto `device` (its files are read onto the CPU).
+void hypernetwork_to(ad::Hypernetwork& hn, at::Device device) {
+  for (auto& [size, pair] : hn.layers) {
+    pair.first->to(device);
+    pair.second->to(device);
+  }
 }
 
 int run(const Settings& s) {
@@ -346,6 +362,7 @@ int run(const Settings& s) {
     throw ConfigError("must name one of the nine known classes, got '" + s.init_word + "'",
                       "--init-word");
   if (s.out.empty()) throw ConfigError("is empty; name the output folder", "--out");
+  const at::Device device = examples::device_from(s.device);
   // The step strings are read before any work, so a bad one costs no classifier or base model.
   for (const auto& [flag, text] : {std::pair<std::string, std::string>{"--embedding-lr", s.ti_lr},
                                    {"--hypernetwork-lr", s.hn_lr}}) {
@@ -364,7 +381,7 @@ int run(const Settings& s) {
   const fs::path classifier_path =
       s.classifier.empty() ? out / "classifier.safetensors" : fs::path(s.classifier);
   auto judge = fmnist::classifier_for(data, {.epochs = s.classifier_epochs, .seed = s.seed},
-                                      classifier_path, at::kCPU);
+                                      classifier_path, device);
   std::fprintf(stderr, "classifier: %.2f %% test accuracy (%s)\n", 100 * judge.test_accuracy,
                judge.from_cache ? "cached" : "trained");
   if (judge.test_accuracy < s.min_classifier_accuracy)
@@ -379,7 +396,7 @@ int run(const Settings& s) {
   base_model(s, data, schedule, base_path, base_cached, base_seconds);
   std::fprintf(stderr, "base: %s (%.1f s)\n", base_cached ? "cached" : "trained", base_seconds);
 
-  const at::Tensor images = new_class_images(s, data);
+  const at::Tensor images = new_class_images(s, data).to(device);
   const std::vector<std::string> prompts(static_cast<std::size_t>(s.samples), word);
   nlohmann::json results, files, sizes, timing;
   std::vector<at::Tensor> rows;
@@ -392,13 +409,14 @@ int run(const Settings& s) {
         samples, 500, [&](const at::Tensor& x) { return cls->forward(x).argmax(1); });
     const double acc = pred.eq(s.new_class).to(at::kDouble).mean().item<double>();
     results["new_class_accuracy"][method] = acc;
-    rows.push_back(samples.narrow(0, 0, std::min<std::int64_t>(10, samples.size(0))));
+    rows.push_back(samples.narrow(0, 0, std::min<std::int64_t>(10, samples.size(0))).cpu());
     std::printf("%-13s %5.1f %% of %lld samples classified as %s\n", method.c_str(), 100 * acc,
                 static_cast<long long>(samples.size(0)),
                 fmnist::kClassNames[static_cast<std::size_t>(s.new_class)]);
   };
-  const at::Tensor null_labels = at::full({s.samples}, fmnist::kClasses, at::kLong);
-  const at::Tensor new_labels = at::full({s.samples}, s.new_class, at::kLong);
+  const auto on_device = at::TensorOptions().dtype(at::kLong).device(device);
+  const at::Tensor null_labels = at::full({s.samples}, fmnist::kClasses, on_device);
+  const at::Tensor new_labels = at::full({s.samples}, s.new_class, on_device);
 
   // The base model alone, prompted with the new class's (never trained) token.
   {
@@ -415,7 +433,7 @@ int run(const Settings& s) {
     ad::EmbeddingDatabase db(text.tokenizer(), 2 * s.channels);
     ad::Embedding e;
     e.name = word;
-    e.vec = net->context(at::tensor({init_class}, at::kLong))[0].detach().clone();
+    e.vec = net->context(at::tensor({init_class}, at::kLong).to(device))[0].detach().clone();
     e.step = 0;
     db.register_embedding(e);  // shares e's vectors, which train in place
     const std::vector<std::string> batch_prompts(static_cast<std::size_t>(s.adapter_batch), word);
@@ -452,6 +470,7 @@ int run(const Settings& s) {
                         {.layer_structure = parse_numbers(s.hn_structure, "--hn-structure"),
                          .activation_func = "relu",
                          .weight_init = "Normal"});
+    hypernetwork_to(hn, device);
     for (const auto& item : net->named_modules()) {
       if (auto attn = std::dynamic_pointer_cast<
               difftrain::nn::blocks::CrossAttentionImpl<fmnist::AttentionBackend>>(item.value()))
@@ -463,11 +482,12 @@ int run(const Settings& s) {
         adapter_data(s, images,
                      [&](const at::Tensor& x0) {
                        return net->context_loss(
-                           x0, net->context(at::full({x0.size(0)}, s.new_class, at::kLong)));
+                           x0, net->context(at::full({x0.size(0)}, s.new_class, on_device)));
                      }),
         {.on_step = print_progress});
     timing["hypernetwork_train_seconds"] = seconds_since(t);
     hn = ad::Hypernetwork::load(file);  // the hooks read `hn`: sample with the saved file
+    hypernetwork_to(hn, device);
     score("hypernetwork", sample(s, schedule, net, new_labels, null_labels, true));
     files["hypernetwork"] = fs::relative(file, out).string();
     results["hypernetwork_statistics"] = r.recent_statistics;
@@ -492,8 +512,8 @@ int run(const Settings& s) {
     trainer.fit(
         [&](std::int64_t step, std::int64_t) {
           const at::Tensor idx = data_.batch(step / per_epoch, step % per_epoch);
-          return fmnist::UNetImpl::Batch{images.index_select(0, idx),
-                                         at::full({idx.size(0)}, s.new_class, at::kLong)};
+          return fmnist::UNetImpl::Batch{images.index_select(0, idx.to(device)),
+                                         at::full({idx.size(0)}, s.new_class, on_device)};
         },
         s.adapter_steps);
     timing["lora_train_seconds"] = seconds_since(t);
@@ -558,6 +578,7 @@ int main(int argc, char** argv) {
   g->add_option("--data-dir", s.data_dir, "directory with the IDX files")->capture_default_str();
   g->add_option("--out,--output_dir", s.out, "output directory")->capture_default_str();
   g->add_option("--seed", s.seed, "seeds everything")->capture_default_str();
+  g->add_option("--device", s.device, "cpu, cuda or cuda:N")->capture_default_str();
   g->add_option("--limit", s.limit, "use only the first N images of each split (0: all)")
       ->check(examples::count_in(0, 100'000'000));
   g->add_option("--new-class", s.new_class, "the class the base model never sees (0-9)")

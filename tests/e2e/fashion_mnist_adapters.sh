@@ -27,6 +27,17 @@ grep_in "$work/bad-lr.err" "step string"
 expect_rc 2 negative-lr -- "$bin" "${tiny[@]}" --hypernetwork-lr "-0.01" --out "$work/neg"
 grep_in "$work/negative-lr.err" "--hypernetwork-lr"
 [ ! -e "$work/neg" ] || fail "the run started work before checking the LR"
+expect_rc 2 bad-device -- "$bin" "${tiny[@]}" --device tpu --out "$work/dev"
+grep_in "$work/bad-device.err" "--device"
+# On a machine with CUDA the whole run goes there (scripts/gpu-check.sh runs this script);
+# elsewhere asking for it is a typed error before any work.
+if "$py" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+  expect_rc 0 cuda-run -- "$bin" "${tiny[@]}" --device cuda --out "$work/cuda"
+  [ -s "$work/cuda/results.json" ] || fail "the CUDA run wrote no results"
+else
+  expect_rc 2 no-cuda -- "$bin" "${tiny[@]}" --device cuda --out "$work/cuda"
+  grep_in "$work/no-cuda.err" "no CUDA device"
+fi
 expect_rc 0 diffusers-flags -- "$bin" --help
 grep_in "$work/diffusers-flags.out" "--learning_rate"
 
