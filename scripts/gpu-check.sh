@@ -43,3 +43,11 @@ if [ -x "$build/examples/fashion_mnist" ] && [ -d "$data" ]; then
     --ema-decay 0.999 --lr 1e-3 --samples-per-class 100 --checkpoint-every 2000 \
     2>&1 | tee "$out/fashion_mnist.log" | tail -20
 fi
+
+# The adapters example end to end; with CUDA present its script also runs the whole example with
+# --device cuda.
+if [ -x "$build/examples/fashion_mnist_adapters" ] && [ -d "$data" ]; then
+  bash tests/e2e/fashion_mnist_adapters.sh "$build/examples/fashion_mnist_adapters" "$python" \
+    tests/reference/check_cpp_adapters.py "$out/adapters_e2e" "$data" 2>&1 |
+    tee "$out/adapters_e2e.log" | tail -5
+fi
