@@ -10,7 +10,9 @@
 #include <benchmark/benchmark.h>
 #include <c10/core/CPUAllocator.h>
 #include <torch/torch.h>
+
 #include <difftrain/models/unet_2d_condition.hpp>
+#include "python_baseline.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -52,19 +54,9 @@ struct Step {
 };
 
 void diffusers_step(benchmark::State& state) {
-  static const double seconds = [] {
-    const std::string cmd = std::string(DIFFTRAIN_PYTHON) + " " + DIFFTRAIN_BENCH_DIR +
-                            "/python_unet_step.py '" + bench_config().dump() + "' 10 " +
-                            std::to_string(at::get_num_threads()) + " 2>/dev/null";
-    std::FILE* p = ::popen(cmd.c_str(), "r");
-    if (p == nullptr) return -1.0;
-    char buf[512] = {};
-    const std::size_t n = std::fread(buf, 1, sizeof buf - 1, p);
-    ::pclose(p);
-    const std::string out(buf, n);
-    const auto at = out.find("\"seconds_per_step\": ");
-    return at == std::string::npos ? -1.0 : std::stod(out.substr(at + 20));
-  }();
+  static const double seconds = difftrain::bench::python_seconds_per_step(
+      std::string(DIFFTRAIN_PYTHON) + " " + DIFFTRAIN_BENCH_DIR + "/python_unet_step.py '" +
+      bench_config().dump() + "' 10 " + std::to_string(at::get_num_threads()));
   if (seconds <= 0) {
     state.SkipWithError("the diffusers reference step did not run (python with diffusers?)");
     return;

@@ -19,6 +19,8 @@
 #include <difftrain/train/trainer.hpp>
 #include <string>
 
+#include "python_baseline.hpp"
+
 namespace {
 namespace tr = difftrain::train;
 namespace ds = difftrain::schedule;
@@ -152,18 +154,8 @@ void trainer_timed(benchmark::State& state) {
 // The same step as train_step_small in Python, eagerly (benchmarks/python_eager_train.py, run once
 // by this benchmark); its seconds per step are this case's baseline time.
 void python_eager(benchmark::State& state) {
-  static const double seconds = [] {
-    const std::string cmd = std::string(DIFFTRAIN_PYTHON) + " " + DIFFTRAIN_BENCH_DIR +
-                            "/python_eager_train.py 200 2>/dev/null";
-    std::FILE* p = ::popen(cmd.c_str(), "r");
-    if (p == nullptr) return -1.0;
-    char buf[512] = {};
-    const std::size_t n = std::fread(buf, 1, sizeof buf - 1, p);
-    ::pclose(p);
-    const std::string out(buf, n);
-    const auto at = out.find("\"seconds_per_step\": ");
-    return at == std::string::npos ? -1.0 : std::stod(out.substr(at + 20));
-  }();
+  static const double seconds = difftrain::bench::python_seconds_per_step(
+      std::string(DIFFTRAIN_PYTHON) + " " + DIFFTRAIN_BENCH_DIR + "/python_eager_train.py 200");
   if (seconds <= 0) {
     state.SkipWithError("the Python reference loop did not run (python with torch and diffusers?)");
     return;
