@@ -56,22 +56,16 @@ inline ResnetBlock2DOptions resnet(const ResnetSettings& s, std::int64_t in, std
   o.output_scale_factor = s.output_scale_factor;
   return o;
 }
-inline Transformer2DOptions transformer(const CrossAttentionSettings& a, std::int64_t channels,
-                                        std::int64_t groups) {
+inline nn::blocks::SpatialTransformerOptions transformer(const CrossAttentionSettings& a,
+                                                         std::int64_t channels,
+                                                         std::int64_t groups) {
   if (channels % a.num_attention_heads != 0)
     throw ConfigError(std::to_string(channels) + " channels do not split into " +
                           std::to_string(a.num_attention_heads) + " attention heads",
                       "attention_head_dim");
-  Transformer2DOptions t;
-  t.num_attention_heads = a.num_attention_heads;
-  t.attention_head_dim = channels / a.num_attention_heads;
-  t.in_channels = channels;
-  t.num_layers = a.transformer_layers;
-  t.cross_attention_dim = a.cross_attention_dim;
-  t.norm_num_groups = groups;
-  t.use_linear_projection = a.use_linear_projection;
-  t.only_cross_attention = a.only_cross_attention;
-  return t;
+  return transformer_2d_options(a.num_attention_heads, channels / a.num_attention_heads, channels,
+                                a.transformer_layers, a.cross_attention_dim, groups,
+                                a.use_linear_projection, a.only_cross_attention);
 }
 }  // namespace unet_detail
 

@@ -2,7 +2,9 @@
 // latent diffusion's SpatialTransformer: GroupNorm(32) → proj_in (1×1 conv, or Linear with
 // use_linear) → `depth` BasicTransformerBlocks over the H·W tokens → proj_out (zero-initialised, so
 // a new block starts as the identity) → + input. `context_dim` is one dimension or one per block;
-// a single context is shared by every block, a list gives each block its own.
+// a single context is shared by every block, a list gives each block its own. With another
+// `norm_num_groups` and a plainly initialised proj_out it is diffusers' Transformer2DModel (the
+// same parameter names and arithmetic; models/transformer_2d.hpp).
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
@@ -30,6 +32,8 @@ struct SpatialTransformerOptions {
   bool disable_self_attn = false;
   bool use_linear = false;
   bool use_checkpoint = false;
+  std::int64_t norm_num_groups = 32;
+  bool zero_init_proj_out = true;  // false: torch's default init, as diffusers'
 };
 
 template <attention::AttentionBackend Backend = attention::Sdpa<attention::Auto>,
@@ -39,12 +43,14 @@ class SpatialTransformerImpl : public torch::nn::Module {
   explicit SpatialTransformerImpl(const SpatialTransformerOptions& o)
       : in_channels_(o.in_channels), use_linear_(o.use_linear) {
     const std::string where = "SpatialTransformer";
-    if (o.in_channels <= 0 || o.in_channels % 32 != 0)
-      throw ConfigError(
-          "in_channels must be a positive multiple of 32 (GroupNorm of 32 groups), got " +
-              std::to_string(o.in_channels),
-          where);
-    if (o.depth <= 0) throw ConfigError("depth must be positive", where);
+    if (o.norm_num_groups <= 0 || o.in_channels <= 0 || o.in_channels % o.norm_num_groups != 0)
+      throw ConfigError("in_channels must be a positive multiple of " +
+                            std::to_string(o.norm_num_groups) + " (GroupNorm of " +
+                            std::to_string(o.norm_num_groups) + " groups), got " +
+                            std::to_string(o.in_channels),
+                        where);
+    if (o.depth <= 0 || o.n_heads <= 0 || o.d_head <= 0)
+      throw ConfigError("depth, n_heads and d_head must be positive", where);
     std::vector<std::int64_t> dims = o.context_dim;
     if (dims.size() > 1 && static_cast<std::int64_t>(dims.size()) != o.depth) {
       for (auto d : dims)
@@ -56,7 +62,8 @@ class SpatialTransformerImpl : public torch::nn::Module {
     }
     const std::int64_t inner = o.n_heads * o.d_head;
     norm = register_module(
-        "norm", torch::nn::GroupNorm(torch::nn::GroupNormOptions(32, o.in_channels).eps(1e-6)));
+        "norm", torch::nn::GroupNorm(
+                    torch::nn::GroupNormOptions(o.norm_num_groups, o.in_channels).eps(1e-6)));
     if (o.use_linear)
       proj_in =
           torch::nn::AnyModule(register_module("proj_in", torch::nn::Linear(o.in_channels, inner)));
@@ -82,8 +89,10 @@ class SpatialTransformerImpl : public torch::nn::Module {
     else
       proj_out = torch::nn::AnyModule(register_module(
           "proj_out", torch::nn::Conv2d(torch::nn::Conv2dOptions(inner, o.in_channels, 1))));
-    at::NoGradGuard no_grad;
-    for (auto& p : proj_out.ptr()->parameters()) p.zero_();
+    if (o.zero_init_proj_out) {
+      at::NoGradGuard no_grad;
+      for (auto& p : proj_out.ptr()->parameters()) p.zero_();
+    }
   }
 
   /// `contexts`: none, one shared by every block, or one per block.
@@ -118,6 +127,9 @@ class SpatialTransformerImpl : public torch::nn::Module {
 
   void set_checkpointing(bool on) {
     for (auto& blk : blocks_) blk->set_checkpointing(on);
+  }
+  [[nodiscard]] const std::vector<BasicTransformerBlock<Backend, Act>>& blocks() const {
+    return blocks_;
   }
 
   torch::nn::GroupNorm norm{nullptr};
