@@ -127,14 +127,6 @@ using UNetTrainer = tr::Trainer<fmnist::UNetImpl, UNetConfig>;
 
 /// The EMA rule of the command line: --ema-rule with --ema-settings (a JSON object), and
 /// --ema-decay as the rule's decay (beta for ema_pytorch) unless the settings give one.
-df::Prediction prediction_of(const std::string& name) {
-  if (name == "v_prediction") return df::Prediction::v_prediction;
-  if (name == "sample") return df::Prediction::sample;
-  if (name == "epsilon") return df::Prediction::epsilon;
-  throw ConfigError("must be epsilon, v_prediction or sample, got '" + name + "'",
-                    "--prediction-type");
-}
-
 nlohmann::json ema_rule_json(const Settings& s) {
   nlohmann::json j;
   try {
@@ -185,12 +177,8 @@ at::Tensor sample(const Settings& s, fmnist::UNet& net, const df::NoiseSchedule&
 
 int run(const Settings& s) {
   const auto t_start = std::chrono::steady_clock::now();
-  (void)ema_rule_options(s);  // a wrong EMA setting is named before any work
-  if (s.device != "cpu" && s.device.rfind("cuda", 0) != 0)
-    throw ConfigError("must be cpu or cuda[:N], got '" + s.device + "'", "--device");
-  if (s.device != "cpu" && !torch::cuda::is_available())
-    throw difftrain::DeviceError("CUDA is not available to this build or machine",
-                                 "--device " + s.device);
+  (void)ema_rule_options(s);              // a wrong EMA setting is named before any work
+  (void)examples::device_from(s.device);  // a name and a device this machine has
   if (s.sampler != "dpm++" && s.sampler != "ddim")
     throw ConfigError("must be dpm++ or ddim, got '" + s.sampler + "'", "--sampler");
   // The ranks of a torchrun launch (a world of one without it). Every rank checks the same flags
@@ -251,12 +239,13 @@ int run(const Settings& s) {
   // on whether the classifier was trained (drawing numbers) or loaded from the cache.
   tr::set_seed(s.seed);
   const df::NoiseSchedule schedule;
-  fmnist::UNet net(fmnist::UNetOptions{.channels = s.channels,
-                                       .attention_14 = s.attention_14,
-                                       .p_uncond = s.p_uncond,
-                                       .prediction = prediction_of(s.prediction_type),
-                                       .snr_gamma = s.snr_gamma},
-                   schedule);
+  fmnist::UNet net(
+      fmnist::UNetOptions{.channels = s.channels,
+                          .attention_14 = s.attention_14,
+                          .p_uncond = s.p_uncond,
+                          .prediction = df::prediction_from(s.prediction_type, "--prediction-type"),
+                          .snr_gamma = s.snr_gamma},
+      schedule);
   net->to(device);
   UNetTrainer::Options o;
   o.optimizer.lr = s.lr;

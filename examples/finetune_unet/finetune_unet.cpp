@@ -75,26 +75,15 @@ std::pair<df::NoiseSchedule::Options, df::Prediction> scheduler_from(const Setti
       o.beta_end = j.value("beta_end", o.beta_end);
       o.rescale_betas_zero_snr = j.value("rescale_betas_zero_snr", false);
       prediction = j.value("prediction_type", prediction);
-      const std::string beta = j.value("beta_schedule", std::string("scaled_linear"));
-      if (beta == "linear")
-        o.beta_schedule = df::BetaSchedule::linear;
-      else if (beta == "scaled_linear")
-        o.beta_schedule = df::BetaSchedule::scaled_linear;
-      else if (beta == "squaredcos_cap_v2")
-        o.beta_schedule = df::BetaSchedule::squaredcos_cap_v2;
-      else
-        throw ConfigError("'beta_schedule' = \"" + beta + "\" is not supported",
-                          s.scheduler_config);
+      o.beta_schedule = df::beta_schedule_from(
+          j.value("beta_schedule", std::string("scaled_linear")), s.scheduler_config);
     } catch (const nlohmann::json::exception& e) {
       throw ConfigError(std::string("a field has the wrong type: ") + e.what(), s.scheduler_config);
     }
   }
   if (!s.prediction_type.empty()) prediction = s.prediction_type;
-  if (prediction == "epsilon") return {o, df::Prediction::epsilon};
-  if (prediction == "v_prediction") return {o, df::Prediction::v_prediction};
-  if (prediction == "sample") return {o, df::Prediction::sample};
-  throw ConfigError("prediction_type \"" + prediction + "\" is not epsilon, v_prediction or sample",
-                    s.prediction_type.empty() ? s.scheduler_config : "--prediction-type");
+  return {o, df::prediction_from(
+                 prediction, s.prediction_type.empty() ? s.scheduler_config : "--prediction-type")};
 }
 
 using Unet = models::UNet2DConditionModel<>;

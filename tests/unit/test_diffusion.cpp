@@ -58,17 +58,12 @@ void check_trace(Sampler& s, std::int64_t steps, const nlohmann::json& ref,
 }  // namespace
 
 TEST(NoiseSchedule, TablesMatchDiffusersInFloat32Mode) {
-  const std::map<std::string, df::BetaSchedule> kinds = {
-      {"linear", df::BetaSchedule::linear},
-      {"scaled_linear", df::BetaSchedule::scaled_linear},
-      {"squaredcos_cap_v2", df::BetaSchedule::squaredcos_cap_v2},
-      {"sigmoid", df::BetaSchedule::sigmoid}};
   for (const auto& [key, ref] : g()["tables"].items()) {
     SCOPED_TRACE(key);
     const auto slash = key.find('/');
     const df::NoiseSchedule s({.beta_start = 0.00085,
                                .beta_end = 0.012,
-                               .beta_schedule = kinds.at(key.substr(0, slash)),
+                               .beta_schedule = df::beta_schedule_from(key.substr(0, slash), key),
                                .rescale_betas_zero_snr = key.substr(slash + 1) == "True",
                                .precision = df::Precision::float32});
     const at::Tensor betas =
@@ -364,4 +359,23 @@ TEST(Sample, OneLoopForEverySamplerWithGuidanceAndChunks) {
                dt::ConfigError);
   EXPECT_THROW((void)df::sample(ddim, model, noise, {.guidance_scale = 2.0}, at::Tensor(), uncond),
                dt::ConfigError);
+}
+
+TEST(NoiseSchedule, DiffusersNamesParseAndUnknownOnesAreNamed) {
+  for (const auto p :
+       {df::Prediction::epsilon, df::Prediction::v_prediction, df::Prediction::sample})
+    EXPECT_EQ(df::prediction_from(df::to_string(p), "test"), p);
+  EXPECT_EQ(df::beta_schedule_from("linear", "t"), df::BetaSchedule::linear);
+  EXPECT_EQ(df::beta_schedule_from("scaled_linear", "t"), df::BetaSchedule::scaled_linear);
+  EXPECT_EQ(df::beta_schedule_from("squaredcos_cap_v2", "t"), df::BetaSchedule::squaredcos_cap_v2);
+  EXPECT_EQ(df::beta_schedule_from("sigmoid", "t"), df::BetaSchedule::sigmoid);
+  for (const char* bad : {"eps", "V_PREDICTION", "", "flow"}) {
+    try {
+      (void)df::prediction_from(bad, "--prediction-type");
+      ADD_FAILURE() << bad;
+    } catch (const dt::ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("--prediction-type"), std::string::npos);
+    }
+  }
+  EXPECT_THROW((void)df::beta_schedule_from("cosine", "t"), dt::ConfigError);
 }

@@ -32,22 +32,14 @@ df::TimestepSpacing spacing_of(const std::string& s) {
   if (s == "trailing") return df::TimestepSpacing::trailing;
   return df::TimestepSpacing::linspace;
 }
-df::Prediction prediction_of(const std::string& s) {
-  if (s == "epsilon") return df::Prediction::epsilon;
-  if (s == "v_prediction") return df::Prediction::v_prediction;
-  return df::Prediction::sample;
-}
+df::Prediction prediction_of(const std::string& s) { return df::prediction_from(s, "golden"); }
 df::NoiseSchedule schedule_of(const std::string& beta, bool zero_snr, std::int64_t n = 1000) {
   df::NoiseSchedule::Options o{.num_train_timesteps = n, .precision = df::Precision::float32};
   o.rescale_betas_zero_snr = zero_snr;
-  if (beta == "scaled_linear") {
-    o.beta_schedule = df::BetaSchedule::scaled_linear;
+  o.beta_schedule = df::beta_schedule_from(beta, "golden");
+  if (o.beta_schedule == df::BetaSchedule::scaled_linear) {
     o.beta_start = 0.00085;
     o.beta_end = 0.012;
-  } else if (beta == "squaredcos_cap_v2") {
-    o.beta_schedule = df::BetaSchedule::squaredcos_cap_v2;
-  } else if (beta == "sigmoid") {
-    o.beta_schedule = df::BetaSchedule::sigmoid;
   }
   return df::NoiseSchedule(o);
 }

@@ -23,6 +23,28 @@ enum class BetaSchedule { linear, scaled_linear, squaredcos_cap_v2, sigmoid };
 enum class Prediction { epsilon, v_prediction, sample };
 enum class Precision { float64, float32 };
 
+/// diffusers' `prediction_type` name ("epsilon", "v_prediction", "sample"); another is a
+/// ConfigError at `where`.
+inline Prediction prediction_from(std::string_view name, const std::string& where) {
+  if (name == "epsilon") return Prediction::epsilon;
+  if (name == "v_prediction") return Prediction::v_prediction;
+  if (name == "sample") return Prediction::sample;
+  throw ConfigError(
+      "prediction_type \"" + std::string(name) + "\" is not epsilon, v_prediction or sample",
+      where);
+}
+
+/// diffusers' `beta_schedule` name; another is a ConfigError at `where`.
+inline BetaSchedule beta_schedule_from(std::string_view name, const std::string& where) {
+  if (name == "linear") return BetaSchedule::linear;
+  if (name == "scaled_linear") return BetaSchedule::scaled_linear;
+  if (name == "squaredcos_cap_v2") return BetaSchedule::squaredcos_cap_v2;
+  if (name == "sigmoid") return BetaSchedule::sigmoid;
+  throw ConfigError("beta_schedule \"" + std::string(name) +
+                        "\" is not linear, scaled_linear, squaredcos_cap_v2 or sigmoid",
+                    where);
+}
+
 inline std::string_view to_string(Prediction p) {
   switch (p) {
     case Prediction::epsilon:

@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "difftrain/core/error.hpp"
@@ -62,6 +63,9 @@ struct DiagonalGaussianDistribution {
 
 /// The fields of diffusers' AutoencoderKL config, with diffusers' defaults.
 struct AutoencoderKLConfig {
+  /// diffusers' `_class_name` for this model.
+  static constexpr std::string_view class_name = "AutoencoderKL";
+
   std::int64_t in_channels = 3, out_channels = 3;
   std::vector<std::string> down_block_types{"DownEncoderBlock2D"};
   std::vector<std::string> up_block_types{"UpDecoderBlock2D"};
@@ -137,7 +141,7 @@ struct AutoencoderKLConfig {
 
   [[nodiscard]] nlohmann::json to_json() const {
     nlohmann::json j;
-    j["_class_name"] = "AutoencoderKL";
+    j["_class_name"] = std::string(class_name);
     j["_diffusers_version"] = "0.30.0";
     j["in_channels"] = in_channels;
     j["out_channels"] = out_channels;
@@ -150,9 +154,9 @@ struct AutoencoderKLConfig {
     j["norm_num_groups"] = norm_num_groups;
     j["sample_size"] = sample_size;
     j["scaling_factor"] = scaling_factor;
-    j["shift_factor"] = shift_factor ? nlohmann::json(*shift_factor) : nullptr;
-    j["latents_mean"] = latents_mean ? nlohmann::json(*latents_mean) : nullptr;
-    j["latents_std"] = latents_std ? nlohmann::json(*latents_std) : nullptr;
+    j["shift_factor"] = value_or_null(shift_factor);
+    j["latents_mean"] = value_or_null(latents_mean);
+    j["latents_std"] = value_or_null(latents_std);
     j["force_upcast"] = force_upcast;
     j["use_quant_conv"] = use_quant_conv;
     j["use_post_quant_conv"] = use_post_quant_conv;

@@ -16,6 +16,12 @@
 
 namespace difftrain::models {
 
+/// An optional config value as JSON: the value, or null (diffusers writes absent options as null).
+template <class T>
+nlohmann::json value_or_null(const std::optional<T>& v) {
+  return v ? nlohmann::json(*v) : nlohmann::json(nullptr);
+}
+
 class ConfigReader {
  public:
   ConfigReader(nlohmann::json config, std::string where)

@@ -230,7 +230,7 @@ Holder from_pretrained(const std::filesystem::path& folder, const LoadOptions& o
   using Config = typename Impl::Config;
   const nlohmann::json j = read_model_config(folder);
   const std::string config_path = (folder / "config.json").string();
-  const std::string expected = Config{}.to_json()["_class_name"].template get<std::string>();
+  const std::string expected(Config::class_name);
   if (j.is_object() && j.contains("_class_name") && j["_class_name"].is_string() &&
       j["_class_name"].get<std::string>() != expected)
     throw ConfigError(

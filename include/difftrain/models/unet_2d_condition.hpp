@@ -23,6 +23,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "difftrain/core/error.hpp"
@@ -35,6 +36,9 @@ namespace difftrain::models {
 /// The fields of diffusers' UNet2DConditionModel config that difftrain builds, with diffusers'
 /// defaults. Per-block fields hold one entry per down block.
 struct UNet2DConditionConfig {
+  /// diffusers' `_class_name` for this model.
+  static constexpr std::string_view class_name = "UNet2DConditionModel";
+
   std::optional<nlohmann::json> sample_size;  // metadata only (an int or [h, w])
   std::int64_t in_channels = 4, out_channels = 4;
   bool center_input_sample = false;
@@ -263,7 +267,7 @@ struct UNet2DConditionConfig {
   /// The config as diffusers writes it (so `from_pretrained` reads the folder back).
   [[nodiscard]] nlohmann::json to_json() const {
     nlohmann::json j;
-    j["_class_name"] = "UNet2DConditionModel";
+    j["_class_name"] = std::string(class_name);
     j["_diffusers_version"] = "0.30.0";
     j["sample_size"] = sample_size.value_or(nullptr);
     j["in_channels"] = in_channels;
@@ -272,11 +276,10 @@ struct UNet2DConditionConfig {
     j["flip_sin_to_cos"] = flip_sin_to_cos;
     j["freq_shift"] = freq_shift;
     j["down_block_types"] = down_block_types;
-    j["mid_block_type"] = mid_block_type ? nlohmann::json(*mid_block_type) : nullptr;
+    j["mid_block_type"] = value_or_null(mid_block_type);
     j["up_block_types"] = up_block_types;
     j["only_cross_attention"] = only_cross_attention;
-    j["mid_block_only_cross_attention"] =
-        mid_block_only_cross_attention ? nlohmann::json(*mid_block_only_cross_attention) : nullptr;
+    j["mid_block_only_cross_attention"] = value_or_null(mid_block_only_cross_attention);
     j["block_out_channels"] = block_out_channels;
     j["layers_per_block"] = layers_per_block;
     j["downsample_padding"] = downsample_padding;
@@ -287,27 +290,23 @@ struct UNet2DConditionConfig {
     j["norm_eps"] = norm_eps;
     j["cross_attention_dim"] = cross_attention_dim;
     j["transformer_layers_per_block"] = transformer_layers_per_block;
-    j["encoder_hid_dim"] = encoder_hid_dim ? nlohmann::json(*encoder_hid_dim) : nullptr;
-    j["encoder_hid_dim_type"] =
-        encoder_hid_dim_type ? nlohmann::json(*encoder_hid_dim_type) : nullptr;
+    j["encoder_hid_dim"] = value_or_null(encoder_hid_dim);
+    j["encoder_hid_dim_type"] = value_or_null(encoder_hid_dim_type);
     j["attention_head_dim"] = attention_head_dim;
     j["use_linear_projection"] = use_linear_projection;
-    j["class_embed_type"] = class_embed_type ? nlohmann::json(*class_embed_type) : nullptr;
-    j["num_class_embeds"] = num_class_embeds ? nlohmann::json(*num_class_embeds) : nullptr;
+    j["class_embed_type"] = value_or_null(class_embed_type);
+    j["num_class_embeds"] = value_or_null(num_class_embeds);
     j["upcast_attention"] = upcast_attention;
     j["resnet_time_scale_shift"] = resnet_time_scale_shift;
     j["time_embedding_type"] = "positional";
-    j["time_embedding_dim"] = time_embedding_dim ? nlohmann::json(*time_embedding_dim) : nullptr;
-    j["time_embedding_act_fn"] =
-        time_embedding_act_fn ? nlohmann::json(*time_embedding_act_fn) : nullptr;
-    j["timestep_post_act"] = timestep_post_act ? nlohmann::json(*timestep_post_act) : nullptr;
-    j["time_cond_proj_dim"] = time_cond_proj_dim ? nlohmann::json(*time_cond_proj_dim) : nullptr;
+    j["time_embedding_dim"] = value_or_null(time_embedding_dim);
+    j["time_embedding_act_fn"] = value_or_null(time_embedding_act_fn);
+    j["timestep_post_act"] = value_or_null(timestep_post_act);
+    j["time_cond_proj_dim"] = value_or_null(time_cond_proj_dim);
     j["conv_in_kernel"] = conv_in_kernel;
     j["conv_out_kernel"] = conv_out_kernel;
     j["projection_class_embeddings_input_dim"] =
-        projection_class_embeddings_input_dim
-            ? nlohmann::json(*projection_class_embeddings_input_dim)
-            : nullptr;
+        value_or_null(projection_class_embeddings_input_dim);
     j["class_embeddings_concat"] = class_embeddings_concat;
     return j;
   }
@@ -330,6 +329,7 @@ class UNet2DConditionModelImpl : public torch::nn::Module {
       : c_(std::move(config)) {
     c_.resolve(where);
     check_activation<Act>("act_fn", c_.act_fn, where);
+    needs_context_ = c_.any_cross_attention();
     using namespace torch::nn;
     const auto& ch = c_.block_out_channels;
     const std::size_t n = c_.blocks();
@@ -476,7 +476,7 @@ class UNet2DConditionModelImpl : public torch::nn::Module {
       throw ShapeError("timestep must be a scalar or (B,) = (" + std::to_string(batch) + "), got " +
                            (timestep.defined() ? c10::str(timestep.sizes()) : "none"),
                        where);
-    if (c_.any_cross_attention()) {
+    if (needs_context_) {
       const std::int64_t d =
           c_.encoder_hid_dim ? *c_.encoder_hid_dim : c_.cross_attention_dim.front();
       if (!encoder_hidden_states.defined() || encoder_hidden_states.dim() != 3 ||
@@ -568,6 +568,7 @@ class UNet2DConditionModelImpl : public torch::nn::Module {
   }
 
   Config c_;
+  bool needs_context_ = false;  // some block cross-attends: encoder_hidden_states are required
   TimestepEmbedding<Act> class_timestep_{nullptr};
   TimestepEmbedding<nn::activation::SiLU> class_projection_{nullptr};
   torch::nn::Linear class_linear_{nullptr};
