@@ -6,13 +6,28 @@
 //  - unet_checkpointing: the same step without (baseline) and with (difftrain) gradient
 //    checkpointing; the ratio is the time it costs, the peak_MiB counters the CPU memory of each
 //    step (every allocation counted by a CPU allocator wrapper installed for this benchmark).
+// On a GPU (skipped elsewhere), at a larger SD-like configuration (128/256/512 channels, two layers
+// per block, 8 heads, 77 tokens of 768, 64×64 latents, batch 8) under bf16 autocast:
+//  - unet_cuda_bf16_vs_diffusers: the step against diffusers' in Python eager on the same GPU;
+//  - unet_cuda_attention_<kernel>: the step with each SDPA kernel against the Math backend;
+//  - unet_cuda_checkpointing: time and peak GPU memory (the caching allocator's) without and with
+//    gradient checkpointing.
 
 #include <benchmark/benchmark.h>
 #include <c10/core/CPUAllocator.h>
 #include <torch/torch.h>
 
+#include <torch/cuda.h>
+
 #include <difftrain/models/unet_2d_condition.hpp>
+#include <difftrain/nn/attention/math.hpp>
+#include <difftrain/train/precision.hpp>
 #include "python_baseline.hpp"
+
+#if __has_include(<c10/cuda/CUDACachingAllocator.h>)
+#include <c10/cuda/CUDACachingAllocator.h>
+#define DIFFTRAIN_BENCH_CUDA_MEMORY 1
+#endif
 
 #include <algorithm>
 #include <chrono>
@@ -54,11 +69,13 @@ struct Step {
 };
 
 void diffusers_step(benchmark::State& state) {
+  static std::string why;
   static const double seconds = difftrain::bench::python_seconds_per_step(
-      std::string(DIFFTRAIN_PYTHON) + " " + DIFFTRAIN_BENCH_DIR + "/python_unet_step.py '" +
-      bench_config().dump() + "' 10 " + std::to_string(at::get_num_threads()));
+      difftrain::bench::python_script("python_unet_step.py") + " '" + bench_config().dump() +
+          "' 10 " + std::to_string(at::get_num_threads()),
+      &why);
   if (seconds <= 0) {
-    state.SkipWithError("the diffusers reference step did not run (python with diffusers?)");
+    difftrain::bench::skip_without_baseline(state, why);
     return;
   }
   for (auto _ : state) state.SetIterationTime(seconds);
@@ -150,7 +167,123 @@ void checkpointing(benchmark::State& state) {
   }
   state.counters["peak_MiB"] = peak;
 }
+// ---- on a GPU ----------------------------------------------------------------------------------
+namespace att = difftrain::nn::attention;
+constexpr std::int64_t kGpuBatch = 8, kGpuTokens = 77;
+
+nlohmann::json gpu_config() {
+  nlohmann::json c = bench_config();
+  c["sample_size"] = 64;
+  c["block_out_channels"] = {128, 256, 512};
+  c["layers_per_block"] = 2;
+  c["cross_attention_dim"] = 768;
+  c["attention_head_dim"] = 8;
+  return c;
+}
+
+template <class Backend>
+struct GpuStep {
+  models::UNet2DConditionModel<Backend> unet;
+  at::Tensor x, t, ctx;
+  GpuStep() : unet(models::UNet2DConditionConfig::from_json(gpu_config(), "bench")) {
+    const auto o = at::TensorOptions().device(at::kCUDA);
+    unet->to(at::kCUDA);
+    unet->train();
+    x = at::randn({kGpuBatch, 4, 64, 64}, o);
+    t = at::arange(kGpuBatch, o.dtype(at::kLong)) * 997 % 1000;
+    ctx = at::randn({kGpuBatch, kGpuTokens, 768}, o);
+  }
+  void run() {
+    unet->zero_grad(true);
+    at::Tensor loss;
+    {
+      difftrain::train::AutocastGuard autocast(c10::kCUDA, at::kBFloat16);
+      loss = unet->forward(x, t, ctx).to(at::kFloat).square().mean();
+    }
+    loss.backward();
+  }
+};
+
+template <class Backend>
+void gpu_step(benchmark::State& state, bool checkpointing = false) {
+  if (!torch::cuda::is_available()) {
+    state.SkipWithError("no CUDA device");
+    return;
+  }
+  GpuStep<Backend> s;
+  s.unet->set_gradient_checkpointing(checkpointing);
+  for (int i = 0; i < 3; ++i) s.run();
+  torch::cuda::synchronize();
+#ifdef DIFFTRAIN_BENCH_CUDA_MEMORY
+  c10::cuda::CUDACachingAllocator::resetPeakStats(0);
+#endif
+  for (auto _ : state) {
+    s.run();
+    torch::cuda::synchronize();
+  }
+#ifdef DIFFTRAIN_BENCH_CUDA_MEMORY
+  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(0);
+  state.counters["peak_MiB"] =
+      static_cast<double>(
+          stats
+              .allocated_bytes[static_cast<std::size_t>(c10::CachingAllocator::StatType::AGGREGATE)]
+              .peak) /
+      (1 << 20);
+#endif
+}
+
+void gpu_math(benchmark::State& s) { gpu_step<att::Math>(s); }
+void gpu_flash(benchmark::State& s) { gpu_step<att::Sdpa<att::Flash>>(s); }
+void gpu_mem_efficient(benchmark::State& s) { gpu_step<att::Sdpa<att::MemEfficient>>(s); }
+void gpu_cudnn(benchmark::State& s) { gpu_step<att::Sdpa<att::CuDNN>>(s); }
+void gpu_auto(benchmark::State& s) { gpu_step<att::Sdpa<att::Auto>>(s); }
+void gpu_auto_checkpointed(benchmark::State& s) { gpu_step<att::Sdpa<att::Auto>>(s, true); }
+
+void diffusers_gpu_step(benchmark::State& state) {
+  if (!torch::cuda::is_available()) {
+    state.SkipWithError("no CUDA device");
+    return;
+  }
+  static std::string why;
+  static const double seconds = difftrain::bench::python_seconds_per_step(
+      difftrain::bench::python_script("python_unet_step.py") + " '" + gpu_config().dump() +
+          "' 20 1 cuda bf16 " + std::to_string(kGpuBatch) + " " + std::to_string(kGpuTokens),
+      &why);
+  if (seconds <= 0) {
+    difftrain::bench::skip_without_baseline(state, why);
+    return;
+  }
+  for (auto _ : state) state.SetIterationTime(seconds);
+}
+
+void difftrain_gpu_timed(benchmark::State& state) {
+  if (!torch::cuda::is_available()) {
+    state.SkipWithError("no CUDA device");
+    return;
+  }
+  GpuStep<att::Sdpa<att::Auto>> s;
+  for (int i = 0; i < 3; ++i) s.run();
+  torch::cuda::synchronize();
+  for (auto _ : state) {
+    const auto start = std::chrono::steady_clock::now();
+    s.run();
+    torch::cuda::synchronize();
+    state.SetIterationTime(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+}
 }  // namespace
+
+BENCHMARK(diffusers_gpu_step)->Name("unet_cuda_bf16_vs_diffusers/baseline")->UseManualTime();
+BENCHMARK(difftrain_gpu_timed)->Name("unet_cuda_bf16_vs_diffusers/difftrain")->UseManualTime();
+BENCHMARK(gpu_math)->Name("unet_cuda_attention_flash/baseline")->UseRealTime();
+BENCHMARK(gpu_flash)->Name("unet_cuda_attention_flash/difftrain")->UseRealTime();
+BENCHMARK(gpu_math)->Name("unet_cuda_attention_mem_efficient/baseline")->UseRealTime();
+BENCHMARK(gpu_mem_efficient)->Name("unet_cuda_attention_mem_efficient/difftrain")->UseRealTime();
+BENCHMARK(gpu_math)->Name("unet_cuda_attention_cudnn/baseline")->UseRealTime();
+BENCHMARK(gpu_cudnn)->Name("unet_cuda_attention_cudnn/difftrain")->UseRealTime();
+BENCHMARK(gpu_auto)->Name("unet_cuda_checkpointing/baseline")->UseRealTime();
+BENCHMARK(gpu_auto_checkpointed)->Name("unet_cuda_checkpointing/difftrain")->UseRealTime();
 
 BENCHMARK(diffusers_step)->Name("unet_step_vs_diffusers/baseline")->UseManualTime();
 BENCHMARK(difftrain_timed)->Name("unet_step_vs_diffusers/difftrain")->UseManualTime();

@@ -154,10 +154,11 @@ void trainer_timed(benchmark::State& state) {
 // The same step as train_step_small in Python, eagerly (benchmarks/python_eager_train.py, run once
 // by this benchmark); its seconds per step are this case's baseline time.
 void python_eager(benchmark::State& state) {
+  static std::string why;
   static const double seconds = difftrain::bench::python_seconds_per_step(
-      std::string(DIFFTRAIN_PYTHON) + " " + DIFFTRAIN_BENCH_DIR + "/python_eager_train.py 200");
+      difftrain::bench::python_script("python_eager_train.py") + " 200", &why);
   if (seconds <= 0) {
-    state.SkipWithError("the Python reference loop did not run (python with torch and diffusers?)");
+    difftrain::bench::skip_without_baseline(state, why);
     return;
   }
   for (auto _ : state) state.SetIterationTime(seconds);

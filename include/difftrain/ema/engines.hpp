@@ -5,17 +5,22 @@
 //               kept between updates while the tensors keep their memory
 //   Offloaded   shadows in (pinned) host memory; parameters staged to the host with non-blocking
 //               copies and averaged there, optionally on a worker thread that overlaps the next
-//               training step
+//               training step (one long-lived thread: a fresh thread per update would also
+//               start a fresh OpenMP team for the host lerp, which costs more than the lerp)
 
 #include <ATen/ATen.h>
 #include <ATen/Functions.h>
 #include <c10/core/GradMode.h>
 #include <torch/cuda.h>
 
-#include <future>
+#include <condition_variable>
+#include <exception>
+#include <functional>
 #include <map>
+#include <mutex>
 #include <span>
 #include <string_view>
+#include <thread>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -123,7 +128,12 @@ struct Offloaded {
   Offloaded& operator=(const Offloaded&) = delete;
   Offloaded(Offloaded&&) = delete;
   Offloaded& operator=(Offloaded&&) = delete;
-  ~Offloaded() { wait(); }
+  ~Offloaded() {
+    try {
+      wait();
+    } catch (...) {  // NOLINT(bugprone-empty-catch): a destructor cannot throw; update() reports
+    }
+  }
 
   [[nodiscard]] at::Tensor make_shadow(const at::Tensor& param) const {
     at::Tensor host = param.detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true);
@@ -175,18 +185,74 @@ struct Offloaded {
       op(shadows, staged);
     };
     if (o_.overlap) {
-      pending_ = std::async(std::launch::async, std::move(work));
+      worker_.post(std::move(work));
     } else {
       work();
     }
   }
-  void wait() {
-    if (pending_.valid()) pending_.get();
-  }
+  void wait() { worker_.wait(); }
+
+  /// One thread that runs one job at a time; wait() returns when the last job is done and
+  /// rethrows what it threw.
+  class Worker {
+   public:
+    Worker() = default;
+    Worker(const Worker&) = delete;
+    Worker& operator=(const Worker&) = delete;
+    ~Worker() {
+      if (!thread_.joinable()) return;
+      {
+        std::lock_guard<std::mutex> lock(m_);
+        stop_ = true;
+      }
+      cv_.notify_all();
+      thread_.join();
+    }
+    void post(std::function<void()> job) {
+      std::unique_lock<std::mutex> lock(m_);
+      if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
+      job_ = std::move(job);
+      busy_ = true;
+      lock.unlock();
+      cv_.notify_all();
+    }
+    void wait() {
+      std::unique_lock<std::mutex> lock(m_);
+      cv_.wait(lock, [this] { return !busy_; });
+      if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
+    }
+
+   private:
+    void loop() {
+      std::unique_lock<std::mutex> lock(m_);
+      while (true) {
+        cv_.wait(lock, [this] { return stop_ || job_ != nullptr; });
+        if (job_ == nullptr) return;  // stopping, nothing left to run
+        std::function<void()> job = std::exchange(job_, nullptr);
+        lock.unlock();
+        std::exception_ptr error;
+        try {
+          job();
+        } catch (...) {
+          error = std::current_exception();
+        }
+        lock.lock();
+        error_ = error;
+        busy_ = false;
+        cv_.notify_all();
+      }
+    }
+    std::mutex m_;
+    std::condition_variable cv_;
+    std::function<void()> job_;
+    std::exception_ptr error_;
+    bool busy_ = false, stop_ = false;
+    std::thread thread_;
+  };
 
   Options o_;
   std::map<const Pair*, std::vector<at::Tensor>> staging_;
-  std::future<void> pending_;
+  Worker worker_;  // last: joined first, while the staging buffers still exist
 };
 
 }  // namespace difftrain::ema

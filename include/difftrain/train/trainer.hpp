@@ -591,9 +591,13 @@ class Trainer {
     // The optimizer first: its archive is the part that can still refuse. Its current state is
     // kept and put back if the saved one does not load, so a refusal changes nothing.
     const std::string before = optimizer_bytes();
+    // The moments go where the parameters are now, as torch.optim's load_state_dict moves them:
+    // a checkpoint written on a GPU resumes on the CPU and the other way round.
+    const std::optional<c10::Device> device =
+        params_.empty() ? std::nullopt : std::optional<c10::Device>(params_.front().device());
     auto load_optimizer = [&](const std::string& bytes) {
       torch::serialize::InputArchive archive;
-      archive.load_from(bytes.data(), bytes.size());
+      archive.load_from(bytes.data(), bytes.size(), device);
       optimizer_->load(archive);
     };
     try {

@@ -1,0 +1,459 @@
+// The library on a CUDA device: the trainer's Python parity, fp16 with the gradient scaler, bf16,
+// a bit-identical resume that restores the CUDA generator, checkpoints moving between devices,
+// and diffusers' UNet and VAE against diffusers' golden outputs and gradients. Every case skips
+// (and says so) where no GPU is present; scripts/gpu-check.sh runs them on a GPU machine.
+//
+// cuDNN convolutions and cuBLAS matmuls may use TF32 by default, which is 1e-3-accurate: the
+// parity cases turn it off for their duration, as a user comparing against float32 would.
+#include <unistd.h>
+#include <difftrain/adapters/unet_adapters.hpp>
+#include <difftrain/io/remove_tree.hpp>
+#include <difftrain/io/safetensors.hpp>
+#include <difftrain/models/models.hpp>
+#include <difftrain/nn/attention/math.hpp>
+#include <difftrain/train/train.hpp>
+
+#include <ATen/Context.h>
+#include <gtest/gtest.h>
+#include <torch/cuda.h>
+
+#include <filesystem>
+
+#include "golden.hpp"
+
+namespace dt = difftrain;
+namespace tr = difftrain::train;
+namespace models = difftrain::models;
+namespace fs = std::filesystem;
+
+namespace {
+
+#define DIFFTRAIN_NEEDS_CUDA() \
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device on this machine"
+
+const c10::Device kGpu(c10::kCUDA, 0);
+
+/// Full float32 on the GPU while alive (no TF32 in cuDNN or cuBLAS); restores the settings.
+class NoTf32 {
+ public:
+  NoTf32()
+      : cudnn_(at::globalContext().allowTF32CuDNN()),
+        cublas_(at::globalContext().allowTF32CuBLAS()) {
+    at::globalContext().setAllowTF32CuDNN(false);
+    at::globalContext().setAllowTF32CuBLAS(false);
+  }
+  ~NoTf32() {
+    at::globalContext().setAllowTF32CuDNN(cudnn_);
+    at::globalContext().setAllowTF32CuBLAS(cublas_);
+  }
+  NoTf32(const NoTf32&) = delete;
+  NoTf32& operator=(const NoTf32&) = delete;
+
+ private:
+  bool cudnn_, cublas_;
+};
+
+fs::path scratch(const std::string& name) {
+  const fs::path dir = fs::temp_directory_path() / ("difftrain-cuda-" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  return dir / name;
+}
+
+struct Batch {
+  at::Tensor x, y;
+  [[nodiscard]] std::int64_t size() const { return x.size(0); }
+  [[nodiscard]] Batch slice(std::int64_t s, std::int64_t n) const {
+    return {x.narrow(0, s, n), y.narrow(0, s, n)};
+  }
+};
+
+// The trainer tests' network (fc1 → LayerNorm → SiLU → fc2, MSE), taking batches from the CPU to
+// wherever its parameters are, as a user's loss does.
+struct NetImpl : torch::nn::Module {
+  using Batch = ::Batch;
+  explicit NetImpl(double dropout = 0.0) {
+    fc1 = register_module("fc1", torch::nn::Linear(6, 16));
+    norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({16})));
+    fc2 = register_module("fc2", torch::nn::Linear(16, 4));
+    drop = register_module("drop", torch::nn::Dropout(dropout));
+  }
+  at::Tensor forward(const at::Tensor& x) { return fc2(drop(torch::silu(norm(fc1(x))))); }
+  at::Tensor loss(const Batch& b) {
+    const c10::Device d = fc1->weight.device();
+    return torch::mse_loss(forward(b.x.to(d)), b.y.to(d));
+  }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  torch::nn::LayerNorm norm{nullptr};
+  torch::nn::Dropout drop{nullptr};
+};
+
+struct ParityConfig : tr::DefaultConfig {
+  using Schedule = dt::schedule::Cosine;
+  using Ema = dt::ema::Ema<dt::ema::WarmupDecay>;
+};
+
+template <class Cfg = ParityConfig>
+typename tr::Trainer<NetImpl, Cfg>::Options parity_options() {
+  typename tr::Trainer<NetImpl, Cfg>::Options o;
+  o.optimizer.lr = 3e-3;
+  o.optimizer.weight_decay = 1e-2;
+  o.schedule = {20, 200, 0.5};
+  o.ema.rule.decay = 0.99;
+  o.ema.rule.use_ema_warmup = true;
+  o.clipping.max_norm = 0.5;
+  o.accumulation_steps = 2;
+  return o;
+}
+
+Batch random_batch(std::int64_t s, std::int64_t m) {
+  auto gen = [](std::uint64_t seed) { return at::detail::createCPUGenerator(seed); };
+  return {at::randn({8, 6}, gen(static_cast<std::uint64_t>(s * 7 + m))),
+          at::randn({8, 4}, gen(static_cast<std::uint64_t>(s * 7 + m + 1000)))};
+}
+
+std::vector<at::Tensor> snapshot(torch::nn::Module& m) {
+  std::vector<at::Tensor> out;
+  for (auto& p : m.parameters()) out.push_back(p.detach().cpu().clone());
+  return out;
+}
+
+double max_diff(torch::nn::Module& m, const std::map<std::string, at::Tensor>& t,
+                const std::string& prefix) {
+  double d = 0;
+  for (auto& p : m.named_parameters())
+    d = std::max(d, (p.value().cpu() - t.at(prefix + p.key())).abs().max().item<double>());
+  return d;
+}
+
+/// max |a − b| relative to the reference's scale (at least 1).
+double scaled_error(const at::Tensor& a, const at::Tensor& b) {
+  const at::Tensor x = a.detach().cpu().to(at::kDouble), y = b.detach().cpu().to(at::kDouble);
+  return (x - y).abs().max().item<double>() / std::max(1.0, y.abs().max().item<double>());
+}
+
+fs::path golden_models() { return fs::path(DIFFTRAIN_GOLDEN_DIR) / "models"; }
+
+}  // namespace
+
+// The CPU parity test's 200 steps (AdamW with decay groups, cosine warm-up, EMA with warm-up,
+// clipping, accumulation) on the GPU end where Python's loop ended on the CPU.
+TEST(Cuda, TrainerMatchesThePythonLoopOnTheGpu) {
+  DIFFTRAIN_NEEDS_CUDA();
+  NoTf32 full_precision;
+  const auto ref =
+      dt::io::load_safetensors(fs::path(DIFFTRAIN_GOLDEN_DIR) / "trainer_parity.safetensors", true)
+          .tensors;
+  auto net = std::make_shared<NetImpl>();
+  {
+    at::NoGradGuard no_grad;
+    for (auto& p : net->named_parameters()) p.value().copy_(ref.at("init." + p.key()));
+  }
+  net->to(kGpu);
+  tr::Trainer<NetImpl, ParityConfig> trainer(*net, parity_options());
+  const at::Tensor xs = ref.at("xs"), ys = ref.at("ys");
+  trainer.fit([&](std::int64_t s, std::int64_t m) { return Batch{xs[s][m], ys[s][m]}; }, 200);
+  EXPECT_TRUE(net->fc1->weight.is_cuda());
+  EXPECT_LT(max_diff(*net, ref, "final."), 1e-5);
+  dt::ema::EmaScope scope(trainer.ema());
+  EXPECT_LT(max_diff(*net, ref, "ema."), 1e-5);
+}
+
+// Stopped at 30, saved, resumed in a fresh model: the end equals an uninterrupted run bit for bit,
+// dropout included (the CUDA generator's state travels in the checkpoint).
+TEST(Cuda, AResumedGpuRunWithDropoutEndsBitIdentical) {
+  DIFFTRAIN_NEEDS_CUDA();
+  auto options = parity_options();
+  options.schedule = {10, 60, 0.5};
+  auto run = [&](std::int64_t stop, const fs::path& save, const fs::path& load) {
+    tr::set_seed(load.empty() ? 5 : 77);
+    auto net = std::make_shared<NetImpl>(0.2);
+    net->to(kGpu);
+    tr::Trainer<NetImpl, ParityConfig> t(*net, options);
+    if (!load.empty()) t.load_checkpoint(load);
+    t.fit(random_batch, stop);
+    if (!save.empty()) t.save_checkpoint(save);
+    dt::ema::EmaScope scope(t.ema());
+    return std::make_pair(snapshot(*net), t.global_step());
+  };
+  const auto [want, want_step] = run(60, {}, {});
+  const fs::path ckpt = scratch("resume.pt");
+  (void)run(30, ckpt, {});
+  const auto [got, got_step] = run(60, {}, ckpt);
+  EXPECT_EQ(got_step, want_step);
+  for (std::size_t i = 0; i < want.size(); ++i) EXPECT_TRUE(at::equal(got[i], want[i])) << i;
+}
+
+// A checkpoint written by a GPU run loads into a CPU model (and back): the weights, the
+// optimizer moments and the EMA follow the model's device.
+TEST(Cuda, CheckpointsMoveBetweenGpuAndCpu) {
+  DIFFTRAIN_NEEDS_CUDA();
+  const fs::path gpu_ckpt = scratch("gpu.pt"), cpu_ckpt = scratch("cpu.pt");
+  tr::set_seed(1);
+  auto gpu = std::make_shared<NetImpl>();
+  gpu->to(kGpu);
+  tr::Trainer<NetImpl, ParityConfig> tg(*gpu, parity_options());
+  tg.fit(random_batch, 12);
+  tg.save_checkpoint(gpu_ckpt);
+
+  auto cpu = std::make_shared<NetImpl>();
+  tr::Trainer<NetImpl, ParityConfig> tc(*cpu, parity_options());
+  tc.load_checkpoint(gpu_ckpt);
+  EXPECT_FALSE(cpu->fc1->weight.is_cuda());
+  const auto g = snapshot(*gpu), c = snapshot(*cpu);
+  for (std::size_t i = 0; i < g.size(); ++i) EXPECT_TRUE(at::equal(g[i], c[i])) << i;
+  // Both go on for the same steps; float32 on two devices agrees to rounding.
+  tg.fit(random_batch, 20);
+  tc.fit(random_batch, 20);
+  const auto g2 = snapshot(*gpu), c2 = snapshot(*cpu);
+  for (std::size_t i = 0; i < g2.size(); ++i)
+    EXPECT_LT((g2[i] - c2[i]).abs().max().item<double>(), 1e-4) << i;
+  tc.save_checkpoint(cpu_ckpt);
+  auto back = std::make_shared<NetImpl>();
+  back->to(kGpu);
+  tr::Trainer<NetImpl, ParityConfig> tb(*back, parity_options());
+  tb.load_checkpoint(cpu_ckpt);
+  EXPECT_TRUE(back->fc1->weight.is_cuda());
+  EXPECT_EQ(tb.global_step(), 20);
+  tb.fit(random_batch, 22);  // the optimizer state it loaded is on the GPU, or this throws
+  EXPECT_TRUE(back->fc1->weight.is_cuda());
+}
+
+// fp16 autocast with the gradient scaler: the step runs in half precision on the GPU, the
+// parameters stay float32, the scale lives on the GPU, an overflow skips the step and halves
+// the scale, and the loss goes down.
+TEST(Cuda, Fp16WithTheGradScalerTrainsAndSkipsOverflows) {
+  DIFFTRAIN_NEEDS_CUDA();
+  struct Cfg : ParityConfig {
+    using Precision = tr::AutocastFp16;
+  };
+  tr::set_seed(2);
+  auto net = std::make_shared<NetImpl>();
+  net->to(kGpu);
+  auto o = parity_options<Cfg>();
+  o.scaler.init_scale = 65536.0 * 65536.0;  // overflows the half-precision gradients at first
+  tr::Trainer<NetImpl, Cfg> trainer(*net, o);
+  const Batch fixed = random_batch(0, 0);
+  const tr::StepInfo first = trainer.step({fixed, fixed});
+  EXPECT_FALSE(first.stepped);
+  EXPECT_LT(trainer.scaler().current_scale(), o.scaler.init_scale);
+  double loss0 = 0, loss = 0;
+  int stepped = 0;
+  for (int i = 0; i < 160; ++i) {
+    const tr::StepInfo info = trainer.step({fixed, fixed});
+    if (i == 0) loss0 = info.loss;
+    loss = info.loss;
+    stepped += info.stepped ? 1 : 0;
+  }
+  EXPECT_GT(stepped, 120);
+  EXPECT_LT(loss, 0.5 * loss0);
+  EXPECT_EQ(net->fc1->weight.scalar_type(), at::kFloat);
+  EXPECT_TRUE(std::isfinite(trainer.scaler().current_scale()));
+}
+
+TEST(Cuda, Bf16AutocastTrainsOnTheGpu) {
+  DIFFTRAIN_NEEDS_CUDA();
+  struct Cfg : ParityConfig {
+    using Precision = tr::AutocastBf16;
+  };
+  tr::set_seed(3);
+  auto net = std::make_shared<NetImpl>();
+  net->to(kGpu);
+  tr::Trainer<NetImpl, Cfg> trainer(*net, parity_options<Cfg>());
+  const Batch fixed = random_batch(0, 0);
+  const double loss0 = trainer.step({fixed, fixed}).loss;
+  double loss = loss0;
+  for (int i = 0; i < 100; ++i) loss = trainer.step({fixed, fixed}).loss;
+  EXPECT_LT(loss, 0.5 * loss0);
+  EXPECT_EQ(net->fc1->weight.scalar_type(), at::kFloat);
+}
+
+// Every swept UNet and VAE configuration, loaded straight onto the GPU: outputs within 1e-5 and
+// every gradient within 1e-4 of diffusers' (computed on the CPU), with every attention backend
+// that runs float32 there.
+TEST(Cuda, UNetAndVaeMatchDiffusersOnTheGpu) {
+  DIFFTRAIN_NEEDS_CUDA();
+  NoTf32 full_precision;
+  const auto& cases = dt::test::golden("models.json");
+  models::LoadOptions lo;
+  lo.device = kGpu;
+  auto check_unet = [&](auto backend_tag, const nlohmann::json& c) {
+    using Backend = decltype(backend_tag);
+    const std::string name = c["name"];
+    if (c["act_fn"] == "mish") return;  // the SiLU cases cover the device; Mish is elementwise
+    SCOPED_TRACE(name);
+    const auto t =
+        dt::io::load_safetensors(golden_models() / (name + ".io.safetensors"), true).tensors;
+    models::LoadOptions l = lo;
+    if (!c["variant"].is_null()) l.variant = c["variant"].get<std::string>();
+    auto unet =
+        models::from_pretrained<models::UNet2DConditionModel<Backend, dt::nn::activation::SiLU>>(
+            golden_models() / name, l);
+    unet->train();
+    models::UNetConditions cond;
+    if (t.contains("input.class_labels")) cond.class_labels = t.at("input.class_labels").to(kGpu);
+    if (t.contains("input.timestep_cond"))
+      cond.timestep_cond = t.at("input.timestep_cond").to(kGpu);
+    const at::Tensor out =
+        unet->forward(t.at("input.sample").to(kGpu), t.at("input.timestep").to(kGpu),
+                      t.at("input.encoder_hidden_states").to(kGpu), cond);
+    EXPECT_TRUE(out.is_cuda());
+    EXPECT_LE(scaled_error(out, t.at("output")), 1e-5) << "output";
+    (out * t.at("weight").to(kGpu)).sum().backward();
+    for (const auto& p : unet->named_parameters()) {
+      ASSERT_TRUE(p.value().grad().defined()) << p.key();
+      EXPECT_LE(scaled_error(p.value().grad(), t.at("grad." + p.key())), 1e-4) << p.key();
+    }
+  };
+  for (const auto& c : cases["unet"]) {
+    check_unet(dt::nn::attention::Sdpa<dt::nn::attention::Auto>{}, c);
+    check_unet(dt::nn::attention::Math{}, c);
+    check_unet(dt::nn::attention::Sdpa<dt::nn::attention::MemEfficient>{}, c);
+  }
+  for (const auto& c : cases["vae"]) {
+    const std::string name = c["name"];
+    SCOPED_TRACE(name);
+    const auto t =
+        dt::io::load_safetensors(golden_models() / (name + ".io.safetensors"), true).tensors;
+    auto vae = models::from_pretrained<models::AutoencoderKL<>>(golden_models() / name, lo);
+    const auto posterior = vae->encode(t.at("input.x").to(kGpu));
+    EXPECT_LE(scaled_error(posterior.mean, t.at("mean")), 1e-5);
+    EXPECT_LE(scaled_error(posterior.logvar, t.at("logvar")), 1e-5);
+  }
+}
+
+// Half precision on the GPU: a UNet loaded as float16 and one run under bf16 autocast stay close
+// to the float32 output, flash attention included; gradient checkpointing gives the same
+// gradients on the GPU.
+TEST(Cuda, HalfPrecisionUNetAndCheckpointingOnTheGpu) {
+  DIFFTRAIN_NEEDS_CUDA();
+  using Flash = dt::nn::attention::Sdpa<dt::nn::attention::Flash>;
+  using Auto = dt::nn::attention::Sdpa<dt::nn::attention::Auto>;
+  const fs::path folder = golden_models() / "unet_conv_proj";
+  const auto t =
+      dt::io::load_safetensors(golden_models() / "unet_conv_proj.io.safetensors", true).tensors;
+  const at::Tensor x = t.at("input.sample").to(kGpu), ts = t.at("input.timestep").to(kGpu),
+                   ctx = t.at("input.encoder_hidden_states").to(kGpu);
+  const at::Tensor want = t.at("output");
+  {
+    models::LoadOptions lo;
+    lo.device = kGpu;
+    lo.dtype = at::kHalf;
+    auto unet = models::from_pretrained<models::UNet2DConditionModel<Flash>>(folder, lo);
+    unet->eval();
+    at::NoGradGuard no_grad;
+    const at::Tensor out = unet->forward(x.to(at::kHalf), ts, ctx.to(at::kHalf));
+    EXPECT_EQ(out.scalar_type(), at::kHalf);
+    EXPECT_LE(scaled_error(out, want), 1e-2) << "float16 weights, flash attention";
+  }
+  {
+    models::LoadOptions lo;
+    lo.device = kGpu;
+    auto unet = models::from_pretrained<models::UNet2DConditionModel<Auto>>(folder, lo);
+    unet->eval();
+    at::NoGradGuard no_grad;
+    tr::AutocastGuard autocast(c10::kCUDA, at::kBFloat16);
+    EXPECT_LE(scaled_error(unet->forward(x, ts, ctx), want), 5e-2) << "bf16 autocast";
+  }
+  NoTf32 full_precision;
+  auto grads = [&](bool checkpointing) {
+    models::LoadOptions lo;
+    lo.device = kGpu;
+    auto unet = models::from_pretrained<models::UNet2DConditionModel<Auto>>(folder, lo);
+    unet->train();
+    unet->set_gradient_checkpointing(checkpointing);
+    (unet->forward(x, ts, ctx) * t.at("weight").to(kGpu)).sum().backward();
+    std::map<std::string, at::Tensor> g;
+    for (const auto& p : unet->named_parameters()) g[p.key()] = p.value().grad().cpu();
+    return g;
+  };
+  const auto plain = grads(false), ckpt = grads(true);
+  for (const auto& [name, g] : plain) EXPECT_LE(scaled_error(ckpt.at(name), g), 1e-5) << name;
+}
+
+// A LoRA on the GPU UNet trains, and its PEFT file applied to a CPU UNet gives the same output.
+TEST(Cuda, UNetLoraTrainsOnTheGpuAndItsFileWorksOnTheCpu) {
+  DIFFTRAIN_NEEDS_CUDA();
+  namespace ad = difftrain::adapters;
+  NoTf32 full_precision;
+  const fs::path folder = golden_models() / "unet_conv_proj";
+  const auto t =
+      dt::io::load_safetensors(golden_models() / "unet_conv_proj.io.safetensors", true).tensors;
+  models::LoadOptions lo;
+  lo.device = kGpu;
+  auto unet = models::from_pretrained<models::UNet2DConditionModel<>>(folder, lo);
+  (void)ad::inject_lora(*unet, ad::unet_lora_targets(), {.rank = 4, .alpha = 8.0});
+  std::vector<at::Tensor> trainable;
+  for (const auto& p : unet->parameters())
+    if (p.requires_grad()) {
+      EXPECT_TRUE(p.is_cuda());
+      trainable.push_back(p);
+    }
+  ASSERT_FALSE(trainable.empty());
+  torch::optim::AdamW opt(trainable, torch::optim::AdamWOptions(1e-2));
+  const at::Tensor x = t.at("input.sample").to(kGpu), ts = t.at("input.timestep").to(kGpu),
+                   ctx = t.at("input.encoder_hidden_states").to(kGpu);
+  const at::Tensor target = at::randn(x.sizes(), x.options());
+  double first = 0, last = 0;
+  for (int step = 0; step < 8; ++step) {
+    opt.zero_grad();
+    const at::Tensor loss = (unet->forward(x, ts, ctx) - target).square().mean();
+    loss.backward();
+    opt.step();
+    (step == 0 ? first : last) = loss.item<double>();
+  }
+  EXPECT_LT(last, first);
+  unet->eval();
+  at::NoGradGuard no_grad;
+  const at::Tensor out = unet->forward(x, ts, ctx).cpu();
+  const auto keys = ad::unet_lora_keys(ad::LoraLayout::peft);
+  const auto file = ad::lora_state_dict(*unet, keys);
+  auto cpu = models::from_pretrained<models::UNet2DConditionModel<>>(folder);
+  cpu->eval();
+  ad::load_lora_state_dict(*cpu, file, keys, {.rank = 4, .alpha = 8.0});
+  EXPECT_LE(scaled_error(cpu->forward(t.at("input.sample"), t.at("input.timestep"),
+                                      t.at("input.encoder_hidden_states")),
+                         out),
+            1e-5);
+}
+
+// Every EMA engine over GPU parameters (the offloaded one with host shadows, overlapped or not)
+// ends where the per-tensor reference on the CPU ends.
+TEST(Cuda, EveryEmaEngineOnGpuParametersMatchesTheCpu) {
+  DIFFTRAIN_NEEDS_CUDA();
+  namespace ema = difftrain::ema;
+  tr::set_seed(4);
+  auto cpu = std::make_shared<NetImpl>();
+  auto run = [&](auto engine_tag, const typename decltype(engine_tag)::type::Options& eo,
+                 bool gpu) {
+    using Engine = typename decltype(engine_tag)::type;
+    auto net = std::make_shared<NetImpl>();
+    {
+      at::NoGradGuard no_grad;
+      for (std::size_t i = 0; i < net->parameters().size(); ++i)
+        net->parameters()[i].copy_(cpu->parameters()[i]);
+    }
+    if (gpu) net->to(kGpu);
+    ema::Ema<ema::WarmupDecay, Engine> e(*net, {.decay = 0.9, .use_ema_warmup = true}, eo);
+    for (int step = 0; step < 25; ++step) {
+      {
+        at::NoGradGuard no_grad;
+        for (auto& p : net->parameters()) p.mul_(0.97).add_(0.01 * (step + 1));
+      }
+      e.update();
+    }
+    ema::EmaScope scope(e);
+    return snapshot(*net);
+  };
+  const auto want = run(std::type_identity<ema::PerTensor>{}, {}, false);
+  const std::vector<std::pair<std::string, std::vector<at::Tensor>>> got = {
+      {"per_tensor", run(std::type_identity<ema::PerTensor>{}, {}, true)},
+      {"multi_tensor", run(std::type_identity<ema::MultiTensor>{}, {}, true)},
+      {"offloaded",
+       run(std::type_identity<ema::Offloaded>{}, {.pin_memory = true, .overlap = false}, true)},
+      {"offloaded_overlapped",
+       run(std::type_identity<ema::Offloaded>{}, {.pin_memory = true, .overlap = true}, true)},
+  };
+  for (const auto& [name, g] : got)
+    for (std::size_t i = 0; i < want.size(); ++i)
+      EXPECT_LT((g[i] - want[i]).abs().max().item<double>(), 1e-6) << name << " " << i;
+}
