@@ -25,8 +25,14 @@
 
 #include "difftrain/core/concepts.hpp"
 #include "difftrain/core/error.hpp"
+#include "difftrain/train/fused_adam.hpp"
 
 namespace difftrain::train {
+
+/// How Adam and AdamW run their step; the same state and checkpoints either way.
+///   fused          torch's fused kernel (torch.optim.AdamW(fused=True)), one launch per group
+///   per_parameter  LibTorch's torch::optim::AdamW (Python's default for-loop implementation)
+enum class AdamKernel { fused, per_parameter };
 
 /// Parameters whose names start with a match of `pattern` form a group with their own settings.
 struct ParamGroupRule {
@@ -168,12 +174,15 @@ struct AdamW {
     double eps = 1e-8;
     double weight_decay = 1e-2;
     bool amsgrad = false;
+    AdamKernel kernel = AdamKernel::fused;
   };
   static std::unique_ptr<torch::optim::Optimizer> make(const std::vector<ParamGroup>& groups,
                                                        const Options& o) {
     optimizer_detail::check_adam(o, "AdamW options");
     torch::optim::AdamWOptions d(o.lr);
     d.betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay).amsgrad(o.amsgrad);
+    if (o.kernel == AdamKernel::fused)
+      return std::make_unique<FusedAdamWOptimizer>(optimizer_detail::torch_groups(groups, d), d);
     return std::make_unique<torch::optim::AdamW>(optimizer_detail::torch_groups(groups, d), d);
   }
 };
@@ -186,12 +195,15 @@ struct Adam {
     double eps = 1e-8;
     double weight_decay = 0.0;  // L2 added to the gradient, as torch.optim.Adam
     bool amsgrad = false;
+    AdamKernel kernel = AdamKernel::fused;
   };
   static std::unique_ptr<torch::optim::Optimizer> make(const std::vector<ParamGroup>& groups,
                                                        const Options& o) {
     optimizer_detail::check_adam(o, "Adam options");
     torch::optim::AdamOptions d(o.lr);
     d.betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay).amsgrad(o.amsgrad);
+    if (o.kernel == AdamKernel::fused)
+      return std::make_unique<FusedAdamOptimizer>(optimizer_detail::torch_groups(groups, d), d);
     return std::make_unique<torch::optim::Adam>(optimizer_detail::torch_groups(groups, d), d);
   }
 };

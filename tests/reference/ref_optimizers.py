@@ -1,0 +1,97 @@
+"""Golden values for difftrain's Adam/AdamW kernels: torch.optim.Adam and AdamW run 200 steps with
+fused=True, foreach=True and the default for-loop, over a sweep of settings, on a small network
+with two parameter groups (decay with one LR, no decay with another). The C++ test
+(test_optimizers.cpp) rebuilds the same network and data from the saved tensors, computes the same
+gradients with the same kernels, and compares its weights after every 50 steps.
+
+Writes optimizers.safetensors: per case `<case>.init.<param>`, `<case>.<variant>.step<k>.<param>`,
+and the shared data `x`, `y`; and optimizers.json: the cases' settings and the largest difference
+torch itself shows between its variants (the tolerance it accepts between them).
+"""
+import json
+
+import torch
+from safetensors.torch import save_file
+
+STEPS = 200
+CHECK_EVERY = 50
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(6, 16)
+        self.norm = torch.nn.LayerNorm(16)
+        self.fc2 = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.nn.functional.silu(self.norm(self.fc1(x))))
+
+
+def groups(net, lr, lr_no_decay, weight_decay):
+    decay = [p for n, p in net.named_parameters() if p.dim() >= 2]
+    plain = [p for n, p in net.named_parameters() if p.dim() < 2]
+    return [{"params": decay, "lr": lr, "weight_decay": weight_decay},
+            {"params": plain, "lr": lr_no_decay, "weight_decay": 0.0}]
+
+
+CASES = []
+for kind in ("adamw", "adam"):
+    for amsgrad in (False, True):
+        for weight_decay in (0.0, 0.05):
+            for betas, eps in (((0.9, 0.999), 1e-8), ((0.8, 0.95), 1e-6)):
+                CASES.append({"name": f"{kind}_ams{int(amsgrad)}_wd{weight_decay}_b{betas[0]}",
+                              "kind": kind, "amsgrad": amsgrad, "weight_decay": weight_decay,
+                              "beta1": betas[0], "beta2": betas[1], "eps": eps,
+                              "lr": 3e-3, "lr_no_decay": 1e-3})
+
+
+def run(case, init, x, y, variant):
+    net = Net()
+    with torch.no_grad():
+        for n, p in net.named_parameters():
+            p.copy_(init[n])
+    cls = torch.optim.AdamW if case["kind"] == "adamw" else torch.optim.Adam
+    flags = {"fused": {"fused": True}, "foreach": {"foreach": True},
+             "for_loop": {"foreach": False}}[variant]
+    opt = cls(groups(net, case["lr"], case["lr_no_decay"], case["weight_decay"]),
+              betas=(case["beta1"], case["beta2"]), eps=case["eps"], amsgrad=case["amsgrad"],
+              **flags)
+    out = {}
+    for step in range(1, STEPS + 1):
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(net(x[step % x.shape[0]]), y[step % y.shape[0]]).backward()
+        opt.step()
+        if step % CHECK_EVERY == 0:
+            for n, p in net.named_parameters():
+                out[f"step{step}.{n}"] = p.detach().clone()
+    return out
+
+
+def generate(out_dir):
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(7, 8, 6, generator=g)
+    y = torch.randn(7, 8, 4, generator=g)
+    tensors = {"x": x, "y": y}
+    meta = []
+    for case in CASES:
+        torch.manual_seed(len(meta))
+        init = {n: p.detach().clone() for n, p in Net().named_parameters()}
+        for n, t in init.items():
+            tensors[f"{case['name']}.init.{n}"] = t
+        results = {v: run(case, init, x, y, v) for v in ("fused", "foreach", "for_loop")}
+        for variant, res in results.items():
+            for k, t in res.items():
+                tensors[f"{case['name']}.{variant}.{k}"] = t
+        spread = max((results[a][k] - results[b][k]).abs().max().item()
+                     for a in results for b in results for k in results[a])
+        meta.append(dict(case, torch_variant_spread=spread))
+    save_file(tensors, str(out_dir / "optimizers.safetensors"))
+    (out_dir / "optimizers.json").write_text(
+        json.dumps({"steps": STEPS, "check_every": CHECK_EVERY, "cases": meta}, indent=1))
+
+
+if __name__ == "__main__":
+    import pathlib
+    import sys
+    generate(pathlib.Path(sys.argv[1]))
