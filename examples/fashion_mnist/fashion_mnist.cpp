@@ -95,6 +95,7 @@ struct Settings {
   std::string prediction_type = "epsilon";
   double snr_gamma = 0.0;
   double adam_beta1 = 0.9, adam_beta2 = 0.999, adam_epsilon = 1e-8;
+  std::string adam_kernel = "fused";  // torch's fused AdamW, or LibTorch's per-parameter one
   std::int64_t accumulation = 1;
   bool take_new_settings = false;
   std::int64_t stop_at = 0;
@@ -253,6 +254,8 @@ int run(const Settings& s) {
   o.optimizer.beta1 = s.adam_beta1;
   o.optimizer.beta2 = s.adam_beta2;
   o.optimizer.eps = s.adam_epsilon;
+  o.optimizer.kernel =
+      s.adam_kernel == "fused" ? tr::AdamKernel::fused : tr::AdamKernel::per_parameter;
   o.accumulation_steps = s.accumulation;
   o.schedule.lr_scheduler = s.lr_scheduler;
   o.schedule.args.num_warmup_steps = std::min(s.warmup, s.steps);
@@ -549,6 +552,12 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   m->add_option("--adam_epsilon", s.adam_epsilon, "AdamW ε")
       ->check(examples::number_in(0, 1, true))
+      ->capture_default_str();
+  m->add_option(
+       "--adam-kernel", s.adam_kernel,
+       "AdamW's step: torch's fused kernel, or LibTorch's per-parameter loop (same results "
+       "to rounding)")
+      ->check(CLI::IsMember({"fused", "per_parameter"}))
       ->capture_default_str();
   m->add_option("--gradient-accumulation-steps,--gradient_accumulation_steps", s.accumulation,
                 "micro-batches of --batch-size per optimizer step")
