@@ -81,6 +81,10 @@ cmp -s "$work/a/samples.png" "$work/b/samples.png" || fail "resumed samples diff
 expect_rc 0 resume-file -- "$bin" "${tiny[@]}" --steps 6 --overwrite \
   --resume_from_checkpoint "$work/b/checkpoints/checkpoint-4.pt" --out "$work/b2"
 grep_in "$work/resume-file.err" "checkpoint-4.pt (step 4)"
+# A checkpoint of the fused AdamW resumes under LibTorch's per-parameter one (same state).
+expect_rc 0 resume-other-kernel -- "$bin" "${tiny[@]}" --steps 6 --overwrite --adam-kernel \
+  per_parameter --resume_from_checkpoint "$work/b/checkpoints/checkpoint-4.pt" --out "$work/b4"
+grep_in "$work/resume-other-kernel.err" "checkpoint-4.pt (step 4)"
 expect_rc 2 resume-missing -- "$bin" "${tiny[@]}" --steps 6 \
   --resume_from_checkpoint "$work/b/checkpoints/checkpoint-5.pt" --out "$work/b3"
 grep_in "$work/resume-missing.err" "checkpoint-5.pt"
@@ -92,6 +96,8 @@ grep_in "$work/df/results.json" '"prediction_type": "v_prediction"'
 grep_in "$work/df/results.json" '"gradient_accumulation_steps": 2'
 [ "$(wc -l <"$work/logs/loss.csv")" -eq 3 ] || fail "the loss log is not in --logging_dir"
 expect_rc 105 bad-beta -- "$bin" --adam_beta2 1.5 --out "$work/flags"
+expect_rc 105 bad-kernel -- "$bin" --adam-kernel apex --out "$work/flags"
+grep_in "$work/bad-kernel.err" "--adam-kernel"
 
 # diffusers' flag names, and a config file whose values the command line overrides; the schedule
 # chosen by name.
