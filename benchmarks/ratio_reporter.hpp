@@ -13,12 +13,22 @@
 
 namespace difftrain::bench {
 
+/// Whether a run errored or was skipped: Google Benchmark 1.7 has `error_occurred`, 1.8 replaced
+/// it by `skipped`.
+template <class Run>
+bool skipped(const Run& run) {
+  if constexpr (requires { run.error_occurred; })
+    return run.error_occurred;
+  else
+    return run.skipped != decltype(run.skipped){};
+}
+
 class RatioReporter : public benchmark::ConsoleReporter {
  public:
   void ReportRuns(const std::vector<Run>& runs) override {
     ConsoleReporter::ReportRuns(runs);
     for (const Run& run : runs) {
-      if (run.error_occurred) continue;
+      if (skipped(run)) continue;
       // With --benchmark_repetitions the median stands for the case; otherwise the single run.
       if (run.run_type == Run::RT_Iteration && run.repetitions <= 1) {
         times_[run.run_name.str()] = run.GetAdjustedRealTime();

@@ -7,6 +7,9 @@
 #   XTENSOR_PREFIX   an install prefix of xtensor + xtl + xsimd headers, where none is installed
 #   GTEST_PREFIX / BENCHMARK_PREFIX   likewise, where their CMake packages are elsewhere
 #   GLOO_PREFIX   an install prefix of Gloo's headers (include/gloo), where none is installed
+#   (prefixes must lie outside the source tree: CMake refuses exported include paths inside it)
+#   DIFFTRAIN_GOLDEN_DIR   golden values made elsewhere (tests/reference/generate_all.py); without
+#   it they are generated here, which needs the reference packages (diffusers, ...) in python3
 set -uo pipefail
 out=${1:?usage: scripts/gpu-check.sh RESULTS_DIR [benchmark filter]}
 filter=${2:-.}
@@ -27,6 +30,10 @@ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DDIFFTRAIN_PYTHON="$
 cmake --build "$build" 2>&1 | tee "$out/build.log" | tail -3
 echo "cold build: $(( $(date +%s) - start )) s on $(nproc) cores" | tee -a "$out/device.txt"
 
+if [ -z "${DIFFTRAIN_GOLDEN_DIR:-}" ]; then
+  "$python" tests/reference/generate_all.py "$build/tests/golden" >"$out/golden.log" 2>&1 ||
+    echo "golden values could not be generated (see golden.log): tests that compare fail"
+fi
 "$build/tests/difftrain_tests" --gtest_output="json:$out/tests.json" 2>&1 | tee "$out/tests.log" | tail -15
 "$build/benchmarks/difftrain_bench" --benchmark_filter="$filter" \
   --benchmark_out="$out/bench.json" --benchmark_out_format=json 2>&1 | tee "$out/bench.log" | tail -40

@@ -7,16 +7,21 @@
 
 #include <cstdint>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "test_dirs.hpp"
 
 namespace difftrain::test {
 
-inline const nlohmann::json& golden(const std::string& file) {
-  static std::map<std::string, nlohmann::json> cache;
+// The name by value: a reference parameter bound to a temporary string would make GCC 13 warn
+// (-Wdangling-reference) at every `const auto& g = golden("...")`.
+inline const nlohmann::json& golden(std::string_view name) {
+  static std::map<std::string, nlohmann::json, std::less<>> cache;
+  const std::string file(name);
   auto it = cache.find(file);
   if (it == cache.end()) {
     const std::string path = std::string(DIFFTRAIN_GOLDEN_DIR) + "/" + file;

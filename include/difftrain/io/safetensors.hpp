@@ -189,7 +189,7 @@ inline SafetensorsHeader parse_safetensors_header(const char* json, std::uint64_
         !entry.contains("data_offsets"))
       throw FormatError("needs dtype, shape and data_offsets", at_name);
     if (!entry["dtype"].is_string()) throw FormatError("dtype is not a string", at_name + " dtype");
-    const DtypeInfo& dt = by_name(entry["dtype"].get<std::string>(), at_name + " dtype");
+    const DtypeInfo dt = by_name(entry["dtype"].get<std::string>(), at_name + " dtype");
     if (!entry["shape"].is_array()) throw FormatError("shape is not a list", at_name + " shape");
     std::vector<std::int64_t> shape;
     std::uint64_t count = 1;
@@ -363,7 +363,7 @@ inline WritePlan plan_write(const std::map<std::string, at::Tensor>& tensors,
   nlohmann::ordered_json header;
   if (!metadata.empty()) header["__metadata__"] = metadata;
   for (const auto& [name, t] : plan.order) {
-    const DtypeInfo& dt = by_type(t.scalar_type(), "safetensors writer tensor '" + name + "'");
+    const DtypeInfo dt = by_type(t.scalar_type(), "safetensors writer tensor '" + name + "'");
     const auto bytes = static_cast<std::uint64_t>(t.numel()) * dt.size;
     header[name] = {{"dtype", dt.name},
                     {"shape", t.sizes().vec()},
