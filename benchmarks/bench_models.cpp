@@ -74,11 +74,7 @@ void diffusers_step(benchmark::State& state) {
       difftrain::bench::python_script("python_unet_step.py") + " '" + bench_config().dump() +
           "' 10 " + std::to_string(at::get_num_threads()),
       &why);
-  if (seconds <= 0) {
-    difftrain::bench::skip_without_baseline(state, why);
-    return;
-  }
-  for (auto _ : state) state.SetIterationTime(seconds);
+  difftrain::bench::report_baseline(state, seconds, why);
 }
 
 void difftrain_timed(benchmark::State& state) {
@@ -218,8 +214,12 @@ void gpu_step(benchmark::State& state, bool checkpointing = false) {
   c10::cuda::CUDACachingAllocator::resetPeakStats(0);
 #endif
   for (auto _ : state) {
+    const auto start = std::chrono::steady_clock::now();
     s.run();
     torch::cuda::synchronize();
+    // Read only by the cases registered with UseManualTime (the pair with diffusers' time).
+    state.SetIterationTime(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
 #ifdef DIFFTRAIN_BENCH_CUDA_MEMORY
   const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(0);
@@ -249,33 +249,13 @@ void diffusers_gpu_step(benchmark::State& state) {
       difftrain::bench::python_script("python_unet_step.py") + " '" + gpu_config().dump() +
           "' 20 1 cuda bf16 " + std::to_string(kGpuBatch) + " " + std::to_string(kGpuTokens),
       &why);
-  if (seconds <= 0) {
-    difftrain::bench::skip_without_baseline(state, why);
-    return;
-  }
-  for (auto _ : state) state.SetIterationTime(seconds);
+  difftrain::bench::report_baseline(state, seconds, why);
 }
 
-void difftrain_gpu_timed(benchmark::State& state) {
-  if (!torch::cuda::is_available()) {
-    state.SkipWithError("no CUDA device");
-    return;
-  }
-  GpuStep<att::Sdpa<att::Auto>> s;
-  for (int i = 0; i < 3; ++i) s.run();
-  torch::cuda::synchronize();
-  for (auto _ : state) {
-    const auto start = std::chrono::steady_clock::now();
-    s.run();
-    torch::cuda::synchronize();
-    state.SetIterationTime(
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-  }
-}
 }  // namespace
 
 BENCHMARK(diffusers_gpu_step)->Name("unet_cuda_bf16_vs_diffusers/baseline")->UseManualTime();
-BENCHMARK(difftrain_gpu_timed)->Name("unet_cuda_bf16_vs_diffusers/difftrain")->UseManualTime();
+BENCHMARK(gpu_auto)->Name("unet_cuda_bf16_vs_diffusers/difftrain")->UseManualTime();
 BENCHMARK(gpu_math)->Name("unet_cuda_attention_flash/baseline")->UseRealTime();
 BENCHMARK(gpu_flash)->Name("unet_cuda_attention_flash/difftrain")->UseRealTime();
 BENCHMARK(gpu_math)->Name("unet_cuda_attention_mem_efficient/baseline")->UseRealTime();

@@ -170,24 +170,25 @@ void python_eager(benchmark::State& state) {
           difftrain::bench::python_script("python_eager_train.py") + " 200", &why[0]),
       difftrain::bench::python_seconds_per_step(
           difftrain::bench::python_script("python_eager_train.py") + " 200 best", &why[1])};
-  if (seconds[best] <= 0) {
-    difftrain::bench::skip_without_baseline(state, why[best]);
-    return;
-  }
-  for (auto _ : state) state.SetIterationTime(seconds[best]);
+  difftrain::bench::report_baseline(state, seconds[best], why[best]);
 }
 
 // The optimizer step alone over `count` tensors of `numel` parameters with gradients: LibTorch's
 // per-parameter AdamW (baseline) against the fused kernel (difftrain), and the fused kernel
 // against Python's AdamW(fused=True) on the same tensors (benchmarks/python_optimizer_step.py).
-template <bool Fused>
-void optimizer_step(benchmark::State& state) {
-  const std::int64_t count = state.range(0), numel = state.range(1);
+// `count` tensors of `numel` random parameters, each with a random gradient.
+std::vector<at::Tensor> params_with_grads(std::int64_t count, std::int64_t numel) {
   std::vector<at::Tensor> params;
   for (std::int64_t i = 0; i < count; ++i) {
     params.push_back(at::randn({numel}, at::TensorOptions().device(device())).requires_grad_());
     params.back().mutable_grad() = at::randn_like(params.back());
   }
+  return params;
+}
+
+template <bool Fused>
+void optimizer_step(benchmark::State& state) {
+  const std::vector<at::Tensor> params = params_with_grads(state.range(0), state.range(1));
   torch::optim::AdamWOptions o(1e-4);
   o.weight_decay(1e-2);
   std::unique_ptr<torch::optim::Optimizer> opt;
@@ -200,8 +201,9 @@ void optimizer_step(benchmark::State& state) {
     opt->step();
     if (device().is_cuda()) torch::cuda::synchronize();
   }
-  state.counters["params_per_s"] = benchmark::Counter(
-      static_cast<double>(count * numel), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["params_per_s"] =
+      benchmark::Counter(static_cast<double>(state.range(0) * state.range(1)),
+                         benchmark::Counter::kIsIterationInvariantRate);
 }
 
 void python_optimizer_step(benchmark::State& state) {
@@ -210,20 +212,10 @@ void python_optimizer_step(benchmark::State& state) {
       difftrain::bench::python_script("python_optimizer_step.py") + " " +
           std::to_string(state.range(0)) + " " + std::to_string(state.range(1)),
       &why);
-  if (seconds <= 0) {
-    difftrain::bench::skip_without_baseline(state, why);
-    return;
-  }
-  for (auto _ : state) state.SetIterationTime(seconds);
+  difftrain::bench::report_baseline(state, seconds, why);
 }
-template <bool Fused>
 void optimizer_step_timed(benchmark::State& state) {
-  const std::int64_t count = state.range(0), numel = state.range(1);
-  std::vector<at::Tensor> params;
-  for (std::int64_t i = 0; i < count; ++i) {
-    params.push_back(at::randn({numel}, at::TensorOptions().device(device())).requires_grad_());
-    params.back().mutable_grad() = at::randn_like(params.back());
-  }
+  const std::vector<at::Tensor> params = params_with_grads(state.range(0), state.range(1));
   tr::FusedAdamWOptimizer opt(params, torch::optim::AdamWOptions(1e-4).weight_decay(1e-2));
   opt.step();
   for (auto _ : state) {
@@ -255,7 +247,7 @@ BENCHMARK(python_optimizer_step)
     ->Args({100, 1 << 20})
     ->Args({2000, 1000})
     ->UseManualTime();
-BENCHMARK_TEMPLATE(optimizer_step_timed, true)
+BENCHMARK(optimizer_step_timed)
     ->Name("optimizer_step_vs_python_fused/difftrain")
     ->Args({100, 1 << 20})
     ->Args({2000, 1000})

@@ -34,9 +34,14 @@ inline double python_seconds_per_step(const std::string& command, std::string* w
   return -1.0;
 }
 
-/// Marks the benchmark as not run, with the script's last words.
-inline void skip_without_baseline(benchmark::State& state, const std::string& why) {
-  state.SkipWithError(("the Python baseline did not run: " + why).c_str());
+/// Reports a baseline's measured seconds as every iteration's time (UseManualTime), or marks the
+/// benchmark as not run with the script's last words.
+inline void report_baseline(benchmark::State& state, double seconds, const std::string& why) {
+  if (seconds <= 0) {
+    state.SkipWithError(("the Python baseline did not run: " + why).c_str());
+    return;
+  }
+  for (auto _ : state) state.SetIterationTime(seconds);
 }
 
 }  // namespace difftrain::bench

@@ -60,11 +60,28 @@ struct Bucket {
   std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps;
 };
 
-/// One fused step over every parameter group of `opt` (Adam or AdamW, by their options and state
-/// types). `Kernel` is at::_fused_adam_ or at::_fused_adamw_.
-template <class Options, class State, class Kernel>
-void fused_step(torch::optim::Optimizer& opt, StepScalars& scalars, Kernel kernel,
-                const char* name) {
+/// What differs between the fused Adam and AdamW: LibTorch's classes and torch's kernel.
+struct AdamW {
+  using Torch = torch::optim::AdamW;
+  using Options = torch::optim::AdamWOptions;
+  using State = torch::optim::AdamWParamState;
+  static constexpr const char* name = "fused AdamW";
+  static void kernel(auto&&... a) { at::_fused_adamw_(std::forward<decltype(a)>(a)...); }
+};
+struct Adam {
+  using Torch = torch::optim::Adam;
+  using Options = torch::optim::AdamOptions;
+  using State = torch::optim::AdamParamState;
+  static constexpr const char* name = "fused Adam";
+  static void kernel(auto&&... a) { at::_fused_adam_(std::forward<decltype(a)>(a)...); }
+};
+
+/// One fused step over every parameter group of `opt`.
+template <class Kind>
+void fused_step(torch::optim::Optimizer& opt, StepScalars& scalars) {
+  using Options = typename Kind::Options;
+  using State = typename Kind::State;
+  const char* name = Kind::name;
   const at::NoGradGuard no_grad;
   for (auto& group : opt.param_groups()) {
     auto& o = static_cast<Options&>(group.options());
@@ -101,8 +118,8 @@ void fused_step(torch::optim::Optimizer& opt, StepScalars& scalars, Kernel kerne
     }
     for (auto& [key, b] : buckets) {
       at::_foreach_add_(b.steps, 1);
-      kernel(b.params, b.grads, b.exp_avgs, b.exp_avg_sqs, b.max_exp_avg_sqs, b.steps, o.lr(),
-             beta1, beta2, o.weight_decay(), o.eps(), o.amsgrad(), /*maximize=*/false);
+      Kind::kernel(b.params, b.grads, b.exp_avgs, b.exp_avg_sqs, b.max_exp_avg_sqs, b.steps, o.lr(),
+                   beta1, beta2, o.weight_decay(), o.eps(), o.amsgrad(), /*maximize=*/false);
       for (const at::Tensor& p : b.params) {
         auto& s = static_cast<State&>(*opt.state()[p.unsafeGetTensorImpl()]);
         s.step(s.step() + 1);
@@ -114,44 +131,29 @@ void fused_step(torch::optim::Optimizer& opt, StepScalars& scalars, Kernel kerne
 
 }  // namespace fused_detail
 
+/// LibTorch's Adam or AdamW (`Kind`: fused_detail::Adam or AdamW) whose step is torch's fused
+/// kernel.
+template <class Kind>
+class FusedOptimizer : public Kind::Torch {
+ public:
+  using Kind::Torch::Torch;
+  at::Tensor step(typename Kind::Torch::LossClosure closure = nullptr) override {
+    at::Tensor loss;
+    if (closure) {
+      const at::AutoGradMode enable(true);
+      loss = closure();
+    }
+    fused_detail::fused_step<Kind>(*this, scalars_);
+    return loss;
+  }
+
+ private:
+  fused_detail::StepScalars scalars_;
+};
+
 /// torch::optim::AdamW whose step is torch's fused AdamW kernel.
-class FusedAdamWOptimizer : public torch::optim::AdamW {
- public:
-  using torch::optim::AdamW::AdamW;
-  at::Tensor step(LossClosure closure = nullptr) override {
-    at::Tensor loss;
-    if (closure) {
-      const at::AutoGradMode enable(true);
-      loss = closure();
-    }
-    fused_detail::fused_step<torch::optim::AdamWOptions, torch::optim::AdamWParamState>(
-        *this, scalars_, [](auto&&... a) { at::_fused_adamw_(std::forward<decltype(a)>(a)...); },
-        "fused AdamW");
-    return loss;
-  }
-
- private:
-  fused_detail::StepScalars scalars_;
-};
-
+using FusedAdamWOptimizer = FusedOptimizer<fused_detail::AdamW>;
 /// torch::optim::Adam whose step is torch's fused Adam kernel (L2 weight decay on the gradient).
-class FusedAdamOptimizer : public torch::optim::Adam {
- public:
-  using torch::optim::Adam::Adam;
-  at::Tensor step(LossClosure closure = nullptr) override {
-    at::Tensor loss;
-    if (closure) {
-      const at::AutoGradMode enable(true);
-      loss = closure();
-    }
-    fused_detail::fused_step<torch::optim::AdamOptions, torch::optim::AdamParamState>(
-        *this, scalars_, [](auto&&... a) { at::_fused_adam_(std::forward<decltype(a)>(a)...); },
-        "fused Adam");
-    return loss;
-  }
-
- private:
-  fused_detail::StepScalars scalars_;
-};
+using FusedAdamOptimizer = FusedOptimizer<fused_detail::Adam>;
 
 }  // namespace difftrain::train
