@@ -11,11 +11,14 @@ ALLOWED = {
     "ema": {"core", "io", "ema"},
     "diffusion": {"core", "diffusion"},
     "io": {"core", "io"},
-    "train": {"core", "nn", "schedule", "ema", "diffusion", "io", "train"},
+    "log": {"core", "io", "log"},
+    "train": {"core", "nn", "schedule", "ema", "diffusion", "io", "log", "train"},
     "eval": {"core", "eval"},
-    "distributed": {"core", "io", "nn", "schedule", "ema", "diffusion", "train", "distributed"},
+    "distributed": {"core", "io", "log", "nn", "schedule", "ema", "diffusion", "train",
+                    "distributed"},
     "models": {"core", "io", "nn", "models"},
-    "adapters": {"core", "io", "nn", "schedule", "ema", "diffusion", "train", "models", "adapters"},
+    "adapters": {"core", "io", "log", "nn", "schedule", "ema", "diffusion", "train", "models",
+                 "adapters"},
 }
 
 root = pathlib.Path(__file__).resolve().parent.parent / "include" / "difftrain"

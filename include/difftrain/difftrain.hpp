@@ -9,6 +9,7 @@
 #include "difftrain/ema/ema.hpp"
 #include "difftrain/eval/eval.hpp"
 #include "difftrain/io/io.hpp"
+#include "difftrain/log/log.hpp"
 #include "difftrain/models/models.hpp"
 #include "difftrain/nn/nn.hpp"
 #include "difftrain/schedule/schedule.hpp"

@@ -17,6 +17,8 @@
 
 #include <concepts>
 #include <cstdint>
+#include <algorithm>
+#include <functional>
 #include <optional>
 
 #include "difftrain/core/error.hpp"
@@ -38,6 +40,9 @@ struct SampleOptions {
   double guidance_scale = 1.0;  ///< 1: no guidance (one model call per step)
   double guidance_rescale = 0.0;
   std::int64_t chunk_size = 64;  ///< samples per model call batch
+  /// Called after every sampler step with the steps done and to do over all chunks (a progress
+  /// line, train::ProgressLine).
+  std::function<void(std::int64_t done, std::int64_t total)> on_step{};
 };
 
 /// Samples from `noise` (already scaled by the sampler's initial σ where it has one). With guidance
@@ -65,6 +70,10 @@ at::Tensor sample(S& sampler, Model&& model, const at::Tensor& noise, const Samp
   const at::NoGradGuard no_grad;
   sampler.set_timesteps(o.num_inference_steps);
   const auto timesteps = sampler.timesteps();
+  const std::int64_t chunks = (noise.size(0) + std::max<std::int64_t>(o.chunk_size, 1) - 1) /
+                              std::max<std::int64_t>(o.chunk_size, 1);
+  const auto steps_total = chunks * static_cast<std::int64_t>(timesteps.size());
+  std::int64_t steps_done = 0;
   return in_chunks(noise.size(0), o.chunk_size, [&](std::int64_t begin, std::int64_t end) {
     S chunk_sampler = sampler;  // multistep samplers keep per-run history
     chunk_sampler.set_timesteps(o.num_inference_steps);
@@ -84,6 +93,7 @@ at::Tensor sample(S& sampler, Model&& model, const at::Tensor& noise, const Samp
         out = model(in, t, c);
       }
       x = chunk_sampler.step_at(i, out, x, generator);
+      if (o.on_step) o.on_step(++steps_done, steps_total);
     }
     return x;
   });

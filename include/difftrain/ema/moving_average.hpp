@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <filesystem>
 #include <map>
@@ -120,6 +121,9 @@ class Ema {
   /// One EMA update; call it after each optimizer step.
   void update() {
     const Action action = rule_.next();
+    last_decay_ = action.kind == Action::Kind::average ? action.decay
+                  : action.kind == Action::Kind::copy  ? 0.0
+                                                       : 1.0;
     if (action.kind != Action::Kind::skip) {
       if (action.kind == Action::Kind::copy || action.copy_first) {
         engine_.copy(averaged_);
@@ -173,6 +177,9 @@ class Ema {
   /// EMA weights in the model for the scope's lifetime.
   [[nodiscard]] EmaScope<Ema> scope() { return EmaScope<Ema>(*this); }
 
+  /// The share of the shadow kept by the last update (diffusers' cur_decay_value): its decay
+  /// when it averaged, 0 when it copied the weights, 1 when it skipped; NaN before the first.
+  [[nodiscard]] double last_decay() const noexcept { return last_decay_; }
   [[nodiscard]] Rule& rule() noexcept { return rule_; }
   [[nodiscard]] const Rule& rule() const noexcept { return rule_; }
   [[nodiscard]] Engine& engine() noexcept { return engine_; }
@@ -327,6 +334,7 @@ class Ema {
   Rule rule_;
   Engine engine_;
   Tracking tracking_;
+  double last_decay_ = std::nan("");
   std::vector<Pair> averaged_;
   std::vector<Pair> copied_;
   std::vector<Pair> copy_phase_;  ///< ignored names kept as ema-pytorch keeps them

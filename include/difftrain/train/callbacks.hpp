@@ -5,11 +5,8 @@
 // The trainer holds them in a std::tuple (Config::Callbacks) and calls only the hooks a type has,
 // resolved at compile time: a run without callbacks pays nothing.
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <charconv>
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <deque>
@@ -18,11 +15,15 @@
 #include <optional>
 #include <regex>
 #include <string>
+#include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include "difftrain/core/error.hpp"
 #include "difftrain/io/atomic_file.hpp"
 #include "difftrain/io/csv_log.hpp"
+#include "difftrain/io/image_grid.hpp"
+#include "difftrain/train/progress.hpp"
 #include "difftrain/train/trainer.hpp"
 
 namespace difftrain::train {
@@ -39,60 +40,82 @@ double shown_lr(const T& t, const StepInfo& s) {
   return s.lr.empty() ? 0.0 : s.lr.front();
 }
 
-/// One line, rewritten in place: step/total, it/s, loss, LR, ETA. Quiet when stderr is not a
-/// terminal (logs stay clean), unless `force`.
+/// The training progress line (train/progress.hpp): step/total, a bar, it/s and ETA over the recent
+/// steps, the loss with its running mean, the LR. Redrawn in place on a terminal; when stderr is
+/// not one, a line every `lines_every` steps (0: quiet), unless `force` draws it in place anyway.
 class ProgressBar {
  public:
   struct Options {
     std::int64_t total_steps = 0;
-    std::int64_t every = 1;
+    std::int64_t every = 1;        ///< terminal: redraw every N steps
+    std::int64_t lines_every = 0;  ///< not a terminal: a line every N steps; 0: quiet
     bool force = false;
     std::FILE* out = stderr;
+    std::size_t loss_window = 32;  ///< steps in the running mean of the loss
   };
   ProgressBar() : ProgressBar(Options()) {}
   explicit ProgressBar(const Options& o)
-      : o_(o), active_(o.force || ::isatty(::fileno(o.out)) != 0) {}
+      : o_(o),
+        line_({.label = "train",
+               .total = o.total_steps,
+               .every = o.every,
+               .lines_every = o.lines_every,
+               .force = o.force,
+               .out = o.out}) {
+    if (o.loss_window < 1) throw ConfigError("loss_window must be >= 1", "ProgressBar");
+  }
 
   template <class T>
   void on_train_begin(T& t) {
-    start_ = std::chrono::steady_clock::now();
-    first_step_ = t.global_step();
+    line_.start(t.global_step());
+  }
+  template <class T>
+  void on_resume(T& t) {
+    line_.start(t.global_step());
+    losses_.clear();
+    sum_ = 0;
   }
   template <class T>
   void on_step_end(T& t, const StepInfo& s) {
-    if (!active_ || s.step % o_.every != 0) return;
-    std::fputs(("\r" + line(s, shown_lr(t, s))).c_str(), o_.out);
-    std::fflush(o_.out);
+    record(s.loss);
+    line_.update(s.step, extra(s, shown_lr(t, s)));
   }
   template <class T>
   void on_train_end(T& /*t*/) {
-    if (active_) std::fputc('\n', o_.out);
+    line_.finish();
   }
 
   /// The text shown for a step (also what tests look at); `lr` defaults to the first group's.
   [[nodiscard]] std::string line(const StepInfo& s, std::optional<double> lr = {}) const {
-    const double elapsed =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
-    const double done = static_cast<double>(s.step - first_step_);
-    const double rate = elapsed > 0 ? done / elapsed : 0.0;
-    char buf[256];
-    std::string eta = "?";
-    if (o_.total_steps > 0 && rate > 0) {
-      const auto left = static_cast<long>(static_cast<double>(o_.total_steps - s.step) / rate);
-      std::snprintf(buf, sizeof buf, "%ld:%02ld", left / 60, left % 60);
-      eta = buf;
-    }
-    std::snprintf(buf, sizeof buf, "step %lld/%lld  %.2f it/s  loss %.5f  lr %.3g  eta %s",
-                  static_cast<long long>(s.step), static_cast<long long>(o_.total_steps), rate,
-                  s.loss, lr.value_or(s.lr.empty() ? 0.0 : s.lr.front()), eta.c_str());
-    return buf;
+    return line_.line(s.step, extra(s, lr.value_or(s.lr.empty() ? 0.0 : s.lr.front())));
+  }
+  /// The mean loss of the last `loss_window` finite losses (NaN before any).
+  [[nodiscard]] double running_mean() const {
+    return losses_.empty() ? std::nan("") : sum_ / static_cast<double>(losses_.size());
   }
 
  private:
+  void record(double loss) {
+    if (!std::isfinite(loss)) return;
+    losses_.push_back(loss);
+    sum_ += loss;
+    if (losses_.size() > o_.loss_window) {
+      sum_ -= losses_.front();
+      losses_.pop_front();
+    }
+  }
+  [[nodiscard]] std::string extra(const StepInfo& s, double lr) const {
+    char buf[128];
+    if (losses_.empty())
+      std::snprintf(buf, sizeof buf, "loss %.5f  lr %.3g", s.loss, lr);
+    else
+      std::snprintf(buf, sizeof buf, "loss %.5f (mean %.5f)  lr %.3g", s.loss, running_mean(), lr);
+    return buf;
+  }
   Options o_;
-  bool active_;
-  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
-  std::int64_t first_step_ = 0;
+  ProgressLine line_;
+  std::deque<double> losses_;
+  double sum_ = 0;
 };
 
 /// The web UI's loss log: step, epoch, epoch_step, loss, learn_rate, one row per optimizer step.
@@ -257,27 +280,61 @@ std::optional<std::filesystem::path> resume_latest(T& trainer, const std::filesy
 }
 
 /// Calls `sample(trainer)` every N steps with the EMA weights swapped in when the trainer has EMA.
+/// When it returns images (an (N, C, H, W) tensor in [-1, 1], or an io::RgbImage), every callback
+/// of the trainer that takes images (train::TensorBoard) gets them as one grid under `tag`.
 template <class Fn>
 class SampleEvery {
  public:
-  SampleEvery(std::int64_t every, Fn fn) : every_(every), fn_(std::move(fn)) {
+  SampleEvery(std::int64_t every, Fn fn, std::string tag = "samples", io::GridOptions grid = {})
+      : every_(every), fn_(std::move(fn)), tag_(std::move(tag)), grid_(grid) {
     if (every < 1) throw ConfigError("every must be >= 1", "SampleEvery");
   }
   template <class T>
   void on_step_end(T& t, const StepInfo& s) {
     if (!s.stepped || s.step % every_ != 0) return;
     at::NoGradGuard no_grad;
-    if constexpr (T::has_ema) {
-      ema::EmaScope scope(t.ema());
-      fn_(t);
+    using Result = std::invoke_result_t<Fn&, T&>;
+    auto run = [&]() -> Result {
+      if constexpr (T::has_ema) {
+        ema::EmaScope scope(t.ema());
+        return fn_(t);
+      } else {
+        return fn_(t);
+      }
+    };
+    if constexpr (std::is_void_v<Result>) {
+      run();
     } else {
-      fn_(t);
+      static_assert(
+          std::is_convertible_v<Result, at::Tensor> || std::is_convertible_v<Result, io::RgbImage>,
+          "difftrain: SampleEvery's function returns nothing, images as an (N, C, H, W) "
+          "at::Tensor, or an io::RgbImage");
+      const Result r = run();
+      if constexpr (std::is_convertible_v<Result, at::Tensor>)
+        publish(t, io::image_grid(r, grid_), s.step);
+      else
+        publish(t, r, s.step);
     }
   }
 
  private:
+  template <class T>
+  void publish(T& t, const io::RgbImage& image, std::int64_t step) {
+    std::apply(
+        [&](auto&... cb) {
+          (
+              [&](auto& c) {
+                if constexpr (requires { c.add_image(std::string_view{}, image, step); })
+                  c.add_image(tag_, image, step);
+              }(cb),
+              ...);
+        },
+        t.callbacks());
+  }
   std::int64_t every_;
   Fn fn_;
+  std::string tag_;
+  io::GridOptions grid_;
 };
 
 /// Stops when the loss has not improved by `min_delta` for `patience` steps.

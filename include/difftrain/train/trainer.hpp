@@ -194,6 +194,8 @@ struct StepInfo {
   double grad_norm = std::nan("");
   bool stepped = true;  ///< false when skipped (non-finite loss, or fp16 overflow)
   double seconds = 0.0;
+  /// Examples the step trained on, over all ranks (0 when the batch type cannot count them).
+  std::int64_t samples = 0;
 };
 
 template <class Model, class Config = DefaultConfig>
@@ -299,6 +301,10 @@ class Trainer {
     const auto start = std::chrono::steady_clock::now();
     StepInfo info;
     info.lr = scheduler_->last_lr();
+    if constexpr (SplittableBatch<Batch>) {
+      for (const Batch& b : micro_batches) info.samples += b.size();
+      info.samples *= parallel_->world_size();  // every rank takes an equal share
+    }
     model_->train();
     optimizer_->zero_grad(/*set_to_none=*/true);
     double loss_sum = 0.0;
