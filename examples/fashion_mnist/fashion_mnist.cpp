@@ -2,9 +2,10 @@
 // samples it with classifier-free guidance from the EMA weights, and scores the samples with a
 // classifier trained by the same program. `fashion_mnist --help` lists the flags.
 //
-// Writes to --out: checkpoints/ (atomic, the latest few), loss.csv and loss.png, samples.png
-// (a row per class), classifier.safetensors (cached judge), ema.safetensors (the EMA weights) and
-// results.json (class accuracy, Fréchet distance, timings).
+// Writes to --out: checkpoints/ (atomic, the latest few), loss.csv, loss.png and lr.png,
+// samples.png (a row per class), classifier.safetensors (cached judge), ema.safetensors (the EMA
+// weights), results.json (class accuracy, Fréchet distance, timings) and tensorboard/ (the run's
+// event file: `tensorboard --logdir OUT/tensorboard`).
 //
 // Ctrl-C stops after the current step, saves a checkpoint and exits with status 130; run again
 // with --resume to continue. A second Ctrl-C kills the program at once.
@@ -25,7 +26,9 @@
 #include <difftrain/nn/module_tensors.hpp>
 #include <difftrain/schedule/by_name.hpp>
 #include <difftrain/train/callbacks.hpp>
+#include <difftrain/train/progress.hpp>
 #include <difftrain/train/seeding.hpp>
+#include <difftrain/train/tensorboard.hpp>
 #include <difftrain/train/trainer.hpp>
 
 #include <atomic>
@@ -33,6 +36,7 @@
 #include <csignal>
 #include <cstdio>
 #include <filesystem>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -101,6 +105,10 @@ struct Settings {
   std::int64_t stop_at = 0;
   bool overwrite = false;
   bool progress = false;
+  std::int64_t progress_lines = -1;  // off a terminal: a line every N steps (-1: a tenth of them)
+  std::string tensorboard;           // the event file's folder (default OUT/tensorboard)
+  bool no_tensorboard = false;
+  std::int64_t sample_every = 0;  // a sample grid into TensorBoard every N steps (0: none)
   // sampling and scoring
   std::string sampler = "dpm++";
   std::int64_t sample_steps = 20;
@@ -114,14 +122,34 @@ struct Settings {
   double rank_timeout = 1800;
 };
 
+at::Tensor sample(const Settings& s, fmnist::UNet& net, const df::NoiseSchedule& schedule,
+                  const at::Tensor& labels, at::Device device, bool show_progress = false);
+
+/// What the model draws now (the EMA weights, swapped in by SampleEvery): four images per class
+/// from the same noise every time, so TensorBoard shows one grid changing over the run.
+struct PeekSamples {
+  const Settings* s;
+  fmnist::UNet* net;
+  const df::NoiseSchedule* schedule;
+  at::Device device;
+  template <class T>
+  at::Tensor operator()(T& /*trainer*/) const {
+    (*net)->eval();
+    const at::Tensor labels = at::arange(fmnist::kClasses, at::kLong).repeat_interleave(4);
+    at::Tensor images = sample(*s, *net, *schedule, labels, device).clamp(-1, 1);
+    (*net)->train();
+    return images;
+  }
+};
+
 struct UNetConfig : tr::DefaultConfig {
   using Optimizer = tr::AdamW;
   using Schedule = difftrain::schedule::ByName;                 // --lr-scheduler, diffusers' names
   using Ema = difftrain::ema::Ema<difftrain::ema::RuleByName>;  // --ema-rule, --ema-settings
   using Precision = tr::PrecisionByName;                        // --mixed_precision
   using Clipping = tr::ClipByNorm;
-  using Callbacks =
-      std::tuple<tr::ProgressBar, tr::CsvLossLog, tr::CheckpointEvery, StopOnInterrupt>;
+  using Callbacks = std::tuple<tr::ProgressBar, tr::CsvLossLog, tr::CheckpointEvery,
+                               tr::TensorBoard, tr::SampleEvery<PeekSamples>, StopOnInterrupt>;
   using Parallel = difftrain::distributed::DataParallel;
 };
 using UNetTrainer = tr::Trainer<fmnist::UNetImpl, UNetConfig>;
@@ -153,13 +181,22 @@ double seconds_since(std::chrono::steady_clock::time_point t) {
 }
 
 at::Tensor sample(const Settings& s, fmnist::UNet& net, const df::NoiseSchedule& schedule,
-                  const at::Tensor& labels, at::Device device) {
+                  const at::Tensor& labels, at::Device device, bool show_progress) {
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(s.seed + 1);
   const at::Tensor noise = at::randn({labels.size(0), 1, 28, 28}, gen).to(device);
   const at::Tensor cond = labels.to(device);
   const at::Tensor uncond = at::full_like(cond, net->null_label());
-  const df::SampleOptions opts{
-      .num_inference_steps = s.sample_steps, .guidance_scale = s.guidance, .chunk_size = 250};
+  // Its own progress line (on a terminal, or with --progress): sampler steps over all chunks.
+  tr::ProgressLine bar({.label = "sample",
+                        .total = (labels.size(0) + 249) / 250 * s.sample_steps,
+                        .force = s.progress && show_progress});
+  bar.start();
+  const df::SampleOptions opts{.num_inference_steps = s.sample_steps,
+                               .guidance_scale = s.guidance,
+                               .chunk_size = 250,
+                               .on_step = [&](std::int64_t done, std::int64_t /*total*/) {
+                                 if (show_progress) bar.update(done);
+                               }};
   auto model = [&](const at::Tensor& x, const at::Tensor& t, const at::Tensor& c) {
     return net->forward(x, t, c);
   };
@@ -170,10 +207,14 @@ at::Tensor sample(const Settings& s, fmnist::UNet& net, const df::NoiseSchedule&
     df::Ddim ddim(schedule, {.prediction_type = net->options().prediction,
                              .clipping = clip,
                              .timestep_spacing = df::TimestepSpacing::trailing});
-    return df::sample(ddim, model, noise, opts, cond, uncond);
+    at::Tensor x = df::sample(ddim, model, noise, opts, cond, uncond);
+    bar.finish();
+    return x;
   }
   df::DpmSolverPP2M dpm(schedule, {.prediction_type = net->options().prediction, .clipping = clip});
-  return df::sample(dpm, model, noise, opts, cond, uncond);
+  at::Tensor x = df::sample(dpm, model, noise, opts, cond, uncond);
+  bar.finish();
+  return x;
 }
 
 int run(const Settings& s) {
@@ -278,6 +319,36 @@ int run(const Settings& s) {
   if (main_rank && s.overwrite && !s.resume)
     for (const auto& [step, path] : tr::CheckpointEvery::list(ckpt_dir)) remove(path);
   if (main_rank && !s.resume) remove(loss_csv);
+  // TensorBoard: a fresh run starts a fresh folder; a resumed one adds a file whose restart
+  // marker replaces the steps logged after its checkpoint.
+  const fs::path tb_dir = s.no_tensorboard        ? fs::path()
+                          : s.tensorboard.empty() ? out / "tensorboard"
+                                                  : fs::path(s.tensorboard);
+  if (main_rank && !s.resume && !tb_dir.empty() && fs::is_directory(tb_dir))
+    for (const auto& e : fs::directory_iterator(tb_dir))
+      if (e.path().filename().string().rfind("events.out.tfevents.", 0) == 0) remove(e.path());
+  const nlohmann::json run_settings = {{"steps", s.steps},
+                                       {"batch_size", s.batch_size},
+                                       {"channels", s.channels},
+                                       {"attention_14", s.attention_14},
+                                       {"lr", s.lr},
+                                       {"lr_scheduler", s.lr_scheduler},
+                                       {"warmup", s.warmup},
+                                       {"weight_decay", s.weight_decay},
+                                       {"adam_kernel", s.adam_kernel},
+                                       {"max_grad_norm", s.clip},
+                                       {"ema", ema_rule_json(s)},
+                                       {"mixed_precision", s.mixed_precision},
+                                       {"prediction_type", s.prediction_type},
+                                       {"snr_gamma", s.snr_gamma},
+                                       {"gradient_accumulation_steps", s.accumulation},
+                                       {"p_uncond", s.p_uncond},
+                                       {"sampler", s.sampler},
+                                       {"sample_steps", s.sample_steps},
+                                       {"guidance", s.guidance},
+                                       {"device", s.device},
+                                       {"ranks", world->size()},
+                                       {"seed", s.seed}};
   const std::int64_t n = data.train.size();
   const std::int64_t per_epoch = std::max<std::int64_t>(1, n / (s.batch_size * s.accumulation));
 
@@ -287,11 +358,20 @@ int run(const Settings& s) {
     return std::make_unique<UNetTrainer>(
         *net, o,
         UNetConfig::Callbacks{
-            tr::ProgressBar({.total_steps = s.steps, .every = 10, .force = s.progress}),
+            tr::ProgressBar({.total_steps = s.steps,
+                             .every = 10,
+                             .lines_every = s.progress_lines >= 0
+                                                ? s.progress_lines
+                                                : std::max<std::int64_t>(1, s.steps / 10),
+                             .force = s.progress}),
             tr::CsvLossLog({.path = loss_csv, .steps_per_epoch = per_epoch}),
             tr::CheckpointEvery({.dir = ckpt_dir,
                                  .every = s.checkpoint_every,
                                  .keep_last = static_cast<std::size_t>(s.keep)}),
+            tr::TensorBoard({.dir = tb_dir, .config = run_settings}),
+            tr::SampleEvery<PeekSamples>(
+                s.sample_every > 0 ? s.sample_every : std::numeric_limits<std::int64_t>::max(),
+                PeekSamples{&s, &net, &schedule, device}, "samples", {.columns = 4}),
             StopOnInterrupt{s.stop_at}});
   };
   if (s.resume) {
@@ -370,8 +450,16 @@ int run(const Settings& s) {
   else
     std::fprintf(stderr, "train: %lld steps in %.1f s (%.2f steps/s)\n",
                  static_cast<long long>(trained_steps), train_seconds, steps_per_second);
-  difftrain::io::write_png(out / "loss.png", fmnist::plot_loss(fmnist::read_loss_log(loss_csv)),
+  const fmnist::LossCurve curve = fmnist::read_loss_log(loss_csv);
+#if DIFFTRAIN_HAS_PLOT
+  const difftrain::io::RgbImage loss_plot = fmnist::plot_loss(curve);
+  difftrain::io::write_png(out / "loss.png", loss_plot,
                            {{"Description", "difftrain Fashion-MNIST loss per step (log scale)"}});
+  difftrain::io::write_png(out / "lr.png", fmnist::plot_lr(curve),
+                           {{"Description", "difftrain Fashion-MNIST learning rate per step"}});
+#else
+  std::fprintf(stderr, "plots: built without cairo; loss.png and lr.png not drawn\n");
+#endif
 
   // Sample from the EMA weights.
   t = std::chrono::steady_clock::now();
@@ -384,7 +472,7 @@ int run(const Settings& s) {
     difftrain::io::save_safetensors(out / "ema.safetensors",
                                     difftrain::nn::module_tensors(*net, /*buffers=*/false),
                                     {{"step", std::to_string(trainer->global_step())}});
-    samples = sample(s, net, schedule, sample_labels, device).clamp(-1, 1);
+    samples = sample(s, net, schedule, sample_labels, device, true).clamp(-1, 1);
   }
   const double sample_seconds = seconds_since(t);
   std::fprintf(stderr, "sample: %lld images, %s, %lld steps, guidance %.2f (%.1f s)\n",
@@ -453,6 +541,17 @@ int run(const Settings& s) {
                                   {"threads", at::get_num_threads()},
                                   {"seed", s.seed},
                                   {"resumed_from", resumed_from}};
+  // The results beside the training curves in TensorBoard.
+  auto& tb = std::get<tr::TensorBoard>(trainer->callbacks());
+  const std::int64_t last = trainer->global_step();
+  tb.add_scalar("eval/class_accuracy", accuracy, last);
+  tb.add_scalar("eval/frechet_distance", fd, last);
+  tb.add_scalar("eval/frechet_distance_real_floor", fd_floor, last);
+  tb.add_images("samples/final", grid_pick, last, {.columns = cols, .padding = 2});
+#if DIFFTRAIN_HAS_PLOT
+  tb.add_image("plots/loss", loss_plot, last);
+#endif
+  tb.close();
   const std::string text = results.dump(2) + "\n";
   difftrain::io::write_file_atomic(out / "results.json",
                                    std::span<const char>(text.data(), text.size()));
@@ -462,8 +561,9 @@ int run(const Settings& s) {
                 100 * per_class[c].item<double>());
   std::printf("Fréchet distance to the test set: %.3f (real images at the same count: %.3f)\n", fd,
               fd_floor);
-  std::printf("wrote %s/{samples.png,loss.png,loss.csv,results.json} in %.0f s\n", s.out.c_str(),
-              seconds_since(t_start));
+  std::printf(
+      "wrote %s/{samples.png,loss.png,lr.png,loss.csv,results.json,tensorboard} in %.0f s\n",
+      s.out.c_str(), seconds_since(t_start));
   return 0;
 }
 
@@ -497,7 +597,18 @@ int main(int argc, char** argv) {
               "with --resume: train on with this command line's LR, schedule, weight decay, "
               "clipping and EMA decay when the checkpoint was written with others (else they are "
               "refused)");
-  g->add_flag("--progress", s.progress, "show the progress bar even when stderr is not a terminal");
+  g->add_flag("--progress", s.progress, "draw the progress bar even when stderr is not a terminal");
+  g->add_option("--progress-lines", s.progress_lines,
+                "when stderr is not a terminal: a progress line every N steps (0: none; default: "
+                "a tenth of the steps)")
+      ->check(examples::count_in(0, 100'000'000));
+  g->add_option("--tensorboard", s.tensorboard,
+                "folder of the TensorBoard event file (default: OUT/tensorboard)");
+  g->add_flag("--no-tensorboard", s.no_tensorboard, "write no TensorBoard event file");
+  g->add_option("--sample-every", s.sample_every,
+                "draw a sample grid into TensorBoard every N steps (0: only the final one)")
+      ->check(examples::count_in(0, 100'000'000))
+      ->capture_default_str();
   g->add_option("--rank-timeout", s.rank_timeout,
                 "seconds a rank of a torchrun launch waits for the others before it stops")
       ->check(examples::number_in(0, 1e7, true))

@@ -1,9 +1,12 @@
 #pragma once
-// What the run leaves behind besides checkpoints: the loss curve as a picture (drawn here, so the
-// program needs no plotting library).
+// What the run leaves behind besides checkpoints: the loss and learning-rate curves as pictures
+// with labelled axes (difftrain/log/plot.hpp, cairo).
 
 #include <difftrain/io/atomic_file.hpp>
 #include <difftrain/io/png.hpp>
+#if DIFFTRAIN_HAS_PLOT
+#include <difftrain/log/plot.hpp>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -17,7 +20,7 @@
 namespace fmnist {
 
 struct LossCurve {
-  std::vector<double> steps, losses;
+  std::vector<double> steps, losses, lrs;
 };
 
 /// Reads the step and loss columns of the trainer's CSV loss log.
@@ -31,69 +34,48 @@ inline LossCurve read_loss_log(const std::filesystem::path& path) {
     std::string cell;
     std::vector<std::string> cells;
     while (std::getline(row, cell, ',')) cells.push_back(cell);
-    if (cells.size() < 4) continue;
+    if (cells.size() < 5) continue;
     try {
-      c.steps.push_back(std::stod(cells[0]));
-      c.losses.push_back(std::stod(cells[3]));
-    } catch (const std::exception&) {
-      c.steps.resize(c.losses.size());
+      const double step = std::stod(cells[0]), loss = std::stod(cells[3]), lr = std::stod(cells[4]);
+      c.steps.push_back(step);
+      c.losses.push_back(loss);
+      c.lrs.push_back(lr);
+    } catch (const std::exception&) {  // a row cut by a crash: left out
     }
   }
   return c;
 }
 
-/// The loss per step (light) and its running mean (dark) on a log scale, with a grid line per
-/// power of ten and per tenth of the steps.
-inline difftrain::io::RgbImage plot_loss(const LossCurve& c, std::uint32_t w = 720,
-                                         std::uint32_t h = 360) {
-  difftrain::io::RgbImage img(w, h, 255);
-  const std::int64_t left = 20, right = w - 20, top = 20, bottom = h - 20;
-  auto put = [&](std::int64_t x, std::int64_t y, std::uint8_t r, std::uint8_t g, std::uint8_t b) {
-    if (x < 0 || y < 0 || x >= w || y >= h) return;
-    std::uint8_t* p = img.at(static_cast<std::uint32_t>(x), static_cast<std::uint32_t>(y));
-    p[0] = r, p[1] = g, p[2] = b;
-  };
-  for (std::int64_t x = left; x <= right; ++x)
-    put(x, top, 120, 120, 120), put(x, bottom, 120, 120, 120);
-  for (std::int64_t y = top; y <= bottom; ++y)
-    put(left, y, 120, 120, 120), put(right, y, 120, 120, 120);
-  std::vector<double> s, l;
-  for (std::size_t i = 0; i < c.losses.size(); ++i)
-    if (std::isfinite(c.losses[i]) && c.losses[i] > 0)
-      s.push_back(c.steps[i]), l.push_back(c.losses[i]);
-  if (l.size() < 2) return img;
-  std::vector<double> smooth(l.size());
-  const double k = 2.0 / (1.0 + std::max<double>(5.0, static_cast<double>(l.size()) / 40.0));
-  smooth[0] = l[0];
-  for (std::size_t i = 1; i < l.size(); ++i) smooth[i] = smooth[i - 1] + k * (l[i] - smooth[i - 1]);
-  const double lo = std::log10(*std::min_element(l.begin(), l.end()));
-  const double hi = std::log10(*std::max_element(l.begin(), l.end()));
-  const double span = std::max(hi - lo, 1e-6), x0 = s.front(), xs = std::max(s.back() - x0, 1.0);
-  auto px = [&](double step) { return left + std::lround((step - x0) / xs * (right - left)); };
-  auto py = [&](double loss) {
-    return bottom - std::lround((std::log10(loss) - lo) / span * (bottom - top));
-  };
-  for (int e = static_cast<int>(std::floor(lo)); e <= static_cast<int>(std::ceil(hi)); ++e)
-    for (int m = 1; m <= 9; ++m) {
-      const double v = m * std::pow(10.0, e);
-      if (std::log10(v) < lo || std::log10(v) > hi) continue;
-      const std::uint8_t shade = m == 1 ? 190 : 230;
-      for (std::int64_t x = left + 1; x < right; ++x) put(x, py(v), shade, shade, shade);
-    }
-  for (int q = 1; q < 10; ++q)
-    for (std::int64_t y = top + 1; y < bottom; ++y)
-      put(left + q * (right - left) / 10, y, 230, 230, 230);
-  auto line = [&](const std::vector<double>& v, std::uint8_t r, std::uint8_t g, std::uint8_t b) {
-    for (std::size_t i = 1; i < v.size(); ++i) {
-      const std::int64_t xa = px(s[i - 1]), ya = py(v[i - 1]), xb = px(s[i]), yb = py(v[i]);
-      const std::int64_t n = std::max<std::int64_t>({1, std::abs(xb - xa), std::abs(yb - ya)});
-      for (std::int64_t t = 0; t <= n; ++t)
-        put(xa + (xb - xa) * t / n, ya + (yb - ya) * t / n, r, g, b);
-    }
-  };
-  line(l, 170, 200, 235);
-  line(smooth, 20, 70, 160);
-  return img;
+#if DIFFTRAIN_HAS_PLOT
+/// The loss per step (light) and its running mean (dark) over the steps, on a log axis. The mean
+/// spans a 40th of the run (5 to 200 steps).
+inline difftrain::io::RgbImage plot_loss(const LossCurve& c) {
+  namespace lg = difftrain::log;
+  const std::size_t window = std::clamp<std::size_t>(c.losses.size() / 40, 5, 200);
+  lg::Axes a{.title = "Training loss",
+             .x_label = "optimizer step",
+             .y_label = "loss (log scale)",
+             .log_y = true};
+  a.series.push_back({.label = "per step",
+                      .x = c.steps,
+                      .y = c.losses,
+                      .color = lg::Rgb{0.68, 0.80, 0.92},
+                      .line_width = 1});
+  a.series.push_back({.label = "running mean (" + std::to_string(window) + " steps)",
+                      .x = c.steps,
+                      .y = lg::running_mean(c.losses, window),
+                      .color = lg::Rgb{0.08, 0.28, 0.63},
+                      .line_width = 2});
+  return lg::plot(a, {.width = 800, .height = 420});
 }
+
+/// The learning rate each step used.
+inline difftrain::io::RgbImage plot_lr(const LossCurve& c) {
+  namespace lg = difftrain::log;
+  lg::Axes a{.title = "Learning rate", .x_label = "optimizer step", .y_label = "learning rate"};
+  a.series.push_back({.label = "", .x = c.steps, .y = c.lrs});
+  return lg::plot(a, {.width = 800, .height = 320});
+}
+#endif
 
 }  // namespace fmnist

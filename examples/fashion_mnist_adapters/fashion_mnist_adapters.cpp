@@ -25,10 +25,12 @@
 #include <difftrain/ema/ema.hpp>
 #include <difftrain/io/image_grid.hpp>
 #include <difftrain/io/png.hpp>
+#include <difftrain/log/event_file.hpp>
 #include <difftrain/nn/module_tensors.hpp>
 #include <difftrain/schedule/step_string.hpp>
 #include <difftrain/train/callbacks.hpp>
 #include <difftrain/train/seeding.hpp>
+#include <difftrain/train/tensorboard.hpp>
 #include <difftrain/train/trainer.hpp>
 
 #include <algorithm>
@@ -36,6 +38,7 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 
@@ -84,6 +87,32 @@ struct Settings {
   std::string classifier;
   std::int64_t classifier_epochs = 4;
   double min_classifier_accuracy = 0.9;
+  std::string tensorboard;  // TensorBoard's folder, a run per training (default OUT/tensorboard)
+  bool no_tensorboard = false;
+};
+
+/// The TensorBoard run folder of one training (`base`, `lora`, ...), emptied of an earlier run's
+/// event files; empty when TensorBoard is off.
+fs::path tensorboard_run(const Settings& s, const std::string& name) {
+  if (s.no_tensorboard) return {};
+  const fs::path dir =
+      (s.tensorboard.empty() ? fs::path(s.out) / "tensorboard" : fs::path(s.tensorboard)) / name;
+  if (fs::is_directory(dir))
+    for (const auto& e : fs::directory_iterator(dir))
+      if (e.path().filename().string().rfind("events.out.tfevents.", 0) == 0) fs::remove(e.path());
+  return dir;
+}
+
+/// The web UI trainers' steps into a TensorBoard run (loss and learning rate), and the progress
+/// line every 25 steps.
+struct AdapterLog {
+  std::shared_ptr<difftrain::log::EventFileWriter> events;
+  explicit AdapterLog(const fs::path& dir)
+      : events(dir.empty() ? nullptr : std::make_shared<difftrain::log::EventFileWriter>(dir)) {}
+  void operator()(const ad::AdapterStepInfo& i) const {
+    if (events) events->add_scalars({{"train/loss", i.loss}, {"train/lr", i.learn_rate}}, i.step);
+    if (i.step % 25 == 0) std::fprintf(stderr, "  %s\n", i.description.c_str());
+  }
 };
 
 double seconds_since(std::chrono::steady_clock::time_point t) {
@@ -178,10 +207,10 @@ class TextEncoder {
 struct BaseConfig : tr::DefaultConfig {
   using Schedule = difftrain::schedule::Cosine;
   using Ema = difftrain::ema::Ema<difftrain::ema::WarmupDecay>;
-  using Callbacks = std::tuple<tr::ProgressBar>;
+  using Callbacks = std::tuple<tr::ProgressBar, tr::TensorBoard>;
 };
 struct LoraConfig : tr::DefaultConfig {
-  using Callbacks = std::tuple<tr::ProgressBar>;
+  using Callbacks = std::tuple<tr::ProgressBar, tr::TensorBoard>;
 };
 
 fmnist::UNetOptions unet_options(const Settings& s) {
@@ -229,7 +258,9 @@ void base_model(const Settings& s, const fmnist::Dataset& data, const df::NoiseS
   o.schedule.num_training_steps = s.base_steps;
   o.ema.rule.decay = 0.995;
   tr::Trainer<fmnist::UNetImpl, BaseConfig> trainer(
-      *net, o, {tr::ProgressBar({.total_steps = s.base_steps, .every = 10})});
+      *net, o,
+      {tr::ProgressBar({.total_steps = s.base_steps, .every = 10}),
+       tr::TensorBoard({.dir = tensorboard_run(s, "base")})});
   fmnist::EpochBatches batches(n, s.batch_size, s.seed, device);
   std::fprintf(stderr, "base: %lld steps on %lld images of nine classes (without %s)\n",
                static_cast<long long>(s.base_steps), static_cast<long long>(n),
@@ -295,10 +326,6 @@ ad::AdapterTrainOptions adapter_options(const Settings& s, const std::string& lr
   o.log_directory = log;
   o.output = output;
   return o;
-}
-
-void print_progress(const ad::AdapterStepInfo& i) {
-  if (i.step % 25 == 0) std::fprintf(stderr, "  %s\n", i.description.c_str());
 }
 
 std::vector<double> parse_numbers(const std::string& text, const std::string& where) {
@@ -444,7 +471,7 @@ int run(const Settings& s) {
                                                       return net->context_loss(
                                                           x0, text.encode(batch_prompts, db));
                                                     }),
-                                       {.on_step = print_progress});
+                                       {.on_step = AdapterLog(tensorboard_run(s, "embedding"))});
     timing["embedding_train_seconds"] = seconds_since(t);
     // Sampling reads the file back, as a user of the embedding would.
     ad::EmbeddingDatabase fresh(text.tokenizer(), 2 * s.channels);
@@ -484,7 +511,7 @@ int run(const Settings& s) {
                        return net->context_loss(
                            x0, net->context(at::full({x0.size(0)}, s.new_class, on_device)));
                      }),
-        {.on_step = print_progress});
+        {.on_step = AdapterLog(tensorboard_run(s, "hypernetwork"))});
     timing["hypernetwork_train_seconds"] = seconds_since(t);
     hn = ad::Hypernetwork::load(file);  // the hooks read `hn`: sample with the saved file
     hypernetwork_to(hn, device);
@@ -506,7 +533,9 @@ int run(const Settings& s) {
     o.optimizer.lr = s.lora_lr;
     o.optimizer.weight_decay = 0.0;
     tr::Trainer<fmnist::UNetImpl, LoraConfig> trainer(
-        *net, o, {tr::ProgressBar({.total_steps = s.adapter_steps, .every = 25})});
+        *net, o,
+        {tr::ProgressBar({.total_steps = s.adapter_steps, .every = 25}),
+         tr::TensorBoard({.dir = tensorboard_run(s, "lora")})});
     const auto data_ = adapter_data(s, images, {});
     const std::int64_t per_epoch = images.size(0) / s.adapter_batch;
     trainer.fit(
@@ -577,6 +606,9 @@ int main(int argc, char** argv) {
   auto* g = app.add_option_group("data and run");
   g->add_option("--data-dir", s.data_dir, "directory with the IDX files")->capture_default_str();
   g->add_option("--out,--output_dir", s.out, "output directory")->capture_default_str();
+  g->add_option("--tensorboard", s.tensorboard,
+                "TensorBoard's folder, a run per training (default: OUT/tensorboard)");
+  g->add_flag("--no-tensorboard", s.no_tensorboard, "write no TensorBoard event files");
   g->add_option("--seed", s.seed, "seeds everything")->capture_default_str();
   g->add_option("--device", s.device, "cpu, cuda or cuda:N")->capture_default_str();
   g->add_option("--limit", s.limit, "use only the first N images of each split (0: all)")

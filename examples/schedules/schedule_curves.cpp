@@ -1,9 +1,13 @@
 // Writes the LR curve of every schedule difftrain has (one column each, base LR 1) to a CSV file,
-// so they can be compared side by side; scripts/plot_schedules.py draws them.
+// and with --png draws them side by side, a labelled panel each (difftrain/log/plot.hpp).
 //
-//   schedule_curves [--steps N] [--out curves.csv]
+//   schedule_curves [--steps N] [--out curves.csv] [--png schedules.png]
 #include <CLI/CLI.hpp>
 #include <difftrain/schedule/schedule.hpp>
+#if DIFFTRAIN_HAS_PLOT
+#include <difftrain/io/png.hpp>
+#include <difftrain/log/plot.hpp>
+#endif
 
 #include <cstdint>
 #include <fstream>
@@ -20,6 +24,8 @@ int main(int argc, char** argv) {
   app.add_option("--steps", steps, "number of optimizer steps to tabulate")
       ->check(CLI::Range(1, 10'000'000));
   app.add_option("--out", out, "CSV file to write");
+  std::string png;
+  app.add_option("--png", png, "also draw the curves into this PNG file");
   CLI11_PARSE(app, argc, argv);
 
   const std::int64_t w = steps / 10;  // a 10 % warm-up where a schedule has one
@@ -97,5 +103,28 @@ int main(int argc, char** argv) {
     csv << '\n';
   }
   std::cout << "wrote " << curves.size() << " schedules x " << steps << " steps to " << out << '\n';
-  return csv.good() ? 0 : 1;
+  if (!csv.good()) return 1;
+  if (png.empty()) return 0;
+#if DIFFTRAIN_HAS_PLOT
+  std::vector<difftrain::log::Axes> panels;
+  std::vector<double> x(static_cast<std::size_t>(steps));
+  for (std::size_t t = 0; t < x.size(); ++t) x[t] = static_cast<double>(t);
+  for (std::size_t i = 0; i < curves.size(); ++i) {
+    difftrain::log::Axes a{
+        .title = std::string(curves[i].name()), .x_label = "step", .y_label = "LR factor"};
+    a.series.push_back(
+        {.label = "", .x = x, .y = std::vector<double>(tables[i].begin(), tables[i].end())});
+    panels.push_back(std::move(a));
+  }
+  const int columns = 4;
+  const auto rows = static_cast<std::uint32_t>((panels.size() + columns - 1) / columns);
+  difftrain::io::write_png(
+      png, difftrain::log::draw_figure(
+               panels, {.width = 1400, .height = 260 * rows, .columns = columns, .font_size = 11}));
+  std::cout << "drew them into " << png << '\n';
+  return 0;
+#else
+  std::cerr << "built without cairo: --png is not available\n";
+  return 1;
+#endif
 }

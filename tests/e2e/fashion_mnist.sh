@@ -55,9 +55,13 @@ grep_in "$work/folder-data.err" "is a folder, not a file"
 
 # A whole run.
 expect_rc 0 full -- "$bin" "${tiny[@]}" --steps 6 --out "$work/a"
-for f in samples.png loss.png loss.csv results.json ema.safetensors checkpoints/checkpoint-6.pt; do
+for f in samples.png loss.png lr.png loss.csv results.json ema.safetensors checkpoints/checkpoint-6.pt; do
   [ -s "$work/a/$f" ] || fail "the run did not write $f"
 done
+# Its TensorBoard event file, and progress lines (stderr is not a terminal: a line per 10 %).
+[ "$(ls "$work/a/tensorboard" | grep -c '^events\.out\.tfevents\.')" -eq 1 ] ||
+  fail "one event file expected in $work/a/tensorboard"
+grep_in "$work/full.err" "train 6/6 \[#"
 grep_in "$work/a/results.json" '"class_accuracy"'
 grep_in "$work/a/results.json" '"frechet_distance"'
 grep_in "$work/full.out" "class accuracy of the samples"
@@ -77,6 +81,12 @@ grep_in "$work/resume.err" "step 3"
 cmp -s "$work/a/loss.csv" "$work/b/loss.csv" || {
   fail "resumed losses differ"; diff "$work/a/loss.csv" "$work/b/loss.csv"; }
 cmp -s "$work/a/samples.png" "$work/b/samples.png" || fail "resumed samples differ"
+# The resumed run adds an event file (its restart marker drops the paused run's later steps).
+[ "$(ls "$work/b/tensorboard" | grep -c '^events\.out\.tfevents\.')" -eq 2 ] ||
+  fail "two event files expected after a resume"
+expect_rc 0 no-tb -- "$bin" "${tiny[@]}" --steps 2 --no-tensorboard --progress-lines 0 --out "$work/no-tb"
+[ -e "$work/no-tb/tensorboard" ] && fail "--no-tensorboard wrote a TensorBoard folder"
+grep -q "train 2/2" "$work/no-tb.err" && fail "--progress-lines 0 printed progress"
 # diffusers' --resume_from_checkpoint with a file: the run goes on from that checkpoint's step.
 expect_rc 0 resume-file -- "$bin" "${tiny[@]}" --steps 6 --overwrite \
   --resume_from_checkpoint "$work/b/checkpoints/checkpoint-4.pt" --out "$work/b2"

@@ -49,6 +49,10 @@ for f in samples.png results.json base.safetensors adapters/ankle-boot.pt adapte
   [ -s "$work/a/$f" ] || fail "the run did not write $f"
 done
 for m in base embedding hypernetwork lora; do grep_in "$work/full.out" "^$m "; done
+# A TensorBoard run per training.
+for m in base embedding hypernetwork lora; do
+  ls "$work/a/tensorboard/$m"/events.out.tfevents.* >/dev/null 2>&1 || fail "no event file for $m"
+done
 [ "$(wc -l <"$work/a/log/embedding/textual_inversion_loss.csv")" -eq 7 ] || fail "embedding log rows"
 "$py" "$check" --example "$work/a" >"$work/python.out" 2>&1 || { fail "Python check"; cat "$work/python.out"; }
 

@@ -15,9 +15,9 @@
 #include <ATen/core/Generator.h>
 #include <ATen/core/grad_mode.h>
 
+#include <algorithm>
 #include <concepts>
 #include <cstdint>
-#include <algorithm>
 #include <functional>
 #include <optional>
 

@@ -78,9 +78,9 @@ class TensorBoard {
     std::string gradients = "gradients/";  ///< likewise
   };
   struct Options {
-    std::filesystem::path dir = "tensorboard";
-    std::int64_t scalars_every = 1;     ///< optimizer steps between scalar logs
-    std::int64_t histograms_every = 0;  ///< 0: no histograms
+    std::filesystem::path dir = "tensorboard";  ///< empty: the callback does nothing
+    std::int64_t scalars_every = 1;             ///< optimizer steps between scalar logs
+    std::int64_t histograms_every = 0;          ///< 0: no histograms
     int histogram_buckets = 30;
     /// Shown as a table under tags.config when training begins (a run's settings); null: none.
     nlohmann::json config = nullptr;
@@ -102,6 +102,7 @@ class TensorBoard {
   /// the run before its first step.
   template <class T>
   void on_train_begin(T& t) {
+    if (!enabled()) return;
     (void)writer();
     last_step_ = t.global_step();
     last_time_ = std::chrono::steady_clock::now();
@@ -114,13 +115,14 @@ class TensorBoard {
   /// run's events from there on.
   template <class T>
   void on_resume(T& t) {
+    if (!enabled()) return;
     writer().add_session_start(t.global_step() + 1);
     last_step_ = t.global_step();
     last_time_ = std::chrono::steady_clock::now();
   }
   template <class T>
   void on_step_end(T& t, const StepInfo& s) {
-    if (!s.stepped) return;  // a skipped step repeats the previous step's number
+    if (!s.stepped || !enabled()) return;  // a skipped step repeats the previous step's number
     if (s.step % o_.scalars_every == 0) log_scalars(t, s);
     if (o_.histograms_every > 0 && s.step % o_.histograms_every == 0) log_histograms(t, s.step);
   }
@@ -132,17 +134,21 @@ class TensorBoard {
   // ---- for the run's own code -----------------------------------------------------------------
 
   void add_image(std::string_view tag, const io::RgbImage& image, std::int64_t step) {
+    if (!enabled()) return;
     writer().add_image(tag, image, step);
   }
   /// (N, C, H, W) images in [-1, 1] as one grid.
   void add_images(std::string_view tag, const at::Tensor& images, std::int64_t step,
                   const io::GridOptions& grid = {}) {
+    if (!enabled()) return;
     add_image(tag, io::image_grid(images, grid), step);
   }
   void add_scalar(std::string_view tag, double value, std::int64_t step) {
+    if (!enabled()) return;
     writer().add_scalar(tag, value, step);
   }
   void add_text(std::string_view tag, std::string_view markdown, std::int64_t step) {
+    if (!enabled()) return;
     writer().add_text(tag, markdown, step);
   }
   void flush() {
@@ -153,7 +159,10 @@ class TensorBoard {
     if (writer_) writer_->close();
     writer_.reset();
   }
+  /// Whether it writes (a folder was named).
+  [[nodiscard]] bool enabled() const noexcept { return !o_.dir.empty(); }
   [[nodiscard]] log::EventFileWriter& writer() {
+    if (!enabled()) throw ConfigError("has no folder: this callback writes nothing", "TensorBoard");
     if (!writer_) writer_ = std::make_unique<log::EventFileWriter>(o_.dir, o_.file);
     return *writer_;
   }
