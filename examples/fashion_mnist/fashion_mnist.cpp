@@ -319,12 +319,14 @@ int run(const Settings& s) {
   if (main_rank && s.overwrite && !s.resume)
     for (const auto& [step, path] : tr::CheckpointEvery::list(ckpt_dir)) remove(path);
   if (main_rank && !s.resume) remove(loss_csv);
-  // TensorBoard: a fresh run starts a fresh folder; a resumed one adds a file whose restart
-  // marker replaces the steps logged after its checkpoint.
+  // TensorBoard: a fresh run starts a fresh folder (a folder named with --tensorboard only with
+  // --overwrite: it may hold other runs); a resumed one adds a file whose restart marker replaces
+  // the steps logged after its checkpoint.
   const fs::path tb_dir = s.no_tensorboard        ? fs::path()
                           : s.tensorboard.empty() ? out / "tensorboard"
                                                   : fs::path(s.tensorboard);
-  if (main_rank && !s.resume && !tb_dir.empty() && fs::is_directory(tb_dir))
+  if (main_rank && !s.resume && (s.tensorboard.empty() || s.overwrite) && !tb_dir.empty() &&
+      fs::is_directory(tb_dir))
     for (const auto& e : fs::directory_iterator(tb_dir))
       if (e.path().filename().string().rfind("events.out.tfevents.", 0) == 0) remove(e.path());
   const nlohmann::json run_settings = {{"steps", s.steps},

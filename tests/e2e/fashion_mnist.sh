@@ -84,6 +84,11 @@ cmp -s "$work/a/samples.png" "$work/b/samples.png" || fail "resumed samples diff
 # The resumed run adds an event file (its restart marker drops the paused run's later steps).
 [ "$(ls "$work/b/tensorboard" | grep -c '^events\.out\.tfevents\.')" -eq 2 ] ||
   fail "two event files expected after a resume"
+# A folder named with --tensorboard may hold other runs: a fresh run adds its file beside them.
+mkdir -p "$work/shared-tb" && echo other >"$work/shared-tb/events.out.tfevents.1.other"
+expect_rc 0 shared-tb -- "$bin" "${tiny[@]}" --steps 2 --tensorboard "$work/shared-tb" --out "$work/shared-run"
+[ -s "$work/shared-tb/events.out.tfevents.1.other" ] || fail "another run's event file was removed"
+[ "$(ls "$work/shared-tb" | grep -c '^events\.out\.tfevents\.')" -eq 2 ] || fail "no event file added"
 expect_rc 0 no-tb -- "$bin" "${tiny[@]}" --steps 2 --no-tensorboard --progress-lines 0 --out "$work/no-tb"
 [ -e "$work/no-tb/tensorboard" ] && fail "--no-tensorboard wrote a TensorBoard folder"
 grep -q "train 2/2" "$work/no-tb.err" && fail "--progress-lines 0 printed progress"
