@@ -187,13 +187,14 @@ at::Tensor sample(const Settings& s, fmnist::UNet& net, const df::NoiseSchedule&
   const at::Tensor cond = labels.to(device);
   const at::Tensor uncond = at::full_like(cond, net->null_label());
   // Its own progress line (on a terminal, or with --progress): sampler steps over all chunks.
+  constexpr std::int64_t chunk = 250;
   tr::ProgressLine bar({.label = "sample",
-                        .total = (labels.size(0) + 249) / 250 * s.sample_steps,
+                        .total = (labels.size(0) + chunk - 1) / chunk * s.sample_steps,
                         .force = s.progress && show_progress});
   bar.start();
   const df::SampleOptions opts{.num_inference_steps = s.sample_steps,
                                .guidance_scale = s.guidance,
-                               .chunk_size = 250,
+                               .chunk_size = chunk,
                                .on_step = [&](std::int64_t done, std::int64_t /*total*/) {
                                  if (show_progress) bar.update(done);
                                }};
@@ -329,28 +330,27 @@ int run(const Settings& s) {
       fs::is_directory(tb_dir))
     for (const auto& e : fs::directory_iterator(tb_dir))
       if (e.path().filename().string().rfind("events.out.tfevents.", 0) == 0) remove(e.path());
-  const nlohmann::json run_settings = {{"steps", s.steps},
-                                       {"batch_size", s.batch_size},
-                                       {"channels", s.channels},
-                                       {"attention_14", s.attention_14},
-                                       {"lr", s.lr},
-                                       {"lr_scheduler", s.lr_scheduler},
-                                       {"warmup", s.warmup},
-                                       {"weight_decay", s.weight_decay},
-                                       {"adam_kernel", s.adam_kernel},
-                                       {"max_grad_norm", s.clip},
-                                       {"ema", ema_rule_json(s)},
-                                       {"mixed_precision", s.mixed_precision},
-                                       {"prediction_type", s.prediction_type},
-                                       {"snr_gamma", s.snr_gamma},
-                                       {"gradient_accumulation_steps", s.accumulation},
-                                       {"p_uncond", s.p_uncond},
-                                       {"sampler", s.sampler},
-                                       {"sample_steps", s.sample_steps},
-                                       {"guidance", s.guidance},
-                                       {"device", s.device},
-                                       {"ranks", world->size()},
-                                       {"seed", s.seed}};
+  // The settings results.json repeats, under its names; TensorBoard's table shows them with the
+  // model's and optimizer's own.
+  const nlohmann::json shared_settings = {{"sampler", s.sampler},
+                                          {"sampling_steps", s.sample_steps},
+                                          {"clip_x0", s.clip_x0},
+                                          {"guidance_scale", s.guidance},
+                                          {"batch_size", s.batch_size},
+                                          {"lr_scheduler", s.lr_scheduler},
+                                          {"lr", s.lr},
+                                          {"ema", ema_rule_json(s)},
+                                          {"mixed_precision", s.mixed_precision},
+                                          {"prediction_type", s.prediction_type},
+                                          {"snr_gamma", s.snr_gamma},
+                                          {"gradient_accumulation_steps", s.accumulation},
+                                          {"device", s.device},
+                                          {"seed", s.seed}};
+  nlohmann::json run_settings = {
+      {"steps", s.steps},        {"channels", s.channels},         {"attention_14", s.attention_14},
+      {"warmup", s.warmup},      {"weight_decay", s.weight_decay}, {"adam_kernel", s.adam_kernel},
+      {"max_grad_norm", s.clip}, {"p_uncond", s.p_uncond},         {"ranks", world->size()}};
+  run_settings.update(shared_settings);
   const std::int64_t n = data.train.size();
   const std::int64_t per_epoch = std::max<std::int64_t>(1, n / (s.batch_size * s.accumulation));
 
@@ -516,33 +516,20 @@ int run(const Settings& s) {
   nlohmann::json per_class_json;
   for (std::int64_t c = 0; c < fmnist::kClasses; ++c)
     per_class_json[fmnist::kClassNames[static_cast<std::size_t>(c)]] = per_class[c].item<double>();
-  const nlohmann::json results = {{"class_accuracy", accuracy},
-                                  {"per_class_accuracy", per_class_json},
-                                  {"frechet_distance", fd},
-                                  {"frechet_distance_real_at_same_count", fd_floor},
-                                  {"classifier_test_accuracy", judge->test_accuracy},
-                                  {"samples", samples.size(0)},
-                                  {"sampler", s.sampler},
-                                  {"sampling_steps", s.sample_steps},
-                                  {"clip_x0", s.clip_x0},
-                                  {"guidance_scale", s.guidance},
-                                  {"steps", trainer->global_step()},
-                                  {"batch_size", s.batch_size},
-                                  {"lr_scheduler", s.lr_scheduler},
-                                  {"lr", s.lr},
-                                  {"ema", ema_rule_json(s)},
-                                  {"mixed_precision", s.mixed_precision},
-                                  {"prediction_type", s.prediction_type},
-                                  {"snr_gamma", s.snr_gamma},
-                                  {"gradient_accumulation_steps", s.accumulation},
-                                  {"train_seconds", train_seconds},
-                                  {"steps_per_second", steps_per_second},
-                                  {"sample_seconds", sample_seconds},
-                                  {"total_seconds", seconds_since(t_start)},
-                                  {"device", s.device},
-                                  {"threads", at::get_num_threads()},
-                                  {"seed", s.seed},
-                                  {"resumed_from", resumed_from}};
+  nlohmann::json results = {{"class_accuracy", accuracy},
+                            {"per_class_accuracy", per_class_json},
+                            {"frechet_distance", fd},
+                            {"frechet_distance_real_at_same_count", fd_floor},
+                            {"classifier_test_accuracy", judge->test_accuracy},
+                            {"samples", samples.size(0)},
+                            {"steps", trainer->global_step()},
+                            {"train_seconds", train_seconds},
+                            {"steps_per_second", steps_per_second},
+                            {"sample_seconds", sample_seconds},
+                            {"total_seconds", seconds_since(t_start)},
+                            {"threads", at::get_num_threads()},
+                            {"resumed_from", resumed_from}};
+  results.update(shared_settings);
   // The results beside the training curves in TensorBoard.
   auto& tb = std::get<tr::TensorBoard>(trainer->callbacks());
   const std::int64_t last = trainer->global_step();

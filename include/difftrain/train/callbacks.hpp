@@ -40,84 +40,6 @@ double shown_lr(const T& t, const StepInfo& s) {
   return s.lr.empty() ? 0.0 : s.lr.front();
 }
 
-/// The training progress line (train/progress.hpp): step/total, a bar, it/s and ETA over the recent
-/// steps, the loss with its running mean, the LR. Redrawn in place on a terminal; when stderr is
-/// not one, a line every `lines_every` steps (0: quiet), unless `force` draws it in place anyway.
-class ProgressBar {
- public:
-  struct Options {
-    std::int64_t total_steps = 0;
-    std::int64_t every = 1;        ///< terminal: redraw every N steps
-    std::int64_t lines_every = 0;  ///< not a terminal: a line every N steps; 0: quiet
-    bool force = false;
-    std::FILE* out = stderr;
-    std::size_t loss_window = 32;  ///< steps in the running mean of the loss
-  };
-  ProgressBar() : ProgressBar(Options()) {}
-  explicit ProgressBar(const Options& o)
-      : o_(o),
-        line_({.label = "train",
-               .total = o.total_steps,
-               .every = o.every,
-               .lines_every = o.lines_every,
-               .force = o.force,
-               .out = o.out}) {
-    if (o.loss_window < 1) throw ConfigError("loss_window must be >= 1", "ProgressBar");
-  }
-
-  template <class T>
-  void on_train_begin(T& t) {
-    line_.start(t.global_step());
-  }
-  template <class T>
-  void on_resume(T& t) {
-    line_.start(t.global_step());
-    losses_.clear();
-    sum_ = 0;
-  }
-  template <class T>
-  void on_step_end(T& t, const StepInfo& s) {
-    record(s.loss);
-    line_.update(s.step, extra(s, shown_lr(t, s)));
-  }
-  template <class T>
-  void on_train_end(T& /*t*/) {
-    line_.finish();
-  }
-
-  /// The text shown for a step (also what tests look at); `lr` defaults to the first group's.
-  [[nodiscard]] std::string line(const StepInfo& s, std::optional<double> lr = {}) const {
-    return line_.line(s.step, extra(s, lr.value_or(s.lr.empty() ? 0.0 : s.lr.front())));
-  }
-  /// The mean loss of the last `loss_window` finite losses (NaN before any).
-  [[nodiscard]] double running_mean() const {
-    return losses_.empty() ? std::nan("") : sum_ / static_cast<double>(losses_.size());
-  }
-
- private:
-  void record(double loss) {
-    if (!std::isfinite(loss)) return;
-    losses_.push_back(loss);
-    sum_ += loss;
-    if (losses_.size() > o_.loss_window) {
-      sum_ -= losses_.front();
-      losses_.pop_front();
-    }
-  }
-  [[nodiscard]] std::string extra(const StepInfo& s, double lr) const {
-    char buf[128];
-    if (losses_.empty())
-      std::snprintf(buf, sizeof buf, "loss %.5f  lr %.3g", s.loss, lr);
-    else
-      std::snprintf(buf, sizeof buf, "loss %.5f (mean %.5f)  lr %.3g", s.loss, running_mean(), lr);
-    return buf;
-  }
-  Options o_;
-  ProgressLine line_;
-  std::deque<double> losses_;
-  double sum_ = 0;
-};
-
 /// The web UI's loss log: step, epoch, epoch_step, loss, learn_rate, one row per optimizer step.
 class CsvLossLog {
  public:
@@ -193,10 +115,77 @@ class LossStatistics {
     return std::sqrt(ss / (n - 1)) / std::sqrt(n);
   }
   [[nodiscard]] std::size_t count() const { return losses_.size(); }
+  [[nodiscard]] std::size_t window() const { return o_.window; }
 
  private:
   Options o_;
   std::deque<double> losses_;
+};
+
+/// The training progress line (train/progress.hpp): step/total, a bar, it/s and ETA over the recent
+/// steps, the loss with its running mean, the LR. Redrawn in place on a terminal; when stderr is
+/// not one, a line every `lines_every` steps (0: quiet), unless `force` draws it in place anyway.
+class ProgressBar {
+ public:
+  struct Options {
+    std::int64_t total_steps = 0;
+    std::int64_t every = 1;        ///< terminal: redraw every N steps
+    std::int64_t lines_every = 0;  ///< not a terminal: a line every N steps; 0: quiet
+    bool force = false;
+    std::FILE* out = stderr;
+    std::size_t loss_window = 32;  ///< steps in the running mean of the loss
+  };
+  ProgressBar() : ProgressBar(Options()) {}
+  explicit ProgressBar(const Options& o)
+      : stats_(checked_window(o.loss_window)),
+        line_({.label = "train",
+               .total = o.total_steps,
+               .every = o.every,
+               .lines_every = o.lines_every,
+               .force = o.force,
+               .out = o.out}) {}
+
+  template <class T>
+  void on_train_begin(T& t) {
+    line_.start(t.global_step());
+  }
+  template <class T>
+  void on_resume(T& t) {
+    line_.start(t.global_step());
+    stats_ = LossStatistics({.window = stats_.window()});
+  }
+  template <class T>
+  void on_step_end(T& t, const StepInfo& s) {
+    stats_.on_step_end(t, s);
+    line_.update(s.step, extra(s, shown_lr(t, s)));
+  }
+  template <class T>
+  void on_train_end(T& /*t*/) {
+    line_.finish();
+  }
+
+  /// The text shown for a step (also what tests look at); `lr` defaults to the first group's.
+  [[nodiscard]] std::string line(const StepInfo& s, std::optional<double> lr = {}) const {
+    return line_.line(s.step, extra(s, lr.value_or(s.lr.empty() ? 0.0 : s.lr.front())));
+  }
+  /// The mean loss of the last `loss_window` finite losses (NaN before any).
+  [[nodiscard]] double running_mean() const { return stats_.mean(); }
+
+ private:
+  static LossStatistics::Options checked_window(std::size_t window) {
+    if (window < 1) throw ConfigError("loss_window must be >= 1", "ProgressBar");
+    return {.window = window};
+  }
+  [[nodiscard]] std::string extra(const StepInfo& s, double lr) const {
+    char buf[128];
+    if (stats_.count() == 0)
+      std::snprintf(buf, sizeof buf, "loss %.5f  lr %.3g", s.loss, lr);
+    else
+      std::snprintf(buf, sizeof buf, "loss %.5f (mean %.5f)  lr %.3g", s.loss, running_mean(), lr);
+    return buf;
+  }
+  LossStatistics stats_;
+  ProgressLine line_;
 };
 
 /// Saves `dir/checkpoint-<step>.pt` every N steps and keeps the last K. Non-finite weights are

@@ -188,12 +188,9 @@ class TensorBoard {
     if constexpr (requires { t.scaler().enabled(); }) {
       if (t.scaler().enabled()) v.emplace_back(o_.tags.loss_scale, t.scaler().current_scale());
     }
-    if constexpr (requires { T::has_ema; }) {
-      if constexpr (T::has_ema) {
-        if constexpr (requires { t.ema().last_decay(); })
-          if (std::isfinite(t.ema().last_decay()))
-            v.emplace_back(o_.tags.ema_decay, t.ema().last_decay());
-      }
+    if constexpr (requires { t.ema().last_decay(); }) {  // ema() exists only with an EMA
+      if (std::isfinite(t.ema().last_decay()))
+        v.emplace_back(o_.tags.ema_decay, t.ema().last_decay());
     }
     if constexpr (requires { t.skipped_nonfinite() + t.skipped_overflow(); })
       v.emplace_back(o_.tags.skipped_steps,
