@@ -1,7 +1,8 @@
 // A sampler step's own cost against the torch expression it computes, on the same tensors:
 // the DDIM update x_prev = √ᾱ_prev·x̂₀ + √(1−ᾱ_prev)·ε̂ written out by hand is the baseline.
 // Goal: ratio <= 1.1. Also a full 50-step DDIM run on a small convolutional model: the sampler's
-// share of the total time (model forward + sampler).
+// share of the total time (model forward + sampler). add_noise_drawn_timesteps_vs_checked: a
+// training lookup with timesteps the schedule drew (no range read-back) against checked ones.
 #include <ATen/ATen.h>
 #include <benchmark/benchmark.h>
 #include <difftrain/diffusion/diffusion.hpp>
@@ -95,3 +96,28 @@ void dpm_run_difftrain(benchmark::State& state) {  // model + sampler
 
 BENCHMARK(dpm_run_baseline)->Name("dpm_20_steps_model_share/baseline")->UseRealTime();
 BENCHMARK(dpm_run_difftrain)->Name("dpm_20_steps_model_share/difftrain")->UseRealTime();
+
+namespace {
+// The training-step lookup of ᾱ_t with add_noise on a main-job-sized batch (64 × 1 × 28 × 28):
+// timesteps a caller made (range read back and checked, baseline) against timesteps the schedule
+// drew itself (sample_timesteps: no read-back). On a GPU the read-back is a wait for the device;
+// here on the CPU it is the check's host work.
+template <bool Drawn>
+void add_noise_timesteps(benchmark::State& state) {
+  const at::Tensor x0 = at::randn({64, 1, 28, 28});
+  const at::Tensor noise = at::randn_like(x0);
+  for (auto _ : state) {
+    const at::Tensor t = Drawn ? schedule().sample_timesteps(64, x0.options())
+                               : at::randint(0, 1000, {64}, x0.options().dtype(at::kLong));
+    at::Tensor xt = schedule().add_noise(x0, noise, t);
+    benchmark::DoNotOptimize(xt.data_ptr());
+  }
+}
+}  // namespace
+
+BENCHMARK_TEMPLATE(add_noise_timesteps, false)
+    ->Name("add_noise_drawn_timesteps_vs_checked/baseline")
+    ->UseRealTime();
+BENCHMARK_TEMPLATE(add_noise_timesteps, true)
+    ->Name("add_noise_drawn_timesteps_vs_checked/difftrain")
+    ->UseRealTime();

@@ -10,7 +10,12 @@
 //    EMAModel foreach=True) — goal: ratio <= 1 / 1.5 (1.5x the steps/s).
 //  - optimizer_step_fused_vs_per_parameter/COUNT/NUMEL: the AdamW step alone, fused kernel against
 //    LibTorch's per-parameter AdamW, 100 tensors of 1M and 2,000 of 1,000 parameters;
-//    optimizer_step_vs_python_fused: the fused step against Python's AdamW(fused=True).
+//    optimizer_step_vs_python_fused: the fused step against Python's AdamW(fused=True);
+//    optimizer_step_foreach_vs_per_parameter and optimizer_step_vs_python_foreach: the same for the
+//    multi-tensor AdamW and Python's AdamW(foreach=True); sgd_step_foreach_vs_per_parameter: SGD
+//    with momentum 0.9, multi-tensor against LibTorch's.
+//  - fp16_step_scale_handed_vs_unscaled/COUNT/NUMEL: GradScaler's step on the fused AdamW with
+//    the scale handed to the kernel (gradients only checked) against unscale_ then step.
 // The trainer and the hand-written loop both use the fused AdamW (the trainer's default).
 // On a GPU everything runs there (the step synchronises once, on the loss value, in both loops).
 #include <ATen/ATen.h>
@@ -19,6 +24,7 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
 #include <chrono>
 #include <cstdio>
 #include <difftrain/nn/blocks/transformer_block.hpp>
@@ -186,14 +192,24 @@ std::vector<at::Tensor> params_with_grads(std::int64_t count, std::int64_t numel
   return params;
 }
 
-template <bool Fused>
+enum class StepKind { per_parameter, fused, foreach, sgd_per_parameter, sgd_foreach };
+
+template <StepKind Kind>
 void optimizer_step(benchmark::State& state) {
   const std::vector<at::Tensor> params = params_with_grads(state.range(0), state.range(1));
   torch::optim::AdamWOptions o(1e-4);
   o.weight_decay(1e-2);
+  torch::optim::SGDOptions sgd(1e-3);
+  sgd.momentum(0.9);
   std::unique_ptr<torch::optim::Optimizer> opt;
-  if constexpr (Fused)
+  if constexpr (Kind == StepKind::fused)
     opt = std::make_unique<tr::FusedAdamWOptimizer>(params, o);
+  else if constexpr (Kind == StepKind::foreach)
+    opt = std::make_unique<tr::ForeachAdamWOptimizer>(params, o);
+  else if constexpr (Kind == StepKind::sgd_per_parameter)
+    opt = std::make_unique<torch::optim::SGD>(params, sgd);
+  else if constexpr (Kind == StepKind::sgd_foreach)
+    opt = std::make_unique<tr::ForeachSGDOptimizer>(params, sgd);
   else
     opt = std::make_unique<torch::optim::AdamW>(params, o);
   opt->step();
@@ -206,21 +222,56 @@ void optimizer_step(benchmark::State& state) {
                          benchmark::Counter::kIsIterationInvariantRate);
 }
 
+// GradScaler's fp16 step on the fused AdamW: unscale_ then step (baseline) against the scale
+// handed to the kernel (difftrain's path without clipping). The scaled gradients are restored
+// before each step on both sides, so both see the same values every time.
+template <bool Handed>
+void fp16_step(benchmark::State& state) {
+  const std::vector<at::Tensor> params = params_with_grads(state.range(0), state.range(1));
+  std::vector<at::Tensor> grads, scaled;
+  for (const auto& p : params) {
+    grads.push_back(p.grad());
+    scaled.push_back(p.grad() * 1024.0);
+  }
+  tr::FusedAdamWOptimizer opt(params, torch::optim::AdamWOptions(1e-4).weight_decay(1e-2));
+  tr::GradScaler scaler(tr::GradScaler::Options{.init_scale = 1024.0});
+  (void)scaler.scale(at::ones({}, at::TensorOptions().device(device())));  // places the scale
+  auto one = [&] {
+    at::_foreach_copy_(grads, scaled);
+    if constexpr (!Handed) scaler.unscale_(opt);
+    (void)scaler.step(opt);
+    scaler.update();
+  };
+  one();
+  for (auto _ : state) {
+    one();
+    if (device().is_cuda()) torch::cuda::synchronize();
+  }
+}
+
+template <bool Foreach>
 void python_optimizer_step(benchmark::State& state) {
   std::string why;
   const double seconds = difftrain::bench::python_seconds_per_step(
       difftrain::bench::python_script("python_optimizer_step.py") + " " +
-          std::to_string(state.range(0)) + " " + std::to_string(state.range(1)),
+          std::to_string(state.range(0)) + " " + std::to_string(state.range(1)) +
+          (Foreach ? " foreach" : " fused"),
       &why);
   difftrain::bench::report_baseline(state, seconds, why);
 }
+template <bool Foreach>
 void optimizer_step_timed(benchmark::State& state) {
   const std::vector<at::Tensor> params = params_with_grads(state.range(0), state.range(1));
-  tr::FusedAdamWOptimizer opt(params, torch::optim::AdamWOptions(1e-4).weight_decay(1e-2));
-  opt.step();
+  const auto o = torch::optim::AdamWOptions(1e-4).weight_decay(1e-2);
+  std::unique_ptr<torch::optim::Optimizer> opt;
+  if constexpr (Foreach)
+    opt = std::make_unique<tr::ForeachAdamWOptimizer>(params, o);
+  else
+    opt = std::make_unique<tr::FusedAdamWOptimizer>(params, o);
+  opt->step();
   for (auto _ : state) {
     const auto start = std::chrono::steady_clock::now();
-    opt.step();
+    opt->step();
     if (device().is_cuda()) torch::cuda::synchronize();
     state.SetIterationTime(
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
@@ -232,23 +283,63 @@ BENCHMARK(python_eager)->Name("train_vs_python_eager/baseline")->Arg(0)->UseManu
 BENCHMARK(trainer_timed)->Name("train_vs_python_eager/difftrain")->Arg(0)->UseManualTime();
 BENCHMARK(python_eager)->Name("train_vs_python_best/baseline")->Arg(1)->UseManualTime();
 BENCHMARK(trainer_timed)->Name("train_vs_python_best/difftrain")->Arg(1)->UseManualTime();
-BENCHMARK_TEMPLATE(optimizer_step, false)
+BENCHMARK_TEMPLATE(optimizer_step, StepKind::per_parameter)
     ->Name("optimizer_step_fused_vs_per_parameter/baseline")
     ->Args({100, 1 << 20})
     ->Args({2000, 1000})
     ->UseRealTime();
-BENCHMARK_TEMPLATE(optimizer_step, true)
+BENCHMARK_TEMPLATE(optimizer_step, StepKind::fused)
     ->Name("optimizer_step_fused_vs_per_parameter/difftrain")
     ->Args({100, 1 << 20})
     ->Args({2000, 1000})
     ->UseRealTime();
-BENCHMARK(python_optimizer_step)
+BENCHMARK_TEMPLATE(optimizer_step, StepKind::per_parameter)
+    ->Name("optimizer_step_foreach_vs_per_parameter/baseline")
+    ->Args({100, 1 << 20})
+    ->Args({2000, 1000})
+    ->UseRealTime();
+BENCHMARK_TEMPLATE(optimizer_step, StepKind::foreach)
+    ->Name("optimizer_step_foreach_vs_per_parameter/difftrain")
+    ->Args({100, 1 << 20})
+    ->Args({2000, 1000})
+    ->UseRealTime();
+BENCHMARK_TEMPLATE(optimizer_step, StepKind::sgd_per_parameter)
+    ->Name("sgd_step_foreach_vs_per_parameter/baseline")
+    ->Args({100, 1 << 20})
+    ->Args({2000, 1000})
+    ->UseRealTime();
+BENCHMARK_TEMPLATE(optimizer_step, StepKind::sgd_foreach)
+    ->Name("sgd_step_foreach_vs_per_parameter/difftrain")
+    ->Args({100, 1 << 20})
+    ->Args({2000, 1000})
+    ->UseRealTime();
+BENCHMARK_TEMPLATE(fp16_step, false)
+    ->Name("fp16_step_scale_handed_vs_unscaled/baseline")
+    ->Args({100, 1 << 20})
+    ->Args({2000, 1000})
+    ->UseRealTime();
+BENCHMARK_TEMPLATE(fp16_step, true)
+    ->Name("fp16_step_scale_handed_vs_unscaled/difftrain")
+    ->Args({100, 1 << 20})
+    ->Args({2000, 1000})
+    ->UseRealTime();
+BENCHMARK_TEMPLATE(python_optimizer_step, false)
     ->Name("optimizer_step_vs_python_fused/baseline")
     ->Args({100, 1 << 20})
     ->Args({2000, 1000})
     ->UseManualTime();
-BENCHMARK(optimizer_step_timed)
+BENCHMARK_TEMPLATE(optimizer_step_timed, false)
     ->Name("optimizer_step_vs_python_fused/difftrain")
+    ->Args({100, 1 << 20})
+    ->Args({2000, 1000})
+    ->UseManualTime();
+BENCHMARK_TEMPLATE(python_optimizer_step, true)
+    ->Name("optimizer_step_vs_python_foreach/baseline")
+    ->Args({100, 1 << 20})
+    ->Args({2000, 1000})
+    ->UseManualTime();
+BENCHMARK_TEMPLATE(optimizer_step_timed, true)
+    ->Name("optimizer_step_vs_python_foreach/difftrain")
     ->Args({100, 1 << 20})
     ->Args({2000, 1000})
     ->UseManualTime();

@@ -99,7 +99,7 @@ struct Settings {
   std::string prediction_type = "epsilon";
   double snr_gamma = 0.0;
   double adam_beta1 = 0.9, adam_beta2 = 0.999, adam_epsilon = 1e-8;
-  std::string adam_kernel = "fused";  // torch's fused AdamW, or LibTorch's per-parameter one
+  std::string adam_kernel = "fused";  // torch's fused AdamW, its multi-tensor one, or LibTorch's
   std::int64_t accumulation = 1;
   bool take_new_settings = false;
   std::int64_t stop_at = 0;
@@ -296,8 +296,9 @@ int run(const Settings& s) {
   o.optimizer.beta1 = s.adam_beta1;
   o.optimizer.beta2 = s.adam_beta2;
   o.optimizer.eps = s.adam_epsilon;
-  o.optimizer.kernel =
-      s.adam_kernel == "fused" ? tr::AdamKernel::fused : tr::AdamKernel::per_parameter;
+  o.optimizer.kernel = s.adam_kernel == "fused"     ? tr::AdamKernel::fused
+                        : s.adam_kernel == "foreach" ? tr::AdamKernel::foreach
+                                                     : tr::AdamKernel::per_parameter;
   o.accumulation_steps = s.accumulation;
   o.schedule.lr_scheduler = s.lr_scheduler;
   o.schedule.args.num_warmup_steps = std::min(s.warmup, s.steps);
@@ -655,9 +656,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   m->add_option(
        "--adam-kernel", s.adam_kernel,
-       "AdamW's step: torch's fused kernel, or LibTorch's per-parameter loop (same results "
-       "to rounding)")
-      ->check(CLI::IsMember({"fused", "per_parameter"}))
+       "AdamW's step: torch's fused kernel, its multi-tensor kernels, or LibTorch's "
+       "per-parameter loop (same results to rounding)")
+      ->check(CLI::IsMember({"fused", "foreach", "per_parameter"}))
       ->capture_default_str();
   m->add_option("--gradient-accumulation-steps,--gradient_accumulation_steps", s.accumulation,
                 "micro-batches of --batch-size per optimizer step")

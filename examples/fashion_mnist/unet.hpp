@@ -186,7 +186,7 @@ class UNetImpl : public torch::nn::Module {
   at::Tensor context_loss(const at::Tensor& x0, const at::Tensor& ctx) {
     const std::int64_t b = x0.size(0);
     const auto dev = at::TensorOptions().device(x0.device());
-    const at::Tensor t = at::randint(schedule_->num_train_timesteps(), {b}, dev.dtype(at::kLong));
+    const at::Tensor t = schedule_->sample_timesteps(b, dev);
     const at::Tensor noise = at::randn_like(x0);
     const at::Tensor xt = schedule_->add_noise(x0, noise, t);
     return at::mse_loss(forward_context(xt, t, ctx),
@@ -199,7 +199,7 @@ class UNetImpl : public torch::nn::Module {
     const at::Tensor& x0 = batch.images;
     const std::int64_t b = x0.size(0);
     const auto dev = at::TensorOptions().device(x0.device());
-    const at::Tensor t = at::randint(schedule_->num_train_timesteps(), {b}, dev.dtype(at::kLong));
+    const at::Tensor t = schedule_->sample_timesteps(b, dev);
     const at::Tensor noise = at::randn_like(x0);
     const at::Tensor xt = schedule_->add_noise(x0, noise, t);
     const at::Tensor drop = at::rand({b}, dev.dtype(at::kFloat)) < o_.p_uncond;

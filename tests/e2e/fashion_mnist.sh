@@ -100,6 +100,10 @@ grep_in "$work/resume-file.err" "checkpoint-4.pt (step 4)"
 expect_rc 0 resume-other-kernel -- "$bin" "${tiny[@]}" --steps 6 --overwrite --adam-kernel \
   per_parameter --resume_from_checkpoint "$work/b/checkpoints/checkpoint-4.pt" --out "$work/b4"
 grep_in "$work/resume-other-kernel.err" "checkpoint-4.pt (step 4)"
+# ... and under the multi-tensor one.
+expect_rc 0 resume-foreach-kernel -- "$bin" "${tiny[@]}" --steps 6 --overwrite --adam-kernel \
+  foreach --resume_from_checkpoint "$work/b/checkpoints/checkpoint-4.pt" --out "$work/b5"
+grep_in "$work/resume-foreach-kernel.err" "checkpoint-4.pt (step 4)"
 expect_rc 2 resume-missing -- "$bin" "${tiny[@]}" --steps 6 \
   --resume_from_checkpoint "$work/b/checkpoints/checkpoint-5.pt" --out "$work/b3"
 grep_in "$work/resume-missing.err" "checkpoint-5.pt"

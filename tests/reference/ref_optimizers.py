@@ -1,6 +1,7 @@
-"""Golden values for difftrain's Adam/AdamW kernels: torch.optim.Adam and AdamW run 200 steps with
-fused=True, foreach=True and the default for-loop, over a sweep of settings, on a small network
-with two parameter groups (decay with one LR, no decay with another). The C++ test
+"""Golden values for difftrain's optimizer kernels: torch.optim.Adam and AdamW run 200 steps with
+fused=True, foreach=True and the default for-loop, and torch.optim.SGD with foreach=True and the
+for-loop, over a sweep of settings, on a small network with two parameter groups (decay with one
+LR, no decay with another). The C++ test
 (test_optimizers.cpp) rebuilds the same network and data from the saved tensors, computes the same
 gradients with the same kernels, and compares its weights after every 50 steps.
 
@@ -44,6 +45,18 @@ for kind in ("adamw", "adam"):
                               "kind": kind, "amsgrad": amsgrad, "weight_decay": weight_decay,
                               "beta1": betas[0], "beta2": betas[1], "eps": eps,
                               "lr": 3e-3, "lr_no_decay": 1e-3})
+# SGD: plain, heavy-ball with and without dampening, Nesterov; with and without weight decay.
+for momentum, dampening, nesterov in ((0.0, 0.0, False), (0.9, 0.0, False), (0.9, 0.1, False),
+                                      (0.9, 0.0, True)):
+    for weight_decay in (0.0, 0.05):
+        CASES.append({"name": f"sgd_m{momentum}_d{dampening}_n{int(nesterov)}_wd{weight_decay}",
+                      "kind": "sgd", "momentum": momentum, "dampening": dampening,
+                      "nesterov": nesterov, "weight_decay": weight_decay,
+                      "lr": 0.05, "lr_no_decay": 0.02})
+
+
+def variants(case):
+    return ("foreach", "for_loop") if case["kind"] == "sgd" else ("fused", "foreach", "for_loop")
 
 
 def run(case, init, x, y, variant):
@@ -51,12 +64,16 @@ def run(case, init, x, y, variant):
     with torch.no_grad():
         for n, p in net.named_parameters():
             p.copy_(init[n])
-    cls = torch.optim.AdamW if case["kind"] == "adamw" else torch.optim.Adam
     flags = {"fused": {"fused": True}, "foreach": {"foreach": True},
              "for_loop": {"foreach": False}}[variant]
-    opt = cls(groups(net, case["lr"], case["lr_no_decay"], case["weight_decay"]),
-              betas=(case["beta1"], case["beta2"]), eps=case["eps"], amsgrad=case["amsgrad"],
-              **flags)
+    param_groups = groups(net, case["lr"], case["lr_no_decay"], case["weight_decay"])
+    if case["kind"] == "sgd":
+        opt = torch.optim.SGD(param_groups, lr=case["lr"], momentum=case["momentum"],
+                              dampening=case["dampening"], nesterov=case["nesterov"], **flags)
+    else:
+        cls = torch.optim.AdamW if case["kind"] == "adamw" else torch.optim.Adam
+        opt = cls(param_groups, betas=(case["beta1"], case["beta2"]), eps=case["eps"],
+                  amsgrad=case["amsgrad"], **flags)
     out = {}
     for step in range(1, STEPS + 1):
         opt.zero_grad(set_to_none=True)
@@ -79,7 +96,7 @@ def generate(out_dir):
         init = {n: p.detach().clone() for n, p in Net().named_parameters()}
         for n, t in init.items():
             tensors[f"{case['name']}.init.{n}"] = t
-        results = {v: run(case, init, x, y, v) for v in ("fused", "foreach", "for_loop")}
+        results = {v: run(case, init, x, y, v) for v in variants(case)}
         for variant, res in results.items():
             for k, t in res.items():
                 tensors[f"{case['name']}.{variant}.{k}"] = t

@@ -113,6 +113,31 @@ TEST(NoiseSchedule, BadInputIsTyped) {
   EXPECT_THROW(df::NoiseSchedule({.beta_start = 0.1, .beta_end = 0.01}), dt::ConfigError);
 }
 
+// Timesteps the schedule drew itself are in range and skip the range read-back; written in place
+// afterwards (or a different tensor with the same values), they are checked again.
+TEST(NoiseSchedule, DrawnTimestepsAreTrustedUntilWritten) {
+  const auto s = sd_schedule();
+  const at::Tensor x = at::zeros({4096, 2});
+  at::Tensor t = s.sample_timesteps(4096, at::TensorOptions());
+  EXPECT_EQ(t.scalar_type(), at::kLong);
+  EXPECT_EQ(t.min().item<std::int64_t>(), 0);  // 4096 draws from 1000 values reach both ends
+  EXPECT_EQ(t.max().item<std::int64_t>(), 999);
+  EXPECT_NO_THROW((void)s.add_noise(x, x, t));
+  t.add_(1);  // now 1000 is among them
+  EXPECT_THROW((void)s.add_noise(x, x, t), dt::ConfigError);
+  at::Tensor u = s.sample_timesteps(4096, at::TensorOptions());
+  const at::Tensor view = u.view({64, 64}).view({4096});
+  view.sub_(1);  // the view shares the version counter: -1 is caught through either tensor
+  EXPECT_THROW((void)s.add_noise(x, x, u), dt::ConfigError);
+  EXPECT_THROW((void)s.add_noise(x, x, view), dt::ConfigError);
+  // The same draws from a seeded generator as torch.randint with it.
+  at::Generator g1 = at::detail::createCPUGenerator(7), g2 = at::detail::createCPUGenerator(7);
+  EXPECT_TRUE(at::equal(s.sample_timesteps(16, at::TensorOptions(), g1),
+                        at::randint(0, 1000, {16}, g2, at::kLong)));
+  // A copied schedule works on its own.
+  const auto copy = s;
+  EXPECT_NO_THROW((void)copy.add_noise(x, x, copy.sample_timesteps(4096, at::TensorOptions())));
+}
 TEST(Weighting, MinSnrSd3AndDensityMatchDiffusers) {
   const auto s = sd_schedule();
   const at::Tensor snr = s.snr(at::tensor({0, 10, 500, 999}, at::kLong));

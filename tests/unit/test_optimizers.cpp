@@ -1,7 +1,9 @@
-// Adam and AdamW on torch's fused kernels against torch.optim's fused=True, and LibTorch's own
-// against Python's for-loop, over the swept settings of tests/reference/ref_optimizers.py (kind,
-// amsgrad, weight decay, betas/eps), two parameter groups, 200 steps; and a state saved by one
-// kernel resumes under the other.
+// Adam and AdamW on torch's fused kernels against torch.optim's fused=True, on its multi-tensor
+// kernels against foreach=True, and LibTorch's own against Python's for-loop; SGD's multi-tensor
+// and per-parameter steps likewise; over the swept settings of tests/reference/ref_optimizers.py
+// (kind, amsgrad, weight decay, betas/eps; momentum, dampening, Nesterov), two parameter groups,
+// 200 steps. A state saved by one kernel resumes under another, and the gradient scaler hands its
+// scale to the fused kernel with the same result as unscaling first.
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
 #include <torch/nn/functional/loss.h>
@@ -11,6 +13,7 @@
 #include <torch/serialize/output-archive.h>
 #include <difftrain/io/safetensors.hpp>
 #include <difftrain/train/optimizer.hpp>
+#include <difftrain/train/precision.hpp>
 
 #include <filesystem>
 #include <sstream>
@@ -55,8 +58,24 @@ std::vector<tr::ParamGroup> groups_of(OptNetImpl& net, const nlohmann::json& c) 
   return {decay, plain};
 }
 
+/// Which kernel a test asks for: one of Adam's, or one of SGD's for the SGD cases.
+struct Kernel {
+  tr::AdamKernel adam = tr::AdamKernel::fused;
+  tr::SgdKernel sgd = tr::SgdKernel::foreach;
+};
+
 std::unique_ptr<torch::optim::Optimizer> make(OptNetImpl& net, const nlohmann::json& c,
-                                              tr::AdamKernel kernel) {
+                                              Kernel kernel) {
+  if (c["kind"] == "sgd") {
+    tr::SGD::Options o;
+    o.lr = c["lr"].get<double>();
+    o.momentum = c["momentum"].get<double>();
+    o.dampening = c["dampening"].get<double>();
+    o.nesterov = c["nesterov"].get<bool>();
+    o.weight_decay = c["weight_decay"].get<double>();
+    o.kernel = kernel.sgd;
+    return tr::SGD::make(groups_of(net, c), o);
+  }
   auto fill = [&](auto o) {
     o.lr = c["lr"].get<double>();
     o.beta1 = c["beta1"].get<double>();
@@ -64,11 +83,28 @@ std::unique_ptr<torch::optim::Optimizer> make(OptNetImpl& net, const nlohmann::j
     o.eps = c["eps"].get<double>();
     o.weight_decay = c["weight_decay"].get<double>();
     o.amsgrad = c["amsgrad"].get<bool>();
-    o.kernel = kernel;
+    o.kernel = kernel.adam;
     return o;
   };
   if (c["kind"] == "adamw") return tr::AdamW::make(groups_of(net, c), fill(tr::AdamW::Options{}));
   return tr::Adam::make(groups_of(net, c), fill(tr::Adam::Options{}));
+}
+std::unique_ptr<torch::optim::Optimizer> make(OptNetImpl& net, const nlohmann::json& c,
+                                              tr::AdamKernel kernel) {
+  return make(net, c, Kernel{.adam = kernel});
+}
+
+/// The golden variant a kernel is compared with.
+std::string variant_of(tr::AdamKernel k) {
+  switch (k) {
+    case tr::AdamKernel::fused:
+      return "fused";
+    case tr::AdamKernel::foreach:
+      return "foreach";
+    case tr::AdamKernel::per_parameter:
+      return "for_loop";
+  }
+  return "";
 }
 
 const std::map<std::string, at::Tensor>& golden_tensors() {
@@ -111,60 +147,164 @@ double run_and_compare(OptNetImpl& net, torch::optim::Optimizer& opt, const std:
 
 }  // namespace
 
-TEST(Optimizers, FusedAndPerParameterKernelsMatchTorchOnEverySweptSetting) {
+TEST(Optimizers, EveryAdamKernelMatchesTorchOnEverySweptSetting) {
   const auto& g = dt::test::golden("optimizers.json");
-  ASSERT_EQ(g["cases"].size(), 16U);
+  ASSERT_EQ(g["cases"].size(), 24U);
+  int adam_cases = 0;
   for (const auto& c : g["cases"]) {
+    if (c["kind"] == "sgd") continue;
+    ++adam_cases;
     const std::string name = c["name"];
     SCOPED_TRACE(name);
     // Torch's own variants differ by a few float32 ulps here; difftrain must match each within
     // 1e-6 (absolute, weights of order 1).
     EXPECT_LT(c["torch_variant_spread"].get<double>(), 1e-6);
-    {
+    for (const auto kernel :
+         {tr::AdamKernel::fused, tr::AdamKernel::foreach, tr::AdamKernel::per_parameter}) {
       auto net = net_for(name);
-      auto opt = make(*net, c, tr::AdamKernel::fused);
-      EXPECT_TRUE(dynamic_cast<tr::FusedAdamWOptimizer*>(opt.get()) != nullptr ||
-                  dynamic_cast<tr::FusedAdamOptimizer*>(opt.get()) != nullptr);
-      EXPECT_LT(run_and_compare(*net, *opt, name, "fused", 1, 200), 1e-6) << "fused";
+      auto opt = make(*net, c, kernel);
+      const bool is_fused = dynamic_cast<tr::FusedAdamWOptimizer*>(opt.get()) != nullptr ||
+                            dynamic_cast<tr::FusedAdamOptimizer*>(opt.get()) != nullptr;
+      const bool is_foreach = dynamic_cast<tr::ForeachAdamWOptimizer*>(opt.get()) != nullptr ||
+                              dynamic_cast<tr::ForeachAdamOptimizer*>(opt.get()) != nullptr;
+      EXPECT_EQ(is_fused, kernel == tr::AdamKernel::fused);
+      EXPECT_EQ(is_foreach, kernel == tr::AdamKernel::foreach);
+      EXPECT_LT(run_and_compare(*net, *opt, name, variant_of(kernel), 1, 200), 1e-6)
+          << variant_of(kernel);
     }
-    {
+  }
+  EXPECT_EQ(adam_cases, 16);
+}
+
+TEST(Optimizers, BothSgdKernelsMatchTorchOnEverySweptSetting) {
+  const auto& g = dt::test::golden("optimizers.json");
+  int sgd_cases = 0;
+  for (const auto& c : g["cases"]) {
+    if (c["kind"] != "sgd") continue;
+    ++sgd_cases;
+    const std::string name = c["name"];
+    SCOPED_TRACE(name);
+    EXPECT_LT(c["torch_variant_spread"].get<double>(), 1e-6);
+    for (const auto& [kernel, variant] : {std::pair{tr::SgdKernel::foreach, "foreach"},
+                                         std::pair{tr::SgdKernel::per_parameter, "for_loop"}}) {
       auto net = net_for(name);
-      auto opt = make(*net, c, tr::AdamKernel::per_parameter);
-      EXPECT_LT(run_and_compare(*net, *opt, name, "for_loop", 1, 200), 1e-6) << "per_parameter";
+      auto opt = make(*net, c, Kernel{.sgd = kernel});
+      EXPECT_EQ(dynamic_cast<tr::ForeachSGDOptimizer*>(opt.get()) != nullptr,
+                kernel == tr::SgdKernel::foreach);
+      EXPECT_LT(run_and_compare(*net, *opt, name, variant, 1, 200), 1e-6) << variant;
+    }
+  }
+  EXPECT_EQ(sgd_cases, 8);
+  // The default is the multi-tensor step.
+  EXPECT_EQ(tr::SGD::Options{}.kernel, tr::SgdKernel::foreach);
+}
+
+// A state saved halfway by one kernel loads into another (LibTorch's archive every way), and
+// the run ends where Python's does: the fused kernel's float32 step scalars are rebuilt from the
+// loaded integer steps; SGD's momentum buffers carry over.
+TEST(Optimizers, AStateSavedByOneKernelResumesUnderAnother) {
+  const auto& g = dt::test::golden("optimizers.json");
+  auto round_trip = [](torch::optim::Optimizer& from, torch::optim::Optimizer& to) {
+    torch::serialize::OutputArchive out;
+    from.save(out);
+    std::ostringstream bytes;
+    out.save_to(bytes);
+    torch::serialize::InputArchive in;
+    const std::string b = bytes.str();
+    in.load_from(b.data(), b.size());
+    to.load(in);
+  };
+  using K = tr::AdamKernel;
+  for (const auto& c : g["cases"]) {
+    const std::string name = c["name"];
+    SCOPED_TRACE(name);
+    if (c["kind"] == "sgd") {
+      if (c["momentum"].get<double>() == 0.0) continue;  // nothing to carry
+      for (const auto& [first, second] :
+           {std::pair{tr::SgdKernel::foreach, tr::SgdKernel::per_parameter},
+            std::pair{tr::SgdKernel::per_parameter, tr::SgdKernel::foreach}}) {
+        auto net = net_for(name);
+        auto opt = make(*net, c, Kernel{.sgd = first});
+        (void)run_and_compare(*net, *opt, name, "foreach", 1, 100);
+        auto next = make(*net, c, Kernel{.sgd = second});
+        round_trip(*opt, *next);
+        EXPECT_LT(run_and_compare(*net, *next, name, "foreach", 101, 200), 1e-6);
+      }
+      continue;
+    }
+    if (c["amsgrad"].get<bool>() == (c["kind"] == "adamw")) continue;  // half the cases suffice
+    for (const auto& [first, second] :
+         {std::pair{K::fused, K::per_parameter}, std::pair{K::per_parameter, K::fused},
+          std::pair{K::fused, K::fused}, std::pair{K::foreach, K::fused},
+          std::pair{K::fused, K::foreach}, std::pair{K::per_parameter, K::foreach}}) {
+      auto net = net_for(name);
+      auto opt = make(*net, c, first);
+      (void)run_and_compare(*net, *opt, name, "fused", 1, 100);
+      // A fresh optimizer of the other kernel over the same (trained) parameters.
+      auto next = make(*net, c, second);
+      round_trip(*opt, *next);
+      EXPECT_LT(run_and_compare(*net, *next, name, variant_of(second), 101, 200), 1e-6);
     }
   }
 }
 
-// A state saved halfway by one kernel loads into the other (LibTorch's archive either way), and
-// the run ends where Python's does: the fused kernel's float32 step scalars are rebuilt from the
-// loaded integer steps.
-TEST(Optimizers, AStateSavedByOneKernelResumesUnderTheOther) {
+// torch.amp.GradScaler hands its scale to a fused optimizer instead of unscaling the gradients
+// first; the weights after a run with loss scaling, overflows included, are the same either way
+// (the scale is a power of two, so dividing in the kernel and multiplying by the inverse before
+// agree), and an overflow leaves weights, moments and step counts untouched.
+TEST(Optimizers, GradScalerHandsItsScaleToTheFusedKernel) {
   const auto& g = dt::test::golden("optimizers.json");
+  const auto& t = golden_tensors();
   for (const auto& c : g["cases"]) {
-    if (c["amsgrad"].get<bool>() == (c["kind"] == "adamw")) continue;  // half the cases suffice
+    if (c["kind"] == "sgd" || c["weight_decay"].get<double>() == 0.0) continue;
     const std::string name = c["name"];
     SCOPED_TRACE(name);
-    for (const auto& [first, second] :
-         {std::pair{tr::AdamKernel::fused, tr::AdamKernel::per_parameter},
-          std::pair{tr::AdamKernel::per_parameter, tr::AdamKernel::fused},
-          std::pair{tr::AdamKernel::fused, tr::AdamKernel::fused}}) {
+    std::vector<std::vector<at::Tensor>> finals;
+    std::vector<std::int64_t> skips;
+    for (const bool unscale_first : {true, false}) {
       auto net = net_for(name);
-      auto opt = make(*net, c, first);
-      (void)run_and_compare(*net, *opt, name, "fused", 1, 100);
-      torch::serialize::OutputArchive out;
-      opt->save(out);
-      std::ostringstream bytes;
-      out.save_to(bytes);
-      // A fresh optimizer of the other kernel over the same (trained) parameters.
-      auto next = make(*net, c, second);
-      torch::serialize::InputArchive in;
-      const std::string b = bytes.str();
-      in.load_from(b.data(), b.size());
-      next->load(in);
-      EXPECT_LT(run_and_compare(*net, *next, name,
-                                second == tr::AdamKernel::fused ? "fused" : "for_loop", 101, 200),
-                1e-6);
+      auto opt = make(*net, c, tr::AdamKernel::fused);
+      ASSERT_NE(dynamic_cast<tr::ScaledStepOptimizer*>(opt.get()), nullptr);
+      tr::GradScaler scaler(tr::GradScaler::Options{.init_scale = 1024.0, .growth_interval = 7});
+      std::int64_t skipped = 0;
+      for (int step = 1; step <= 60; ++step) {
+        opt->zero_grad(true);
+        at::Tensor loss = torch::mse_loss(net->forward(t.at("x")[step % 7]), t.at("y")[step % 7]);
+        // Every 13th step overflows: the step must be skipped whichever path runs.
+        if (step % 13 == 0) loss = loss * std::numeric_limits<float>::infinity();
+        scaler.scale(loss).backward();
+        if (unscale_first) scaler.unscale_(*opt);
+        std::vector<at::Tensor> before;
+        for (const auto& p : net->parameters()) before.push_back(p.detach().clone());
+        const bool stepped = scaler.step(*opt);
+        scaler.update();
+        EXPECT_EQ(stepped, step % 13 != 0) << "step " << step;
+        // A skipped handed step leaves the gradients scaled and says so; one that ran leaves
+        // them unscaled (the kernel writes them back).
+        EXPECT_EQ(scaler.scale_left_in_grads().has_value(), !unscale_first && !stepped);
+        if (!stepped) {
+          ++skipped;
+          std::size_t i = 0;
+          for (const auto& p : net->parameters()) EXPECT_TRUE(at::equal(p, before[i++]));
+        }
+      }
+      skips.push_back(skipped);
+      std::vector<at::Tensor> w;
+      for (const auto& p : net->parameters()) w.push_back(p.detach().clone());
+      finals.push_back(w);
+      // The integer steps LibTorch keeps count the steps taken.
+      for (const auto& p : net->parameters()) {
+        const auto& st = opt->state().at(p.unsafeGetTensorImpl());
+        const std::int64_t steps = c["kind"] == "adamw"
+                                       ? static_cast<torch::optim::AdamWParamState&>(*st).step()
+                                       : static_cast<torch::optim::AdamParamState&>(*st).step();
+        EXPECT_EQ(steps, 60 - skipped);
+      }
     }
+    EXPECT_EQ(skips[0], 4);
+    EXPECT_EQ(skips[1], 4);
+    for (std::size_t i = 0; i < finals[0].size(); ++i)
+      EXPECT_TRUE(at::equal(finals[0][i], finals[1][i])) << "parameter " << i;
   }
 }
 
@@ -185,7 +325,7 @@ TEST(Optimizers, FusedKernelsRefuseIntegerParameters) {
 
 // On a GPU the fused kernels are CUDA's: the run ends within float32 rounding of Python's fused
 // run on the CPU (TF32 off for the network's matmuls).
-TEST(Optimizers, FusedKernelsOnTheGpuMatchTorchsCpuRun) {
+TEST(Optimizers, FusedAndMultiTensorKernelsOnTheGpuMatchTorchsCpuRun) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device on this machine";
   const bool tf32 = at::globalContext().allowTF32CuBLAS();
   at::globalContext().setAllowTF32CuBLAS(false);
@@ -193,9 +333,17 @@ TEST(Optimizers, FusedKernelsOnTheGpuMatchTorchsCpuRun) {
   for (const auto& c : g["cases"]) {
     const std::string name = c["name"];
     SCOPED_TRACE(name);
-    auto net = net_for(name, c10::Device(c10::kCUDA, 0));
-    auto opt = make(*net, c, tr::AdamKernel::fused);
-    EXPECT_LT(run_and_compare(*net, *opt, name, "fused", 1, 200), 1e-5);
+    if (c["kind"] == "sgd") {
+      auto net = net_for(name, c10::Device(c10::kCUDA, 0));
+      auto opt = make(*net, c, Kernel{.sgd = tr::SgdKernel::foreach});
+      EXPECT_LT(run_and_compare(*net, *opt, name, "foreach", 1, 200), 1e-5);
+      continue;
+    }
+    for (const auto kernel : {tr::AdamKernel::fused, tr::AdamKernel::foreach}) {
+      auto net = net_for(name, c10::Device(c10::kCUDA, 0));
+      auto opt = make(*net, c, kernel);
+      EXPECT_LT(run_and_compare(*net, *opt, name, variant_of(kernel), 1, 200), 1e-5);
+    }
   }
   at::globalContext().setAllowTF32CuBLAS(tf32);
 }

@@ -930,6 +930,54 @@ TEST(Trainer, AScheduleChosenByNameTrainsAsTheStaticOne) {
 
 // The precision chosen by name trains exactly as the static policy of that name; its fingerprint
 // names the chosen precision, so checkpoints move between the two; an unknown name is refused.
+// fp16 without clipping: the scaler checks the scaled gradients and hands the scale to the fused
+// AdamW kernel instead of unscaling them first. The run, overflows and skipped steps included,
+// is bit for bit the run that unscales first (clipping at a norm no gradient reaches multiplies
+// by exactly 1), and the gradients after a step are the true ones either way (the kernel writes
+// them back unscaled).
+TEST(Trainer, Fp16WithoutClippingHandsTheScaleToTheFusedKernel) {
+  auto run = [](auto tag) {
+    using Cfg = typename decltype(tag)::type;
+    tr::set_seed(5);
+    auto net = std::make_shared<NetImpl>();
+    typename tr::Trainer<NetImpl, Cfg>::Options o;
+    o.optimizer.lr = 1e-3;
+    o.schedule = {2, 40, 0.5};
+    o.scaler.init_scale = std::ldexp(1.0, 125);  // the first steps overflow and back off
+    o.scaler.growth_interval = 4;
+    if constexpr (requires { o.clipping.max_norm; }) o.clipping.max_norm = 1e30;
+    tr::Trainer<NetImpl, Cfg> trainer(*net, o);
+    std::vector<at::Tensor> grads;  // after the last step, as a callback would see them
+    trainer.fit(source, 30);
+    const auto& left = trainer.scaler().scale_left_in_grads();
+    for (const auto& p : net->parameters())
+      grads.push_back(left ? p.grad() / *left : p.grad().clone());
+    std::vector<at::Tensor> params;
+    for (const auto& p : net->parameters()) params.push_back(p.detach().clone());
+    return std::make_tuple(params, grads, trainer.skipped_overflow(),
+                           trainer.scaler().current_scale(), left.has_value());
+  };
+  struct Handed : ParityConfig {
+    using Precision = tr::AutocastFp16;
+    using Clipping = tr::NoClipping;
+  };
+  struct Unscaled : ParityConfig {
+    using Precision = tr::AutocastFp16;
+  };
+  const auto [hp, hg, hskips, hscale, hleft] = run(std::type_identity<Handed>{});
+  const auto [up, ug, uskips, uscale, uleft] = run(std::type_identity<Unscaled>{});
+  EXPECT_FALSE(hleft);
+  EXPECT_FALSE(uleft);
+  EXPECT_GT(hskips, 0);
+  EXPECT_EQ(hskips, uskips);
+  EXPECT_EQ(hscale, uscale);
+  ASSERT_EQ(hp.size(), up.size());
+  for (std::size_t i = 0; i < hp.size(); ++i) {
+    EXPECT_TRUE(at::equal(hp[i], up[i])) << "parameter " << i;
+    EXPECT_TRUE(at::allclose(hg[i], ug[i], 0, 0)) << "gradient " << i;
+  }
+}
+
 TEST(Trainer, PrecisionByNameIsTheStaticPolicyOfThatName) {
   auto run = [](auto tag, const std::string& choice) {
     using Cfg = typename decltype(tag)::type;

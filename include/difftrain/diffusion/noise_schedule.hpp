@@ -6,6 +6,10 @@
 
 #include <ATen/ATen.h>
 
+#include <array>
+#include <mutex>
+#include <optional>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -175,16 +179,31 @@ class NoiseSchedule {
                             std::to_string(o_.num_train_timesteps) + ")",
                         "noise schedule");
   }
+  /// Timesteps must be integers in [0, num_train_timesteps). Reading a GPU tensor's range back
+  /// waits for the device, so timesteps this schedule drew itself (sample_timesteps) and that
+  /// have not been written since are known to be in range and not read back.
   void check_timesteps(const at::Tensor& t) const {
     if (t.is_floating_point() || t.is_complex())
       throw ConfigError(
           "timesteps must be integers, got " + std::string(c10::toString(t.scalar_type())),
           "noise schedule");
-    if (t.numel() == 0) return;
-    const std::int64_t lo = t.min().item<std::int64_t>();
-    const std::int64_t hi = t.max().item<std::int64_t>();
-    check_timestep(lo);
-    check_timestep(hi);
+    if (t.numel() == 0 || drawn_.holds(t)) return;
+    // One read-back for both ends.
+    const auto [lo_t, hi_t] = at::aminmax(t);
+    const at::Tensor ends = at::stack({lo_t, hi_t}).to(at::kCPU, at::kLong);
+    check_timestep(ends[0].item<std::int64_t>());
+    check_timestep(ends[1].item<std::int64_t>());
+  }
+
+  /// `batch` timesteps drawn uniformly from [0, num_train_timesteps), as diffusers' training
+  /// scripts draw them, on `options`' device (int64). The lookups that take them skip the range
+  /// check, which on a GPU would wait for the device once per call.
+  [[nodiscard]] at::Tensor sample_timesteps(std::int64_t batch, const at::TensorOptions& options,
+                                            std::optional<at::Generator> generator = {}) const {
+    at::Tensor t = at::randint(0, o_.num_train_timesteps, {batch}, std::move(generator),
+                               options.dtype(at::kLong));
+    drawn_.remember(t);
+    return t;
   }
 
  private:
@@ -295,6 +314,33 @@ class NoiseSchedule {
   xt::xtensor<double, 1> alphas_;
   xt::xtensor<double, 1> alphas_cumprod_;
   at::Tensor alphas_cumprod_tensor_;
+  /// The last few timestep tensors sample_timesteps drew, held (so their storage is not reused)
+  /// with the version each had: a tensor written since then is checked again.
+  class DrawnTimesteps {
+   public:
+    DrawnTimesteps() = default;
+    DrawnTimesteps(const DrawnTimesteps& /*unused*/) {}  // a copied schedule trusts nothing yet
+    DrawnTimesteps& operator=(const DrawnTimesteps& /*unused*/) { return *this; }
+    void remember(const at::Tensor& t) {
+      const std::lock_guard lock(mutex_);
+      slots_[next_] = {t, t._version()};
+      next_ = (next_ + 1) % slots_.size();
+    }
+    bool holds(const at::Tensor& t) const {
+      const std::lock_guard lock(mutex_);
+      for (const auto& [held, version] : slots_)
+        if (held.defined() && held.unsafeGetTensorImpl() == t.unsafeGetTensorImpl() &&
+            held._version() == version)
+          return true;
+      return false;
+    }
+
+   private:
+    mutable std::mutex mutex_;
+    std::array<std::pair<at::Tensor, std::int64_t>, 4> slots_;
+    std::size_t next_ = 0;
+  };
+  mutable DrawnTimesteps drawn_;
 };
 
 }  // namespace difftrain::diffusion

@@ -548,11 +548,14 @@ class UNet2DConditionModelImpl : public torch::nn::Module {
     if (class_embedding) {
       if (at::isFloatingType(labels.scalar_type()))
         throw ShapeError("class_labels must be integer labels for num_class_embeds", where);
-      const auto [lo, hi] = at::aminmax(labels);
-      if (lo.item<std::int64_t>() < 0 || hi.item<std::int64_t>() >= *c_.num_class_embeds)
+      // An out-of-range label would stop a GPU with a device-side assert; one read-back of both
+      // ends (not one per end) turns it into a typed error.
+      const auto [lo_t, hi_t] = at::aminmax(labels);
+      const at::Tensor ends = at::stack({lo_t, hi_t}).to(at::kCPU, at::kLong);
+      const std::int64_t lo = ends[0].item<std::int64_t>(), hi = ends[1].item<std::int64_t>();
+      if (lo < 0 || hi >= *c_.num_class_embeds)
         throw ShapeError("class_labels must lie in [0, " + std::to_string(*c_.num_class_embeds) +
-                             "); got " + std::to_string(lo.item<std::int64_t>()) + " to " +
-                             std::to_string(hi.item<std::int64_t>()),
+                             "); got " + std::to_string(lo) + " to " + std::to_string(hi),
                          where);
       return class_embedding->forward(labels.to(at::kLong)).to(sample.scalar_type());
     }

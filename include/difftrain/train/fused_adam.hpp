@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "difftrain/core/error.hpp"
+#include "difftrain/train/scaled_step.hpp"
 
 namespace difftrain::train {
 
@@ -60,66 +61,97 @@ struct Bucket {
   std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps;
 };
 
-/// What differs between the fused Adam and AdamW: LibTorch's classes and torch's kernel.
+/// What differs between Adam and AdamW: LibTorch's classes and torch's fused kernel.
 struct AdamW {
   using Torch = torch::optim::AdamW;
   using Options = torch::optim::AdamWOptions;
   using State = torch::optim::AdamWParamState;
-  static constexpr const char* name = "fused AdamW";
+  static constexpr const char* name = "AdamW";
+  static constexpr bool decoupled_weight_decay = true;
   static void kernel(auto&&... a) { at::_fused_adamw_(std::forward<decltype(a)>(a)...); }
 };
 struct Adam {
   using Torch = torch::optim::Adam;
   using Options = torch::optim::AdamOptions;
   using State = torch::optim::AdamParamState;
-  static constexpr const char* name = "fused Adam";
+  static constexpr const char* name = "Adam";
+  static constexpr bool decoupled_weight_decay = false;
   static void kernel(auto&&... a) { at::_fused_adam_(std::forward<decltype(a)>(a)...); }
+};
+
+/// The parameters of one group that have a gradient, by (device, dtype) — torch's kernels take
+/// tensors of one device and dtype — with their Adam state, created at the first step as torch
+/// creates it. `on_param(bucket, param, state)` fills what the caller's kernel needs beyond the
+/// tensors (the step scalars of the fused kernel).
+template <class Kind, class OnParam>
+std::map<std::pair<std::string, int>, Bucket> adam_buckets(torch::optim::Optimizer& opt,
+                                                           torch::optim::OptimizerParamGroup& group,
+                                                           const std::string& who,
+                                                           OnParam&& on_param) {
+  using State = typename Kind::State;
+  const bool amsgrad = static_cast<typename Kind::Options&>(group.options()).amsgrad();
+  std::map<std::pair<std::string, int>, Bucket> buckets;
+  for (auto& p : group.params()) {
+    if (!p.grad().defined()) continue;
+    if (p.grad().is_sparse()) throw ConfigError("sparse gradients are not supported", who);
+    if (!at::isFloatingType(p.scalar_type()))
+      throw ConfigError(
+          "needs floating-point parameters, got " + std::string(c10::toString(p.scalar_type())),
+          who);
+    auto& slot = opt.state()[p.unsafeGetTensorImpl()];
+    if (!slot) {
+      auto s = std::make_unique<State>();
+      s->step(0);
+      s->exp_avg(at::zeros_like(p, at::MemoryFormat::Preserve));
+      s->exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
+      if (amsgrad) s->max_exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
+      slot = std::move(s);
+    }
+    auto& s = static_cast<State&>(*slot);
+    if (amsgrad && !s.max_exp_avg_sq().defined())
+      s.max_exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
+    Bucket& b = buckets[{p.device().str(), static_cast<int>(p.scalar_type())}];
+    b.params.push_back(p);
+    b.grads.push_back(p.grad());
+    b.exp_avgs.push_back(s.exp_avg());
+    b.exp_avg_sqs.push_back(s.exp_avg_sq());
+    if (amsgrad) b.max_exp_avg_sqs.push_back(s.max_exp_avg_sq());
+    on_param(b, p, s);
+  }
+  return buckets;
+}
+
+/// Gradient scaling handed to the fused kernel (torch.amp.GradScaler's grad_scale): the kernel
+/// divides each gradient by it as it reads it. The kernel's `found_inf` is not passed: the scaler
+/// has already read it on the host and does not launch the step at all on an overflow, which also
+/// keeps LibTorch's integer step counts right without another read-back.
+struct AmpArgs {
+  std::optional<at::Tensor> grad_scale;
 };
 
 /// One fused step over every parameter group of `opt`.
 template <class Kind>
-void fused_step(torch::optim::Optimizer& opt, StepScalars& scalars) {
+void fused_step(torch::optim::Optimizer& opt, StepScalars& scalars, const AmpArgs& amp = {}) {
   using Options = typename Kind::Options;
   using State = typename Kind::State;
-  const char* name = Kind::name;
+  const std::string who = std::string("fused ") + Kind::name;
   const at::NoGradGuard no_grad;
   for (auto& group : opt.param_groups()) {
     auto& o = static_cast<Options&>(group.options());
     const auto [beta1, beta2] = o.betas();
-    // Kernels take tensors of one device and dtype; a group usually has one bucket.
-    std::map<std::pair<std::string, int>, Bucket> buckets;
-    for (auto& p : group.params()) {
-      if (!p.grad().defined()) continue;
-      if (p.grad().is_sparse())
-        throw ConfigError("sparse gradients are not supported", std::string(name));
-      if (!at::isFloatingType(p.scalar_type()))
-        throw ConfigError(
-            "needs floating-point parameters, got " + std::string(c10::toString(p.scalar_type())),
-            std::string(name));
-      auto& slot = opt.state()[p.unsafeGetTensorImpl()];
-      if (!slot) {
-        auto s = std::make_unique<State>();
-        s->step(0);
-        s->exp_avg(at::zeros_like(p, at::MemoryFormat::Preserve));
-        s->exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
-        if (o.amsgrad()) s->max_exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
-        slot = std::move(s);
-      }
-      auto& s = static_cast<State&>(*slot);
-      if (o.amsgrad() && !s.max_exp_avg_sq().defined())
-        s.max_exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
-      Bucket& b = buckets[{p.device().str(), static_cast<int>(p.scalar_type())}];
-      b.params.push_back(p);
-      b.grads.push_back(p.grad());
-      b.exp_avgs.push_back(s.exp_avg());
-      b.exp_avg_sqs.push_back(s.exp_avg_sq());
-      if (o.amsgrad()) b.max_exp_avg_sqs.push_back(s.max_exp_avg_sq());
-      b.steps.push_back(scalars.for_param(p, s.step()));
-    }
+    auto buckets =
+        adam_buckets<Kind>(opt, group, who, [&](Bucket& b, const at::Tensor& p, State& s) {
+          b.steps.push_back(scalars.for_param(p, s.step()));
+        });
     for (auto& [key, b] : buckets) {
       at::_foreach_add_(b.steps, 1);
+      // On the bucket's device: the scaler's tensors live where the loss was.
+      const c10::Device d = b.params.front().device();
+      std::optional<at::Tensor> scale;
+      if (amp.grad_scale) scale = amp.grad_scale->to(d);
       Kind::kernel(b.params, b.grads, b.exp_avgs, b.exp_avg_sqs, b.max_exp_avg_sqs, b.steps, o.lr(),
-                   beta1, beta2, o.weight_decay(), o.eps(), o.amsgrad(), /*maximize=*/false);
+                   beta1, beta2, o.weight_decay(), o.eps(), o.amsgrad(), /*maximize=*/false, scale,
+                   std::nullopt);
       for (const at::Tensor& p : b.params) {
         auto& s = static_cast<State&>(*opt.state()[p.unsafeGetTensorImpl()]);
         s.step(s.step() + 1);
@@ -134,7 +166,7 @@ void fused_step(torch::optim::Optimizer& opt, StepScalars& scalars) {
 /// LibTorch's Adam or AdamW (`Kind`: fused_detail::Adam or AdamW) whose step is torch's fused
 /// kernel.
 template <class Kind>
-class FusedOptimizer : public Kind::Torch {
+class FusedOptimizer : public Kind::Torch, public ScaledStepOptimizer {
  public:
   using Kind::Torch::Torch;
   at::Tensor step(typename Kind::Torch::LossClosure closure = nullptr) override {
@@ -145,6 +177,9 @@ class FusedOptimizer : public Kind::Torch {
     }
     fused_detail::fused_step<Kind>(*this, scalars_);
     return loss;
+  }
+  void step_scaled(const at::Tensor& grad_scale) override {
+    fused_detail::fused_step<Kind>(*this, scalars_, {.grad_scale = grad_scale});
   }
 
  private:

@@ -25,14 +25,19 @@
 
 #include "difftrain/core/concepts.hpp"
 #include "difftrain/core/error.hpp"
+#include "difftrain/train/foreach_optimizers.hpp"
 #include "difftrain/train/fused_adam.hpp"
 
 namespace difftrain::train {
 
 /// How Adam and AdamW run their step; the same state and checkpoints either way.
 ///   fused          torch's fused kernel (torch.optim.AdamW(fused=True)), one launch per group
+///   foreach        torch's multi-tensor kernels (foreach=True), a dozen stages per group
 ///   per_parameter  LibTorch's torch::optim::AdamW (Python's default for-loop implementation)
-enum class AdamKernel { fused, per_parameter };
+enum class AdamKernel { fused, foreach, per_parameter };
+/// How SGD runs its step: torch's multi-tensor kernels (SGD(foreach=True)) or LibTorch's
+/// per-parameter loop; the same state and checkpoints either way.
+enum class SgdKernel { foreach, per_parameter };
 
 /// Parameters whose names start with a match of `pattern` form a group with their own settings.
 struct ParamGroupRule {
@@ -181,9 +186,16 @@ struct AdamW {
     optimizer_detail::check_adam(o, "AdamW options");
     torch::optim::AdamWOptions d(o.lr);
     d.betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay).amsgrad(o.amsgrad);
-    if (o.kernel == AdamKernel::fused)
-      return std::make_unique<FusedAdamWOptimizer>(optimizer_detail::torch_groups(groups, d), d);
-    return std::make_unique<torch::optim::AdamW>(optimizer_detail::torch_groups(groups, d), d);
+    auto g = optimizer_detail::torch_groups(groups, d);
+    switch (o.kernel) {
+      case AdamKernel::fused:
+        return std::make_unique<FusedAdamWOptimizer>(std::move(g), d);
+      case AdamKernel::foreach:
+        return std::make_unique<ForeachAdamWOptimizer>(std::move(g), d);
+      case AdamKernel::per_parameter:
+        break;
+    }
+    return std::make_unique<torch::optim::AdamW>(std::move(g), d);
   }
 };
 
@@ -202,9 +214,16 @@ struct Adam {
     optimizer_detail::check_adam(o, "Adam options");
     torch::optim::AdamOptions d(o.lr);
     d.betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay).amsgrad(o.amsgrad);
-    if (o.kernel == AdamKernel::fused)
-      return std::make_unique<FusedAdamOptimizer>(optimizer_detail::torch_groups(groups, d), d);
-    return std::make_unique<torch::optim::Adam>(optimizer_detail::torch_groups(groups, d), d);
+    auto g = optimizer_detail::torch_groups(groups, d);
+    switch (o.kernel) {
+      case AdamKernel::fused:
+        return std::make_unique<FusedAdamOptimizer>(std::move(g), d);
+      case AdamKernel::foreach:
+        return std::make_unique<ForeachAdamOptimizer>(std::move(g), d);
+      case AdamKernel::per_parameter:
+        break;
+    }
+    return std::make_unique<torch::optim::Adam>(std::move(g), d);
   }
 };
 
@@ -216,6 +235,7 @@ struct SGD {
     double dampening = 0.0;
     double weight_decay = 0.0;
     bool nesterov = false;
+    SgdKernel kernel = SgdKernel::foreach;
   };
   static std::unique_ptr<torch::optim::Optimizer> make(const std::vector<ParamGroup>& groups,
                                                        const Options& o) {
@@ -229,7 +249,10 @@ struct SGD {
                         "SGD options: nesterov");
     torch::optim::SGDOptions d(o.lr);
     d.momentum(o.momentum).dampening(o.dampening).weight_decay(o.weight_decay).nesterov(o.nesterov);
-    return std::make_unique<torch::optim::SGD>(optimizer_detail::torch_groups(groups, d), d);
+    auto g = optimizer_detail::torch_groups(groups, d);
+    if (o.kernel == SgdKernel::foreach)
+      return std::make_unique<ForeachSGDOptimizer>(std::move(g), d);
+    return std::make_unique<torch::optim::SGD>(std::move(g), d);
   }
 };
 

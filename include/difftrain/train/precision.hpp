@@ -5,20 +5,26 @@
 // fused call (`_amp_foreach_non_finite_check_and_unscale_`); the optimizer step is skipped when any
 // was found; `_amp_update_scale_` then halves the scale on overflow or doubles it after
 // `growth_interval` clean steps. Defaults are torch's: 65536, 2.0, 0.5, 2000.
+// With an optimizer that divides by the scale itself (the fused Adam/AdamW, `ScaledStepOptimizer`)
+// and no unscale_ before step(), the gradients are only checked (read, not rewritten) and the
+// scale goes to the kernel, as torch's GradScaler does with optimizers that take `grad_scale`.
 
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
+#include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string_view>
 #include <utility>
 #include <vector>
 
 #include "difftrain/core/concepts.hpp"
 #include "difftrain/core/error.hpp"
+#include "difftrain/train/scaled_step.hpp"
 
 namespace difftrain::train {
 
@@ -79,47 +85,60 @@ class GradScaler {
   /// Divides every gradient of `optimizer` by the scale and records whether any is inf/NaN.
   /// Call before clipping; step() calls it if it was not called.
   void unscale_(torch::optim::Optimizer& optimizer) {
-    if (!o_.enabled || unscaled_) return;
+    if (!o_.enabled || stage_ != Stage::ready) return;
     if (!scale_.defined()) throw ConfigError("unscale_ before any scaled loss", "GradScaler");
-    found_inf_ = at::zeros({1}, scale_.options());
     const at::Tensor inv = scale_.to(at::kDouble).reciprocal().to(at::kFloat);
-    // The fused kernel takes gradients of one device and dtype at a time.
-    std::map<std::string, std::vector<at::Tensor>> by_kind;  // key: device and dtype
-    for (auto& g : optimizer.param_groups())
-      for (auto& p : g.params())
-        if (p.grad().defined()) {
-          if (p.grad().is_sparse())
-            throw ConfigError("sparse gradients are not supported", "GradScaler");
-          by_kind[p.grad().device().str() + "/" + c10::toString(p.grad().scalar_type())].push_back(
-              p.mutable_grad());
-        }
-    for (auto& [kind, grads] : by_kind) {
+    found_inf_ = at::zeros({1}, scale_.options());
+    for (auto& grads : grads_by_kind(optimizer)) {
       at::Tensor found = at::zeros({1}, grads.front().options().dtype(at::kFloat));
       at::_amp_foreach_non_finite_check_and_unscale_(grads, found, inv.to(grads.front().device()));
       found_inf_ += found.to(found_inf_.device());
     }
-    unscaled_ = true;
+    stage_ = Stage::unscaled;
   }
 
   /// Steps the optimizer unless a gradient was inf/NaN. Returns whether it stepped.
   bool step(torch::optim::Optimizer& optimizer) {
+    left_in_grads_.reset();
     if (!o_.enabled) {
       optimizer.step();
       return true;
     }
-    unscale_(optimizer);
+    auto* scaled =
+        stage_ == Stage::ready ? dynamic_cast<ScaledStepOptimizer*>(&optimizer) : nullptr;
+    if (scaled != nullptr) {
+      check_(optimizer);
+    } else {
+      unscale_(optimizer);
+    }
     const bool skip = found_inf_.item<float>() != 0.0f;
-    if (!skip) optimizer.step();
+    if (!skip) {
+      if (scaled != nullptr) {
+        scaled->step_scaled(scale_);
+      } else {
+        optimizer.step();
+      }
+    }
+    // The fused kernel writes the unscaled gradients back as it steps; a skipped step leaves
+    // them scaled (update() may change scale_, so the one they carry is kept).
+    if (scaled != nullptr && skip) left_in_grads_ = scale_.clone();
     return !skip;
+  }
+
+  /// The scale the gradients still carry after step(), for whoever reads them after the step:
+  /// set when the scale was to go to the optimizer's kernel and an inf/NaN skipped the step, so
+  /// nothing unscaled them; empty when they hold their true values.
+  [[nodiscard]] const std::optional<at::Tensor>& scale_left_in_grads() const {
+    return left_in_grads_;
   }
 
   /// Adjusts the scale after step(): backoff on overflow, growth after growth_interval clean steps.
   void update() {
     if (!o_.enabled) return;
-    if (!unscaled_) throw ConfigError("update() without step()", "GradScaler");
+    if (stage_ == Stage::ready) throw ConfigError("update() without step()", "GradScaler");
     at::_amp_update_scale_(scale_, growth_tracker_, found_inf_.to(scale_.device()),
                            o_.growth_factor, o_.backoff_factor, o_.growth_interval);
-    unscaled_ = false;
+    stage_ = Stage::ready;
   }
 
   [[nodiscard]] double current_scale() const {
@@ -153,6 +172,39 @@ class GradScaler {
   }
 
  private:
+  // ready: nothing done since the last update(); unscaled: gradients divided in place; checked:
+  // gradients read for inf/NaN only, the scale goes to the optimizer.
+  enum class Stage { ready, unscaled, checked };
+
+  /// The gradients of `optimizer` by device and dtype (the fused kernels take one kind at a time).
+  static std::vector<std::vector<at::Tensor>> grads_by_kind(torch::optim::Optimizer& optimizer) {
+    std::map<std::string, std::vector<at::Tensor>> by_kind;
+    for (auto& g : optimizer.param_groups())
+      for (auto& p : g.params())
+        if (p.grad().defined()) {
+          if (p.grad().is_sparse())
+            throw ConfigError("sparse gradients are not supported", "GradScaler");
+          by_kind[p.grad().device().str() + "/" + c10::toString(p.grad().scalar_type())].push_back(
+              p.mutable_grad());
+        }
+    std::vector<std::vector<at::Tensor>> out;
+    for (auto& [kind, grads] : by_kind) out.push_back(std::move(grads));
+    return out;
+  }
+
+  /// Records whether any gradient is inf/NaN without writing them: the largest magnitude of each
+  /// (one multi-tensor reduction per kind) is finite exactly when every element is.
+  void check_(torch::optim::Optimizer& optimizer) {
+    if (!scale_.defined()) throw ConfigError("step() before any scaled loss", "GradScaler");
+    found_inf_ = at::zeros({1}, scale_.options());
+    for (auto& grads : grads_by_kind(optimizer)) {
+      const at::Tensor largest =
+          at::stack(at::_foreach_norm(grads, std::numeric_limits<double>::infinity()));
+      found_inf_ += at::logical_not(at::isfinite(largest).all()).to(found_inf_.options());
+    }
+    stage_ = Stage::checked;
+  }
+
   void lazy_init(c10::Device d) {
     if (!scale_.defined()) {
       scale_ = at::full({1}, o_.init_scale, at::TensorOptions().dtype(at::kFloat).device(d));
@@ -165,7 +217,8 @@ class GradScaler {
 
   Options o_;
   at::Tensor scale_, growth_tracker_, found_inf_;
-  bool unscaled_ = false;
+  Stage stage_ = Stage::ready;
+  std::optional<at::Tensor> left_in_grads_;
 };
 
 /// Full precision: no autocast, no scaling.

@@ -16,6 +16,7 @@
 #include <filesystem>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -210,12 +211,19 @@ class TensorBoard {
   }
   template <class T>
   void log_histograms(T& t, std::int64_t step) {
+    // An fp16 step skipped before the fused optimizer could unscale them leaves them scaled.
+    std::optional<at::Tensor> scale;
+    if constexpr (requires { t.scaler().scale_left_in_grads(); })
+      scale = t.scaler().scale_left_in_grads();
     for (const auto& item : t.model().named_parameters(/*recurse=*/true)) {
       writer().add_histogram(o_.tags.weights + item.key(),
                              log::histogram_of(item.value(), o_.histogram_buckets), step);
-      if (item.value().grad().defined())
-        writer().add_histogram(o_.tags.gradients + item.key(),
-                               log::histogram_of(item.value().grad(), o_.histogram_buckets), step);
+      const at::Tensor& grad = item.value().grad();
+      if (grad.defined())
+        writer().add_histogram(
+            o_.tags.gradients + item.key(),
+            log::histogram_of(scale ? grad / scale->to(grad.device()) : grad, o_.histogram_buckets),
+            step);
     }
   }
 

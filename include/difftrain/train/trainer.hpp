@@ -335,7 +335,8 @@ class Trainer {
       return info;
     }
     info.loss = parallel_->mean(loss_sum / static_cast<double>(o_.accumulation_steps));
-    scaler_.unscale_(*optimizer_);
+    // Clipping needs the true gradients; without it a fused optimizer takes the scale itself.
+    if constexpr (!std::is_same_v<ClippingT, NoClipping>) scaler_.unscale_(*optimizer_);
     info.grad_norm = clipping_.apply(params_, step_);
     info.stepped = scaler_.step(*optimizer_);
     scaler_.update();
