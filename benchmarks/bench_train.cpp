@@ -234,7 +234,8 @@ void fp16_step(benchmark::State& state) {
     scaled.push_back(p.grad() * 1024.0);
   }
   tr::FusedAdamWOptimizer opt(params, torch::optim::AdamWOptions(1e-4).weight_decay(1e-2));
-  tr::GradScaler scaler(tr::GradScaler::Options{.init_scale = 1024.0});
+  tr::GradScaler scaler(
+      tr::GradScaler::Options{.init_scale = 1024.0, .hand_scale = tr::HandScale::always});
   (void)scaler.scale(at::ones({}, at::TensorOptions().device(device())));  // places the scale
   auto one = [&] {
     at::_foreach_copy_(grads, scaled);

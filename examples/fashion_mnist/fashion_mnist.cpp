@@ -297,8 +297,8 @@ int run(const Settings& s) {
   o.optimizer.beta2 = s.adam_beta2;
   o.optimizer.eps = s.adam_epsilon;
   o.optimizer.kernel = s.adam_kernel == "fused"     ? tr::AdamKernel::fused
-                        : s.adam_kernel == "foreach" ? tr::AdamKernel::foreach
-                                                     : tr::AdamKernel::per_parameter;
+                       : s.adam_kernel == "foreach" ? tr::AdamKernel::foreach
+                                                    : tr::AdamKernel::per_parameter;
   o.accumulation_steps = s.accumulation;
   o.schedule.lr_scheduler = s.lr_scheduler;
   o.schedule.args.num_warmup_steps = std::min(s.warmup, s.steps);
@@ -654,10 +654,9 @@ int main(int argc, char** argv) {
   m->add_option("--adam_epsilon", s.adam_epsilon, "AdamW ε")
       ->check(examples::number_in(0, 1, true))
       ->capture_default_str();
-  m->add_option(
-       "--adam-kernel", s.adam_kernel,
-       "AdamW's step: torch's fused kernel, its multi-tensor kernels, or LibTorch's "
-       "per-parameter loop (same results to rounding)")
+  m->add_option("--adam-kernel", s.adam_kernel,
+                "AdamW's step: torch's fused kernel, its multi-tensor kernels, or LibTorch's "
+                "per-parameter loop (same results to rounding)")
       ->check(CLI::IsMember({"fused", "foreach", "per_parameter"}))
       ->capture_default_str();
   m->add_option("--gradient-accumulation-steps,--gradient_accumulation_steps", s.accumulation,

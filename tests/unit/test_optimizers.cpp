@@ -186,7 +186,7 @@ TEST(Optimizers, BothSgdKernelsMatchTorchOnEverySweptSetting) {
     SCOPED_TRACE(name);
     EXPECT_LT(c["torch_variant_spread"].get<double>(), 1e-6);
     for (const auto& [kernel, variant] : {std::pair{tr::SgdKernel::foreach, "foreach"},
-                                         std::pair{tr::SgdKernel::per_parameter, "for_loop"}}) {
+                                          std::pair{tr::SgdKernel::per_parameter, "for_loop"}}) {
       auto net = net_for(name);
       auto opt = make(*net, c, Kernel{.sgd = kernel});
       EXPECT_EQ(dynamic_cast<tr::ForeachSGDOptimizer*>(opt.get()) != nullptr,
@@ -195,8 +195,16 @@ TEST(Optimizers, BothSgdKernelsMatchTorchOnEverySweptSetting) {
     }
   }
   EXPECT_EQ(sgd_cases, 8);
-  // The default is the multi-tensor step.
-  EXPECT_EQ(tr::SGD::Options{}.kernel, tr::SgdKernel::foreach);
+  // The default picks by device, as torch does; on these CPU tensors, LibTorch's loop, with the
+  // same numbers.
+  EXPECT_EQ(tr::SGD::Options{}.kernel, tr::SgdKernel::automatic);
+  for (const auto& c : g["cases"]) {
+    if (c["kind"] != "sgd") continue;
+    const std::string name = c["name"];
+    auto net = net_for(name);
+    auto opt = make(*net, c, Kernel{.sgd = tr::SgdKernel::automatic});
+    EXPECT_LT(run_and_compare(*net, *opt, name, "for_loop", 1, 200), 1e-6) << name;
+  }
 }
 
 // A state saved halfway by one kernel loads into another (LibTorch's archive every way), and
@@ -265,7 +273,8 @@ TEST(Optimizers, GradScalerHandsItsScaleToTheFusedKernel) {
       auto net = net_for(name);
       auto opt = make(*net, c, tr::AdamKernel::fused);
       ASSERT_NE(dynamic_cast<tr::ScaledStepOptimizer*>(opt.get()), nullptr);
-      tr::GradScaler scaler(tr::GradScaler::Options{.init_scale = 1024.0, .growth_interval = 7});
+      tr::GradScaler scaler(tr::GradScaler::Options{
+          .init_scale = 1024.0, .growth_interval = 7, .hand_scale = tr::HandScale::always});
       std::int64_t skipped = 0;
       for (int step = 1; step <= 60; ++step) {
         opt->zero_grad(true);
@@ -334,9 +343,11 @@ TEST(Optimizers, FusedAndMultiTensorKernelsOnTheGpuMatchTorchsCpuRun) {
     const std::string name = c["name"];
     SCOPED_TRACE(name);
     if (c["kind"] == "sgd") {
-      auto net = net_for(name, c10::Device(c10::kCUDA, 0));
-      auto opt = make(*net, c, Kernel{.sgd = tr::SgdKernel::foreach});
-      EXPECT_LT(run_and_compare(*net, *opt, name, "foreach", 1, 200), 1e-5);
+      for (const auto kernel : {tr::SgdKernel::foreach, tr::SgdKernel::automatic}) {
+        auto net = net_for(name, c10::Device(c10::kCUDA, 0));
+        auto opt = make(*net, c, Kernel{.sgd = kernel});
+        EXPECT_LT(run_and_compare(*net, *opt, name, "foreach", 1, 200), 1e-5);
+      }
       continue;
     }
     for (const auto kernel : {tr::AdamKernel::fused, tr::AdamKernel::foreach}) {

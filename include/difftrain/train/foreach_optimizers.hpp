@@ -177,11 +177,20 @@ using ForeachAdamWOptimizer = ForeachOptimizer<fused_detail::AdamW>;
 using ForeachAdamOptimizer = ForeachOptimizer<fused_detail::Adam>;
 
 /// torch::optim::SGD whose step runs torch's multi-tensor kernels, as
-/// torch.optim.SGD(foreach=True).
+/// torch.optim.SGD(foreach=True). With `cpu_per_parameter`, parameters on the CPU take LibTorch's
+/// per-parameter step instead, as torch.optim picks foreach only for CUDA tensors (the numbers
+/// are the same).
 class ForeachSGDOptimizer : public torch::optim::SGD {
  public:
-  using torch::optim::SGD::SGD;
+  ForeachSGDOptimizer(const std::vector<torch::optim::OptimizerParamGroup>& groups,
+                      const torch::optim::SGDOptions& defaults, bool cpu_per_parameter = false)
+      : torch::optim::SGD(groups, defaults), cpu_per_parameter_(cpu_per_parameter) {}
+  ForeachSGDOptimizer(std::vector<at::Tensor> params, const torch::optim::SGDOptions& defaults,
+                      bool cpu_per_parameter = false)
+      : torch::optim::SGD(std::move(params), defaults), cpu_per_parameter_(cpu_per_parameter) {}
+
   at::Tensor step(LossClosure closure = nullptr) override {
+    if (cpu_per_parameter_ && on_cpu()) return torch::optim::SGD::step(std::move(closure));
     at::Tensor loss;
     if (closure) {
       const at::AutoGradMode enable(true);
@@ -190,6 +199,16 @@ class ForeachSGDOptimizer : public torch::optim::SGD {
     foreach_detail::sgd_step(*this);
     return loss;
   }
+
+ private:
+  // Where the first parameter with a gradient lives (a group's tensors share a device).
+  [[nodiscard]] bool on_cpu() {
+    for (auto& group : param_groups())
+      for (auto& p : group.params())
+        if (p.grad().defined()) return p.is_cpu();
+    return true;
+  }
+  bool cpu_per_parameter_;
 };
 
 }  // namespace difftrain::train

@@ -35,9 +35,14 @@ namespace difftrain::train {
 ///   foreach        torch's multi-tensor kernels (foreach=True), a dozen stages per group
 ///   per_parameter  LibTorch's torch::optim::AdamW (Python's default for-loop implementation)
 enum class AdamKernel { fused, foreach, per_parameter };
-/// How SGD runs its step: torch's multi-tensor kernels (SGD(foreach=True)) or LibTorch's
-/// per-parameter loop; the same state and checkpoints either way.
-enum class SgdKernel { foreach, per_parameter };
+/// How SGD runs its step; the same numbers, state and checkpoints every way.
+///   automatic      multi-tensor for CUDA parameters, per-parameter for CPU ones: torch's own
+///                  default, and the faster on each (on the CPU each stage of the multi-tensor
+///                  step streams every tensor through memory; the per-parameter loop finishes one
+///                  tensor while it is in cache)
+///   foreach        torch's multi-tensor kernels (SGD(foreach=True))
+///   per_parameter  LibTorch's torch::optim::SGD
+enum class SgdKernel { automatic, foreach, per_parameter };
 
 /// Parameters whose names start with a match of `pattern` form a group with their own settings.
 struct ParamGroupRule {
@@ -235,7 +240,7 @@ struct SGD {
     double dampening = 0.0;
     double weight_decay = 0.0;
     bool nesterov = false;
-    SgdKernel kernel = SgdKernel::foreach;
+    SgdKernel kernel = SgdKernel::automatic;
   };
   static std::unique_ptr<torch::optim::Optimizer> make(const std::vector<ParamGroup>& groups,
                                                        const Options& o) {
@@ -250,8 +255,10 @@ struct SGD {
     torch::optim::SGDOptions d(o.lr);
     d.momentum(o.momentum).dampening(o.dampening).weight_decay(o.weight_decay).nesterov(o.nesterov);
     auto g = optimizer_detail::torch_groups(groups, d);
-    if (o.kernel == SgdKernel::foreach)
-      return std::make_unique<ForeachSGDOptimizer>(std::move(g), d);
+    if (o.kernel != SgdKernel::per_parameter)
+      return std::make_unique<ForeachSGDOptimizer>(
+          std::move(g), d,
+          /*cpu_per_parameter=*/o.kernel == SgdKernel::automatic);
     return std::make_unique<torch::optim::SGD>(std::move(g), d);
   }
 };
