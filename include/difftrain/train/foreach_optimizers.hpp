@@ -46,20 +46,16 @@ void adam_step(torch::optim::Optimizer& opt) {
     auto& o = static_cast<Options&>(group.options());
     const auto [beta1, beta2] = o.betas();
     const double lr = o.lr(), wd = o.weight_decay();
-    // Each bucket's states, in the order of its tensors (map nodes do not move).
-    std::map<const fused_detail::Bucket*, std::vector<State*>> states;
     auto buckets = fused_detail::adam_buckets<Kind>(
-        opt, group, who, [&](fused_detail::Bucket& b, const at::Tensor& /*p*/, State& s) {
-          states[&b].push_back(&s);
-        });
+        opt, group, who, [](fused_detail::Bucket&, const at::Tensor&, State&) {});
     for (auto& [key, b] : buckets) {
-      const std::vector<State*>& st = states.at(&b);
       std::vector<at::Scalar> step_size, bias_correction2_sqrt;
-      step_size.reserve(st.size());
-      bias_correction2_sqrt.reserve(st.size());
-      for (State* s : st) {
-        s->step(s->step() + 1);
-        const auto t = static_cast<double>(s->step());
+      step_size.reserve(b.states.size());
+      bias_correction2_sqrt.reserve(b.states.size());
+      for (auto* base : b.states) {
+        auto& s = static_cast<State&>(*base);
+        s.step(s.step() + 1);
+        const auto t = static_cast<double>(s.step());
         step_size.emplace_back(-(lr / (1.0 - std::pow(beta1, t))));
         bias_correction2_sqrt.emplace_back(
             std::pow(1.0 - std::pow(beta2, t), 0.5));  // as `bc ** 0.5`
@@ -161,11 +157,7 @@ class ForeachOptimizer : public Kind::Torch {
  public:
   using Kind::Torch::Torch;
   at::Tensor step(typename Kind::Torch::LossClosure closure = nullptr) override {
-    at::Tensor loss;
-    if (closure) {
-      const at::AutoGradMode enable(true);
-      loss = closure();
-    }
+    at::Tensor loss = fused_detail::evaluate_closure(closure);
     foreach_detail::adam_step<Kind>(*this);
     return loss;
   }
@@ -191,11 +183,7 @@ class ForeachSGDOptimizer : public torch::optim::SGD {
 
   at::Tensor step(LossClosure closure = nullptr) override {
     if (cpu_per_parameter_ && on_cpu()) return torch::optim::SGD::step(std::move(closure));
-    at::Tensor loss;
-    if (closure) {
-      const at::AutoGradMode enable(true);
-      loss = closure();
-    }
+    at::Tensor loss = fused_detail::evaluate_closure(closure);
     foreach_detail::sgd_step(*this);
     return loss;
   }

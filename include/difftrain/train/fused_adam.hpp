@@ -19,6 +19,7 @@
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -59,7 +60,16 @@ class StepScalars {
 
 struct Bucket {
   std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps;
+  std::vector<torch::optim::OptimizerParamState*> states;  // one per parameter, in its order
 };
+
+/// A step's closure evaluated with gradients on, as torch.optim's `with torch.enable_grad()`
+/// (the caller may run the step itself under no_grad). No closure: an undefined loss.
+inline at::Tensor evaluate_closure(const std::function<at::Tensor()>& closure) {
+  if (!closure) return {};
+  const at::AutoGradMode enable(true);
+  return closure();
+}
 
 /// What differs between Adam and AdamW: LibTorch's classes and torch's fused kernel.
 struct AdamW {
@@ -116,6 +126,7 @@ std::map<std::pair<std::string, int>, Bucket> adam_buckets(torch::optim::Optimiz
     b.exp_avgs.push_back(s.exp_avg());
     b.exp_avg_sqs.push_back(s.exp_avg_sq());
     if (amsgrad) b.max_exp_avg_sqs.push_back(s.max_exp_avg_sq());
+    b.states.push_back(&s);
     on_param(b, p, s);
   }
   return buckets;
@@ -152,10 +163,10 @@ void fused_step(torch::optim::Optimizer& opt, StepScalars& scalars, const AmpArg
       Kind::kernel(b.params, b.grads, b.exp_avgs, b.exp_avg_sqs, b.max_exp_avg_sqs, b.steps, o.lr(),
                    beta1, beta2, o.weight_decay(), o.eps(), o.amsgrad(), /*maximize=*/false, scale,
                    std::nullopt);
-      for (const at::Tensor& p : b.params) {
-        auto& s = static_cast<State&>(*opt.state()[p.unsafeGetTensorImpl()]);
+      for (std::size_t i = 0; i < b.params.size(); ++i) {
+        auto& s = static_cast<State&>(*b.states[i]);
         s.step(s.step() + 1);
-        scalars.advanced(p);
+        scalars.advanced(b.params[i]);
       }
     }
   }
@@ -170,11 +181,7 @@ class FusedOptimizer : public Kind::Torch, public ScaledStepOptimizer {
  public:
   using Kind::Torch::Torch;
   at::Tensor step(typename Kind::Torch::LossClosure closure = nullptr) override {
-    at::Tensor loss;
-    if (closure) {
-      const at::AutoGradMode enable(true);
-      loss = closure();
-    }
+    at::Tensor loss = fused_detail::evaluate_closure(closure);
     fused_detail::fused_step<Kind>(*this, scalars_);
     return loss;
   }
