@@ -26,6 +26,7 @@
 #include <difftrain/nn/module_tensors.hpp>
 #include <difftrain/schedule/by_name.hpp>
 #include <difftrain/train/callbacks.hpp>
+#include <difftrain/train/profile.hpp>
 #include <difftrain/train/progress.hpp>
 #include <difftrain/train/seeding.hpp>
 #include <difftrain/train/tensorboard.hpp>
@@ -108,7 +109,8 @@ struct Settings {
   std::int64_t progress_lines = -1;  // off a terminal: a line every N steps (-1: a tenth of them)
   std::string tensorboard;           // the event file's folder (default OUT/tensorboard)
   bool no_tensorboard = false;
-  std::int64_t sample_every = 0;  // a sample grid into TensorBoard every N steps (0: none)
+  std::int64_t sample_every = 0;   // a sample grid into TensorBoard every N steps (0: none)
+  std::int64_t profile_steps = 0;  // profile this many steps after 10 warm-up ones (0: none)
   // sampling and scoring
   std::string sampler = "dpm++";
   std::int64_t sample_steps = 20;
@@ -148,8 +150,9 @@ struct UNetConfig : tr::DefaultConfig {
   using Ema = difftrain::ema::Ema<difftrain::ema::RuleByName>;  // --ema-rule, --ema-settings
   using Precision = tr::PrecisionByName;                        // --mixed_precision
   using Clipping = tr::ClipByNorm;
-  using Callbacks = std::tuple<tr::ProgressBar, tr::CsvLossLog, tr::CheckpointEvery,
-                               tr::TensorBoard, tr::SampleEvery<PeekSamples>, StopOnInterrupt>;
+  using Callbacks =
+      std::tuple<tr::ProgressBar, tr::CsvLossLog, tr::CheckpointEvery, tr::TensorBoard,
+                 tr::SampleEvery<PeekSamples>, tr::StepProfile, StopOnInterrupt>;
   using Parallel = difftrain::distributed::DataParallel;
 };
 using UNetTrainer = tr::Trainer<fmnist::UNetImpl, UNetConfig>;
@@ -375,6 +378,10 @@ int run(const Settings& s) {
             tr::SampleEvery<PeekSamples>(
                 s.sample_every > 0 ? s.sample_every : std::numeric_limits<std::int64_t>::max(),
                 PeekSamples{&s, &net, &schedule, device}, "samples", {.columns = 4}),
+            tr::StepProfile(
+                {.after_step = s.profile_steps > 0 ? 10 : std::numeric_limits<std::int64_t>::max(),
+                 .steps = std::max<std::int64_t>(1, s.profile_steps),
+                 .trace = out / "profile.json"}),
             StopOnInterrupt{s.stop_at}});
   };
   if (s.resume) {
@@ -453,6 +460,9 @@ int run(const Settings& s) {
   else
     std::fprintf(stderr, "train: %lld steps in %.1f s (%.2f steps/s)\n",
                  static_cast<long long>(trained_steps), train_seconds, steps_per_second);
+  if (const auto& profile = std::get<tr::StepProfile>(trainer->callbacks()); profile.done())
+    std::fprintf(stderr, "profile (trace: %s):\n%s", (out / "profile.json").string().c_str(),
+                 profile.table(25).c_str());
   const fmnist::LossCurve curve = fmnist::read_loss_log(loss_csv);
 #if DIFFTRAIN_HAS_PLOT
   const difftrain::io::RgbImage loss_plot = fmnist::plot_loss(curve);
@@ -595,6 +605,11 @@ int main(int argc, char** argv) {
   g->add_option("--tensorboard", s.tensorboard,
                 "folder of the TensorBoard event file (default: OUT/tensorboard)");
   g->add_flag("--no-tensorboard", s.no_tensorboard, "write no TensorBoard event file");
+  g->add_option("--profile-steps", s.profile_steps,
+                "profile this many steps after 10 warm-up steps: print where the step's time goes "
+                "and write OUT/profile.json (a Chrome trace); 0: none")
+      ->check(examples::count_in(0, 100'000))
+      ->capture_default_str();
   g->add_option("--sample-every", s.sample_every,
                 "draw a sample grid into TensorBoard every N steps (0: only the final one)")
       ->check(examples::count_in(0, 100'000'000))

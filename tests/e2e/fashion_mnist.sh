@@ -92,6 +92,11 @@ expect_rc 0 shared-tb -- "$bin" "${tiny[@]}" --steps 2 --tensorboard "$work/shar
 expect_rc 0 no-tb -- "$bin" "${tiny[@]}" --steps 2 --no-tensorboard --progress-lines 0 --out "$work/no-tb"
 [ -e "$work/no-tb/tensorboard" ] && fail "--no-tensorboard wrote a TensorBoard folder"
 grep -q "train 2/2" "$work/no-tb.err" && fail "--progress-lines 0 printed progress"
+# --profile-steps: the window after 10 warm-up steps, its table on stderr and a Chrome trace.
+expect_rc 0 profile -- "$bin" "${tiny[@]}" --steps 13 --profile-steps 2 --no-tensorboard --out "$work/prof"
+grep_in "$work/profile.err" "| difftrain::backward |"
+grep_in "$work/profile.err" "2 steps, "
+grep_in "$work/prof/profile.json" "difftrain::optimizer_step"
 # diffusers' --resume_from_checkpoint with a file: the run goes on from that checkpoint's step.
 expect_rc 0 resume-file -- "$bin" "${tiny[@]}" --steps 6 --overwrite \
   --resume_from_checkpoint "$work/b/checkpoints/checkpoint-4.pt" --out "$work/b2"

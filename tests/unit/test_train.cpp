@@ -11,6 +11,8 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <iterator>
+#include <map>
 #include <numeric>
 
 #include "golden.hpp"
@@ -621,6 +623,60 @@ TEST(Callbacks, LogStatisticsCheckpointsAndEarlyStop) {
   EXPECT_NE(bar.line(s).find("train 4 "), std::string::npos) << bar.line(s);
   EXPECT_NE(bar.line(s).find("loss 0.50000 (mean "), std::string::npos) << bar.line(s);
   EXPECT_NE(bar.line(s).find("  lr 0.001"), std::string::npos) << bar.line(s);
+}
+
+// The profile covers exactly the asked window, names the trainer's phases with the operators
+// inside them (self time below total time, every phase called once per step), and its Chrome
+// trace holds the same ranges.
+TEST(Callbacks, StepProfileNamesThePhasesOfTheProfiledStepsOnly) {
+  const fs::path dir = scratch("profile");
+  (void)dt::io::remove_tree(dir);
+  fs::create_directories(dir);
+  struct Cfg : ParityConfig {
+    using Callbacks = std::tuple<tr::StepProfile>;
+  };
+  using T = tr::Trainer<NetImpl, Cfg>;
+  auto net = std::make_shared<NetImpl>();
+  auto o = parity_options();
+  T::Options to;
+  to.optimizer = o.optimizer;
+  to.schedule = o.schedule;
+  to.ema = o.ema;
+  to.clipping = o.clipping;
+  T trainer(*net, to, {tr::StepProfile({.after_step = 2, .steps = 3, .trace = dir / "t.json"})});
+  const auto& profile = std::get<tr::StepProfile>(trainer.callbacks());
+  trainer.fit(source, 8);
+  ASSERT_TRUE(profile.done());
+  EXPECT_EQ(profile.profiled_steps(), 3);
+  EXPECT_GT(profile.wall_ms(), 0.0);
+  std::map<std::string, tr::ProfileRow> rows;
+  double self_sum = 0.0;
+  for (const auto& r : profile.rows()) {
+    rows[r.name] = r;
+    self_sum += r.self_ms;
+    EXPECT_LE(r.self_ms, r.total_ms + 1e-9) << r.name;
+  }
+  for (const char* phase :
+       {"difftrain::data", "difftrain::forward", "difftrain::backward", "difftrain::clip",
+        "difftrain::optimizer_step", "difftrain::ema_update"}) {
+    ASSERT_TRUE(rows.count(phase)) << phase << "\n" << profile.table();
+    EXPECT_EQ(rows[phase].calls, 3) << phase;
+  }
+  // The forward's operators are inside it: its own time is a part of its total.
+  EXPECT_LT(rows["difftrain::forward"].self_ms, rows["difftrain::forward"].total_ms);
+  EXPECT_GE(rows["aten::addmm"].calls, 3 * 2) << profile.table();  // two Linear layers
+  EXPECT_LE(self_sum, profile.wall_ms() * 1.05);  // one thread's time cannot exceed the wall
+  EXPECT_NE(profile.table(5).find("| difftrain::"), std::string::npos) << profile.table(5);
+  std::ifstream in(dir / "t.json");
+  const std::string trace((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_NE(trace.find("difftrain::backward"), std::string::npos);
+  EXPECT_THROW(tr::StepProfile({.after_step = 0, .steps = 0, .trace = {}}), dt::ConfigError);
+  // A run that ends inside its window reports the steps it took.
+  auto net2 = std::make_shared<NetImpl>();
+  T short_run(*net2, to, {tr::StepProfile({.after_step = 1, .steps = 10, .trace = {}})});
+  short_run.fit(source, 4);
+  EXPECT_TRUE(std::get<tr::StepProfile>(short_run.callbacks()).done());
+  EXPECT_EQ(std::get<tr::StepProfile>(short_run.callbacks()).profiled_steps(), 3);
 }
 
 TEST(Callbacks, AResumedRunsLossLogHoldsEveryStepOnce) {

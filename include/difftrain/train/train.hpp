@@ -6,6 +6,7 @@
 #include "difftrain/train/multi_trainer.hpp"
 #include "difftrain/train/optimizer.hpp"
 #include "difftrain/train/precision.hpp"
+#include "difftrain/train/profile.hpp"
 #include "difftrain/train/progress.hpp"
 #include "difftrain/train/seeding.hpp"
 #include "difftrain/train/tensorboard.hpp"

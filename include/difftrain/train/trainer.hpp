@@ -17,6 +17,7 @@
 // EMA update; callbacks.
 
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/input-archive.h>
@@ -336,13 +337,22 @@ class Trainer {
     }
     info.loss = parallel_->mean(loss_sum / static_cast<double>(o_.accumulation_steps));
     // Clipping needs the true gradients; without it a fused optimizer takes the scale itself.
-    if constexpr (!std::is_same_v<ClippingT, NoClipping>) scaler_.unscale_(*optimizer_);
-    info.grad_norm = clipping_.apply(params_, step_);
-    info.stepped = scaler_.step(*optimizer_);
-    scaler_.update();
+    {
+      RECORD_USER_SCOPE("difftrain::clip");
+      if constexpr (!std::is_same_v<ClippingT, NoClipping>) scaler_.unscale_(*optimizer_);
+      info.grad_norm = clipping_.apply(params_, step_);
+    }
+    {
+      RECORD_USER_SCOPE("difftrain::optimizer_step");
+      info.stepped = scaler_.step(*optimizer_);
+      scaler_.update();
+    }
     if (info.stepped) {
       scheduler_->step();
-      if constexpr (has_ema) ema_->update();
+      if constexpr (has_ema) {
+        RECORD_USER_SCOPE("difftrain::ema_update");
+        ema_->update();
+      }
       ++step_;
     } else {
       ++overflow_skips_;
@@ -373,7 +383,10 @@ class Trainer {
     stop_requested_ = false;
     while (step_ < until_step && !stop_requested_) {
       std::vector<Batch> micro;
-      for (std::int64_t m = 0; m < o_.accumulation_steps; ++m) micro.push_back(source(step_, m));
+      {
+        RECORD_USER_SCOPE("difftrain::data");
+        for (std::int64_t m = 0; m < o_.accumulation_steps; ++m) micro.push_back(source(step_, m));
+      }
       (void)step(micro);
       // A stop asked on any rank (a callback runs on rank 0 only) stops every rank at this step.
       if (parallel_->world_size() > 1) stop_requested_ = !parallel_->all_ok(!stop_requested_);
@@ -895,12 +908,15 @@ class Trainer {
     }
     parallel_->before_forward(sync);
     at::Tensor loss;
-    if (precision_.autocast) {
-      const c10::DeviceType dev = params_.empty() ? c10::kCPU : params_.front().device().type();
-      AutocastGuard guard(dev, precision_.dtype);
-      loss = model_->loss(b);
-    } else {
-      loss = model_->loss(b);
+    {
+      RECORD_USER_SCOPE("difftrain::forward");
+      if (precision_.autocast) {
+        const c10::DeviceType dev = params_.empty() ? c10::kCPU : params_.front().device().type();
+        AutocastGuard autocast(dev, precision_.dtype);
+        loss = model_->loss(b);
+      } else {
+        loss = model_->loss(b);
+      }
     }
     if (loss.numel() != 1)
       throw ShapeError("loss must be a scalar, got shape " + c10::str(loss.sizes()), "Model::loss");
@@ -912,6 +928,7 @@ class Trainer {
       return value;
     }
     if (!sync) {
+      RECORD_USER_SCOPE("difftrain::backward");
       scaler_.scale(loss * weight).backward();
       return value;
     }
@@ -921,12 +938,16 @@ class Trainer {
       return std::nan("");
     }
     parallel_->before_backward();
-    parallel_->guard([&] { scaler_.scale(loss * weight).backward(); });
+    parallel_->guard([&] {
+      RECORD_USER_SCOPE("difftrain::backward");
+      scaler_.scale(loss * weight).backward();
+    });
     return value;
   }
 
   void finish(StepInfo& info, std::chrono::steady_clock::time_point start) {
     info.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    RECORD_USER_SCOPE("difftrain::callbacks");
     call([&](auto& cb) {
       if constexpr (requires { cb.on_step_end(*this, info); }) cb.on_step_end(*this, info);
     });
