@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up, builds (release) and runs the main job: the Fashion-MNIST example with its defaults —
-# a class-conditional diffusion model trained on the CPU (about eight minutes on two cores), its
+# a class-conditional diffusion model trained on the CPU (about two minutes on two cores), its
 # samples, loss curve and scores written to build/demo/fashion_mnist/.
 #   extra arguments go to the program, e.g. `bash scripts/demo.sh --device cuda --steps 20000`
 set -euo pipefail

@@ -80,7 +80,7 @@ struct Settings {
   // model and training
   std::int64_t channels = 16;
   bool attention_14 = false;
-  std::int64_t steps = 1200;
+  std::int64_t steps = 700;
   std::int64_t batch_size = 64;
   double lr = 2e-3;
   double weight_decay = 0.01;
@@ -89,7 +89,7 @@ struct Settings {
   double ema_decay = 0.995;
   std::string ema_rule = "warmup_decay";
   std::string ema_settings = "{}";
-  std::string mixed_precision = "no";
+  std::string mixed_precision = "auto";  // auto: bf16 on a CPU that computes it natively
   double clip = 1.0;
   double p_uncond = 0.1;
   std::int64_t checkpoint_every = 250;
@@ -97,8 +97,8 @@ struct Settings {
   bool resume = false;
   std::string resume_from;  // diffusers' --resume_from_checkpoint: a checkpoint file or "latest"
   std::string logging_dir;  // the loss log's folder (default: --out)
-  std::string prediction_type = "epsilon";
-  double snr_gamma = 0.0;
+  std::string prediction_type = "v_prediction";
+  double snr_gamma = 5.0;
   double adam_beta1 = 0.9, adam_beta2 = 0.999, adam_epsilon = 1e-8;
   std::string adam_kernel = "fused";  // torch's fused AdamW, its multi-tensor one, or LibTorch's
   std::int64_t accumulation = 1;
@@ -113,7 +113,7 @@ struct Settings {
   std::int64_t profile_steps = 0;  // profile this many steps after 10 warm-up ones (0: none)
   // sampling and scoring
   std::string sampler = "dpm++";
-  std::int64_t sample_steps = 20;
+  std::int64_t sample_steps = 12;
   bool clip_x0 = true;
   double guidance = 3.0;
   std::int64_t samples_per_class = 50;
@@ -241,6 +241,11 @@ int run(const Settings& s) {
       s.device == "cuda" && world->distributed()
           ? at::Device(at::kCUDA, static_cast<at::DeviceIndex>(world->local_rank()))
           : at::Device(s.device);
+  // bf16 autocast where the CPU computes bf16 natively (measured faster there at the same
+  // quality, docs/results.md); elsewhere, and on CUDA, float32 unless asked.
+  const std::string mixed_precision = s.mixed_precision != "auto" ? s.mixed_precision
+                                      : device.is_cpu() && tr::cpu_has_native_bf16() ? "bf16"
+                                                                                     : "no";
   if (s.out.empty()) throw ConfigError("is empty; name the output folder", "--out");
   const fs::path out(s.out);
   const fs::path ckpt_dir = out / "checkpoints";
@@ -307,7 +312,7 @@ int run(const Settings& s) {
   o.schedule.args.num_warmup_steps = std::min(s.warmup, s.steps);
   o.schedule.args.num_training_steps = s.steps;
   o.ema.rule = ema_rule_options(s);
-  o.precision.mixed_precision = s.mixed_precision;
+  o.precision.mixed_precision = mixed_precision;
   o.clipping.max_norm = s.clip;
   o.parallel.world = world;
   // A checkpoint written with another LR, schedule (--steps, --warmup), weight decay, clipping or
@@ -344,7 +349,7 @@ int run(const Settings& s) {
                                           {"lr_scheduler", s.lr_scheduler},
                                           {"lr", s.lr},
                                           {"ema", ema_rule_json(s)},
-                                          {"mixed_precision", s.mixed_precision},
+                                          {"mixed_precision", mixed_precision},
                                           {"prediction_type", s.prediction_type},
                                           {"snr_gamma", s.snr_gamma},
                                           {"gradient_accumulation_steps", s.accumulation},
@@ -461,8 +466,8 @@ int run(const Settings& s) {
     std::fprintf(stderr, "train: %lld steps in %.1f s (%.2f steps/s)\n",
                  static_cast<long long>(trained_steps), train_seconds, steps_per_second);
   if (const auto& profile = std::get<tr::StepProfile>(trainer->callbacks()); profile.done())
-    std::fprintf(stderr, "profile (trace: %s):\n%s", (out / "profile.json").string().c_str(),
-                 profile.table(25).c_str());
+    std::fprintf(stderr, "profile (trace: %s):\n%s\n%s", (out / "profile.json").string().c_str(),
+                 profile.phase_table().c_str(), profile.table(25).c_str());
   const fmnist::LossCurve curve = fmnist::read_loss_log(loss_csv);
 #if DIFFTRAIN_HAS_PLOT
   const difftrain::io::RgbImage loss_plot = fmnist::plot_loss(curve);
@@ -679,8 +684,9 @@ int main(int argc, char** argv) {
       ->check(examples::count_in(1, 1'000'000))
       ->capture_default_str();
   m->add_option("--mixed-precision,--mixed_precision", s.mixed_precision,
-                "no (float32), bf16 or fp16 (autocast; fp16 with loss scaling)")
-      ->check(CLI::IsMember({"no", "fp32", "bf16", "fp16"}))
+                "no (float32), bf16 or fp16 (autocast; fp16 with loss scaling); auto: bf16 on a "
+                "CPU with native bf16 (AVX512-BF16, AMX), else no")
+      ->check(CLI::IsMember({"auto", "no", "fp32", "bf16", "fp16"}))
       ->capture_default_str();
   m->add_option("--clip,--max_grad_norm", s.clip, "gradient norm clipping")
       ->check(examples::number_in(0, 1e9, true))

@@ -667,6 +667,10 @@ TEST(Callbacks, StepProfileNamesThePhasesOfTheProfiledStepsOnly) {
   EXPECT_GE(rows["aten::addmm"].calls, 3 * 2) << profile.table();  // two Linear layers
   EXPECT_LE(self_sum, profile.wall_ms() * 1.05);  // one thread's time cannot exceed the wall
   EXPECT_NE(profile.table(5).find("| difftrain::"), std::string::npos) << profile.table(5);
+  const std::string phases = profile.phase_table();
+  for (const char* phase : {"| difftrain::forward |", "| difftrain::ema_update |", "| (between"})
+    EXPECT_NE(phases.find(phase), std::string::npos) << phase << "\n" << phases;
+  EXPECT_EQ(phases.find("| aten::"), std::string::npos) << phases;
   std::ifstream in(dir / "t.json");
   const std::string trace((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   EXPECT_NE(trace.find("difftrain::backward"), std::string::npos);

@@ -155,6 +155,30 @@ class StepProfile {
     return out + line;
   }
 
+  /// The trainer's phases (the `difftrain::` ranges) by total time per step, and what is left of
+  /// the step's wall time outside them.
+  [[nodiscard]] std::string phase_table() const {
+    const double per = profiled_steps() > 0 ? static_cast<double>(profiled_steps()) : 1.0;
+    std::vector<const ProfileRow*> phases;
+    for (const ProfileRow& r : rows_)
+      if (r.name.starts_with("difftrain::")) phases.push_back(&r);
+    std::sort(phases.begin(), phases.end(),
+              [](const ProfileRow* a, const ProfileRow* b) { return a->total_ms > b->total_ms; });
+    std::string out = "| phase | ms/step | % of step |\n| --- | ---: | ---: |\n";
+    char line[256];
+    double sum = 0.0;
+    for (const ProfileRow* r : phases) {
+      sum += r->total_ms;
+      std::snprintf(line, sizeof line, "| %s | %.2f | %.1f |\n", r->name.c_str(), r->total_ms / per,
+                    wall_ms_ > 0 ? 100.0 * r->total_ms / wall_ms_ : 0.0);
+      out += line;
+    }
+    std::snprintf(line, sizeof line,
+                  "| (between phases: schedule, zero_grad, the loop) | %.2f | %.1f |\n",
+                  (wall_ms_ - sum) / per, wall_ms_ > 0 ? 100.0 * (wall_ms_ - sum) / wall_ms_ : 0.0);
+    return out + line;
+  }
+
  private:
   void start(std::int64_t step) {
     using torch::profiler::impl::ProfilerConfig;
