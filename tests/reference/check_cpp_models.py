@@ -30,7 +30,23 @@ def main(binary, golden_dir):
         err = (got - want).abs().max().item() / max(1.0, want.abs().max().item())
         assert err < 1e-5, (name, err)
         print(f"{name}: diffusers on difftrain's folder, max scaled error {err:.2e}")
+    check_sdxl(out, pathlib.Path(golden_dir))
     check_lora(out, pathlib.Path(golden_dir))
+
+
+def check_sdxl(out, golden):
+    """SDXL's added conditions and an encoder attention mask, on a folder difftrain wrote."""
+    io = load_file(golden / "models" / "unet_sdxl_text_time_bin.io.safetensors")
+    want = load_file(out / "outputs_sdxl.safetensors")["unet"]
+    unet = UNet2DConditionModel.from_pretrained(out / "unet_sdxl").eval()
+    with torch.no_grad():
+        y = unet(io["input.sample"], io["input.timestep"], io["input.encoder_hidden_states"],
+                 encoder_attention_mask=io["input.encoder_attention_mask"],
+                 added_cond_kwargs={"text_embeds": io["input.text_embeds"],
+                                    "time_ids": io["input.time_ids"]}).sample
+    err = (y - want).abs().max().item() / max(1.0, want.abs().max().item())
+    assert err < 1e-5, ("sdxl", err)
+    print(f"SDXL-layout UNet with added conditions and a mask: max scaled error {err:.2e}")
 
 
 def merged(unet, state_dict, alphas):

@@ -1,8 +1,9 @@
 """Golden values for difftrain's models: diffusers' own UNet2DConditionModel and AutoencoderKL.
 
 For a sweep of small configurations (2-3 levels, linear and conv projections, several head counts,
-class-conditional variants, scale-shift resnets, odd sizes, sharded and fp16-variant folders) this
-saves each model with diffusers' save_pretrained, runs it on seeded inputs and writes the inputs,
+class-conditional variants, scale-shift resnets, odd sizes, SDXL's added text/time conditions,
+encoder attention masks, sharded, fp16-variant and torch.save (.bin) folders, a tiled and sliced
+VAE) this saves each model with diffusers' save_pretrained, runs it on seeded inputs and writes the inputs,
 the outputs and the gradient of sum(out * w) for every parameter, in float64-free float32 as the
 C++ side computes. For the published Stable Diffusion 1.5 / 2.1 UNet and VAE configurations it
 instantiates the models on the meta device and writes every parameter's name and shape.
@@ -65,7 +66,18 @@ UNET_CASES = [
         projection_class_embeddings_input_dim=16, time_cond_proj_dim=8, timestep_post_act="silu",
         center_input_sample=True, layers_per_block=[1, 2], downsample_padding=0,
         cross_attention_dim=[32, 32]), (8, 8), 6, {}),
+    # SDXL's layout in small: no attention at the top level, deeper transformers below, linear
+    # projections, text_time added conditions; saved as sharded torch.save (.bin) files.
+    ("unet_sdxl_text_time_bin", dict(
+        block_out_channels=[32, 64], layers_per_block=2, norm_num_groups=8, cross_attention_dim=32,
+        down_block_types=["DownBlock2D", "CrossAttnDownBlock2D"],
+        up_block_types=["CrossAttnUpBlock2D", "UpBlock2D"], transformer_layers_per_block=[1, 2],
+        attention_head_dim=[2, 4], use_linear_projection=True, addition_embed_type="text_time",
+        addition_time_embed_dim=8, projection_class_embeddings_input_dim=16 + 6 * 8,
+        sample_size=8), (8, 8), 5, {"bin": True, "max_shard_size": "3MB"}),
 ]
+# Cases whose calls also carry an encoder attention mask (one row partly, one fully masked).
+MASKED = {"unet_linear_3_levels", "unet_sdxl_text_time_bin"}
 
 VAE_CASES = [
     ("vae_two_levels", dict(block_out_channels=[32, 64], norm_num_groups=8, latent_channels=4,
@@ -84,7 +96,7 @@ def shapes(model):
 
 
 def save(model, folder, opts):
-    kwargs = {}
+    kwargs = {"safe_serialization": not opts.get("bin", False)}
     if "max_shard_size" in opts:
         kwargs["max_shard_size"] = opts["max_shard_size"]
     if "variant" in opts:
@@ -92,7 +104,8 @@ def save(model, folder, opts):
         model = model.to(torch.float16)
     model.save_pretrained(folder, **kwargs)
     loaded = type(model).from_pretrained(folder, variant=opts.get("variant"),
-                                         torch_dtype=torch.float32)
+                                         torch_dtype=torch.float32,
+                                         use_safetensors=not opts.get("bin", False))
     return loaded
 
 
@@ -131,14 +144,26 @@ def generate(out):
             inputs["class_labels"] = torch.randn(b, cfg.projection_class_embeddings_input_dim, generator=g)
         if cfg.time_cond_proj_dim:
             inputs["timestep_cond"] = torch.randn(b, cfg.time_cond_proj_dim, generator=g)
-        for k in ("class_labels", "timestep_cond"):
+        if name in MASKED:
+            mask = torch.ones(b, ctx_len)
+            mask[0, 1::2] = 0
+            mask[1] = 0
+            inputs["encoder_attention_mask"] = mask
+        for k in ("class_labels", "timestep_cond", "encoder_attention_mask"):
             if k in inputs:
                 kwargs[k] = inputs[k]
+        if cfg.addition_embed_type == "text_time":
+            inputs["text_embeds"] = torch.randn(b, 16, generator=g)
+            inputs["time_ids"] = torch.tensor([[64.0, 64.0, 0.0, 0.0, 64.0, 64.0],
+                                               [96.0, 80.0, 8.0, 4.0, 64.0, 48.0]])
+            kwargs["added_cond_kwargs"] = {"text_embeds": inputs["text_embeds"],
+                                           "time_ids": inputs["time_ids"]}
         y = model(inputs["sample"], inputs["timestep"], inputs["encoder_hidden_states"], **kwargs).sample
         wgt, grads = grads_of(model, y, g)
         tensors = {f"input.{k}": v for k, v in inputs.items()}
         tensors.update({"output": y.detach(), "weight": wgt}, **grads)
         save_file({k: v.contiguous() for k, v in tensors.items()}, root / f"{name}.io.safetensors")
+        assert opts.get("bin", False) == any(f.suffix == ".bin" for f in (root / name).iterdir())
         index["unet"].append({"name": name, "variant": opts.get("variant"),
                               "act_fn": cfg.act_fn, "parameters": sum(p.numel() for p in model.parameters())})
 
@@ -165,6 +190,32 @@ def generate(out):
         tensors.update({f"grad.{n}": p.grad.clone() for n, p in model.named_parameters()})
         save_file({k: v.contiguous() for k, v in tensors.items()}, root / f"{name}.io.safetensors")
         index["vae"].append({"name": name, "parameters": sum(p.numel() for p in model.parameters())})
+
+    # diffusers' enable_tiling / enable_slicing: 16-pixel tiles (8 latents) over 40 x 28 images
+    # (20 x 14 latents), overlapping by a quarter, one image at a time.
+    torch.manual_seed(0)
+    model = AutoencoderKL(**dict(VAE_CASES[0][1], sample_size=16))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(root / "vae_tiled")
+    model.train()
+    model.enable_tiling()
+    model.enable_slicing()
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 40, 28, generator=g)
+    posterior = model.encode(x).latent_dist
+    z = torch.randn(2, 4, 20, 14, generator=g)
+    decoded = model.decode(z).sample
+    dec_w = torch.randn(decoded.shape, generator=g)
+    mean_w = torch.randn(posterior.mean.shape, generator=g)
+    ((decoded * dec_w).sum() + (posterior.mean * mean_w).sum() + posterior.logvar.sum()).backward()
+    tensors = {"input.x": x, "input.z": z, "mean": posterior.mean.detach(),
+               "logvar": posterior.logvar.detach(), "decoded": decoded.detach(), "decoded_w": dec_w,
+               "mean_w": mean_w}
+    tensors.update({f"grad.{n}": p.grad.clone() for n, p in model.named_parameters()})
+    save_file({k: v.contiguous() for k, v in tensors.items()}, root / "vae_tiled.io.safetensors")
+    index["vae_tiled"] = {"name": "vae_tiled", "sample_tile": 16, "latent_tile": 8}
 
     full = {}
     with torch.device("meta"):

@@ -74,6 +74,12 @@ void check_unet_case(const std::string& name) {
   models::UNetConditions cond;
   if (t.contains("input.class_labels")) cond.class_labels = t.at("input.class_labels");
   if (t.contains("input.timestep_cond")) cond.timestep_cond = t.at("input.timestep_cond");
+  if (t.contains("input.encoder_attention_mask"))
+    cond.encoder_attention_mask = t.at("input.encoder_attention_mask");
+  if (t.contains("input.text_embeds")) {
+    cond.text_embeds = t.at("input.text_embeds");
+    cond.time_ids = t.at("input.time_ids");
+  }
   const at::Tensor out = unet->forward(t.at("input.sample"), t.at("input.timestep"),
                                        t.at("input.encoder_hidden_states"), cond);
   expect_close(out, t.at("output"), 1e-5, "output");
@@ -93,7 +99,7 @@ void check_unet_case(const std::string& name) {
 
 TEST(Models, UNetMatchesDiffusersOnEverySweptConfig) {
   const auto& cases = tst::golden("models.json")["unet"];
-  ASSERT_GE(cases.size(), 4U);
+  ASSERT_GE(cases.size(), 5U);
   for (const auto& c : cases) {
     const std::string name = c["name"];
     if (c["act_fn"] == "mish")
@@ -129,6 +135,45 @@ TEST(Models, VaeMatchesDiffusersOnEverySweptConfig) {
     for (const auto& p : vae->named_parameters())
       expect_close(p.value().grad(), t.at("grad." + p.key()), 1e-4, "grad of " + p.key());
   }
+}
+
+// diffusers' enable_tiling and enable_slicing: 40 × 28 images in 16-pixel tiles, one at a time;
+// the posterior, the decoded image and every gradient equal diffusers'.
+TEST(Models, TiledAndSlicedVaeMatchesDiffusers) {
+  const auto& ref = tst::golden("models.json")["vae_tiled"];
+  const auto io = dt::io::load_safetensors(golden_models() / "vae_tiled.io.safetensors", true);
+  const auto& t = io.tensors;
+  auto vae = models::from_pretrained<models::AutoencoderKL<>>(golden_models() / "vae_tiled");
+  vae->train();
+  vae->enable_tiling();
+  vae->enable_slicing();
+  ASSERT_TRUE(vae->tiling().has_value());
+  EXPECT_EQ(vae->tiling()->sample_tile, ref["sample_tile"].get<std::int64_t>());
+  EXPECT_EQ(vae->tiling()->latent_tile, ref["latent_tile"].get<std::int64_t>());
+  const auto posterior = vae->encode(t.at("input.x"));
+  expect_close(posterior.mean, t.at("mean"), 1e-5, "mean");
+  expect_close(posterior.logvar, t.at("logvar"), 1e-5, "logvar");
+  const at::Tensor decoded = vae->decode(t.at("input.z"));
+  expect_close(decoded, t.at("decoded"), 1e-5, "decoded");
+  ((decoded * t.at("decoded_w")).sum() + (posterior.mean * t.at("mean_w")).sum() +
+   posterior.logvar.sum())
+      .backward();
+  for (const auto& p : vae->named_parameters())
+    expect_close(p.value().grad(), t.at("grad." + p.key()), 1e-4, "grad of " + p.key());
+
+  // Tiles differ from the whole (each sees only its part), and untiled is back when disabled.
+  at::NoGradGuard no_grad;
+  vae->disable_tiling();
+  EXPECT_GT(scaled_error(vae->decode(t.at("input.z")), t.at("decoded")), 1e-3);
+  // Slicing alone changes nothing but memory.
+  const at::Tensor whole = vae->decode(t.at("input.z"));
+  vae->enable_slicing(false);
+  // (batch-size-dependent convolution kernels round differently)
+  expect_close(vae->decode(t.at("input.z")), whole, 1e-5, "sliced vs whole");
+  EXPECT_THROW(vae->enable_tiling({.sample_tile = 16, .latent_tile = 8, .overlap = 1.0}),
+               dt::ConfigError);
+  EXPECT_THROW(vae->enable_tiling({.sample_tile = 1, .latent_tile = 0, .overlap = 0.5}),
+               dt::ConfigError);
 }
 
 TEST(Models, FullSizeStableDiffusionConfigsHaveDiffusersParameters) {
@@ -302,6 +347,23 @@ TEST(Models, SavedFoldersRoundTrip) {
                               {"x", x},
                               {"vae_mean", vae->encode(x).mean},
                               {"vae_recon", vae->forward(x)}});
+    // SDXL's layout, read from torch.save shards, written back as safetensors; its output with
+    // the added conditions and an encoder attention mask.
+    const auto sdxl_io =
+        dt::io::load_safetensors(golden_models() / "unet_sdxl_text_time_bin.io.safetensors", true);
+    const auto& s = sdxl_io.tensors;
+    auto sdxl = models::from_pretrained<models::UNet2DConditionModel<>>(golden_models() /
+                                                                        "unet_sdxl_text_time_bin");
+    for (auto& p : sdxl->parameters()) p.add_(at::randn_like(p) * 0.02);
+    models::save_pretrained(sdxl, o / "unet_sdxl");
+    sdxl->eval();
+    models::UNetConditions c;
+    c.text_embeds = s.at("input.text_embeds");
+    c.time_ids = s.at("input.time_ids");
+    c.encoder_attention_mask = s.at("input.encoder_attention_mask");
+    dt::io::save_safetensors(o / "outputs_sdxl.safetensors",
+                             {{"unet", sdxl->forward(s.at("input.sample"), s.at("input.timestep"),
+                                                     s.at("input.encoder_hidden_states"), c)}});
   }
   dt::io::remove_tree(dir);
 }
@@ -326,9 +388,21 @@ TEST(Models, BadFoldersFailWithTypedErrorsAndLoadNothing) {
   fs::remove(d / models::kWeightsName);
   msg = error_of<dt::IoError>([&] { models::from_pretrained<Unet>(d); });
   EXPECT_NE(msg.find("diffusion_pytorch_model.safetensors"), std::string::npos) << msg;
-  write_text(d / "diffusion_pytorch_model.bin", "x");
+  write_text(d / "diffusion_pytorch_model.bin", "x");  // read as torch.save's, and refused
+  msg = error_of<dt::FormatError>([&] { models::from_pretrained<Unet>(d); });
+  EXPECT_NE(msg.find("diffusion_pytorch_model.bin"), std::string::npos) << msg;
+
+  // torch.save shards: one missing, one cut short, one holding a tensor of the wrong shape.
+  const std::string bin = "unet_sdxl_text_time_bin";
+  d = copy_of(bin, "bin_missing_shard");
+  fs::remove(d / "diffusion_pytorch_model-00002-of-00003.bin");
   msg = error_of<dt::IoError>([&] { models::from_pretrained<Unet>(d); });
-  EXPECT_NE(msg.find(".bin"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("00002-of-00003.bin"), std::string::npos) << msg;
+  d = copy_of(bin, "bin_truncated_shard");
+  const fs::path bin_shard = d / "diffusion_pytorch_model-00001-of-00003.bin";
+  fs::resize_file(bin_shard, fs::file_size(bin_shard) / 2);
+  msg = error_of<dt::FormatError>([&] { models::from_pretrained<Unet>(d); });
+  EXPECT_NE(msg.find("00001-of-00003.bin"), std::string::npos) << msg;
 
   d = copy_of("unet_timestep_classes", "variant_only");
   msg = error_of<dt::IoError>(
@@ -389,7 +463,11 @@ TEST(Models, ConfigMistakesAreNamed) {
       {{{"dual_cross_attention", true}}, "dual_cross_attention"},
       {{{"attention_type", "gated"}}, "attention_type"},
       {{{"time_embedding_type", "fourier"}}, "time_embedding_type"},
-      {{{"addition_embed_type", "text_time"}}, "addition_embed_type"},
+      {{{"addition_embed_type", "text"}}, "addition_embed_type"},
+      {{{"addition_embed_type", "text_time"}, {"projection_class_embeddings_input_dim", 40}},
+       "addition_time_embed_dim"},
+      {{{"addition_embed_type", "text_time"}, {"addition_time_embed_dim", 4}},
+       "projection_class_embeddings_input_dim"},
       {{{"num_attention_heads", 4}}, "num_attention_heads"},
       {{{"cross_attention_norm", "group_norm"}}, "cross_attention_norm"},
       {{{"down_block_types", {"SimpleCrossAttnDownBlock2D", "DownBlock2D"}}},
@@ -460,6 +538,47 @@ TEST(Models, WrongInputsAreShapeErrors) {
   // A scalar timestep is broadcast over the batch, as diffusers does.
   cond.class_labels = labels;
   EXPECT_EQ(unet->forward(x, at::tensor(5), ctx, cond).sizes(), x.sizes());
+  // An encoder attention mask must match the context's tokens; bool and float masks agree.
+  cond.encoder_attention_mask = at::ones({2, 4});
+  msg = error_of<dt::ShapeError>([&] { unet->forward(x, at::tensor({1, 2}), ctx, cond); });
+  EXPECT_NE(msg.find("encoder_attention_mask"), std::string::npos) << msg;
+  {
+    at::NoGradGuard no_grad;
+    unet->eval();
+    cond.encoder_attention_mask = at::tensor({1.0F, 0.0F, 1.0F, 1.0F, 1.0F, 0.0F}).view({2, 3});
+    const at::Tensor masked = unet->forward(x, at::tensor({1, 2}), ctx, cond);
+    cond.encoder_attention_mask = cond.encoder_attention_mask.to(at::kBool);
+    expect_close(unet->forward(x, at::tensor({1, 2}), ctx, cond), masked, 1e-6, "bool mask");
+    // Here a masked token still matters: the first level only cross-attends, and its attn1, as
+    // diffusers', takes no encoder mask.
+    at::Tensor other = ctx.clone();
+    other.index_put_({0, 1}, at::randn({24}));
+    EXPECT_GT(scaled_error(unet->forward(x, at::tensor({1, 2}), other, cond), masked), 1e-4);
+    unet->train();
+  }
+  // SDXL's added conditions are required where the config has them, and checked.
+  auto sdxl = models::from_pretrained<models::UNet2DConditionModel<>>(golden_models() /
+                                                                      "unet_sdxl_text_time_bin");
+  const at::Tensor ctx32 = at::randn({2, 5, 32});
+  msg = error_of<dt::ShapeError>([&] { sdxl->forward(x, at::tensor({1, 2}), ctx32); });
+  EXPECT_NE(msg.find("text_embeds"), std::string::npos) << msg;
+  models::UNetConditions added;
+  added.text_embeds = at::randn({2, 16});
+  added.time_ids = at::randn({2, 5});  // 16 + 5 · 8 ≠ 64
+  msg = error_of<dt::ShapeError>([&] { sdxl->forward(x, at::tensor({1, 2}), ctx32, added); });
+  EXPECT_NE(msg.find("projection_class_embeddings_input_dim 64"), std::string::npos) << msg;
+  {
+    // Where every attention to the context takes the mask, a masked token's content is ignored.
+    at::NoGradGuard no_grad;
+    sdxl->eval();
+    added.time_ids = at::randn({2, 6});
+    added.encoder_attention_mask = at::tensor({1, 0, 1, 1, 1, 1, 1, 1, 0, 1}).view({2, 5});
+    const at::Tensor masked = sdxl->forward(x, at::tensor({1, 2}), ctx32, added);
+    at::Tensor other = ctx32.clone();
+    other.index_put_({0, 1}, at::randn({32}));
+    other.index_put_({1, 3}, at::randn({32}));
+    expect_close(sdxl->forward(x, at::tensor({1, 2}), other, added), masked, 1e-6, "masked tokens");
+  }
   auto vae = models::from_pretrained<models::AutoencoderKL<>>(golden_models() / "vae_two_levels");
   EXPECT_THROW(vae->encode(at::randn({1, 4, 16, 16})), dt::ShapeError);
   EXPECT_THROW(vae->decode(at::randn({1, 3, 4, 4})), dt::ShapeError);

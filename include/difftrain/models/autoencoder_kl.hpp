@@ -2,6 +2,8 @@
 // diffusers' AutoencoderKL — the VAE of Stable Diffusion — built from its `config.json`, with
 // diffusers' parameter names. encode() gives the diagonal Gaussian posterior over latents,
 // decode() the image; the latents a UNet trains on are (sample − shift_factor) · scaling_factor.
+// Like diffusers, encode and decode can work one image at a time (slicing) and in overlapping
+// tiles blended linearly across their seams (tiling), which bounds memory for large images.
 
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
@@ -10,6 +12,7 @@
 #include <torch/nn/modules/normalization.h>
 #include <torch/nn/pimpl.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <nlohmann/json.hpp>
@@ -273,6 +276,62 @@ class VaeDecoderImpl : public torch::nn::Module {
   std::vector<UpBlock<Backend, Act>> up_;
 };
 
+/// diffusers' enable_tiling: images larger than `sample_tile` (latents larger than `latent_tile`)
+/// are encoded (decoded) in tiles overlapping by `overlap` of a tile, each blended linearly into
+/// the tile above and the tile to its left. Not equal to untiled results (each tile sees only its
+/// part of the image), but equal to diffusers' tiled ones.
+struct VaeTiling {
+  std::int64_t sample_tile = 0;  // 0: the config's sample_size (its first entry), as diffusers
+  std::int64_t latent_tile = 0;  // 0: sample_tile / 2^(levels − 1), as diffusers
+  double overlap = 0.25;         // diffusers' tile_overlap_factor
+};
+
+namespace vae_detail {
+/// Blends the last rows (dim 2) or columns (dim 3) of `a` into the first ones of `b`, in place:
+/// b[k] = a[−e + k]·(1 − k/e) + b[k]·k/e for k < e, the weights computed in double as diffusers'
+/// Python floats are.
+inline void blend(const at::Tensor& a, at::Tensor& b, std::int64_t dim, std::int64_t extent) {
+  const std::int64_t e = std::min({a.size(dim), b.size(dim), extent});
+  if (e <= 0) return;
+  at::Tensor w = at::arange(e, a.options().dtype(at::kDouble)) / static_cast<double>(e);
+  at::Tensor keep = (1.0 - w).to(b.scalar_type()), take = w.to(b.scalar_type());
+  if (dim == 2) {
+    keep = keep.view({e, 1});
+    take = take.view({e, 1});
+  }
+  const at::Tensor head = b.narrow(dim, 0, e);
+  head.copy_(a.narrow(dim, a.size(dim) - e, e) * keep + head * take);
+}
+
+/// diffusers' tiled encode/decode: `run` on tiles of `tile_in` stepping by tile_in·(1 − overlap),
+/// outputs of `tile_out` blended over tile_out·overlap and cropped to tile_out − that.
+template <class Run>
+at::Tensor tiled(const at::Tensor& x, std::int64_t tile_in, std::int64_t tile_out, double overlap,
+                 Run&& run) {
+  const auto step = static_cast<std::int64_t>(static_cast<double>(tile_in) * (1.0 - overlap));
+  const auto extent = static_cast<std::int64_t>(static_cast<double>(tile_out) * overlap);
+  const std::int64_t limit = tile_out - extent;
+  std::vector<std::vector<at::Tensor>> rows;
+  for (std::int64_t i = 0; i < x.size(2); i += step) {
+    auto& row = rows.emplace_back();
+    for (std::int64_t j = 0; j < x.size(3); j += step)
+      row.push_back(run(x.slice(2, i, i + tile_in).slice(3, j, j + tile_in)));
+  }
+  std::vector<at::Tensor> out_rows;
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    std::vector<at::Tensor> out_row;
+    for (std::size_t j = 0; j < rows[i].size(); ++j) {
+      at::Tensor& tile = rows[i][j];
+      if (i > 0) blend(rows[i - 1][j], tile, 2, extent);
+      if (j > 0) blend(rows[i][j - 1], tile, 3, extent);
+      out_row.push_back(tile.slice(2, 0, limit).slice(3, 0, limit));
+    }
+    out_rows.push_back(at::cat(out_row, 3));
+  }
+  return at::cat(out_rows, 2);
+}
+}  // namespace vae_detail
+
 template <nn::attention::AttentionBackend Backend = nn::attention::Sdpa<nn::attention::Auto>,
           nn::ElementwiseActivation Act = nn::activation::SiLU>
 class AutoencoderKLImpl : public torch::nn::Module {
@@ -305,9 +364,12 @@ class AutoencoderKLImpl : public torch::nn::Module {
       throw ShapeError("images must be (B, " + std::to_string(c_.in_channels) + ", H, W), got " +
                            c10::str(x.sizes()),
                        "AutoencoderKL::encode");
-    at::Tensor moments = encoder->forward(x);
-    if (quant_conv) moments = quant_conv->forward(moments);
-    return DiagonalGaussianDistribution(moments);
+    if (slicing_ && x.size(0) > 1) {
+      std::vector<at::Tensor> parts;
+      for (const auto& one : x.split(1)) parts.push_back(moments_of(one));
+      return DiagonalGaussianDistribution(at::cat(parts));
+    }
+    return DiagonalGaussianDistribution(moments_of(x));
   }
 
   at::Tensor decode(const at::Tensor& z) {
@@ -315,8 +377,46 @@ class AutoencoderKLImpl : public torch::nn::Module {
       throw ShapeError("latents must be (B, " + std::to_string(c_.latent_channels) +
                            ", h, w), got " + c10::str(z.sizes()),
                        "AutoencoderKL::decode");
-    return decoder->forward(post_quant_conv ? post_quant_conv->forward(z) : z);
+    if (slicing_ && z.size(0) > 1) {
+      std::vector<at::Tensor> parts;
+      for (const auto& one : z.split(1)) parts.push_back(image_of(one));
+      return at::cat(parts);
+    }
+    return image_of(z);
   }
+
+  /// diffusers' enable_slicing: encode and decode one image of a batch at a time.
+  void enable_slicing(bool on = true) { slicing_ = on; }
+  [[nodiscard]] bool slicing() const { return slicing_; }
+
+  /// diffusers' enable_tiling (see VaeTiling); the sizes default to diffusers'.
+  void enable_tiling(VaeTiling tiling = {}) {
+    const std::string where = "AutoencoderKL::enable_tiling";
+    if (tiling.sample_tile == 0) {
+      const nlohmann::json& s = c_.sample_size;
+      const nlohmann::json& first = s.is_array() && !s.empty() ? s.front() : s;
+      if (!first.is_number_integer())
+        throw ConfigError("the config's sample_size " + s.dump() +
+                              " gives no tile size; set VaeTiling::sample_tile",
+                          where);
+      tiling.sample_tile = first.get<std::int64_t>();
+    }
+    if (tiling.latent_tile == 0)
+      tiling.latent_tile = static_cast<std::int64_t>(static_cast<double>(tiling.sample_tile) /
+                                                     static_cast<double>(downscale()));
+    if (!(tiling.overlap >= 0.0 && tiling.overlap < 1.0))
+      throw ConfigError("overlap must lie in [0, 1), got " + std::to_string(tiling.overlap), where);
+    for (const auto tile : {tiling.sample_tile, tiling.latent_tile})
+      if (tile <= 0 ||
+          static_cast<std::int64_t>(static_cast<double>(tile) * (1.0 - tiling.overlap)) <= 0)
+        throw ConfigError("tiles of " + std::to_string(tiling.sample_tile) + " pixels / " +
+                              std::to_string(tiling.latent_tile) + " latents with overlap " +
+                              std::to_string(tiling.overlap) + " do not advance",
+                          where);
+    tiling_ = tiling;
+  }
+  void disable_tiling() { tiling_.reset(); }
+  [[nodiscard]] const std::optional<VaeTiling>& tiling() const { return tiling_; }
 
   /// Reconstruction through the posterior's mode (or a sample of it).
   at::Tensor forward(const at::Tensor& x, bool sample_posterior = false,
@@ -350,7 +450,29 @@ class AutoencoderKLImpl : public torch::nn::Module {
   torch::nn::Conv2d quant_conv{nullptr}, post_quant_conv{nullptr};
 
  private:
+  at::Tensor moments_of(const at::Tensor& x) {
+    auto run = [this](const at::Tensor& tile) {
+      at::Tensor m = encoder->forward(tile);
+      return quant_conv ? quant_conv->forward(m) : m;
+    };
+    if (tiling_ && (x.size(2) > tiling_->sample_tile || x.size(3) > tiling_->sample_tile))
+      return vae_detail::tiled(x, tiling_->sample_tile, tiling_->latent_tile, tiling_->overlap,
+                               run);
+    return run(x);
+  }
+  at::Tensor image_of(const at::Tensor& z) {
+    auto run = [this](const at::Tensor& tile) {
+      return decoder->forward(post_quant_conv ? post_quant_conv->forward(tile) : tile);
+    };
+    if (tiling_ && (z.size(2) > tiling_->latent_tile || z.size(3) > tiling_->latent_tile))
+      return vae_detail::tiled(z, tiling_->latent_tile, tiling_->sample_tile, tiling_->overlap,
+                               run);
+    return run(z);
+  }
+
   Config c_;
+  bool slicing_ = false;
+  std::optional<VaeTiling> tiling_;
 };
 
 template <nn::attention::AttentionBackend Backend = nn::attention::Sdpa<nn::attention::Auto>,

@@ -3,7 +3,9 @@
 // by `diffusion_pytorch_model.safetensors.index.json`, each optionally in a variant
 // (`diffusion_pytorch_model.fp16.safetensors`, `...safetensors.index.fp16.json`,
 // `diffusion_pytorch_model.fp16-00001-of-00002.safetensors`), as diffusers' save_pretrained
-// writes them and from_pretrained reads them.
+// writes them and from_pretrained reads them; also the `diffusion_pytorch_model.bin` files
+// (single or sharded) of older folders, which torch.save wrote (read without running any of the
+// pickle's code, as torch.load(weights_only=True) does; not memory-mapped).
 //
 // Loading is strict and all-or-nothing: every shard is opened (memory-mapped) and every name,
 // shape and dtype checked against the model before one parameter changes; a missing, extra or
@@ -28,11 +30,14 @@
 #include "difftrain/core/error.hpp"
 #include "difftrain/io/atomic_file.hpp"
 #include "difftrain/io/safetensors.hpp"
+#include "difftrain/io/torch_file.hpp"
 
 namespace difftrain::models {
 
 inline constexpr const char* kWeightsName = "diffusion_pytorch_model.safetensors";
 inline constexpr const char* kWeightsIndexName = "diffusion_pytorch_model.safetensors.index.json";
+inline constexpr const char* kBinWeightsName = "diffusion_pytorch_model.bin";
+inline constexpr const char* kBinWeightsIndexName = "diffusion_pytorch_model.bin.index.json";
 
 /// diffusers' _add_variant: the variant goes before the last extension.
 inline std::string add_variant(const std::string& name, const std::optional<std::string>& variant) {
@@ -67,66 +72,76 @@ struct WeightFiles {
   std::map<std::string, std::filesystem::path> weight_map;  // empty: one unsharded file
 };
 
+namespace pretrained_detail {
+/// The weight map of a shard index; every file it names must be in the folder.
+inline WeightFiles read_shard_index(const std::filesystem::path& folder,
+                                    const std::filesystem::path& index) {
+  WeightFiles out;
+  const std::vector<char> bytes = io::read_file(index);
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(bytes.begin(), bytes.end());
+  } catch (const nlohmann::json::parse_error& e) {
+    throw FormatError(std::string("not valid JSON: ") + e.what(), index.string());
+  }
+  if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
+    throw FormatError("a shard index needs a \"weight_map\" object", index.string());
+  std::set<std::filesystem::path> files;
+  for (const auto& [name, file] : j["weight_map"].items()) {
+    if (!file.is_string())
+      throw FormatError("weight_map entry '" + name + "' is not a file name", index.string());
+    const std::filesystem::path shard = file.get<std::string>();
+    if (shard.has_parent_path() || shard.filename() == ".." || shard.empty())
+      throw FormatError("weight_map entry '" + name + "' names '" + shard.string() +
+                            "', which is not a file in the folder",
+                        index.string());
+    const auto path = folder / shard;
+    if (!std::filesystem::exists(path))
+      throw IoError("the shard index names '" + shard.string() + "' (for '" + name +
+                        "') but the folder has no such file",
+                    index.string());
+    out.weight_map[name] = path;
+    files.insert(path);
+  }
+  out.files.assign(files.begin(), files.end());
+  return out;
+}
+
+/// A weight file torch.save wrote (diffusers' `.bin`), as opposed to safetensors.
+inline bool is_pickled(const std::filesystem::path& file) { return file.extension() == ".bin"; }
+}  // namespace pretrained_detail
+
+/// The weight files of a folder, as diffusers' from_pretrained picks them: safetensors (an index
+/// before a single file) before torch.save's `.bin` (likewise), each in the requested variant.
 inline WeightFiles find_weight_files(const std::filesystem::path& folder,
                                      const std::optional<std::string>& variant = std::nullopt) {
-  const auto index = folder / add_variant(kWeightsIndexName, variant);
-  const auto single = folder / add_variant(kWeightsName, variant);
-  WeightFiles out;
-  if (std::filesystem::exists(index)) {  // as diffusers: an index wins over a single file
-    const std::vector<char> bytes = io::read_file(index);
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(bytes.begin(), bytes.end());
-    } catch (const nlohmann::json::parse_error& e) {
-      throw FormatError(std::string("not valid JSON: ") + e.what(), index.string());
-    }
-    if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
-      throw FormatError("a shard index needs a \"weight_map\" object", index.string());
-    std::set<std::filesystem::path> files;
-    for (const auto& [name, file] : j["weight_map"].items()) {
-      if (!file.is_string())
-        throw FormatError("weight_map entry '" + name + "' is not a file name", index.string());
-      const std::filesystem::path shard = file.get<std::string>();
-      if (shard.has_parent_path() || shard.filename() == ".." || shard.empty())
-        throw FormatError("weight_map entry '" + name + "' names '" + shard.string() +
-                              "', which is not a file in the folder",
-                          index.string());
-      const auto path = folder / shard;
-      if (!std::filesystem::exists(path))
-        throw IoError("the shard index names '" + shard.string() + "' (for '" + name +
-                          "') but the folder has no such file",
-                      index.string());
-      out.weight_map[name] = path;
-      files.insert(path);
-    }
-    out.files.assign(files.begin(), files.end());
-    return out;
-  }
-  if (std::filesystem::exists(single)) {
-    out.files.push_back(single);
-    return out;
+  for (const auto& [index_name, single_name] : {std::pair{kWeightsIndexName, kWeightsName},
+                                                std::pair{kBinWeightsIndexName, kBinWeightsName}}) {
+    const auto index = folder / add_variant(index_name, variant);
+    if (std::filesystem::exists(index)) return pretrained_detail::read_shard_index(folder, index);
+    if (const auto single = folder / add_variant(single_name, variant);
+        std::filesystem::exists(single))
+      return WeightFiles{{single}, {}};
   }
   std::string hint;
-  if (std::filesystem::exists(folder / add_variant("diffusion_pytorch_model.bin", variant)))
-    hint =
-        "; it has diffusion_pytorch_model.bin, which difftrain does not read (save it as "
-        "safetensors with diffusers' save_pretrained)";
-  else if (variant && std::filesystem::exists(folder / kWeightsName))
+  if (variant && (std::filesystem::exists(folder / kWeightsName) ||
+                  std::filesystem::exists(folder / kBinWeightsName)))
     hint = "; it has the weights without the \"" + *variant + "\" variant";
   else if (!variant)
     for (const auto& e : std::filesystem::directory_iterator(folder)) {
       const std::string f = e.path().filename().string();
-      const std::string prefix = "diffusion_pytorch_model.", suffix = ".safetensors";
-      if (f.size() > prefix.size() + suffix.size() && f.starts_with(prefix) &&
-          f.ends_with(suffix)) {
-        hint = "; it has " + f + ", weights saved with variant \"" +
-               f.substr(prefix.size(), f.size() - prefix.size() - suffix.size()) +
-               "\" (pass it as LoadOptions::variant)";
-        break;
-      }
+      const std::string prefix = "diffusion_pytorch_model.";
+      for (const std::string suffix : {".safetensors", ".bin"})
+        if (hint.empty() && f.size() > prefix.size() + suffix.size() && f.starts_with(prefix) &&
+            f.ends_with(suffix) && f.find(".index.") == std::string::npos)
+          hint = "; it has " + f + ", weights saved with variant \"" +
+                 f.substr(prefix.size(), f.size() - prefix.size() - suffix.size()) +
+                 "\" (pass it as LoadOptions::variant)";
     }
-  throw IoError("the model folder has neither " + single.filename().string() + " nor " +
-                    index.filename().string() + hint,
+  throw IoError("the model folder has none of " + add_variant(kWeightsName, variant) + ", " +
+                    add_variant(kWeightsIndexName, variant) + ", " +
+                    add_variant(kBinWeightsName, variant) + " or " +
+                    add_variant(kBinWeightsIndexName, variant) + hint,
                 folder.string());
 }
 
@@ -153,8 +168,10 @@ inline std::map<std::string, at::Tensor> read_model_weights(
   std::map<std::string, at::Tensor> out;
   std::map<std::string, std::filesystem::path> from;
   for (const auto& file : wf.files) {
-    io::SafetensorsFile f = io::load_safetensors(file);
-    for (auto& [name, t] : f.tensors) {
+    std::map<std::string, at::Tensor> tensors = pretrained_detail::is_pickled(file)
+                                                    ? io::load_torch_file(file).tensor_map()
+                                                    : io::load_safetensors(file).tensors;
+    for (auto& [name, t] : tensors) {
       if (!wf.weight_map.empty()) {
         const auto it = wf.weight_map.find(name);
         if (it == wf.weight_map.end() || it->second != file)

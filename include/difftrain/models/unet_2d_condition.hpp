@@ -1,13 +1,15 @@
 #pragma once
-// diffusers' UNet2DConditionModel — the UNet of Stable Diffusion 1.x/2.x and of diffusers'
-// class-conditional and small test configurations — built from its `config.json`, parameter for
+// diffusers' UNet2DConditionModel — the UNet of Stable Diffusion 1.x/2.x, SDXL (its added text and
+// time conditions) and diffusers' class-conditional and small test configurations — built from
+// its `config.json`, parameter for
 // parameter. The attention backend and the activation are compile-time policies (the config's
 // act_fn must name the activation policy); every config field is read, and a field or value
 // difftrain does not build is a ConfigError naming it.
 //
 //   conv_in → down blocks (skips saved) → mid block → up blocks (skips consumed) →
-//   GroupNorm → act → conv_out, with the timestep embedding (+ class embedding) in every resnet
-//   and encoder_hidden_states in every cross-attention.
+//   GroupNorm → act → conv_out, with the timestep embedding (+ class embedding, + SDXL's added
+//   embedding) in every resnet and encoder_hidden_states (optionally masked) in every
+//   cross-attention.
 
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
@@ -78,6 +80,11 @@ struct UNet2DConditionConfig {
   std::int64_t conv_in_kernel = 3, conv_out_kernel = 3;
   std::optional<std::int64_t> projection_class_embeddings_input_dim;
   bool class_embeddings_concat = false;
+  /// "text_time" (SDXL): text_embeds and the sinusoidal embedding of time_ids, concatenated
+  /// (projection_class_embeddings_input_dim values), through add_embedding into the time embedding.
+  std::optional<std::string> addition_embed_type;
+  std::optional<std::int64_t> addition_time_embed_dim;
+  std::int64_t addition_embed_type_num_heads = 64;  // diffusers' "text" type only
 
   [[nodiscard]] std::size_t blocks() const { return down_block_types.size(); }
 
@@ -168,6 +175,28 @@ struct UNet2DConditionConfig {
                              std::not_equal_to<>()) != cross_attention_dim.end())
         throw ConfigError("'encoder_hid_dim' needs a single 'cross_attention_dim'", where);
     }
+    if (addition_embed_type) {
+      if (*addition_embed_type != "text_time")
+        throw ConfigError("'addition_embed_type' = \"" + *addition_embed_type +
+                              "\" is not built by difftrain (\"text_time\", SDXL's, or null)",
+                          where);
+      if (!addition_time_embed_dim || *addition_time_embed_dim <= 0)
+        throw ConfigError(
+            "'addition_embed_type' = \"text_time\" needs a positive "
+            "'addition_time_embed_dim'",
+            where);
+      if (!projection_class_embeddings_input_dim)
+        throw ConfigError(
+            "'addition_embed_type' = \"text_time\" needs "
+            "'projection_class_embeddings_input_dim' (text embedding size + "
+            "time ids × addition_time_embed_dim)",
+            where);
+      if (class_embeddings_concat)
+        throw ConfigError(
+            "'addition_embed_type' cannot be combined with 'class_embeddings_concat' "
+            "(the added embedding has the time embedding's width)",
+            where);
+    }
     time_embedding_norm_from(resnet_time_scale_shift, where);
     if (!diffusers_activation(act_fn))
       throw ConfigError(
@@ -237,10 +266,10 @@ struct UNet2DConditionConfig {
     r.require_default("dual_cross_attention", false);
     c.use_linear_projection = r.get("use_linear_projection", c.use_linear_projection);
     c.class_embed_type = r.optional<std::string>("class_embed_type");
-    r.require_default("addition_embed_type", nullptr,
-                      "SDXL-style added conditions are not built yet");
-    r.accept("addition_time_embed_dim");        // used only with addition_embed_type
-    r.accept("addition_embed_type_num_heads");  // likewise
+    c.addition_embed_type = r.optional<std::string>("addition_embed_type");
+    c.addition_time_embed_dim = r.optional<std::int64_t>("addition_time_embed_dim");
+    c.addition_embed_type_num_heads =
+        r.get("addition_embed_type_num_heads", c.addition_embed_type_num_heads);
     c.num_class_embeds = r.optional<std::int64_t>("num_class_embeds");
     c.upcast_attention = r.get("upcast_attention", c.upcast_attention);
     c.resnet_time_scale_shift = r.get("resnet_time_scale_shift", c.resnet_time_scale_shift);
@@ -308,6 +337,9 @@ struct UNet2DConditionConfig {
     j["projection_class_embeddings_input_dim"] =
         value_or_null(projection_class_embeddings_input_dim);
     j["class_embeddings_concat"] = class_embeddings_concat;
+    j["addition_embed_type"] = value_or_null(addition_embed_type);
+    j["addition_time_embed_dim"] = value_or_null(addition_time_embed_dim);
+    j["addition_embed_type_num_heads"] = addition_embed_type_num_heads;
     return j;
   }
 };
@@ -316,6 +348,12 @@ struct UNet2DConditionConfig {
 struct UNetConditions {
   at::Tensor class_labels;   // (B,) labels, or (B, D) for "identity"/"projection" class embeddings
   at::Tensor timestep_cond;  // (B, time_cond_proj_dim)
+  /// (B, L) over encoder_hidden_states' tokens, 1 (or true) = attend, 0 = ignore; diffusers turns
+  /// it into an additive bias of −10000 (a fully masked row attends uniformly, no NaN).
+  at::Tensor encoder_attention_mask;
+  /// SDXL's added conditions ("text_time"): the pooled text embedding (B, D) and the time ids
+  /// (B, K) — original size, crop corner, target size.
+  at::Tensor text_embeds, time_ids;
 };
 
 template <nn::attention::AttentionBackend Backend = nn::attention::Sdpa<nn::attention::Auto>,
@@ -343,6 +381,13 @@ class UNet2DConditionModelImpl : public torch::nn::Module {
     te.post_act = c_.timestep_post_act;
     te.cond_proj_dim = c_.time_cond_proj_dim;
     time_embedding = register_module("time_embedding", TimestepEmbedding<Act>(te));
+    if (c_.addition_embed_type == "text_time") {
+      // diffusers' TimestepEmbedding default activation (silu), whatever act_fn says.
+      TimestepEmbeddingOptions ae;
+      ae.in_channels = *c_.projection_class_embeddings_input_dim;
+      ae.time_embed_dim = temb;
+      add_embedding = register_module("add_embedding", TimestepEmbedding<nn::activation::SiLU>(ae));
+    }
     if (c_.encoder_hid_dim)
       encoder_hid_proj = register_module("encoder_hid_proj",
                                          Linear(*c_.encoder_hid_dim, c_.cross_attention_dim[0]));
@@ -501,20 +546,23 @@ class UNet2DConditionModelImpl : public torch::nn::Module {
         cond.timestep_cond);
     if (at::Tensor class_emb = class_embed(sample, cond.class_labels); class_emb.defined())
       emb = c_.class_embeddings_concat ? at::cat({emb, class_emb}, -1) : emb + class_emb;
+    if (add_embedding) emb = emb + added_embed(cond, batch, emb.scalar_type());
     if (c_.time_embedding_act_fn)
       emb = apply_activation(*diffusers_activation(*c_.time_embedding_act_fn), emb);
     if (encoder_hid_proj) encoder_hidden_states = encoder_hid_proj->forward(encoder_hidden_states);
+    const at::Tensor mask = context_bias(cond.encoder_attention_mask, encoder_hidden_states, batch,
+                                         sample.scalar_type());
 
     at::Tensor h = conv_in->forward(sample);
     std::vector<at::Tensor> skips{h};
-    for (auto& d : down_) h = d->forward(h, emb, encoder_hidden_states, &skips);
-    if (mid_block) h = mid_block->forward(h, emb, encoder_hidden_states);
+    for (auto& d : down_) h = d->forward(h, emb, encoder_hidden_states, &skips, mask);
+    if (mid_block) h = mid_block->forward(h, emb, encoder_hidden_states, mask);
     for (std::size_t i = 0; i < up_.size(); ++i) {
       std::optional<std::vector<std::int64_t>> size;
       const std::size_t take = up_[i]->num_resnets();
       if (i + 1 < up_.size() && forward_upsample_size)
         size = skips[skips.size() - take - 1].sizes().slice(2).vec();
-      h = up_[i]->forward(h, emb, encoder_hidden_states, &skips, size);
+      h = up_[i]->forward(h, emb, encoder_hidden_states, &skips, size, mask);
     }
     h = Act::forward(conv_norm_out->forward(h), typename Act::Options{});
     return conv_out->forward(h);
@@ -524,11 +572,53 @@ class UNet2DConditionModelImpl : public torch::nn::Module {
   TimestepEmbedding<Act> time_embedding{nullptr};
   torch::nn::Linear encoder_hid_proj{nullptr};
   torch::nn::Embedding class_embedding{nullptr};
+  TimestepEmbedding<nn::activation::SiLU> add_embedding{nullptr};
   torch::nn::ModuleList down_blocks{nullptr}, up_blocks{nullptr};
   MidBlock<Backend, Act> mid_block{nullptr};
   torch::nn::GroupNorm conv_norm_out{nullptr};
 
  private:
+  /// diffusers' (1 − mask) · −10000 in the sample's dtype, checked against the context.
+  at::Tensor context_bias(const at::Tensor& mask, const at::Tensor& context, std::int64_t batch,
+                          at::ScalarType dtype) const {
+    if (!mask.defined()) return {};
+    const std::string where = "UNet2DConditionModel";
+    if (!needs_context_)
+      throw ShapeError("encoder_attention_mask given to a UNet without cross-attention", where);
+    if (mask.dim() != 2 || mask.size(0) != batch || mask.size(1) != context.size(1))
+      throw ShapeError("encoder_attention_mask must be (B, L) = (" + std::to_string(batch) + ", " +
+                           std::to_string(context.size(1)) + ") for encoder_hidden_states " +
+                           c10::str(context.sizes()) + ", got " + c10::str(mask.sizes()),
+                       where);
+    return (1.0 - mask.to(context.device(), dtype)) * -10000.0;
+  }
+
+  /// SDXL's added embedding: add_embedding(cat(text_embeds, sinusoidal(time_ids))).
+  at::Tensor added_embed(const UNetConditions& cond, std::int64_t batch, at::ScalarType dtype) {
+    const std::string where = "UNet2DConditionModel";
+    const at::Tensor& text = cond.text_embeds;
+    const at::Tensor& ids = cond.time_ids;
+    if (!text.defined() || !ids.defined())
+      throw ShapeError(
+          "this UNet has SDXL's added conditions (addition_embed_type \"text_time\"): pass "
+          "text_embeds and time_ids",
+          where);
+    const std::int64_t width = *c_.projection_class_embeddings_input_dim;
+    const std::int64_t per_id = *c_.addition_time_embed_dim;
+    if (text.dim() != 2 || text.size(0) != batch || ids.dim() != 2 || ids.size(0) != batch ||
+        text.size(1) + ids.size(1) * per_id != width)
+      throw ShapeError("text_embeds " + c10::str(text.sizes()) + " and time_ids " +
+                           c10::str(ids.sizes()) + " must be (B, D) and (B, K) with B = " +
+                           std::to_string(batch) + " and D + K·" + std::to_string(per_id) +
+                           " = projection_class_embeddings_input_dim " + std::to_string(width),
+                       where);
+    const at::Tensor time_embeds =
+        timestep_embedding(ids.flatten(), per_id, c_.flip_sin_to_cos, c_.freq_shift)
+            .reshape({batch, -1});
+    // cat promotes as torch.concat does (float32 time embedding, maybe half text embeds).
+    return add_embedding->forward(at::cat({text, time_embeds}, -1).to(dtype));
+  }
+
   at::Tensor class_embed(const at::Tensor& sample, const at::Tensor& labels) {
     const bool has = class_embedding || class_timestep_ || class_projection_ || class_linear_ ||
                      c_.class_embed_type == "identity";

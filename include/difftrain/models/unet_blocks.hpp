@@ -104,10 +104,10 @@ class DownBlockImpl : public torch::nn::Module {
 
   /// The output, and every hidden state the up path takes as a skip (appended to `skips`).
   at::Tensor forward(at::Tensor h, const at::Tensor& temb, const at::Tensor& context,
-                     std::vector<at::Tensor>* skips) {
+                     std::vector<at::Tensor>* skips, const at::Tensor& context_mask = {}) {
     for (std::size_t i = 0; i < res_.size(); ++i) {
       h = res_[i]->forward(h, temb);
-      if (!attn_.empty()) h = attn_[i]->forward(h, context);
+      if (!attn_.empty()) h = attn_[i]->forward(h, context, context_mask);
       if (skips) skips->push_back(h);
     }
     if (down_) {
@@ -179,10 +179,11 @@ class MidBlockImpl : public torch::nn::Module {
 
   [[nodiscard]] bool has_cross_attention() const { return !cross_.empty(); }
 
-  at::Tensor forward(at::Tensor h, const at::Tensor& temb = {}, const at::Tensor& context = {}) {
+  at::Tensor forward(at::Tensor h, const at::Tensor& temb = {}, const at::Tensor& context = {},
+                     const at::Tensor& context_mask = {}) {
     h = res_[0]->forward(h, temb);
     for (std::size_t i = 1; i < res_.size(); ++i) {
-      if (!cross_.empty()) h = cross_[i - 1]->forward(h, context);
+      if (!cross_.empty()) h = cross_[i - 1]->forward(h, context, context_mask);
       if (!self_.empty()) h = self_[i - 1]->forward(h);
       h = res_[i]->forward(h, temb);
     }
@@ -247,7 +248,8 @@ class UpBlockImpl : public torch::nn::Module {
   /// Takes its skips from the back of `skips` (one per resnet) when the block has skips.
   at::Tensor forward(at::Tensor h, const at::Tensor& temb, const at::Tensor& context,
                      std::vector<at::Tensor>* skips,
-                     std::optional<std::vector<std::int64_t>> upsample_size = {}) {
+                     std::optional<std::vector<std::int64_t>> upsample_size = {},
+                     const at::Tensor& context_mask = {}) {
     for (std::size_t i = 0; i < res_.size(); ++i) {
       if (skips_) {
         if (skips == nullptr || skips->empty())
@@ -256,7 +258,7 @@ class UpBlockImpl : public torch::nn::Module {
         skips->pop_back();
       }
       h = res_[i]->forward(h, temb);
-      if (!attn_.empty()) h = attn_[i]->forward(h, context);
+      if (!attn_.empty()) h = attn_[i]->forward(h, context, context_mask);
     }
     if (up_) h = up_->forward(h, std::move(upsample_size));
     return h;

@@ -39,8 +39,10 @@ struct CrossAttentionOptions {
 
 /// Optional inputs of one call.
 struct AttentionCall {
-  at::Tensor context;            // (B, Lk, context_dim); undefined → self-attention
-  at::Tensor mask;               // bool (B, Lk) key padding (true = attend), or (B, Lq, Lk)
+  at::Tensor context;  // (B, Lk, context_dim); undefined → self-attention
+  /// Key padding (B, Lk) or (B, Lq, Lk): bool (true = attend) or an additive float bias (cast to
+  /// the queries' dtype, so a float32 bias serves under autocast too).
+  at::Tensor mask;
   at::Tensor additional_tokens;  // (B, n, query_dim), prepended to x and removed from the output
   std::int64_t n_times_crossframe_attn_in_self = 0;
 };
@@ -120,7 +122,9 @@ class CrossAttentionImpl : public torch::nn::Module {
     attention::AttentionArgs args;
     args.ran = &ran_;
     if (call.mask.defined()) {
-      const at::Tensor& m = call.mask;
+      at::Tensor m = call.mask;
+      if (m.scalar_type() != at::kBool && m.scalar_type() != q.scalar_type())
+        m = m.to(q.scalar_type());
       if (m.dim() == 2 && m.size(0) == x.size(0) && m.size(1) == k.size(1))
         args.mask = m.view({m.size(0), 1, 1, m.size(1)});
       else if (m.dim() == 3 && m.size(0) == x.size(0) && m.size(1) == x.size(1) &&

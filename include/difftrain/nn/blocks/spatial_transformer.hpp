@@ -95,8 +95,10 @@ class SpatialTransformerImpl : public torch::nn::Module {
     }
   }
 
-  /// `contexts`: none, one shared by every block, or one per block.
-  at::Tensor forward(const at::Tensor& x, const std::vector<at::Tensor>& contexts = {}) {
+  /// `contexts`: none, one shared by every block, or one per block; `context_mask` (B, Lk), bool
+  /// or an additive bias, masks the context's tokens in every block's attention to it.
+  at::Tensor forward(const at::Tensor& x, const std::vector<at::Tensor>& contexts = {},
+                     const at::Tensor& context_mask = {}) {
     if (x.dim() != 4 || x.size(1) != in_channels_)
       throw ShapeError(
           "expects (B, " + std::to_string(in_channels_) + ", H, W), got " + c10::str(x.sizes()),
@@ -113,7 +115,7 @@ class SpatialTransformerImpl : public torch::nn::Module {
     for (std::size_t i = 0; i < blocks_.size(); ++i) {
       const at::Tensor ctx =
           contexts.empty() ? at::Tensor() : contexts[contexts.size() == 1 ? 0 : i];
-      t = blocks_[i]->forward(t, ctx);
+      t = blocks_[i]->forward(t, ctx, {}, 0, context_mask);
     }
     if (use_linear_) t = proj_out.forward<at::Tensor>(t);
     t = t.transpose(1, 2).reshape({b, t.size(2), h, w}).contiguous();
@@ -121,8 +123,10 @@ class SpatialTransformerImpl : public torch::nn::Module {
     return t + x;
   }
 
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& context) {
-    return context.defined() ? forward(x, std::vector<at::Tensor>{context}) : forward(x);
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& context,
+                     const at::Tensor& context_mask = {}) {
+    return context.defined() ? forward(x, std::vector<at::Tensor>{context}, context_mask)
+                             : forward(x);
   }
 
   void set_checkpointing(bool on) {

@@ -3,6 +3,9 @@
 // the context when disable_self_attn), x + attn2(norm2(x), context), x + ff(norm3(x)), with
 // optional gradient checkpointing of the whole block. Unlike the reference, whose checkpointed
 // forward drops them, additional tokens and cross-frame attention reach the attention layers.
+// A context mask (diffusers' encoder_attention_mask) reaches the attention to the context (attn2)
+// only, as in diffusers, where attn1 of an only-cross-attention block takes the self-attention
+// mask.
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/normalization.h>
@@ -55,17 +58,19 @@ class BasicTransformerBlockImpl : public torch::nn::Module {
 
   at::Tensor forward(const at::Tensor& x, const at::Tensor& context = {},
                      const at::Tensor& additional_tokens = {},
-                     std::int64_t n_times_crossframe_attn_in_self = 0) {
+                     std::int64_t n_times_crossframe_attn_in_self = 0,
+                     const at::Tensor& context_mask = {}) {
     // Inputs travel as a list so the checkpoint can save and replay them.
     std::vector<at::Tensor> inputs{x};
     const bool has_context = context.defined(), has_extra = additional_tokens.defined();
     if (has_context) inputs.push_back(context);
     if (has_extra) inputs.push_back(additional_tokens);
-    auto body = [this, has_context, has_extra,
-                 n_times_crossframe_attn_in_self](const std::vector<at::Tensor>& in) {
+    // The mask takes no gradient: the checkpoint's replay uses the captured one.
+    auto body = [this, has_context, has_extra, n_times_crossframe_attn_in_self,
+                 context_mask](const std::vector<at::Tensor>& in) {
       const at::Tensor ctx = has_context ? in[1] : at::Tensor();
       const at::Tensor extra = has_extra ? in[has_context ? 2 : 1] : at::Tensor();
-      return body_forward(in[0], ctx, extra, n_times_crossframe_attn_in_self);
+      return body_forward(in[0], ctx, extra, n_times_crossframe_attn_in_self, context_mask);
     };
     if (!checkpoint_ || !is_training()) return body(inputs);
     return nn::checkpoint(body, inputs, parameters(), true);
@@ -77,7 +82,8 @@ class BasicTransformerBlockImpl : public torch::nn::Module {
 
  private:
   at::Tensor body_forward(const at::Tensor& x_in, const at::Tensor& context,
-                          const at::Tensor& extra, std::int64_t crossframe) {
+                          const at::Tensor& extra, std::int64_t crossframe,
+                          const at::Tensor& context_mask) {
     AttentionCall c1;
     c1.context = disable_self_attn_ ? context : at::Tensor();
     c1.additional_tokens = extra;
@@ -86,6 +92,7 @@ class BasicTransformerBlockImpl : public torch::nn::Module {
     AttentionCall c2;
     c2.context = context;
     c2.additional_tokens = extra;
+    c2.mask = context_mask;
     x = attn2->forward(norm2->forward(x), c2) + x;
     return ff->forward(norm3->forward(x)) + x;
   }
