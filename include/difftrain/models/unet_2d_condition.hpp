@@ -349,7 +349,8 @@ struct UNetConditions {
   at::Tensor class_labels;   // (B,) labels, or (B, D) for "identity"/"projection" class embeddings
   at::Tensor timestep_cond;  // (B, time_cond_proj_dim)
   /// (B, L) over encoder_hidden_states' tokens, 1 (or true) = attend, 0 = ignore; diffusers turns
-  /// it into an additive bias of −10000 (a fully masked row attends uniformly, no NaN).
+  /// it into an additive bias of −10000 (not −∞: a fully masked row gives no NaN; softmax being
+  /// shift-invariant, it attends as if unmasked, as in diffusers).
   at::Tensor encoder_attention_mask;
   /// SDXL's added conditions ("text_time"): the pooled text embedding (B, D) and the time ids
   /// (B, K) — original size, crop corner, target size.
