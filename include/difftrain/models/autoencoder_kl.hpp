@@ -303,6 +303,15 @@ inline void blend(const at::Tensor& a, at::Tensor& b, std::int64_t dim, std::int
   head.copy_(a.narrow(dim, a.size(dim) - e, e) * keep + head * take);
 }
 
+/// `run` on the whole batch, or on one image at a time with `slicing` (diffusers' enable_slicing).
+template <class Run>
+at::Tensor per_image(bool slicing, const at::Tensor& x, Run&& run) {
+  if (!slicing || x.size(0) <= 1) return run(x);
+  std::vector<at::Tensor> parts;
+  for (const auto& one : x.split(1)) parts.push_back(run(one));
+  return at::cat(parts);
+}
+
 /// diffusers' tiled encode/decode: `run` on tiles of `tile_in` stepping by tile_in·(1 − overlap),
 /// outputs of `tile_out` blended over tile_out·overlap and cropped to tile_out − that.
 template <class Run>
@@ -364,12 +373,8 @@ class AutoencoderKLImpl : public torch::nn::Module {
       throw ShapeError("images must be (B, " + std::to_string(c_.in_channels) + ", H, W), got " +
                            c10::str(x.sizes()),
                        "AutoencoderKL::encode");
-    if (slicing_ && x.size(0) > 1) {
-      std::vector<at::Tensor> parts;
-      for (const auto& one : x.split(1)) parts.push_back(moments_of(one));
-      return DiagonalGaussianDistribution(at::cat(parts));
-    }
-    return DiagonalGaussianDistribution(moments_of(x));
+    return DiagonalGaussianDistribution(vae_detail::per_image(
+        slicing_, x, [this](const at::Tensor& one) { return moments_of(one); }));
   }
 
   at::Tensor decode(const at::Tensor& z) {
@@ -377,12 +382,8 @@ class AutoencoderKLImpl : public torch::nn::Module {
       throw ShapeError("latents must be (B, " + std::to_string(c_.latent_channels) +
                            ", h, w), got " + c10::str(z.sizes()),
                        "AutoencoderKL::decode");
-    if (slicing_ && z.size(0) > 1) {
-      std::vector<at::Tensor> parts;
-      for (const auto& one : z.split(1)) parts.push_back(image_of(one));
-      return at::cat(parts);
-    }
-    return image_of(z);
+    return vae_detail::per_image(slicing_, z,
+                                 [this](const at::Tensor& one) { return image_of(one); });
   }
 
   /// diffusers' enable_slicing: encode and decode one image of a batch at a time.

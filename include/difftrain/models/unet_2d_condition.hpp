@@ -1,10 +1,9 @@
 #pragma once
 // diffusers' UNet2DConditionModel — the UNet of Stable Diffusion 1.x/2.x, SDXL (its added text and
 // time conditions) and diffusers' class-conditional and small test configurations — built from
-// its `config.json`, parameter for
-// parameter. The attention backend and the activation are compile-time policies (the config's
-// act_fn must name the activation policy); every config field is read, and a field or value
-// difftrain does not build is a ConfigError naming it.
+// its `config.json`, parameter for parameter. The attention backend and the activation are
+// compile-time policies (the config's act_fn must name the activation policy); every config field
+// is read, and a field or value difftrain does not build is a ConfigError naming it.
 //
 //   conv_in → down blocks (skips saved) → mid block → up blocks (skips consumed) →
 //   GroupNorm → act → conv_out, with the timestep embedding (+ class embedding, + SDXL's added
