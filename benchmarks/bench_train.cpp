@@ -14,6 +14,8 @@
 //    optimizer_step_foreach_vs_per_parameter and optimizer_step_vs_python_foreach: the same for the
 //    multi-tensor AdamW and Python's AdamW(foreach=True); sgd_step_foreach_vs_per_parameter: SGD
 //    with momentum 0.9, multi-tensor against LibTorch's.
+//  - clip_norm_multi_tensor_vs_libtorch/COUNT/NUMEL: ClipByNorm's clip_grad_norm_ (a norm and a
+//    scale per device and dtype, as Python's) against LibTorch's (a norm and a scale per tensor).
 //  - fp16_step_scale_handed_vs_unscaled/COUNT/NUMEL: GradScaler's step on the fused AdamW with
 //    the scale handed to the kernel (gradients only checked) against unscale_ then step.
 // The trainer and the hand-written loop both use the fused AdamW (the trainer's default).
@@ -250,6 +252,22 @@ void fp16_step(benchmark::State& state) {
   }
 }
 
+// Gradient-norm clipping alone. Both sides multiply every gradient by the clamped coefficient
+// whether or not it is below 1 (no read-back to decide), so a limit that is never reached costs
+// the same work as one that clips, and the gradients keep their values across iterations.
+template <bool MultiTensor>
+void clip_norm(benchmark::State& state) {
+  const std::vector<at::Tensor> params = params_with_grads(state.range(0), state.range(1));
+  auto one = [&] {
+    if constexpr (MultiTensor)
+      return tr::clip_grad_norm_multi_tensor(params, 1e9);
+    else
+      return torch::nn::utils::clip_grad_norm_(params, 1e9);
+  };
+  benchmark::DoNotOptimize(one());
+  for (auto _ : state) benchmark::DoNotOptimize(one());  // the returned norm synchronises
+}
+
 template <bool Foreach>
 void python_optimizer_step(benchmark::State& state) {
   std::string why;
@@ -311,6 +329,16 @@ BENCHMARK_TEMPLATE(optimizer_step, StepKind::sgd_per_parameter)
     ->UseRealTime();
 BENCHMARK_TEMPLATE(optimizer_step, StepKind::sgd_foreach)
     ->Name("sgd_step_foreach_vs_per_parameter/difftrain")
+    ->Args({100, 1 << 20})
+    ->Args({2000, 1000})
+    ->UseRealTime();
+BENCHMARK_TEMPLATE(clip_norm, false)
+    ->Name("clip_norm_multi_tensor_vs_libtorch/baseline")
+    ->Args({100, 1 << 20})
+    ->Args({2000, 1000})
+    ->UseRealTime();
+BENCHMARK_TEMPLATE(clip_norm, true)
+    ->Name("clip_norm_multi_tensor_vs_libtorch/difftrain")
     ->Args({100, 1 << 20})
     ->Args({2000, 1000})
     ->UseRealTime();

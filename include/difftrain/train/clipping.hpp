@@ -1,6 +1,7 @@
 #pragma once
 // Gradient clipping policies, applied to unscaled gradients before the optimizer step:
-//   NoClipping; ClipByNorm (total norm over every parameter, torch's clip_grad_norm_);
+//   NoClipping; ClipByNorm (total norm over every parameter, torch's clip_grad_norm_ as Python runs
+//   it: one multi-tensor norm and one multi-tensor scale per device and dtype);
 //   ClipByValue (clamp each element); ScheduledClip (the web UI's hypernetwork training: a limit
 //   from a step string such as "0.1:200, 1.0", by norm or by value).
 // A policy: `name`, `Options`, constructor from Options, and
@@ -19,8 +20,33 @@
 #include "difftrain/core/concepts.hpp"
 #include "difftrain/core/error.hpp"
 #include "difftrain/schedule/step_string.hpp"
+#include "difftrain/train/gradient_groups.hpp"
 
 namespace difftrain::train {
+
+/// torch.nn.utils.clip_grad_norm_ as Python runs it on CPU and CUDA tensors (foreach=None): the
+/// norm of each gradient by one _foreach_norm per (device, dtype), their norm as the total, and
+/// every gradient times min(1, max_norm / (total + 1e-6)) by one _foreach_mul_ per kind — not
+/// LibTorch's clip_grad_norm_, which launches a norm and a multiply per tensor. Returns the total
+/// norm before clipping (0 when no parameter has a gradient).
+inline double clip_grad_norm_multi_tensor(const std::vector<at::Tensor>& params, double max_norm,
+                                          double norm_type = 2.0) {
+  const auto groups = gradients_by_kind(params, "clip_grad_norm");
+  if (groups.empty()) return 0.0;
+  std::vector<at::Tensor> norms;
+  for (const auto& g : groups) {
+    std::vector<at::Tensor> n = at::_foreach_norm(g, norm_type);
+    norms.insert(norms.end(), n.begin(), n.end());
+  }
+  const c10::Device first = norms.front().device();
+  for (auto& n : norms)
+    if (n.device() != first) n = n.to(first);
+  const at::Tensor total = at::linalg_vector_norm(at::stack(norms), norm_type);
+  // Python's `max_norm / (total + 1e-6)` is Tensor.__rtruediv__: a reciprocal times max_norm.
+  const at::Tensor coef = at::clamp_max((total + 1e-6).reciprocal() * max_norm, 1.0);
+  for (const auto& g : groups) at::_foreach_mul_(g, coef.to(g.front().device()));
+  return total.item<double>();
+}
 
 struct NoClipping {
   static constexpr std::string_view name = "none";
@@ -43,7 +69,7 @@ struct ClipByNorm {
     if (!(o.max_norm > 0)) throw ConfigError("max_norm must be > 0", "ClipByNorm");
   }
   double apply(const std::vector<at::Tensor>& params, std::int64_t /*step*/) {
-    return torch::nn::utils::clip_grad_norm_(params, o_.max_norm, o_.norm_type);
+    return clip_grad_norm_multi_tensor(params, o_.max_norm, o_.norm_type);
   }
 
  private:
@@ -85,7 +111,7 @@ struct ScheduledClip {
                                               o.consults_per_step}) {}
   double apply(const std::vector<at::Tensor>& params, std::int64_t step) {
     const double limit = limits_.value_at(step);
-    if (o_.mode == Mode::norm) return torch::nn::utils::clip_grad_norm_(params, limit);
+    if (o_.mode == Mode::norm) return clip_grad_norm_multi_tensor(params, limit);
     torch::nn::utils::clip_grad_value_(params, limit);
     return std::numeric_limits<double>::quiet_NaN();
   }

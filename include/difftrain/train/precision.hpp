@@ -17,7 +17,6 @@
 #include <torch/optim/optimizer.h>
 
 #include <limits>
-#include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string_view>
@@ -26,6 +25,7 @@
 
 #include "difftrain/core/concepts.hpp"
 #include "difftrain/core/error.hpp"
+#include "difftrain/train/gradient_groups.hpp"
 #include "difftrain/train/scaled_step.hpp"
 
 namespace difftrain::train {
@@ -189,18 +189,10 @@ class GradScaler {
 
   /// The gradients of `optimizer` by device and dtype (the fused kernels take one kind at a time).
   static std::vector<std::vector<at::Tensor>> grads_by_kind(torch::optim::Optimizer& optimizer) {
-    std::map<std::string, std::vector<at::Tensor>> by_kind;
+    std::vector<at::Tensor> params;
     for (auto& g : optimizer.param_groups())
-      for (auto& p : g.params())
-        if (p.grad().defined()) {
-          if (p.grad().is_sparse())
-            throw ConfigError("sparse gradients are not supported", "GradScaler");
-          by_kind[p.grad().device().str() + "/" + c10::toString(p.grad().scalar_type())].push_back(
-              p.mutable_grad());
-        }
-    std::vector<std::vector<at::Tensor>> out;
-    for (auto& [kind, grads] : by_kind) out.push_back(std::move(grads));
-    return out;
+      params.insert(params.end(), g.params().begin(), g.params().end());
+    return gradients_by_kind(params, "GradScaler");
   }
 
   /// Records whether any gradient is inf/NaN without writing them: the largest magnitude of each
