@@ -4,8 +4,9 @@
 //
 // Writes to --out: checkpoints/ (atomic, the latest few), loss.csv, loss.png and lr.png,
 // samples.png (a row per class), classifier.safetensors (cached judge), ema.safetensors (the EMA
-// weights), results.json (class accuracy, Fréchet distance, timings) and tensorboard/ (the run's
-// event file: `tensorboard --logdir OUT/tensorboard`).
+// weights), unet/ (the EMA UNet as a diffusers model folder), results.json (class accuracy, Fréchet
+// distance, timings) and tensorboard/ (the run's event file: `tensorboard --logdir
+// OUT/tensorboard`).
 //
 // Ctrl-C stops after the current step, saves a checkpoint and exits with status 130; run again
 // with --resume to continue. A second Ctrl-C kills the program at once.
@@ -23,6 +24,7 @@
 #include <difftrain/ema/ema.hpp>
 #include <difftrain/eval/frechet_distance.hpp>
 #include <difftrain/io/image_grid.hpp>
+#include <difftrain/models/pretrained.hpp>
 #include <difftrain/nn/module_tensors.hpp>
 #include <difftrain/schedule/by_name.hpp>
 #include <difftrain/train/callbacks.hpp>
@@ -490,6 +492,9 @@ int run(const Settings& s) {
     difftrain::io::save_safetensors(out / "ema.safetensors",
                                     difftrain::nn::module_tensors(*net, /*buffers=*/false),
                                     {{"step", std::to_string(trainer->global_step())}});
+    // The UNet alone as a diffusers model folder (UNet2DConditionModel.from_pretrained reads
+    // it); its class tokens are ema.safetensors' context_emb.weight.
+    difftrain::models::save_pretrained(net->unet, out / "unet");
     samples = sample(s, net, schedule, sample_labels, device, true).clamp(-1, 1);
   }
   const double sample_seconds = seconds_since(t);

@@ -1,59 +1,66 @@
 #pragma once
-// A small class-conditional UNet for 28×28 images, built from difftrain blocks:
+// The main job's denoiser: a small class-conditional configuration of difftrain's
+// models::UNet2DConditionModel (diffusers' UNet, parameter for parameter) for 28×28 images,
+// block_out_channels (C, 3C/2, 2C), layers_per_block (0, 1, 1):
 //
-//   28×28  conv_in → ResBlock(C) ───────────────────────────────────skip──┐
-//   14×14  down → ResBlock(2C) [+ SpatialTransformer] ────────skip──┐      │
-//    7×7   down → ResBlock, SpatialTransformer, ResBlock (middle)   │      │
-//   14×14  up → ResBlock(cat) [+ SpatialTransformer] ◄──────────────┘      │
-//   28×28  up → ResBlock(cat) → conv_out ◄─────────────────────────────────┘
+//   28×28  conv_in → DownBlock2D (no resnet: the downsampler) ────────────────skips──┐
+//   14×14  DownBlock2D(3C/2) [or CrossAttnDownBlock2D] ──────────────────skips──┐      │
+//    7×7   DownBlock2D(2C) → UNetMidBlock2DCrossAttn (resnet, transformer,      │      │
+//          resnet) → UpBlock2D(2C), two resnets                                 │      │
+//   14×14  UpBlock2D(3C/2), two resnets [or CrossAttnUpBlock2D] ◄───────────────┘      │
+//   28×28  UpBlock2D(C), one resnet → GroupNorm → SiLU → conv_out ◄─────────────────────┘
 //
-// The bracketed transformers at 14×14 (196 tokens) are optional: on two CPU cores they cost
-// ~40 % of the step time, more than they give in a ten-minute run; on a GPU they are cheap.
+// diffusers' up blocks upsample before their convolution, so a resnet at 28×28 costs the most on
+// a CPU: this shape keeps one (on the way up) and measured the step time of the former hand-built
+// UNet with better samples (docs/results.md). 8 GroupNorm groups, linear transformer projections,
+// heads of `d_head` channels. The bracketed cross-attention at 14×14 (196 tokens) is optional: on
+// two CPU cores it costs more than it gives in a short run.
 //
-// The class conditions the network twice: its embedding is added to the timestep embedding that
-// every ResBlock receives, and its context tokens are what the SpatialTransformers cross-attend
-// to. Label 10 is the null class: training drops labels to it with probability `p_uncond`, so one
-// network gives both halves of classifier-free guidance.
+// The class conditions the network twice: through diffusers' class embedding (num_class_embeds,
+// added to the timestep embedding every resnet receives), and through `context_tokens` context
+// vectors per class (a table of this wrapper, standing in for a text encoder) that the
+// transformers cross-attend to as encoder_hidden_states. Label 10 is the null class: training
+// drops labels to it with probability `p_uncond`, so one network gives both halves of
+// classifier-free guidance.
 //
-// With `pooled_context` the label embedding is replaced by a projection of the context tokens, so
-// every condition enters through the token table: what textual inversion needs (a new token's
-// vectors then steer the whole network), used by the adapters example.
+// With `pooled_context` the class embedding is diffusers' "simple_projection" of the flattened
+// context tokens instead of a table row, so every condition enters through the token table: what
+// textual inversion needs (a new token's vectors then steer the whole network), used by the
+// adapters example.
 //
-// Residual branches and the output convolution start at zero, so the untrained network predicts
-// zero noise and each block starts as the identity (faster early training, as in ADM).
+// Residual branches (each resnet's conv2, each transformer's proj_out) and conv_out start at zero,
+// so the untrained network predicts zero and each block starts as the identity (faster early
+// training, as in ADM); everything else keeps diffusers' initialisation.
 
 #include <torch/nn/module.h>
-#include <torch/nn/modules/conv.h>
 #include <torch/nn/modules/embedding.h>
-#include <torch/nn/modules/linear.h>
-#include <torch/nn/modules/normalization.h>
 #include <difftrain/diffusion/noise_schedule.hpp>
 #include <difftrain/diffusion/weighting.hpp>
+#include <difftrain/models/unet_2d_condition.hpp>
 #include <difftrain/nn/activation/elementwise.hpp>
-#include <difftrain/nn/blocks/spatial_transformer.hpp>
-#include <difftrain/nn/layers/adaptable.hpp>
 
-#include <cmath>
+#include <algorithm>
 #include <cstdint>
 #include <string>
+#include <string_view>
 
 namespace fmnist {
 
 namespace dt = difftrain;
 using Act = dt::nn::activation::SiLU;
 using AttentionBackend = dt::nn::attention::Sdpa<dt::nn::attention::Auto>;
+using Model = dt::models::UNet2DConditionModel<AttentionBackend, Act>;
 
 struct UNetOptions {
-  std::int64_t channels = 32;       ///< C: 28×28 width; 14×14 and 7×7 use 2C
-  std::int64_t context_tokens = 4;  ///< class context tokens the transformers attend to
-  std::int64_t d_head = 32;         ///< attention head width (2C / d_head heads)
+  std::int64_t channels = 32;       ///< C: 28×28 width; 14×14 uses 3C/2, 7×7 2C
+  std::int64_t context_tokens = 4;  ///< class context tokens (2C wide) the transformers read
+  std::int64_t d_head = 32;         ///< attention head width (width / d_head heads, at least 1)
   bool attention_14 = false;        ///< transformers at 14×14 too, not only in the middle
   std::int64_t classes = 10;        ///< real classes; label `classes` is the null class
   double p_uncond = 0.1;            ///< chance a training label becomes the null class
   dt::diffusion::Prediction prediction = dt::diffusion::Prediction::epsilon;
-  bool pooled_context =
-      false;               ///< ResBlocks see a projection of the context, not a label embedding
-  double snr_gamma = 0.0;  ///< > 0: min-SNR-γ loss weighting (diffusers' --snr_gamma)
+  bool pooled_context = false;  ///< the class embedding is a projection of the context tokens
+  double snr_gamma = 0.0;       ///< > 0: min-SNR-γ loss weighting (diffusers' --snr_gamma)
 };
 
 /// Stores every 4-D parameter channels-last: the classifier's convolutions run ~1.5× faster so
@@ -64,44 +71,63 @@ inline void to_channels_last(torch::nn::Module& m) {
     if (p.dim() == 4) p.set_data(p.contiguous(at::MemoryFormat::ChannelsLast));
 }
 
-inline void zero_(torch::nn::Module& m) {
-  at::NoGradGuard no_grad;
-  for (auto& p : m.parameters()) p.zero_();
+/// The UNet2DConditionModel configuration of these options (what its `config.json` holds).
+inline dt::models::UNet2DConditionConfig unet_config(const UNetOptions& o) {
+  const std::int64_t c = o.channels;
+  if (c <= 0 || c % 16 != 0)
+    throw dt::ConfigError(
+        "must be a positive multiple of 16 (widths C, 3C/2 and 2C in GroupNorms "
+        "of 8 groups), got " +
+            std::to_string(c),
+        "UNet channels");
+  if (o.d_head <= 0) throw dt::ConfigError("must be positive", "UNet d_head");
+  if (o.context_tokens <= 0)
+    throw dt::ConfigError("must be positive, got " + std::to_string(o.context_tokens),
+                          "UNet context_tokens");
+  dt::models::UNet2DConditionConfig u;
+  u.sample_size = 28;
+  u.in_channels = u.out_channels = 1;
+  const std::string down14 = o.attention_14 ? "CrossAttnDownBlock2D" : "DownBlock2D";
+  const std::string up14 = o.attention_14 ? "CrossAttnUpBlock2D" : "UpBlock2D";
+  u.down_block_types = {"DownBlock2D", down14, "DownBlock2D"};
+  u.up_block_types = {"UpBlock2D", up14, "UpBlock2D"};
+  u.block_out_channels = {c, 3 * c / 2, 2 * c};
+  u.layers_per_block = {0, 1, 1};
+  u.norm_num_groups = 8;
+  u.cross_attention_dim.assign(3, 2 * c);
+  // diffusers' attention_head_dim is the number of heads: width / d_head, at least one.
+  for (const std::int64_t width : u.block_out_channels) {
+    const std::int64_t heads = std::max<std::int64_t>(1, width / o.d_head);
+    if (width % heads != 0)
+      throw dt::ConfigError("gives " + std::to_string(heads) +
+                                " heads, which do not divide width " + std::to_string(width),
+                            "UNet d_head " + std::to_string(o.d_head));
+    u.attention_head_dim.push_back(heads);
+  }
+  u.use_linear_projection = true;
+  u.time_embedding_dim = 4 * c;
+  if (o.pooled_context) {
+    u.class_embed_type = "simple_projection";
+    u.projection_class_embeddings_input_dim = o.context_tokens * 2 * c;
+  } else {
+    u.num_class_embeds = o.classes + 1;
+  }
+  return u;
 }
 
-/// GroupNorm → SiLU → conv, + the embedding's shift, → GroupNorm → SiLU → conv (zeroed), + skip.
-class ResBlockImpl : public torch::nn::Module {
- public:
-  ResBlockImpl(std::int64_t in, std::int64_t out, std::int64_t emb) {
-    using namespace torch::nn;
-    norm1 = register_module("norm1", GroupNorm(GroupNormOptions(8, in)));
-    conv1 = register_module("conv1", Conv2d(Conv2dOptions(in, out, 3).padding(1)));
-    // Adaptable (exactly a Linear until a LoRA branch is attached): how the condition enters.
-    emb_proj = register_module("emb_proj", dt::nn::AdaptableLinear(emb, out));
-    norm2 = register_module("norm2", GroupNorm(GroupNormOptions(8, out)));
-    conv2 = register_module("conv2", Conv2d(Conv2dOptions(out, out, 3).padding(1)));
-    zero_(*conv2);
-    if (in != out) skip = register_module("skip", Conv2d(Conv2dOptions(in, out, 1)));
+/// Zeroes the residual branches' last layers and conv_out (see the opening comment).
+inline void zero_residual_branches(torch::nn::Module& m) {
+  at::NoGradGuard no_grad;
+  auto ends_with = [](std::string_view s, std::string_view tail) {
+    return s.size() >= tail.size() && s.substr(s.size() - tail.size()) == tail;
+  };
+  for (auto& p : m.named_parameters()) {
+    const std::string& n = p.key();
+    const std::string_view module = std::string_view(n).substr(0, n.rfind('.'));
+    if (ends_with(module, ".conv2") || ends_with(module, ".proj_out") || module == "conv_out" ||
+        ends_with(module, ".conv_out"))
+      p.value().zero_();
   }
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& emb) {
-    at::Tensor h = conv1(Act::forward(norm1(x), {}));
-    h = h + emb_proj->forward(Act::forward(emb, {})).unsqueeze(-1).unsqueeze(-1);
-    h = conv2(Act::forward(norm2(h), {}));
-    return h + (skip ? skip(x) : x);
-  }
-  torch::nn::GroupNorm norm1{nullptr}, norm2{nullptr};
-  torch::nn::Conv2d conv1{nullptr}, conv2{nullptr}, skip{nullptr};
-  dt::nn::AdaptableLinear emb_proj{nullptr};
-};
-TORCH_MODULE(ResBlock);
-
-/// The sinusoidal timestep embedding of DDPM / diffusers (cos half first, as flip_sin_to_cos).
-inline at::Tensor timestep_embedding(const at::Tensor& t, std::int64_t dim) {
-  const std::int64_t half = dim / 2;
-  const at::Tensor freqs =
-      at::exp(at::arange(half, t.options().dtype(at::kFloat)) * (-std::log(10000.0) / half));
-  const at::Tensor args = t.to(at::kFloat).unsqueeze(1) * freqs.unsqueeze(0);
-  return at::cat({at::cos(args), at::sin(args)}, 1);
 }
 
 class UNetImpl : public torch::nn::Module {
@@ -118,41 +144,10 @@ class UNetImpl : public torch::nn::Module {
 
   UNetImpl(const UNetOptions& o, const dt::diffusion::NoiseSchedule& schedule)
       : o_(o), schedule_(&schedule) {
-    using namespace torch::nn;
-    const std::int64_t c = o.channels, c2 = 2 * o.channels, emb = 4 * o.channels;
-    if (c <= 0 || c2 % 32 != 0)
-      throw dt::ConfigError(
-          "must be a positive multiple of 16 (the transformers' GroupNorm has "
-          "32 groups of 2C channels), got " +
-              std::to_string(c),
-          "UNet channels");
-    if (o.d_head <= 0 || c2 % o.d_head != 0)
-      throw dt::ConfigError("must divide 2C = " + std::to_string(c2), "UNet d_head");
-    time_in = register_module("time_in", Linear(c, emb));
-    time_out = register_module("time_out", Linear(emb, emb));
-    if (o.pooled_context)
-      pool_proj = register_module("pool_proj", Linear(o.context_tokens * c2, emb));
-    else
-      label_emb = register_module("label_emb", Embedding(o.classes + 1, emb));
-    context_emb = register_module("context_emb", Embedding(o.classes + 1, o.context_tokens * c2));
-    conv_in = register_module("conv_in", Conv2d(Conv2dOptions(1, c, 3).padding(1)));
-    res_28 = register_module("res_28", ResBlock(c, c, emb));
-    down_28 = register_module("down_28", Conv2d(Conv2dOptions(c, c, 3).stride(2).padding(1)));
-    res_14 = register_module("res_14", ResBlock(c, c2, emb));
-    if (o.attention_14) attn_14 = register_module("attn_14", transformer(c2));
-    down_14 = register_module("down_14", Conv2d(Conv2dOptions(c2, c2, 3).stride(2).padding(1)));
-    mid_res1 = register_module("mid_res1", ResBlock(c2, c2, emb));
-    mid_attn = register_module("mid_attn", transformer(c2));
-    mid_res2 = register_module("mid_res2", ResBlock(c2, c2, emb));
-    up_7 = register_module("up_7", Conv2d(Conv2dOptions(c2, c2, 3).padding(1)));  // then up
-    up_res_14 = register_module("up_res_14", ResBlock(2 * c2, c2, emb));
-    if (o.attention_14) up_attn_14 = register_module("up_attn_14", transformer(c2));
-    up_14 =
-        register_module("up_14", Conv2d(Conv2dOptions(c2, c, 3).padding(1)));  // at 14×14, then up
-    up_res_28 = register_module("up_res_28", ResBlock(2 * c, c, emb));
-    norm_out = register_module("norm_out", GroupNorm(GroupNormOptions(8, c)));
-    conv_out = register_module("conv_out", Conv2d(Conv2dOptions(c, 1, 3).padding(1)));
-    zero_(*conv_out);
+    unet = register_module("unet", Model(unet_config(o), "fmnist::UNet"));
+    context_emb = register_module(
+        "context_emb", torch::nn::Embedding(o.classes + 1, o.context_tokens * 2 * o.channels));
+    zero_residual_branches(*unet);
   }
 
   [[nodiscard]] const UNetOptions& options() const { return o_; }
@@ -162,7 +157,7 @@ class UNetImpl : public torch::nn::Module {
   at::Tensor forward(const at::Tensor& x, const at::Tensor& t, const at::Tensor& labels) {
     const at::Tensor lab = labels.to(x.device(), at::kLong);
     const at::Tensor ctx = context(lab);
-    return predict(x, t, ctx, o_.pooled_context ? at::Tensor() : label_emb(lab));
+    return predict(x, t, ctx, o_.pooled_context ? at::Tensor() : lab);
   }
 
   /// The prediction for context tokens (B, context_tokens, 2C) given directly (a prompt whose
@@ -215,19 +210,14 @@ class UNetImpl : public torch::nn::Module {
     return ((pred - target).square().mean({1, 2, 3}) * weights).mean();
   }
 
-  torch::nn::Linear time_in{nullptr}, time_out{nullptr}, pool_proj{nullptr};
-  torch::nn::Embedding label_emb{nullptr}, context_emb{nullptr};
-  torch::nn::Conv2d conv_in{nullptr}, down_28{nullptr}, down_14{nullptr}, up_7{nullptr},
-      up_14{nullptr}, conv_out{nullptr};
-  ResBlock res_28{nullptr}, res_14{nullptr}, mid_res1{nullptr}, mid_res2{nullptr},
-      up_res_14{nullptr}, up_res_28{nullptr};
-  using Transformer = dt::nn::blocks::SpatialTransformer<AttentionBackend>;
-  Transformer attn_14{nullptr}, mid_attn{nullptr}, up_attn_14{nullptr};
-  torch::nn::GroupNorm norm_out{nullptr};
+  Model unet{nullptr};
+  torch::nn::Embedding context_emb{nullptr};
 
  private:
+  /// The UNet on x with context tokens ctx; `labels` feed the class embedding, or (undefined)
+  /// the flattened context does (pooled_context).
   at::Tensor predict(const at::Tensor& x, const at::Tensor& t, const at::Tensor& ctx,
-                     const at::Tensor& label_term) {
+                     const at::Tensor& labels) {
     if (x.dim() != 4 || x.size(1) != 1 || x.size(2) != 28 || x.size(3) != 28)
       throw dt::ShapeError("expects (B, 1, 28, 28) images, got " + c10::str(x.sizes()), "UNet");
     const std::int64_t b = x.size(0);
@@ -237,31 +227,9 @@ class UNetImpl : public torch::nn::Module {
                                std::to_string(o_.context_tokens) + ", " +
                                std::to_string(2 * o_.channels) + "), got " + c10::str(ctx.sizes()),
                            "UNet");
-    at::Tensor emb = time_in(timestep_embedding(t.to(x.device()), o_.channels));
-    emb = time_out(Act::forward(emb, {})) +
-          (label_term.defined() ? label_term : pool_proj(ctx.flatten(1)));
-
-    const at::Tensor h28 = res_28(conv_in(x), emb);
-    at::Tensor h14 = res_14(down_28(h28), emb);
-    if (attn_14) h14 = attn_14->forward(h14, ctx);
-    at::Tensor h = mid_res1(down_14(h14), emb);
-    h = mid_res2(mid_attn->forward(h, ctx), emb);
-    h = at::upsample_nearest2d(up_7(h), {14, 14});
-    h = up_res_14(at::cat({h, h14}, 1), emb);
-    if (up_attn_14) h = up_attn_14->forward(h, ctx);
-    h = at::upsample_nearest2d(up_14(h), {28, 28});
-    h = up_res_28(at::cat({h, h28}, 1), emb);
-    return conv_out(Act::forward(norm_out(h), {}));
-  }
-
-  [[nodiscard]] Transformer transformer(std::int64_t dim) const {
-    dt::nn::blocks::SpatialTransformerOptions s;
-    s.in_channels = dim;
-    s.n_heads = dim / o_.d_head;
-    s.d_head = o_.d_head;
-    s.context_dim = {dim};
-    s.use_linear = true;
-    return Transformer(s);
+    dt::models::UNetConditions cond;
+    cond.class_labels = labels.defined() ? labels : ctx.flatten(1);
+    return unet->forward(x, t.to(x.device()), ctx, cond);
   }
 
   UNetOptions o_;

@@ -78,7 +78,7 @@ struct Settings {
   double lora_lr = 1e-2;
   std::int64_t lora_rank = 4;
   double lora_alpha = 4.0;
-  std::string lora_targets = "to_q,to_k,to_v,to_out.0,emb_proj";
+  std::string lora_targets = "to_q,to_k,to_v,to_out.0,time_emb_proj";
   std::int64_t save_every = 100;
   // sampling and scoring
   std::int64_t samples = 100;

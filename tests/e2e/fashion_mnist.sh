@@ -5,6 +5,7 @@
 # --resume continues from.
 #
 #   fashion_mnist.sh PROGRAM WORKDIR [DATA_DIR]
+#   DIFFTRAIN_PYTHON  a Python with torch and diffusers: diffusers loads the run's unet/ folder
 set -uo pipefail
 bin=$1 work=$2 data=${3:-/usr/share/datasets/fashion-mnist}
 rm -rf "$work" && mkdir -p "$work"
@@ -55,7 +56,8 @@ grep_in "$work/folder-data.err" "is a folder, not a file"
 
 # A whole run.
 expect_rc 0 full -- "$bin" "${tiny[@]}" --steps 6 --out "$work/a"
-for f in samples.png loss.png lr.png loss.csv results.json ema.safetensors checkpoints/checkpoint-6.pt; do
+for f in samples.png loss.png lr.png loss.csv results.json ema.safetensors checkpoints/checkpoint-6.pt \
+         unet/config.json unet/diffusion_pytorch_model.safetensors; do
   [ -s "$work/a/$f" ] || fail "the run did not write $f"
 done
 # Its TensorBoard event file, and progress lines (stderr is not a terminal: a line per 10 %).
@@ -67,6 +69,33 @@ grep_in "$work/a/results.json" '"frechet_distance"'
 grep_in "$work/full.out" "class accuracy of the samples"
 [ "$(ls "$work/a/checkpoints" | wc -l)" -eq 2 ] || fail "keep 2 left $(ls "$work/a/checkpoints")"
 [ "$(wc -l <"$work/a/loss.csv")" -eq 7 ] || fail "loss.csv should have a header and 6 rows"
+
+# The UNet folder is diffusers' own model: from_pretrained loads it strictly, its weights are the
+# EMA weights, and it denoises with the class tokens the run saved beside it.
+if [ -n "${DIFFTRAIN_PYTHON:-}" ]; then
+  "$DIFFTRAIN_PYTHON" - "$work/a" >"$work/diffusers.out" 2>&1 <<'PY' || { fail "diffusers check"; cat "$work/diffusers.out"; }
+import sys
+import torch
+from diffusers import UNet2DConditionModel
+from safetensors.torch import load_file
+run = sys.argv[1]
+unet = UNet2DConditionModel.from_pretrained(run + "/unet")
+ema = load_file(run + "/ema.safetensors")
+sd = unet.state_dict()
+assert {"unet." + k for k in sd} == {k for k in ema if k.startswith("unet.")}
+for k, v in sd.items():
+    assert torch.equal(v, ema["unet." + k]), k
+table = ema["context_emb.weight"]                     # (classes + 1, tokens x 2C)
+width = unet.config.block_out_channels[1]
+labels = torch.tensor([0, 3, 9, 10])
+tokens = table[labels].view(4, -1, width)
+with torch.no_grad():
+    y = unet(torch.randn(4, 1, 28, 28), torch.tensor([10, 200, 500, 900]),
+             encoder_hidden_states=tokens, class_labels=labels).sample
+assert y.shape == (4, 1, 28, 28) and torch.isfinite(y).all(), y.shape
+print("diffusers loads the run's UNet:", sum(p.numel() for p in unet.parameters()), "parameters")
+PY
+fi
 
 # A second run in the same place must not replace the first one's checkpoints.
 expect_rc 2 again -- "$bin" "${tiny[@]}" --steps 6 --out "$work/a"

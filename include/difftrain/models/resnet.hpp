@@ -20,6 +20,7 @@
 #include "difftrain/nn/activation/concepts.hpp"
 #include "difftrain/nn/activation/elementwise.hpp"
 #include "difftrain/nn/blocks/checkpoint.hpp"
+#include "difftrain/nn/layers/adaptable.hpp"
 
 namespace difftrain::models {
 
@@ -138,8 +139,9 @@ class ResnetBlock2DImpl : public torch::nn::Module {
     if (o.temb_channels)
       time_emb_proj = register_module(
           "time_emb_proj",
-          Linear(*o.temb_channels,
-                 o.time_embedding_norm == TimeEmbeddingNorm::scale_shift ? 2 * out : out));
+          nn::AdaptableLinear(
+              *o.temb_channels,
+              o.time_embedding_norm == TimeEmbeddingNorm::scale_shift ? 2 * out : out));
     norm2 = register_module("norm2", GroupNorm(GroupNormOptions(groups_out, out).eps(o.eps)));
     dropout = register_module("dropout", Dropout(o.dropout));
     conv2 = register_module("conv2", Conv2d(Conv2dOptions(out, out, 3).padding(1)));
@@ -174,7 +176,9 @@ class ResnetBlock2DImpl : public torch::nn::Module {
 
   torch::nn::GroupNorm norm1{nullptr}, norm2{nullptr};
   torch::nn::Conv2d conv1{nullptr}, conv2{nullptr}, conv_shortcut{nullptr};
-  torch::nn::Linear time_emb_proj{nullptr};
+  // Adaptable (exactly a Linear until a LoRA branch is attached): PEFT and kohya's LoRA can target
+  // how the condition enters each block, not only the attention projections.
+  nn::AdaptableLinear time_emb_proj{nullptr};
   torch::nn::Dropout dropout{nullptr};
 
  private:
