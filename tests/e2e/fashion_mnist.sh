@@ -86,7 +86,7 @@ assert {"unet." + k for k in sd} == {k for k in ema if k.startswith("unet.")}
 for k, v in sd.items():
     assert torch.equal(v, ema["unet." + k]), k
 table = ema["context_emb.weight"]                     # (classes + 1, tokens x 2C)
-width = unet.config.block_out_channels[1]
+width = unet.config.block_out_channels[-1]               # the context width, 2C
 labels = torch.tensor([0, 3, 9, 10])
 tokens = table[labels].view(4, -1, width)
 with torch.no_grad():
