@@ -94,12 +94,12 @@ inline void sgd_step(torch::optim::SGD& opt) {
       std::vector<at::Tensor> params, grads;
       std::vector<torch::optim::SGDParamState*> states;  // null: no momentum buffer yet
     };
-    std::map<std::pair<std::string, int>, Bucket> buckets;
+    std::map<fused_detail::BucketKey, Bucket> buckets;
     for (auto& p : group.params()) {
       if (!p.grad().defined()) continue;
       if (p.grad().is_sparse())
         throw ConfigError("sparse gradients are not supported", "multi-tensor SGD");
-      Bucket& b = buckets[{p.device().str(), static_cast<int>(p.scalar_type())}];
+      Bucket& b = buckets[fused_detail::bucket_key(p)];
       b.params.push_back(p);
       b.grads.push_back(p.grad());
       auto it = opt.state().find(p.unsafeGetTensorImpl());
