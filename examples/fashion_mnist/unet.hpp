@@ -118,14 +118,10 @@ inline dt::models::UNet2DConditionConfig unet_config(const UNetOptions& o) {
 /// Zeroes the residual branches' last layers and conv_out (see the opening comment).
 inline void zero_residual_branches(torch::nn::Module& m) {
   at::NoGradGuard no_grad;
-  auto ends_with = [](std::string_view s, std::string_view tail) {
-    return s.size() >= tail.size() && s.substr(s.size() - tail.size()) == tail;
-  };
   for (auto& p : m.named_parameters()) {
     const std::string& n = p.key();
     const std::string_view module = std::string_view(n).substr(0, n.rfind('.'));
-    if (ends_with(module, ".conv2") || ends_with(module, ".proj_out") || module == "conv_out" ||
-        ends_with(module, ".conv_out"))
+    if (module.ends_with(".conv2") || module.ends_with(".proj_out") || module == "conv_out")
       p.value().zero_();
   }
 }

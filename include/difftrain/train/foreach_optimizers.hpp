@@ -94,12 +94,12 @@ inline void sgd_step(torch::optim::SGD& opt) {
       std::vector<at::Tensor> params, grads;
       std::vector<torch::optim::SGDParamState*> states;  // null: no momentum buffer yet
     };
-    std::map<fused_detail::BucketKey, Bucket> buckets;
+    std::map<TensorKind, Bucket> buckets;
     for (auto& p : group.params()) {
       if (!p.grad().defined()) continue;
       if (p.grad().is_sparse())
         throw ConfigError("sparse gradients are not supported", "multi-tensor SGD");
-      Bucket& b = buckets[fused_detail::bucket_key(p)];
+      Bucket& b = buckets[kind_of(p)];
       b.params.push_back(p);
       b.grads.push_back(p.grad());
       auto it = opt.state().find(p.unsafeGetTensorImpl());

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "difftrain/core/error.hpp"
+#include "difftrain/train/gradient_groups.hpp"
 #include "difftrain/train/scaled_step.hpp"
 
 namespace difftrain::train {
@@ -89,25 +90,17 @@ struct Adam {
   static void kernel(auto&&... a) { at::_fused_adam_(std::forward<decltype(a)>(a)...); }
 };
 
-/// A bucket's device type, device index and dtype, compared as integers: no string is built per
-/// parameter and step to find its bucket.
-using BucketKey = std::tuple<int, int, int>;
-inline BucketKey bucket_key(const at::Tensor& p) {
-  return {static_cast<int>(p.device().type()), static_cast<int>(p.device().index()),
-          static_cast<int>(p.scalar_type())};
-}
-
 /// The parameters of one group that have a gradient, by (device, dtype) — torch's kernels take
 /// tensors of one device and dtype — with their Adam state, created at the first step as torch
 /// creates it. `on_param(bucket, param, state)` fills what the caller's kernel needs beyond the
 /// tensors (the step scalars of the fused kernel).
 template <class Kind, class OnParam>
-std::map<BucketKey, Bucket> adam_buckets(torch::optim::Optimizer& opt,
-                                         torch::optim::OptimizerParamGroup& group,
-                                         const std::string& who, OnParam&& on_param) {
+std::map<TensorKind, Bucket> adam_buckets(torch::optim::Optimizer& opt,
+                                          torch::optim::OptimizerParamGroup& group,
+                                          const std::string& who, OnParam&& on_param) {
   using State = typename Kind::State;
   const bool amsgrad = static_cast<typename Kind::Options&>(group.options()).amsgrad();
-  std::map<BucketKey, Bucket> buckets;
+  std::map<TensorKind, Bucket> buckets;
   for (auto& p : group.params()) {
     if (!p.grad().defined()) continue;
     if (p.grad().is_sparse()) throw ConfigError("sparse gradients are not supported", who);
@@ -127,7 +120,7 @@ std::map<BucketKey, Bucket> adam_buckets(torch::optim::Optimizer& opt,
     auto& s = static_cast<State&>(*slot);
     if (amsgrad && !s.max_exp_avg_sq().defined())
       s.max_exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
-    Bucket& b = buckets[bucket_key(p)];
+    Bucket& b = buckets[kind_of(p)];
     b.params.push_back(p);
     b.grads.push_back(p.grad());
     b.exp_avgs.push_back(s.exp_avg());

@@ -5,12 +5,20 @@
 #include <ATen/ATen.h>
 
 #include <cstddef>
-#include <utility>
+#include <tuple>
 #include <vector>
 
 #include "difftrain/core/error.hpp"
 
 namespace difftrain::train {
+
+/// A tensor's device type, device index and dtype, compared as integers: the unit torch's
+/// multi-tensor and fused kernels take, found without building a string per tensor and step.
+using TensorKind = std::tuple<int, int, int>;
+inline TensorKind kind_of(const at::Tensor& t) {
+  return {static_cast<int>(t.device().type()), static_cast<int>(t.device().index()),
+          static_cast<int>(t.scalar_type())};
+}
 
 /// The defined gradients of `params`, one list per (device, dtype) in first-seen order, as
 /// torch's _group_tensors_by_device_and_dtype groups them. A linear search over the few kinds a
@@ -18,13 +26,13 @@ namespace difftrain::train {
 /// `where` (the multi-tensor kernels take dense tensors).
 inline std::vector<std::vector<at::Tensor>> gradients_by_kind(const std::vector<at::Tensor>& params,
                                                               const char* where = "gradients") {
-  std::vector<std::pair<c10::Device, c10::ScalarType>> kinds;
+  std::vector<TensorKind> kinds;
   std::vector<std::vector<at::Tensor>> out;
   for (const auto& p : params) {
     const at::Tensor& g = p.grad();
     if (!g.defined()) continue;
     if (g.is_sparse()) throw ConfigError("sparse gradients are not supported", where);
-    const std::pair<c10::Device, c10::ScalarType> kind{g.device(), g.scalar_type()};
+    const TensorKind kind = kind_of(g);
     std::size_t i = 0;
     while (i < kinds.size() && kinds[i] != kind) ++i;
     if (i == kinds.size()) {
