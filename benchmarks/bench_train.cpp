@@ -8,6 +8,10 @@
 //    the GPU: >= 1.5).
 //  - train_vs_python_best: the same, against Python's fastest eager settings (AdamW fused=True,
 //    EMAModel foreach=True) — goal: ratio <= 1 / 1.5 (1.5x the steps/s).
+//  - train_step_small_paired, train_vs_python_eager_paired, train_vs_python_best_paired: the same
+//    three comparisons with their two sides alternating in short blocks in one run (paired.hpp;
+//    the Python loop stays up between its blocks); the ratio is the median over 30 rounds, printed
+//    with its quartiles. These are the figures to quote on a machine whose load moves.
 //  - optimizer_step_fused_vs_per_parameter/COUNT/NUMEL: the AdamW step alone, fused kernel against
 //    LibTorch's per-parameter AdamW, 100 tensors of 1M and 2,000 of 1,000 parameters;
 //    optimizer_step_vs_python_fused: the fused step against Python's AdamW(fused=True);
@@ -22,6 +26,7 @@
 // On a GPU everything runs there (the step synchronises once, on the loss value, in both loops).
 #include <ATen/ATen.h>
 #include <benchmark/benchmark.h>
+#include <sys/resource.h>
 #include <torch/cuda.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/utils/clip_grad.h>
@@ -33,6 +38,7 @@
 #include <difftrain/train/trainer.hpp>
 #include <string>
 
+#include "paired.hpp"
 #include "python_baseline.hpp"
 
 namespace {
@@ -94,74 +100,153 @@ std::vector<Batch> batches(bool tokens) {
   return out;
 }
 
+// The hand-written loop: the trainer's work for one step, written directly on LibTorch.
 template <class Net>
-void hand_written(benchmark::State& state) {
-  const bool tokens = state.range(0) != 0;
-  Net net;
-  std::vector<at::Tensor> decay, no_decay;
-  for (auto& p : net.parameters()) (p.dim() >= 2 ? decay : no_decay).push_back(p);
-  torch::optim::AdamWOptions defaults(1e-4);
-  defaults.weight_decay(1e-2);
-  std::vector<torch::optim::OptimizerParamGroup> groups;
-  groups.emplace_back(decay, std::make_unique<torch::optim::AdamWOptions>(defaults));
-  auto nd = std::make_unique<torch::optim::AdamWOptions>(defaults);
-  nd->weight_decay(0.0);
-  groups.emplace_back(no_decay, std::move(nd));
-  tr::FusedAdamWOptimizer opt(std::move(groups), defaults);  // the trainer's default kernel
-  const ds::Cosine sched({100, 100000, 0.5});
-  std::vector<at::Tensor> params = net.parameters(), shadow;
-  for (auto& p : params) shadow.push_back(p.detach().clone());
-  const auto data = batches<Net>(tokens);
-  std::int64_t step = 0;
-  const double base = 1e-4;
-  for (auto _ : state) {
-    opt.zero_grad(true);
+class HandWritten {
+ public:
+  explicit HandWritten(bool tokens) : data_(batches<Net>(tokens)) {
+    std::vector<at::Tensor> decay, no_decay;
+    for (auto& p : net_.parameters()) (p.dim() >= 2 ? decay : no_decay).push_back(p);
+    torch::optim::AdamWOptions defaults(1e-4);
+    defaults.weight_decay(1e-2);
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    groups.emplace_back(decay, std::make_unique<torch::optim::AdamWOptions>(defaults));
+    auto nd = std::make_unique<torch::optim::AdamWOptions>(defaults);
+    nd->weight_decay(0.0);
+    groups.emplace_back(no_decay, std::move(nd));
+    // The trainer's default kernel.
+    opt_ = std::make_unique<tr::FusedAdamWOptimizer>(std::move(groups), defaults);
+    params_ = net_.parameters();
+    for (auto& p : params_) shadow_.push_back(p.detach().clone());
+  }
+
+  double step() {
+    opt_->zero_grad(true);
     double loss = 0;
-    for (const auto& b : data) {
-      at::Tensor l = net.loss(b);
+    for (const auto& b : data_) {
+      at::Tensor l = net_.loss(b);
       loss += l.detach().template item<double>();
       (l * 0.5).backward();
     }
-    benchmark::DoNotOptimize(torch::nn::utils::clip_grad_norm_(params, 1.0));
-    opt.step();
-    ++step;
-    for (auto& g : opt.param_groups()) g.options().set_lr(sched.lr(step, base));
+    benchmark::DoNotOptimize(torch::nn::utils::clip_grad_norm_(params_, 1.0));
+    opt_->step();
+    ++step_;
+    for (auto& g : opt_->param_groups()) g.options().set_lr(sched_.lr(step_, 1e-4));
     const double decay_now =
-        std::min(0.9999, (1.0 + static_cast<double>(step)) / (10.0 + static_cast<double>(step)));
+        std::min(0.9999, (1.0 + static_cast<double>(step_)) / (10.0 + static_cast<double>(step_)));
     at::NoGradGuard ng;
-    for (std::size_t i = 0; i < params.size(); ++i) shadow[i].lerp_(params[i], 1.0 - decay_now);
-    benchmark::DoNotOptimize(loss);
+    for (std::size_t i = 0; i < params_.size(); ++i) shadow_[i].lerp_(params_[i], 1.0 - decay_now);
+    return loss;
   }
+
+ private:
+  Net net_;
+  std::vector<Batch> data_;
+  std::unique_ptr<torch::optim::Optimizer> opt_;
+  const ds::Cosine sched_{{100, 100000, 0.5}};
+  std::vector<at::Tensor> params_, shadow_;
+  std::int64_t step_ = 0;
+};
+
+// The same step through the trainer.
+template <class Net>
+class WithTrainer {
+ public:
+  explicit WithTrainer(bool tokens) : data_(batches<Net>(tokens)), trainer_(net_, options()) {}
+  tr::StepInfo step() { return trainer_.step(data_); }
+
+ private:
+  static typename tr::Trainer<Net, Cfg>::Options options() {
+    typename tr::Trainer<Net, Cfg>::Options o;
+    o.optimizer.lr = 1e-4;
+    o.schedule = {100, 100000, 0.5};
+    o.clipping.max_norm = 1.0;
+    o.accumulation_steps = 2;
+    return o;
+  }
+  Net net_;
+  std::vector<Batch> data_;
+  tr::Trainer<Net, Cfg> trainer_;
+};
+
+template <class Net>
+void hand_written(benchmark::State& state) {
+  HandWritten<Net> loop(state.range(0) != 0);
+  for (auto _ : state) benchmark::DoNotOptimize(loop.step());
 }
 
 template <class Net>
 void with_trainer(benchmark::State& state) {
-  const bool tokens = state.range(0) != 0;
-  Net net;
-  typename tr::Trainer<Net, Cfg>::Options o;
-  o.optimizer.lr = 1e-4;
-  o.schedule = {100, 100000, 0.5};
-  o.clipping.max_norm = 1.0;
-  o.accumulation_steps = 2;
-  tr::Trainer<Net, Cfg> trainer(net, o);
-  const auto data = batches<Net>(tokens);
-  for (auto _ : state) benchmark::DoNotOptimize(trainer.step(data));
+  WithTrainer<Net> loop(state.range(0) != 0);
+  for (auto _ : state) benchmark::DoNotOptimize(loop.step());
 }
+
+void sync_device() {
+  if (device().is_cuda()) torch::cuda::synchronize();
+}
+
+// train_step_small, paired: blocks of 50 steps of the hand-written loop and of the trainer
+// alternate, 30 rounds (paired.hpp).
+void train_step_small_paired(benchmark::State& state) {
+  HandWritten<MlpImpl> hand(false);
+  WithTrainer<MlpImpl> trainer(false);
+  const int block = 50;
+  auto hand_block = [&] {
+    return difftrain::bench::seconds_per_step(
+        block, [&] { (void)hand.step(); }, sync_device);
+  };
+  auto trainer_block = [&] {
+    return difftrain::bench::seconds_per_step(
+        block, [&] { (void)trainer.step(); }, sync_device);
+  };
+  for (int i = 0; i < 20; ++i) {
+    (void)hand.step();
+    (void)trainer.step();
+  }
+  // Page faults per step of each side: memory the C library gave back to the system and takes
+  // again (each fault maps and clears a page), a cost of the allocation pattern, not of the work.
+  auto faults = [] {
+    rusage u{};
+    ::getrusage(RUSAGE_SELF, &u);
+    return static_cast<double>(u.ru_minflt);
+  };
+  const double f0 = faults();
+  for (int i = 0; i < 100; ++i) (void)hand.step();
+  const double f1 = faults();
+  for (int i = 0; i < 100; ++i) (void)trainer.step();
+  const double f2 = faults();
+  difftrain::bench::report_paired(state, difftrain::bench::paired(30, hand_block, trainer_block));
+  state.counters["baseline_faults"] = (f1 - f0) / 100;
+  state.counters["difftrain_faults"] = (f2 - f1) / 100;
+}
+
+// train_vs_python_eager / _best, paired: the Python loop stays up (python_eager_train.py serve)
+// and its blocks of 40 steps alternate with the trainer's, 30 rounds. Arg 1: Python's best eager
+// settings.
+void train_vs_python_paired(benchmark::State& state) {
+  const bool best = state.range(0) != 0;
+  difftrain::bench::PythonServer python(difftrain::bench::python_script("python_eager_train.py") +
+                                        " serve" + (best ? " best" : ""));
+  WithTrainer<MlpImpl> trainer(false);
+  for (int i = 0; i < 20; ++i) (void)trainer.step();
+  const int block = 40;
+  auto python_block = [&] { return python.run(block); };
+  auto trainer_block = [&] {
+    return difftrain::bench::seconds_per_step(
+        block, [&] { (void)trainer.step(); }, sync_device);
+  };
+  difftrain::bench::report_paired(state, difftrain::bench::paired(30, python_block, trainer_block),
+                                  python.why());
+}
+
 // train_step_small's trainer, timed per step like the Python loop (wall clock, synchronised).
 void trainer_timed(benchmark::State& state) {
-  MlpImpl net;
-  tr::Trainer<MlpImpl, Cfg>::Options o;
-  o.optimizer.lr = 1e-4;
-  o.schedule = {100, 100000, 0.5};
-  o.clipping.max_norm = 1.0;
-  o.accumulation_steps = 2;
-  tr::Trainer<MlpImpl, Cfg> trainer(net, o);
-  const auto data = batches<MlpImpl>(false);
-  for (int i = 0; i < 20; ++i) (void)trainer.step(data);
+  WithTrainer<MlpImpl> trainer(false);
+  for (int i = 0; i < 20; ++i) (void)trainer.step();
   for (auto _ : state) {
     const auto start = std::chrono::steady_clock::now();
-    benchmark::DoNotOptimize(trainer.step(data));
-    if (device().is_cuda()) torch::cuda::synchronize();
+    benchmark::DoNotOptimize(trainer.step());
+    sync_device();
     state.SetIterationTime(
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
@@ -302,6 +387,17 @@ BENCHMARK(python_eager)->Name("train_vs_python_eager/baseline")->Arg(0)->UseManu
 BENCHMARK(trainer_timed)->Name("train_vs_python_eager/difftrain")->Arg(0)->UseManualTime();
 BENCHMARK(python_eager)->Name("train_vs_python_best/baseline")->Arg(1)->UseManualTime();
 BENCHMARK(trainer_timed)->Name("train_vs_python_best/difftrain")->Arg(1)->UseManualTime();
+BENCHMARK(train_vs_python_paired)
+    ->Name("train_vs_python_eager_paired")
+    ->Arg(0)
+    ->Iterations(1)
+    ->UseManualTime();
+BENCHMARK(train_vs_python_paired)
+    ->Name("train_vs_python_best_paired")
+    ->Arg(1)
+    ->Iterations(1)
+    ->UseManualTime();
+BENCHMARK(train_step_small_paired)->Name("train_step_small_paired")->Iterations(1)->UseManualTime();
 BENCHMARK_TEMPLATE(optimizer_step, StepKind::per_parameter)
     ->Name("optimizer_step_fused_vs_per_parameter/baseline")
     ->Args({100, 1 << 20})

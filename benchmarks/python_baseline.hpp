@@ -4,6 +4,10 @@
 
 #include <benchmark/benchmark.h>
 
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -43,5 +47,83 @@ inline void report_baseline(benchmark::State& state, double seconds, const std::
   }
   for (auto _ : state) state.SetIterationTime(seconds);
 }
+
+/// A baseline script kept running beside the benchmark (its `serve` mode): each line written to
+/// it is a step count, and it answers with {"seconds_per_step": ...} for that block of steps.
+/// The paired benchmarks alternate its blocks with their own (see paired.hpp).
+class PythonServer {
+ public:
+  explicit PythonServer(const std::string& command) {
+    int to[2], from[2];
+    if (::pipe(to) != 0) return;
+    if (::pipe(from) != 0) {
+      ::close(to[0]);
+      ::close(to[1]);
+      return;
+    }
+    pid_ = ::fork();
+    if (pid_ == 0) {  // the child: the script, its stdin and stdout on the pipes
+      ::dup2(to[0], 0);
+      ::dup2(from[1], 1);
+      ::dup2(from[1], 2);
+      ::close(to[0]);
+      ::close(to[1]);
+      ::close(from[0]);
+      ::close(from[1]);
+      ::execl("/bin/sh", "sh", "-c", command.c_str(), static_cast<char*>(nullptr));
+      ::_exit(127);
+    }
+    ::close(to[0]);
+    ::close(from[1]);
+    in_ = ::fdopen(to[1], "w");
+    out_ = ::fdopen(from[0], "r");
+    // The script answers once its model is built and warmed up.
+    ready_ = line().find("\"ready\"") != std::string::npos;
+  }
+  PythonServer(const PythonServer&) = delete;
+  PythonServer& operator=(const PythonServer&) = delete;
+  ~PythonServer() {
+    if (in_ != nullptr) std::fclose(in_);  // end of input: the script returns
+    if (out_ != nullptr) std::fclose(out_);
+    if (pid_ > 0) ::waitpid(pid_, nullptr, 0);
+  }
+
+  [[nodiscard]] bool ready() const { return ready_; }
+  /// What the script wrote last (its error, when it stopped).
+  [[nodiscard]] const std::string& why() const { return last_; }
+
+  /// Seconds per step over a block of `steps`, or -1 when the script did not answer.
+  double run(int steps) {
+    if (!ready_) return -1.0;
+    std::fprintf(in_, "%d\n", steps);
+    std::fflush(in_);
+    const std::string answer = line();
+    const auto at = answer.find("\"seconds_per_step\": ");
+    if (at == std::string::npos) {
+      ready_ = false;
+      return -1.0;
+    }
+    return std::stod(answer.substr(at + 20));
+  }
+
+ private:
+  // The next line that starts a JSON object; whatever else the script printed (warnings) is kept
+  // as the reason to show if no answer comes.
+  std::string line() {
+    char buf[4096];
+    while (out_ != nullptr && std::fgets(buf, sizeof buf, out_) != nullptr) {
+      if (buf[0] == '{') return last_ = buf;
+      last_ += buf;
+      if (last_.size() > 600) last_.erase(0, last_.size() - 600);
+    }
+    return {};
+  }
+
+  pid_t pid_ = -1;
+  std::FILE* in_ = nullptr;
+  std::FILE* out_ = nullptr;
+  bool ready_ = false;
+  std::string last_;
+};
 
 }  // namespace difftrain::bench

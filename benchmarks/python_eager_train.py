@@ -1,9 +1,11 @@
 """The Python side of train_vs_python_eager: the same small model and step as bench_train.cpp's
 train_step_small (3 Linear layers of width 256, SiLU, MSE; AdamW with a decay and a no-decay group,
 diffusers cosine schedule with warm-up, clip_grad_norm_, 2 micro-batches, diffusers EMAModel),
-run eagerly. Usage: python_eager_train.py [STEPS [best]]; `best` turns on Python's fastest eager
-settings (AdamW fused=True, EMAModel foreach=True). Prints {"seconds_per_step": ...} for the C++
-benchmark to compare with."""
+run eagerly. Usage: python_eager_train.py [STEPS|serve [best]]; `best` turns on Python's fastest
+eager settings (AdamW fused=True, EMAModel foreach=True). Prints {"seconds_per_step": ...} for the
+C++ benchmark to compare with. With `serve` it stays up after its warm-up: each line it reads is a
+step count, and it answers each with {"seconds_per_step": ...} for that block of steps (the paired
+benchmarks alternate such blocks with their own, so the machine's load changes both alike)."""
 import json
 import sys
 import time
@@ -15,7 +17,8 @@ from torch import nn
 
 
 def main():
-    steps = int(sys.argv[1]) if len(sys.argv) > 1 else 200
+    serve = len(sys.argv) > 1 and sys.argv[1] == "serve"
+    steps = 200 if serve or len(sys.argv) < 2 else int(sys.argv[1])
     best = len(sys.argv) > 2 and sys.argv[2] == "best"
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.set_num_threads(torch.get_num_threads())
@@ -42,14 +45,24 @@ def main():
         ema.step(net.parameters())
         return total
 
+    def timed(n):
+        start = time.perf_counter()
+        for _ in range(n):
+            step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - start) / n
+
     for _ in range(20):
         step()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    print(json.dumps({"seconds_per_step": (time.perf_counter() - start) / steps, "device": device}))
+    if not serve:
+        print(json.dumps({"seconds_per_step": timed(steps), "device": device}))
+        return
+    print(json.dumps({"ready": True, "device": device}), flush=True)
+    for line in sys.stdin:
+        if not line.strip():
+            break
+        print(json.dumps({"seconds_per_step": timed(int(line))}), flush=True)
 
 
 if __name__ == "__main__":

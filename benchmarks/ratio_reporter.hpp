@@ -2,7 +2,9 @@
 // Prints, after the usual table, the ratio of each difftrain case to its baseline measured in the
 // same run. Pairing is by name: a benchmark whose name contains "/difftrain" is compared with the
 // one whose name has "/baseline" in that place (arguments after it must match). Timings are noisy
-// on a shared machine: run with --benchmark_repetitions=5 and the medians are compared.
+// on a shared machine: run with --benchmark_repetitions=5 and the medians are compared. A paired
+// benchmark (paired.hpp) alternates its two sides itself and reports the ratio as a counter; those
+// are printed in a table of their own, with the quartiles of the per-round ratios.
 
 #include <benchmark/benchmark.h>
 
@@ -29,6 +31,12 @@ class RatioReporter : public benchmark::ConsoleReporter {
     ConsoleReporter::ReportRuns(runs);
     for (const Run& run : runs) {
       if (skipped(run)) continue;
+      // A paired benchmark measured its ratio itself (paired.hpp).
+      if (const auto it = run.counters.find("paired_ratio"); it != run.counters.end()) {
+        paired_[run.run_name.str()] = {it->second.value, run.counters.at("ratio_q1").value,
+                                       run.counters.at("ratio_q3").value};
+        continue;
+      }
       // With --benchmark_repetitions the median stands for the case; otherwise the single run.
       if (run.run_type == Run::RT_Iteration && run.repetitions <= 1) {
         times_[run.run_name.str()] = run.GetAdjustedRealTime();
@@ -50,10 +58,19 @@ class RatioReporter : public benchmark::ConsoleReporter {
       if (it == times_.end() || it->second <= 0) continue;
       std::printf("%-60s %12.4g\n", name.c_str(), time / it->second);
     }
+    if (paired_.empty()) return;
+    std::printf("\n%-60s %12s  %s\n", "paired (median of alternating blocks, same run)", "ratio",
+                "quartiles");
+    for (const auto& [name, r] : paired_)
+      std::printf("%-60s %12.4g  [%.4g, %.4g]\n", name.c_str(), r.ratio, r.q1, r.q3);
   }
 
  private:
+  struct Paired {
+    double ratio, q1, q3;
+  };
   std::map<std::string, double> times_;
+  std::map<std::string, Paired> paired_;
 };
 
 }  // namespace difftrain::bench

@@ -373,25 +373,60 @@ TEST(Trainer, EveryKindOfCheckpointDamageIsTypedChangesNothingAndResumeFallsBack
   EXPECT_EQ(other.global_step(), 10);
 }
 
+// An optimizer's whole state as LibTorch's archive bytes.
+std::string archive_bytes(torch::optim::Optimizer& optimizer) {
+  std::string bytes;
+  torch::serialize::OutputArchive archive;
+  optimizer.save(archive);
+  archive.save_to([&](const void* data, std::size_t n) {
+    bytes.append(static_cast<const char*>(data), n);
+    return n;
+  });
+  return bytes;
+}
+
 TEST(Trainer, ANonFiniteLossStopsOrSkipsAndNeverReachesTheWeights) {
+  // The losses are read once, after the step's backward passes: a NaN in any micro-batch, the
+  // first or the last, must still keep the step away from the weights, the optimizer's state and
+  // the step count, and leave no gradient behind.
   for (tr::NanPolicy policy : {tr::NanPolicy::stop, tr::NanPolicy::skip}) {
-    auto net = std::make_shared<NetImpl>();
-    auto o = parity_options();
-    o.on_nan = policy;
-    tr::Trainer<NetImpl, ResumeConfig> trainer(*net, o);
-    trainer.fit(source, 3);
-    const auto before = snapshot(*net);
-    net->nan_at_call = net->calls + 1;  // the second micro-batch of the next step
-    if (policy == tr::NanPolicy::stop) {
-      EXPECT_THROW(trainer.fit(source, 4), dt::NumericError);
-    } else {
-      const tr::StepInfo info = trainer.step({source(3, 0), source(3, 1)});
-      EXPECT_FALSE(info.stepped);
-      EXPECT_EQ(trainer.skipped_nonfinite(), 1);
+    for (std::int64_t bad_micro : {0, 1}) {
+      SCOPED_TRACE("policy " + std::to_string(static_cast<int>(policy)) + ", micro-batch " +
+                   std::to_string(bad_micro));
+      auto net = std::make_shared<NetImpl>();
+      auto o = parity_options();
+      o.on_nan = policy;
+      tr::Trainer<NetImpl, ResumeConfig> trainer(*net, o);
+      trainer.fit(source, 3);
+      const auto before = snapshot(*net);
+      const std::string optimizer_before = archive_bytes(trainer.optimizer());
+      net->nan_at_call = net->calls + bad_micro;
+      if (policy == tr::NanPolicy::stop) {
+        try {
+          trainer.fit(source, 4);
+          ADD_FAILURE() << "a NaN loss did not stop the run";
+        } catch (const dt::NumericError& e) {
+          EXPECT_NE(std::string(e.what()).find("loss is nan"), std::string::npos) << e.what();
+          EXPECT_NE(std::string(e.what()).find("Trainer step 4"), std::string::npos) << e.what();
+        }
+      } else {
+        const tr::StepInfo info = trainer.step({source(3, 0), source(3, 1)});
+        EXPECT_FALSE(info.stepped);
+        EXPECT_TRUE(std::isnan(info.loss));
+        EXPECT_EQ(trainer.skipped_nonfinite(), 1);
+      }
+      EXPECT_EQ(trainer.global_step(), 3);
+      EXPECT_EQ(archive_bytes(trainer.optimizer()), optimizer_before);
+      for (const auto& p : net->parameters()) EXPECT_FALSE(p.grad().defined());
+      const auto after = snapshot(*net);
+      for (std::size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(at::equal(before[i], after[i]));
+      if (policy == tr::NanPolicy::skip) {  // and the next step trains on finite losses again
+        const tr::StepInfo next = trainer.step({source(3, 0), source(3, 1)});
+        EXPECT_TRUE(next.stepped);
+        EXPECT_TRUE(std::isfinite(next.loss));
+        EXPECT_EQ(trainer.global_step(), 4);
+      }
     }
-    EXPECT_EQ(trainer.global_step(), 3);
-    const auto after = snapshot(*net);
-    for (std::size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(at::equal(before[i], after[i]));
   }
   // Non-finite weights are never saved.
   auto net = std::make_shared<NetImpl>();

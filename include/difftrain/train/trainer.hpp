@@ -314,11 +314,18 @@ class Trainer {
     std::optional<double> bad;
     step_bad_ = false;
     step_bad_agreed_only_ = false;
+    pending_.clear();
     for (std::size_t m = 0; m < micro_batches.size(); ++m) {
-      const double l = accumulate(micro_batches[m], m + 1 == micro_batches.size());
+      const double l = accumulate(micro_batches[m], m, m + 1 == micro_batches.size());
+      if (deferred_read()) continue;  // read below, once, after every backward is queued
       if (!std::isfinite(l) && !bad) bad = l;
-      if (bad && parallel_->world_size() == 1) break;
       loss_sum += l;
+    }
+    if (deferred_read()) {
+      for (const double l : read_pending_losses(micro_batches.size())) {
+        if (!std::isfinite(l) && !bad) bad = l;
+        if (!bad) loss_sum += l;
+      }
     }
     if (bad) {
       optimizer_->zero_grad(true);
@@ -881,16 +888,19 @@ class Trainer {
 
   // Forward/backward of one micro-batch, in chunks when max_batch_size asks; returns its loss.
   // `last`: the step's last micro-batch, whose last backward shares gradients between ranks.
-  double accumulate(const Batch& micro, bool last) {
+  // With a deferred read (one process) the losses wait in pending_ and this returns 0.
+  double accumulate(const Batch& micro, std::size_t index, bool last) {
     const double per_micro = 1.0 / static_cast<double>(o_.accumulation_steps);
-    if (!o_.max_batch_size) return backward_one(micro, per_micro, last);
+    if (!o_.max_batch_size) return backward_one(micro, per_micro, last, {index, 1.0});
     if constexpr (SplittableBatch<Batch>) {
       const std::int64_t n = micro.size();
       double total = 0.0;
       for (std::int64_t s = 0; s < n; s += *o_.max_batch_size) {
         const std::int64_t len = std::min(*o_.max_batch_size, n - s);
         const double frac = static_cast<double>(len) / static_cast<double>(n);
-        total += backward_one(micro.slice(s, len), per_micro * frac, last && s + len == n) * frac;
+        total += backward_one(micro.slice(s, len), per_micro * frac, last && s + len == n,
+                              {index, frac}) *
+                 frac;
       }
       return total;
     } else {
@@ -901,7 +911,37 @@ class Trainer {
 
   // `sync`: the step's last backward. Before it the ranks agree that every loss of the step was
   // finite; a rank that already saw a non-finite one computes nothing more until then.
-  double backward_one(const Batch& b, double weight, bool sync) {
+  // Where a loss goes in the step's report: its micro-batch, and its share of that micro-batch
+  // (a chunk's fraction of the samples when max_batch_size splits it).
+  struct LossSlot {
+    std::size_t micro;
+    double frac;
+  };
+
+  // One process reads the step's losses once, after all its backward passes are queued: a GPU
+  // then runs the step's forwards and backwards without waiting for the host between them.
+  // With several ranks each loss is read before the last backward, where the ranks must agree
+  // that all were finite before gradients are shared.
+  [[nodiscard]] bool deferred_read() const { return parallel_->world_size() == 1; }
+
+  // The loss of each of `micros` micro-batches from pending_, in one transfer.
+  std::vector<double> read_pending_losses(std::size_t micros) {
+    std::vector<double> out(micros, 0.0);
+    if (pending_.empty()) return out;
+    std::vector<at::Tensor> losses;
+    losses.reserve(pending_.size());
+    for (const auto& p : pending_) losses.push_back(p.loss.reshape({}).to(at::kDouble));
+    const at::Tensor host =
+        (losses.size() == 1 ? losses.front().reshape({1}) : at::stack(losses)).cpu();
+    const double* v = host.data_ptr<double>();
+    for (std::size_t i = 0; i < pending_.size(); ++i)
+      out[pending_[i].slot.micro] +=
+          pending_[i].slot.frac == 1.0 ? v[i] : v[i] * pending_[i].slot.frac;
+    pending_.clear();
+    return out;
+  }
+
+  double backward_one(const Batch& b, double weight, bool sync, LossSlot slot) {
     if (step_bad_) {
       if (sync) (void)parallel_->all_ok(false);
       return std::nan("");
@@ -920,6 +960,20 @@ class Trainer {
     }
     if (loss.numel() != 1)
       throw ShapeError("loss must be a scalar, got shape " + c10::str(loss.sizes()), "Model::loss");
+    if (deferred_read()) {  // one rank: nothing to agree on before the gradients are final
+      if (sync) {
+        parallel_->before_backward();
+        parallel_->guard([&] {
+          RECORD_USER_SCOPE("difftrain::backward");
+          scaled_backward(loss, weight);
+        });
+      } else {
+        RECORD_USER_SCOPE("difftrain::backward");
+        scaled_backward(loss, weight);
+      }
+      pending_.push_back({loss.detach(), slot});
+      return 0.0;
+    }
     const double value = loss.detach().item<double>();
     step_bad_agreed_only_ = false;
     if (!std::isfinite(value)) {
@@ -929,7 +983,7 @@ class Trainer {
     }
     if (!sync) {
       RECORD_USER_SCOPE("difftrain::backward");
-      scaler_.scale(loss * weight).backward();
+      scaled_backward(loss, weight);
       return value;
     }
     if (!parallel_->all_ok(true)) {
@@ -940,9 +994,20 @@ class Trainer {
     parallel_->before_backward();
     parallel_->guard([&] {
       RECORD_USER_SCOPE("difftrain::backward");
-      scaler_.scale(loss * weight).backward();
+      scaled_backward(loss, weight);
     });
     return value;
+  }
+
+  // backward of loss * weight (* the gradient scale): without a scaler the weight enters as the
+  // incoming gradient, the same numbers without a multiply and its backward node.
+  void scaled_backward(const at::Tensor& loss, double weight) {
+    if (scaler_.enabled())
+      scaler_.scale(loss * weight).backward();
+    else if (weight == 1.0)
+      loss.backward();
+    else
+      loss.backward(at::full_like(loss, weight));
   }
 
   void finish(StepInfo& info, std::chrono::steady_clock::time_point start) {
@@ -987,6 +1052,11 @@ class Trainer {
   std::unique_ptr<ParallelT> parallel_;
   std::vector<double> option_base_lrs_;  // this trainer's settings, before any resume
   std::vector<std::unique_ptr<torch::optim::OptimizerOptions>> option_groups_;
+  struct PendingLoss {
+    at::Tensor loss;  // detached, where the model computed it
+    LossSlot slot;
+  };
+  std::vector<PendingLoss> pending_;   // this step's losses, not yet read (one process)
   bool step_bad_ = false;              // a loss of this step was not finite (here or elsewhere)
   bool step_bad_agreed_only_ = false;  // ... and only another rank saw it
 };
