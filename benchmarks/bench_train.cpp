@@ -23,7 +23,9 @@
 //  - fp16_step_scale_handed_vs_unscaled/COUNT/NUMEL: GradScaler's step on the fused AdamW with
 //    the scale handed to the kernel (gradients only checked) against unscale_ then step.
 // The trainer and the hand-written loop both use the fused AdamW (the trainer's default).
-// On a GPU everything runs there (the step synchronises once, on the loss value, in both loops).
+// On a GPU everything runs there. The hand-written loop reads each loss before its backward, as
+// most loops do; the trainer reads the step's losses once, after its backward passes are queued.
+// Both read the clipped gradients' norm.
 #include <ATen/ATen.h>
 #include <benchmark/benchmark.h>
 #include <sys/resource.h>
