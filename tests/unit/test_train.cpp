@@ -53,12 +53,26 @@ struct NetImpl : torch::nn::Module {
   at::Tensor loss(const Batch& b) {
     at::Tensor l = torch::mse_loss(forward(b.x), b.y);
     if (nan_at_call >= 0 && calls++ == nan_at_call) l = l * std::nan("");
-    return l;
+    switch (bad_loss) {  // a new user's mistakes, for the typed errors
+      case 1:
+        return (forward(b.x) - b.y).square();  // per element, not reduced
+      case 2:
+        return l.detach();  // detached
+      case 3:
+        return l.to(at::kLong);  // integer
+      case 4: {                  // under a no-grad guard
+        at::NoGradGuard ng;
+        return torch::mse_loss(forward(b.x), b.y);
+      }
+      default:
+        return l;
+    }
   }
   torch::nn::Linear fc1{nullptr}, fc2{nullptr};
   torch::nn::LayerNorm norm{nullptr};
   torch::nn::Dropout drop{nullptr};
   std::int64_t nan_at_call = -1, calls = 0;
+  int bad_loss = 0;
 };
 
 struct ParityConfig : tr::DefaultConfig {
@@ -371,6 +385,39 @@ TEST(Trainer, EveryKindOfCheckpointDamageIsTypedChangesNothingAndResumeFallsBack
   ASSERT_EQ(skipped.size(), 2U);
   EXPECT_NE(skipped[0].find("is a folder"), std::string::npos) << skipped[0];
   EXPECT_EQ(other.global_step(), 10);
+}
+
+TEST(Trainer, ALossThatCannotTrainIsATypedErrorAtModelLossAndChangesNothing) {
+  auto net = std::make_shared<NetImpl>();
+  tr::Trainer<NetImpl, ParityConfig> trainer(*net, parity_options());
+  trainer.fit(source, 2);
+  const auto before = snapshot(*net);
+  struct Case {
+    int bad;
+    const char* kind;
+    const char* says;
+  };
+  for (const Case& c : {Case{1, "difftrain::ShapeError", "must be a scalar"},
+                        Case{2, "difftrain::ConfigError", "does not lead back"},
+                        Case{3, "difftrain::DeviceError", "floating-point"},
+                        Case{4, "difftrain::ConfigError", "does not lead back"}}) {
+    SCOPED_TRACE(c.says);
+    net->bad_loss = c.bad;
+    try {
+      (void)trainer.step({source(2, 0), source(2, 1)});
+      ADD_FAILURE() << "no error for bad_loss " << c.bad;
+    } catch (const dt::Error& e) {
+      EXPECT_EQ(e.kind(), c.kind) << e.what();
+      EXPECT_EQ(e.where(), "Model::loss") << e.what();
+      EXPECT_NE(e.message().find(c.says), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(trainer.global_step(), 2);
+    const auto after = snapshot(*net);
+    for (std::size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(at::equal(before[i], after[i]));
+  }
+  net->bad_loss = 0;  // the same trainer goes on once the model is fixed
+  EXPECT_TRUE(trainer.step({source(2, 0), source(2, 1)}).stepped);
+  EXPECT_EQ(trainer.global_step(), 3);
 }
 
 // An optimizer's whole state as LibTorch's archive bytes.

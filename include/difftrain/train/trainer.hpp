@@ -960,6 +960,16 @@ class Trainer {
     }
     if (loss.numel() != 1)
       throw ShapeError("loss must be a scalar, got shape " + c10::str(loss.sizes()), "Model::loss");
+    // Checked before this loss's backward: a mistake here never reaches the weights.
+    if (!at::isFloatingType(loss.scalar_type()))
+      throw DeviceError("loss must be a floating-point scalar, got dtype " +
+                            std::string(c10::toString(loss.scalar_type())),
+                        "Model::loss");
+    if (!loss.requires_grad())
+      throw ConfigError(
+          "the loss does not lead back to any trainable weight: it was computed under a no-grad "
+          "guard or detached, or every parameter it uses is frozen",
+          "Model::loss");
     if (deferred_read()) {  // one rank: nothing to agree on before the gradients are final
       if (sync) {
         parallel_->before_backward();
