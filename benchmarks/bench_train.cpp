@@ -8,10 +8,11 @@
 //    the GPU: >= 1.5).
 //  - train_vs_python_best: the same, against Python's fastest eager settings (AdamW fused=True,
 //    EMAModel foreach=True) — goal: ratio <= 1 / 1.5 (1.5x the steps/s).
-//  - train_step_small_paired, train_vs_python_eager_paired, train_vs_python_best_paired: the same
-//    three comparisons with their two sides alternating in short blocks in one run (paired.hpp;
-//    the Python loop stays up between its blocks); the ratio is the median over 30 rounds, printed
-//    with its quartiles. These are the figures to quote on a machine whose load moves.
+//  - train_step_small_paired, train_step_block_paired, train_vs_python_eager_paired,
+//    train_vs_python_best_paired: the same comparisons with their two sides alternating in short
+//    blocks in one run (paired.hpp; the Python loop stays up between its blocks); the ratio is the
+//    median over the rounds, printed with its quartiles. These are the figures to quote on a
+//    machine whose load moves.
 //  - optimizer_step_fused_vs_per_parameter/COUNT/NUMEL: the AdamW step alone, fused kernel against
 //    LibTorch's per-parameter AdamW, 100 tensors of 1M and 2,000 of 1,000 parameters;
 //    optimizer_step_vs_python_fused: the fused step against Python's AdamW(fused=True);
@@ -39,6 +40,7 @@
 #include <difftrain/nn/blocks/transformer_block.hpp>
 #include <difftrain/train/trainer.hpp>
 #include <string>
+#include <type_traits>
 
 #include "paired.hpp"
 #include "python_baseline.hpp"
@@ -187,12 +189,15 @@ void sync_device() {
   if (device().is_cuda()) torch::cuda::synchronize();
 }
 
-// train_step_small, paired: blocks of 50 steps of the hand-written loop and of the trainer
-// alternate, 30 rounds (paired.hpp).
-void train_step_small_paired(benchmark::State& state) {
-  HandWritten<MlpImpl> hand(false);
-  WithTrainer<MlpImpl> trainer(false);
-  const int block = 50;
+// train_step_small and train_step_block, paired: blocks of the hand-written loop and of the
+// trainer alternate (paired.hpp); args: steps per block, rounds.
+template <class Net>
+void train_step_paired(benchmark::State& state) {
+  const bool tokens = std::is_same_v<Net, BlockNet>;
+  const int block = static_cast<int>(state.range(0));
+  const int rounds = static_cast<int>(state.range(1));
+  HandWritten<Net> hand(tokens);
+  WithTrainer<Net> trainer(tokens);
   auto hand_block = [&] {
     return difftrain::bench::seconds_per_step(
         block, [&] { (void)hand.step(); }, sync_device);
@@ -201,7 +206,7 @@ void train_step_small_paired(benchmark::State& state) {
     return difftrain::bench::seconds_per_step(
         block, [&] { (void)trainer.step(); }, sync_device);
   };
-  for (int i = 0; i < 20; ++i) {
+  for (int i = 0; i < std::max(2, block / 2); ++i) {
     (void)hand.step();
     (void)trainer.step();
   }
@@ -213,13 +218,14 @@ void train_step_small_paired(benchmark::State& state) {
     return static_cast<double>(u.ru_minflt);
   };
   const double f0 = faults();
-  for (int i = 0; i < 100; ++i) (void)hand.step();
+  for (int i = 0; i < block; ++i) (void)hand.step();
   const double f1 = faults();
-  for (int i = 0; i < 100; ++i) (void)trainer.step();
+  for (int i = 0; i < block; ++i) (void)trainer.step();
   const double f2 = faults();
-  difftrain::bench::report_paired(state, difftrain::bench::paired(30, hand_block, trainer_block));
-  state.counters["baseline_faults"] = (f1 - f0) / 100;
-  state.counters["difftrain_faults"] = (f2 - f1) / 100;
+  difftrain::bench::report_paired(state,
+                                  difftrain::bench::paired(rounds, hand_block, trainer_block));
+  state.counters["baseline_faults"] = (f1 - f0) / block;
+  state.counters["difftrain_faults"] = (f2 - f1) / block;
 }
 
 // train_vs_python_eager / _best, paired: the Python loop stays up (python_eager_train.py serve)
@@ -399,7 +405,17 @@ BENCHMARK(train_vs_python_paired)
     ->Arg(1)
     ->Iterations(1)
     ->UseManualTime();
-BENCHMARK(train_step_small_paired)->Name("train_step_small_paired")->Iterations(1)->UseManualTime();
+BENCHMARK_TEMPLATE(train_step_paired, MlpImpl)
+    ->Name("train_step_small_paired")
+    ->Args({50, 30})
+    ->Iterations(1)
+    ->UseManualTime();
+BENCHMARK_TEMPLATE(train_step_paired, BlockNet)
+    ->Name("train_step_block_paired")
+    ->Args({4, 12})
+    ->Iterations(1)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
 BENCHMARK_TEMPLATE(optimizer_step, StepKind::per_parameter)
     ->Name("optimizer_step_fused_vs_per_parameter/baseline")
     ->Args({100, 1 << 20})
