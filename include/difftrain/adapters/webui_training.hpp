@@ -182,6 +182,9 @@ AdapterTrainResult run(const std::vector<at::Tensor>& weights, torch::optim::Opt
       for (auto& g : optimizer.param_groups()) g.options().set_lr(lr);
       const at::Tensor loss =
           data.loss(data.batch(epoch, j)) / static_cast<double>(o.gradient_step);
+      // Backward is queued before the loss is read, so a GPU does not wait between the two; a
+      // non-finite loss still stops before the optimizer sees its gradients.
+      loss.backward();
       const double value = loss.item<double>();
       if (!std::isfinite(value))
         throw NumericError("the loss is " + std::string(std::isnan(value) ? "NaN" : "infinite") +
@@ -190,7 +193,6 @@ AdapterTrainResult run(const std::vector<at::Tensor>& weights, torch::optim::Opt
                                "are intact",
                            what + " '" + name + "' training");
       accumulated += value;
-      loss.backward();
       if ((j + 1) % o.gradient_step != 0) continue;
 
       bool any_grad = false;
