@@ -909,8 +909,6 @@ class Trainer {
     }
   }
 
-  // `sync`: the step's last backward. Before it the ranks agree that every loss of the step was
-  // finite; a rank that already saw a non-finite one computes nothing more until then.
   // Where a loss goes in the step's report: its micro-batch, and its share of that micro-batch
   // (a chunk's fraction of the samples when max_batch_size splits it).
   struct LossSlot {
@@ -935,12 +933,14 @@ class Trainer {
         (losses.size() == 1 ? losses.front().reshape({1}) : at::stack(losses)).cpu();
     const double* v = host.data_ptr<double>();
     for (std::size_t i = 0; i < pending_.size(); ++i)
-      out[pending_[i].slot.micro] +=
-          pending_[i].slot.frac == 1.0 ? v[i] : v[i] * pending_[i].slot.frac;
+      out[pending_[i].slot.micro] += v[i] * pending_[i].slot.frac;
     pending_.clear();
     return out;
   }
 
+  // `sync`: the step's last backward. With several ranks, before it the ranks agree that every
+  // loss of the step was finite; a rank that already saw a non-finite one computes nothing more
+  // until then.
   double backward_one(const Batch& b, double weight, bool sync, LossSlot slot) {
     if (step_bad_) {
       if (sync) (void)parallel_->all_ok(false);
