@@ -189,6 +189,15 @@ void sync_device() {
   if (device().is_cuda()) torch::cuda::synchronize();
 }
 
+// A block of a paired case: `steps` steps of `loop`, its seconds per step.
+template <class Loop>
+auto block_of(Loop& loop, int steps) {
+  return [&loop, steps] {
+    return difftrain::bench::seconds_per_step(
+        steps, [&] { (void)loop.step(); }, sync_device);
+  };
+}
+
 // train_step_small and train_step_block, paired: blocks of the hand-written loop and of the
 // trainer alternate (paired.hpp); args: steps per block, rounds.
 template <class Net>
@@ -198,14 +207,6 @@ void train_step_paired(benchmark::State& state) {
   const int rounds = static_cast<int>(state.range(1));
   HandWritten<Net> hand(tokens);
   WithTrainer<Net> trainer(tokens);
-  auto hand_block = [&] {
-    return difftrain::bench::seconds_per_step(
-        block, [&] { (void)hand.step(); }, sync_device);
-  };
-  auto trainer_block = [&] {
-    return difftrain::bench::seconds_per_step(
-        block, [&] { (void)trainer.step(); }, sync_device);
-  };
   for (int i = 0; i < std::max(2, block / 2); ++i) {
     (void)hand.step();
     (void)trainer.step();
@@ -222,8 +223,8 @@ void train_step_paired(benchmark::State& state) {
   const double f1 = faults();
   for (int i = 0; i < block; ++i) (void)trainer.step();
   const double f2 = faults();
-  difftrain::bench::report_paired(state,
-                                  difftrain::bench::paired(rounds, hand_block, trainer_block));
+  difftrain::bench::report_paired(
+      state, difftrain::bench::paired(rounds, block_of(hand, block), block_of(trainer, block)));
   state.counters["baseline_faults"] = (f1 - f0) / block;
   state.counters["difftrain_faults"] = (f2 - f1) / block;
 }
@@ -239,12 +240,8 @@ void train_vs_python_paired(benchmark::State& state) {
   for (int i = 0; i < 20; ++i) (void)trainer.step();
   const int block = 40;
   auto python_block = [&] { return python.run(block); };
-  auto trainer_block = [&] {
-    return difftrain::bench::seconds_per_step(
-        block, [&] { (void)trainer.step(); }, sync_device);
-  };
-  difftrain::bench::report_paired(state, difftrain::bench::paired(30, python_block, trainer_block),
-                                  python.why());
+  difftrain::bench::report_paired(
+      state, difftrain::bench::paired(30, python_block, block_of(trainer, block)), python.why());
 }
 
 // train_step_small's trainer, timed per step like the Python loop (wall clock, synchronised).

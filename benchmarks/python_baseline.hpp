@@ -23,6 +23,13 @@ inline std::string python_script(const std::string& script) {
          (dir != nullptr ? dir : DIFFTRAIN_BENCH_DIR) + "/" + script;
 }
 
+/// The number after "seconds_per_step": in what a baseline script printed, or -1 without one.
+inline double seconds_in(const std::string& text) {
+  const std::string key = "\"seconds_per_step\": ";
+  const auto at = text.find(key);
+  return at == std::string::npos ? -1.0 : std::stod(text.substr(at + key.size()));
+}
+
 /// The seconds per step a baseline script printed, or -1 with the end of what it wrote (stdout
 /// and stderr) in `why`.
 inline double python_seconds_per_step(const std::string& command, std::string* why = nullptr) {
@@ -32,8 +39,7 @@ inline double python_seconds_per_step(const std::string& command, std::string* w
   char buf[4096];
   for (std::size_t n; (n = std::fread(buf, 1, sizeof buf, p)) > 0;) out.append(buf, n);
   const int status = ::pclose(p);
-  const auto at = out.find("\"seconds_per_step\": ");
-  if (status == 0 && at != std::string::npos) return std::stod(out.substr(at + 20));
+  if (const double seconds = seconds_in(out); status == 0 && seconds >= 0) return seconds;
   if (why != nullptr) *why = out.size() > 600 ? out.substr(out.size() - 600) : out;
   return -1.0;
 }
@@ -97,13 +103,9 @@ class PythonServer {
     if (!ready_) return -1.0;
     std::fprintf(in_, "%d\n", steps);
     std::fflush(in_);
-    const std::string answer = line();
-    const auto at = answer.find("\"seconds_per_step\": ");
-    if (at == std::string::npos) {
-      ready_ = false;
-      return -1.0;
-    }
-    return std::stod(answer.substr(at + 20));
+    const double seconds = seconds_in(line());
+    if (seconds < 0) ready_ = false;  // the script stopped: no further blocks
+    return seconds;
   }
 
  private:

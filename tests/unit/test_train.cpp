@@ -420,18 +420,6 @@ TEST(Trainer, ALossThatCannotTrainIsATypedErrorAtModelLossAndChangesNothing) {
   EXPECT_EQ(trainer.global_step(), 3);
 }
 
-// An optimizer's whole state as LibTorch's archive bytes.
-std::string archive_bytes(torch::optim::Optimizer& optimizer) {
-  std::string bytes;
-  torch::serialize::OutputArchive archive;
-  optimizer.save(archive);
-  archive.save_to([&](const void* data, std::size_t n) {
-    bytes.append(static_cast<const char*>(data), n);
-    return n;
-  });
-  return bytes;
-}
-
 TEST(Trainer, ANonFiniteLossStopsOrSkipsAndNeverReachesTheWeights) {
   // The losses are read once, after the step's backward passes: a NaN in any micro-batch, the
   // first or the last, must still keep the step away from the weights, the optimizer's state and
@@ -446,7 +434,7 @@ TEST(Trainer, ANonFiniteLossStopsOrSkipsAndNeverReachesTheWeights) {
       tr::Trainer<NetImpl, ResumeConfig> trainer(*net, o);
       trainer.fit(source, 3);
       const auto before = snapshot(*net);
-      const std::string optimizer_before = archive_bytes(trainer.optimizer());
+      const std::string optimizer_before = tr::optimizer_state_bytes(trainer.optimizer());
       net->nan_at_call = net->calls + bad_micro;
       if (policy == tr::NanPolicy::stop) {
         try {
@@ -463,7 +451,7 @@ TEST(Trainer, ANonFiniteLossStopsOrSkipsAndNeverReachesTheWeights) {
         EXPECT_EQ(trainer.skipped_nonfinite(), 1);
       }
       EXPECT_EQ(trainer.global_step(), 3);
-      EXPECT_EQ(archive_bytes(trainer.optimizer()), optimizer_before);
+      EXPECT_EQ(tr::optimizer_state_bytes(trainer.optimizer()), optimizer_before);
       for (const auto& p : net->parameters()) EXPECT_FALSE(p.grad().defined());
       const auto after = snapshot(*net);
       for (std::size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(at::equal(before[i], after[i]));

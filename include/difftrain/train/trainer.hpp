@@ -153,6 +153,19 @@ enum class NanPolicy {
   skip,  ///< drop the step (no optimizer, schedule or EMA step) and go on
 };
 
+/// `optimizer`'s whole state as LibTorch's archive bytes: what a checkpoint stores under
+/// "optimizer" (equal bytes, equal state).
+inline std::string optimizer_state_bytes(torch::optim::Optimizer& optimizer) {
+  std::string bytes;
+  torch::serialize::OutputArchive archive;
+  optimizer.save(archive);
+  archive.save_to([&](const void* data, std::size_t n) {
+    bytes.append(static_cast<const char*>(data), n);
+    return n;
+  });
+  return bytes;
+}
+
 namespace trainer_detail {
 template <class E>
 struct EmaOptions {
@@ -449,7 +462,7 @@ class Trainer {
     for (const auto& item : model_->named_buffers(true))
       model.insert(item.key(), item.value().detach().cpu().clone());
     root.insert("model", model);
-    root.insert("optimizer", trainer_detail::bytes_tensor(optimizer_bytes()));
+    root.insert("optimizer", trainer_detail::bytes_tensor(optimizer_state_bytes(*optimizer_)));
     if constexpr (has_ema) {
       auto [scalars, shadows] = ema_->state();
       js["ema"] = scalars;
@@ -617,7 +630,7 @@ class Trainer {
     const auto& opt_bytes = s.opt_bytes;
     // The optimizer first: its archive is the part that can still refuse. Its current state is
     // kept and put back if the saved one does not load, so a refusal changes nothing.
-    const std::string before = optimizer_bytes();
+    const std::string before = optimizer_state_bytes(*optimizer_);
     // The moments go where the parameters are now, as torch.optim's load_state_dict moves them:
     // a checkpoint written on a GPU resumes on the CPU and the other way round.
     const std::optional<c10::Device> device =
@@ -862,18 +875,6 @@ class Trainer {
     if (parallel_->world_size() == 1) return "";
     return " (rank " + std::to_string(parallel_->rank()) + " of " +
            std::to_string(parallel_->world_size()) + ")";
-  }
-
-  // The optimizer's state as LibTorch's archive bytes (what a checkpoint stores).
-  [[nodiscard]] std::string optimizer_bytes() {
-    std::string bytes;
-    torch::serialize::OutputArchive archive;
-    optimizer_->save(archive);
-    archive.save_to([&](const void* data, std::size_t n) {
-      bytes.append(static_cast<const char*>(data), n);
-      return n;
-    });
-    return bytes;
   }
 
   template <class T>
