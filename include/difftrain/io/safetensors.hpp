@@ -23,7 +23,7 @@
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
-#include <set>
+#include <unordered_set>
 #include <span>
 #include <string>
 #include <utility>
@@ -33,6 +33,11 @@
 #include "difftrain/io/atomic_file.hpp"
 
 namespace difftrain::io {
+
+/// The largest header the reader accepts (the format's own limit).
+inline constexpr std::uint64_t kSafetensorsMaxHeader = 100'000'000;
+/// A header is three levels deep (tensors, an entry, its shape); this leaves room and no more.
+inline constexpr std::size_t kSafetensorsMaxDepth = 64;
 
 namespace safetensors_detail {
 
@@ -89,12 +94,66 @@ struct Mapping {
   }
 };
 
+/// A SAX pass over a header: no value is built; it throws at the first duplicate key within one
+/// object or at nesting deeper than kSafetensorsMaxDepth. Time and memory linear in the header.
+class HeaderShapeCheck {
+ public:
+  explicit HeaderShapeCheck(std::string where) : where_(std::move(where)) {}
+  using number_integer_t = nlohmann::json::number_integer_t;
+  using number_unsigned_t = nlohmann::json::number_unsigned_t;
+  using number_float_t = nlohmann::json::number_float_t;
+  using string_t = nlohmann::json::string_t;
+  using binary_t = nlohmann::json::binary_t;
+
+  bool null() { return true; }
+  bool boolean(bool) { return true; }
+  bool number_integer(number_integer_t) { return true; }
+  bool number_unsigned(number_unsigned_t) { return true; }
+  bool number_float(number_float_t, const string_t&) { return true; }
+  bool string(string_t&) { return true; }
+  bool binary(binary_t&) { return true; }
+  bool start_object(std::size_t) {
+    open();
+    keys_.emplace_back();
+    return true;
+  }
+  bool key(string_t& k) {
+    if (!keys_.back().insert(k).second)
+      throw FormatError("header has the key '" + k + "' twice", where_ + ": header");
+    return true;
+  }
+  bool end_object() {
+    keys_.pop_back();
+    --depth_;
+    return true;
+  }
+  bool start_array(std::size_t) {
+    open();
+    return true;
+  }
+  bool end_array() {
+    --depth_;
+    return true;
+  }
+  bool parse_error(std::size_t position, const std::string&,
+                   const nlohmann::json::exception& e) {
+    throw FormatError(std::string("header is not valid JSON: ") + e.what(),
+                      where_ + ": header byte " + std::to_string(8 + position));
+  }
+
+ private:
+  void open() {
+    if (++depth_ > kSafetensorsMaxDepth)
+      throw FormatError("header nests deeper than " + std::to_string(kSafetensorsMaxDepth) + " levels",
+                        where_ + ": header");
+  }
+  std::string where_;
+  std::size_t depth_ = 0;
+  std::vector<std::unordered_set<std::string>> keys_;  // one set per open object
+};
+
 }  // namespace safetensors_detail
 
-/// The largest header the reader accepts (the format's own limit).
-inline constexpr std::uint64_t kSafetensorsMaxHeader = 100'000'000;
-/// A header is three levels deep (tensors, an entry, its shape); this leaves room and no more.
-inline constexpr std::size_t kSafetensorsMaxDepth = 64;
 
 struct SafetensorsFile {
   std::map<std::string, at::Tensor> tensors;
@@ -140,33 +199,20 @@ inline SafetensorsHeader parse_safetensors_header(const char* json, std::uint64_
   using namespace safetensors_detail;
   if (n < 2 || json[0] != '{')
     throw FormatError("header does not start with '{'", where + ": byte 8");
-  nlohmann::json header;
-  // The parse refuses a duplicate key (the Python reader lets the last one win, silently shadowing
-  // a tensor) and nesting deeper than a header needs (a shape nested 100,000 brackets deep would
-  // otherwise be built in full) as it reads, before anything deep is allocated.
-  std::vector<std::set<std::string>> keys;  // one set per open object
-  std::size_t depth = 0;
-  const auto check = [&](int /*depth*/, nlohmann::json::parse_event_t event,
-                         nlohmann::json& parsed) {
-    using E = nlohmann::json::parse_event_t;
-    if (event == E::object_start || event == E::array_start) {
-      if (++depth > kSafetensorsMaxDepth)
-        throw FormatError(
-            "header nests deeper than " + std::to_string(kSafetensorsMaxDepth) + " levels",
-            where + ": header");
-      if (event == E::object_start) keys.emplace_back();
-    } else if (event == E::object_end || event == E::array_end) {
-      --depth;
-      if (event == E::object_end && !keys.empty()) keys.pop_back();
-    } else if (event == E::key && !keys.empty() && parsed.is_string()) {
-      if (!keys.back().insert(parsed.get<std::string>()).second)
-        throw FormatError("header has the key '" + parsed.get<std::string>() + "' twice",
-                          where + ": header");
-    }
-    return true;
-  };
+  // Two linear passes: a SAX walk that refuses a duplicate key (the Python reader lets the last one
+  // win, silently shadowing a tensor) and nesting deeper than a header needs (a shape nested
+  // 100,000 brackets deep would otherwise be built in full) before anything is allocated, then the
+  // plain DOM parse. (nlohmann's callback parser, which did both at once, rescans the parent
+  // object at every object's end: quadratic in the number of tensors.)
+  HeaderShapeCheck shape_check(where);
   try {
-    header = nlohmann::json::parse(json, json + n, check);
+    nlohmann::json::sax_parse(json, json + n, &shape_check);
+  } catch (const nlohmann::json::exception& e) {
+    throw FormatError(std::string("header is not valid JSON: ") + e.what(), where + ": header");
+  }
+  nlohmann::json header;
+  try {
+    header = nlohmann::json::parse(json, json + n);
   } catch (const nlohmann::json::exception& e) {
     throw FormatError(std::string("header is not valid JSON: ") + e.what(), where + ": header");
   }
@@ -360,17 +406,23 @@ inline WritePlan plan_write(const std::map<std::string, at::Tensor>& tensors,
     const auto sb = b.second.element_size();
     return sa != sb ? sa > sb : a.first < b.first;
   });
-  nlohmann::ordered_json header;
-  if (!metadata.empty()) header["__metadata__"] = metadata;
+  // The header is assembled entry by entry in the data's order (an ordered_json object looks each
+  // key up linearly: quadratic in the number of tensors).
+  std::string& header = plan.header;
+  header = "{";
+  if (!metadata.empty()) header += "\"__metadata__\":" + nlohmann::json(metadata).dump();
   for (const auto& [name, t] : plan.order) {
     const DtypeInfo dt = by_type(t.scalar_type(), "safetensors writer tensor '" + name + "'");
     const auto bytes = static_cast<std::uint64_t>(t.numel()) * dt.size;
-    header[name] = {{"dtype", dt.name},
-                    {"shape", t.sizes().vec()},
-                    {"data_offsets", {plan.data_bytes, plan.data_bytes + bytes}}};
+    const nlohmann::ordered_json entry = {
+        {"dtype", dt.name},
+        {"shape", t.sizes().vec()},
+        {"data_offsets", {plan.data_bytes, plan.data_bytes + bytes}}};
+    if (header.size() > 1) header += ',';
+    header += nlohmann::json(name).dump() + ":" + entry.dump();
     plan.data_bytes += bytes;
   }
-  plan.header = header.dump();
+  header += '}';
   plan.header.append((8 - plan.header.size() % 8) % 8, ' ');
   return plan;
 }
