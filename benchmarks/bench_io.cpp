@@ -4,6 +4,9 @@
 //  - save (atomic, streamed tensor by tensor: temp file, fsync, rename) vs write() + fsync of the
 //    same bytes;
 //  - torch.save files: difftrain's weights-only reader vs LibTorch's pickle_load on the same bytes.
+//  - a safetensors header of N empty tensors (N = 10,000 to 200,000) parsed and validated vs
+//    nlohmann's plain parse of the same JSON: a ratio that stays flat as N grows says the reader
+//    is linear in the header, as the plain parse is.
 // Size: DIFFTRAIN_BENCH_IO_BYTES (default 1 GiB) in one float32 tensor plus a few small ones.
 #include <ATen/ATen.h>
 #include <benchmark/benchmark.h>
@@ -12,6 +15,7 @@
 #include <unistd.h>
 #include <difftrain/io/safetensors.hpp>
 #include <difftrain/io/torch_file.hpp>
+#include <nlohmann/json.hpp>
 
 #include <cstdlib>
 #include <filesystem>
@@ -117,8 +121,42 @@ void torch_load_difftrain(benchmark::State& state) {
   for (auto _ : state) benchmark::DoNotOptimize(io::parse_torch_file(bytes, "bench.pt"));
   state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(bytes.size()));
 }
+std::string many_entries_header(std::int64_t n) {
+  std::string h = "{";
+  for (std::int64_t i = 0; i < n; ++i)
+    h += (i ? ",\"t" : "\"t") + std::to_string(i) +
+         "\":{\"dtype\":\"F32\",\"shape\":[0],\"data_offsets\":[0,0]}";
+  return h + "}";
+}
+
+void header_plain_parse(benchmark::State& state) {
+  const std::string h = many_entries_header(state.range(0));
+  for (auto _ : state) benchmark::DoNotOptimize(nlohmann::json::parse(h));
+  state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(h.size()));
+}
+
+void header_difftrain(benchmark::State& state) {
+  const std::string h = many_entries_header(state.range(0));
+  for (auto _ : state)
+    benchmark::DoNotOptimize(io::parse_safetensors_header(h.data(), h.size(), 0, "bench"));
+  state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(h.size()));
+}
 }  // namespace
 
+BENCHMARK(header_plain_parse)
+    ->Name("safetensors_header_entries/baseline")
+    ->Arg(10'000)
+    ->Arg(40'000)
+    ->Arg(200'000)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(header_difftrain)
+    ->Name("safetensors_header_entries/difftrain")
+    ->Arg(10'000)
+    ->Arg(40'000)
+    ->Arg(200'000)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
 BENCHMARK(torch_load_libtorch)->Name("torch_file_load/baseline")->Iterations(3)->UseRealTime();
 BENCHMARK(torch_load_difftrain)->Name("torch_file_load/difftrain")->Iterations(3)->UseRealTime();
 BENCHMARK(read_all)->Name("safetensors_load_copy/baseline")->Iterations(3)->UseRealTime();

@@ -108,7 +108,7 @@ int main(int argc, char** argv) {
     zero();
     dp.before_forward(true);
     at::Tensor l = net.loss(data);
-    dp.before_backward();
+    dp.before_backward(l);
     l.backward();
   });
 

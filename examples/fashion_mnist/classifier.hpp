@@ -12,13 +12,17 @@
 #include <torch/nn/modules/linear.h>
 #include <difftrain/io/safetensors.hpp>
 #include <difftrain/nn/module_tensors.hpp>
+#include <difftrain/train/callbacks.hpp>
 #include <difftrain/train/trainer.hpp>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
 #include <map>
 #include <string>
+#include <tuple>
 
 #include "data.hpp"
 #include "unet.hpp"
@@ -64,6 +68,7 @@ struct ClassifierSettings {
   double lr = 2e-3;
   std::uint64_t seed = 0;
   std::int64_t train_examples = 0;  ///< how many training images it saw per epoch
+  bool progress = false;            ///< draw the progress line in place even off a terminal
   [[nodiscard]] std::string key() const {
     return "arch=cnn-16-32-128,epochs=" + std::to_string(epochs) +
            ",batch=" + std::to_string(batch_size) + ",lr=" + std::to_string(lr) +
@@ -123,6 +128,7 @@ inline TrainedClassifier classifier_for(const Dataset& data, ClassifierSettings 
   }
   struct Config : dt::train::DefaultConfig {
     using Schedule = dt::schedule::Cosine;
+    using Callbacks = std::tuple<dt::train::ProgressBar>;
   };
   const std::int64_t n = data.train.size();
   const std::int64_t per_epoch = std::max<std::int64_t>(1, n / settings.batch_size);
@@ -131,7 +137,14 @@ inline TrainedClassifier classifier_for(const Dataset& data, ClassifierSettings 
   o.optimizer.weight_decay = 1e-4;
   o.schedule.num_warmup_steps = std::min<std::int64_t>(100, per_epoch);
   o.schedule.num_training_steps = per_epoch * settings.epochs;
-  dt::train::Trainer<ClassifierImpl, Config> trainer(*net, o);
+  // Progress as the main training shows it: in place on a terminal, else a line per tenth.
+  const std::int64_t total = o.schedule.num_training_steps;
+  dt::train::Trainer<ClassifierImpl, Config> trainer(
+      *net, o,
+      {dt::train::ProgressBar({.total_steps = total,
+                               .lines_every = std::max<std::int64_t>(1, total / 10),
+                               .force = settings.progress,
+                               .label = "classifier"})});
   const at::Tensor images = data.train.images.to(device), labels = data.train.labels.to(device);
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(settings.seed ^ 0x5eedULL);
   at::Tensor perm;
@@ -154,6 +167,25 @@ inline TrainedClassifier classifier_for(const Dataset& data, ClassifierSettings 
   dt::io::save_safetensors(path, dt::nn::module_tensors(*net),
                            {{"settings", settings.key()}, {"test_accuracy", std::to_string(acc)}});
   return {net, acc, false};
+}
+
+/// The judging classifier (classifier_for), said on stderr with its accuracy and time; a
+/// NumericError when its test accuracy is below `min_accuracy`: scores from it would mean nothing,
+/// so a run stops before it trains anything.
+inline TrainedClassifier judge_for(const Dataset& data, const ClassifierSettings& settings,
+                                   const std::filesystem::path& path, at::Device device,
+                                   double min_accuracy) {
+  const auto start = std::chrono::steady_clock::now();
+  TrainedClassifier judge = classifier_for(data, settings, path, device);
+  std::fprintf(stderr, "classifier: %.2f %% test accuracy (%s, %.1f s)\n",
+               100 * judge.test_accuracy, judge.from_cache ? "cached" : "trained",
+               std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  if (judge.test_accuracy < min_accuracy)
+    throw dt::NumericError("the classifier reached " + std::to_string(judge.test_accuracy) +
+                               " test accuracy, below --min-classifier-accuracy " +
+                               std::to_string(min_accuracy) + "; raise --classifier-epochs",
+                           path.string());
+  return judge;
 }
 
 }  // namespace fmnist

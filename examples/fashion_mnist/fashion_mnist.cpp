@@ -24,6 +24,7 @@
 #include <difftrain/ema/ema.hpp>
 #include <difftrain/eval/frechet_distance.hpp>
 #include <difftrain/io/image_grid.hpp>
+#include <difftrain/log/event_file.hpp>
 #include <difftrain/models/pretrained.hpp>
 #include <difftrain/nn/module_tensors.hpp>
 #include <difftrain/schedule/by_name.hpp>
@@ -45,6 +46,7 @@
 #include <string>
 
 #include "../common/cli_checks.hpp"
+#include "../common/run_skeleton.hpp"
 #include "classifier.hpp"
 #include "data.hpp"
 #include "report.hpp"
@@ -73,12 +75,11 @@ struct StopOnInterrupt {
   }
 };
 
-struct Settings {
-  std::string data_dir = fmnist::kDefaultDataDir;
-  std::string out = "runs/fashion_mnist";
-  std::string device = "cpu";
-  std::uint64_t seed = 0;
-  std::int64_t limit = 0;
+struct Settings : examples::RunFlags, examples::JudgeFlags {
+  Settings() {
+    data_dir = fmnist::kDefaultDataDir;
+    out = "runs/fashion_mnist";
+  }
   // model and training
   std::int64_t channels = 16;
   bool attention_14 = false;
@@ -109,10 +110,8 @@ struct Settings {
   bool overwrite = false;
   bool progress = false;
   std::int64_t progress_lines = -1;  // off a terminal: a line every N steps (-1: a tenth of them)
-  std::string tensorboard;           // the event file's folder (default OUT/tensorboard)
-  bool no_tensorboard = false;
-  std::int64_t sample_every = 0;   // a sample grid into TensorBoard every N steps (0: none)
-  std::int64_t profile_steps = 0;  // profile this many steps after 10 warm-up ones (0: none)
+  std::int64_t sample_every = 0;     // a sample grid into TensorBoard every N steps (0: none)
+  std::int64_t profile_steps = 0;    // profile this many steps after 10 warm-up ones (0: none)
   // sampling and scoring
   std::string sampler = "dpm++";
   std::int64_t sample_steps = 12;
@@ -120,9 +119,6 @@ struct Settings {
   double guidance = 3.0;
   std::int64_t samples_per_class = 50;
   std::int64_t grid_columns = 10;
-  std::string classifier;
-  std::int64_t classifier_epochs = 4;
-  double min_classifier_accuracy = 0.9;
   double rank_timeout = 1800;
 };
 
@@ -181,9 +177,7 @@ difftrain::ema::RuleByName::Options ema_rule_options(const Settings& s) {
   return difftrain::ema::RuleByName::from_json(ema_rule_json(s), "--ema-rule/--ema-settings");
 }
 
-double seconds_since(std::chrono::steady_clock::time_point t) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
-}
+using examples::seconds_since;
 
 at::Tensor sample(const Settings& s, fmnist::UNet& net, const df::NoiseSchedule& schedule,
                   const at::Tensor& labels, at::Device device, bool show_progress) {
@@ -193,8 +187,10 @@ at::Tensor sample(const Settings& s, fmnist::UNet& net, const df::NoiseSchedule&
   const at::Tensor uncond = at::full_like(cond, net->null_label());
   // Its own progress line (on a terminal, or with --progress): sampler steps over all chunks.
   constexpr std::int64_t chunk = 250;
+  const std::int64_t total = (labels.size(0) + chunk - 1) / chunk * s.sample_steps;
   tr::ProgressLine bar({.label = "sample",
-                        .total = (labels.size(0) + chunk - 1) / chunk * s.sample_steps,
+                        .total = total,
+                        .lines_every = std::max<std::int64_t>(1, total / 10),
                         .force = s.progress && show_progress});
   bar.start();
   const df::SampleOptions opts{.num_inference_steps = s.sample_steps,
@@ -238,6 +234,7 @@ int run(const Settings& s) {
                           std::to_string(world->size()) + " ranks sharing each batch",
                       "--batch-size");
   const bool main_rank = world->is_main();
+  examples::apply_threads(s);
   // With CUDA, each rank of a node uses its own GPU.
   const at::Device device =
       s.device == "cuda" && world->distributed()
@@ -271,22 +268,12 @@ int run(const Settings& s) {
   // The judge first: a run whose scores would mean nothing stops before it trains anything.
   // Rank 0 scores; the other ranks wait for it in the trainer's first collective.
   t = std::chrono::steady_clock::now();
-  const fs::path classifier_path =
-      s.classifier.empty() ? out / "classifier.safetensors" : fs::path(s.classifier);
+  const fs::path classifier_path = s.classifier_file(s.out);
   std::optional<fmnist::TrainedClassifier> judge;
-  if (main_rank) {
-    judge = fmnist::classifier_for(data, {.epochs = s.classifier_epochs, .seed = s.seed},
-                                   classifier_path, device);
-    std::fprintf(stderr, "classifier: %.2f %% test accuracy (%s, %.1f s)\n",
-                 100 * judge->test_accuracy, judge->from_cache ? "cached" : "trained",
-                 seconds_since(t));
-    if (judge->test_accuracy < s.min_classifier_accuracy)
-      throw difftrain::NumericError(
-          "the classifier reached " + std::to_string(judge->test_accuracy) +
-              " test accuracy, below " + std::to_string(s.min_classifier_accuracy) +
-              "; raise --classifier-epochs",
-          classifier_path.string());
-  }
+  if (main_rank)
+    judge = fmnist::judge_for(
+        data, {.epochs = s.classifier_epochs, .seed = s.seed, .progress = s.progress},
+        classifier_path, device, s.min_classifier_accuracy);
 
   // The diffusion model and its trainer. Seeded again here so its weights and noise do not depend
   // on whether the classifier was trained (drawing numbers) or loaded from the cache.
@@ -334,13 +321,9 @@ int run(const Settings& s) {
   // TensorBoard: a fresh run starts a fresh folder (a folder named with --tensorboard only with
   // --overwrite: it may hold other runs); a resumed one adds a file whose restart marker replaces
   // the steps logged after its checkpoint.
-  const fs::path tb_dir = s.no_tensorboard        ? fs::path()
-                          : s.tensorboard.empty() ? out / "tensorboard"
-                                                  : fs::path(s.tensorboard);
-  if (main_rank && !s.resume && (s.tensorboard.empty() || s.overwrite) && !tb_dir.empty() &&
-      fs::is_directory(tb_dir))
-    for (const auto& e : fs::directory_iterator(tb_dir))
-      if (e.path().filename().string().rfind("events.out.tfevents.", 0) == 0) remove(e.path());
+  const fs::path tb_dir = s.tensorboard_folder();
+  if (main_rank && !s.resume && (s.tensorboard.empty() || s.overwrite))
+    examples::clear_event_files(tb_dir);
   // The settings results.json repeats, under its names; TensorBoard's table shows them with the
   // model's and optimizer's own.
   const nlohmann::json shared_settings = {{"sampler", s.sampler},
@@ -515,16 +498,33 @@ int run(const Settings& s) {
   // classifier's feature space; the real-vs-real distance at the same sample count is the floor.
   auto& cls = judge->net;
   cls->eval();
-  const at::Tensor pred = fmnist::batched(samples, 500, [&](const at::Tensor& x) {
-                            return cls->forward(x).argmax(1);
-                          }).cpu();
+  // Its progress in batches of 500: the samples' labels and features, the test set's and the
+  // real images' features.
+  constexpr std::int64_t score_batch = 500;
+  auto batches_of = [](std::int64_t count) { return (count + score_batch - 1) / score_batch; };
+  const std::int64_t score_total = 2 * batches_of(samples.size(0)) + batches_of(data.test.size()) +
+                                   batches_of(std::min(n, samples.size(0)));
+  tr::ProgressLine score_bar({.label = "score",
+                              .total = score_total,
+                              .lines_every = std::max<std::int64_t>(1, score_total / 4),
+                              .force = s.progress});
+  score_bar.start();
+  std::int64_t scored = 0;
+  auto batched = [&](const at::Tensor& x, auto&& fn) {
+    return fmnist::batched(x, score_batch, [&](const at::Tensor& b) {
+      at::Tensor r = fn(b);
+      score_bar.update(++scored);
+      return r;
+    });
+  };
+  const at::Tensor pred =
+      batched(samples, [&](const at::Tensor& x) { return cls->forward(x).argmax(1); }).cpu();
   const at::Tensor correct = pred.eq(sample_labels);
   const double accuracy = correct.to(at::kDouble).mean().item<double>();
   const at::Tensor per_class =
       correct.to(at::kDouble).view({fmnist::kClasses, s.samples_per_class}).mean(1);
   auto features = [&](const at::Tensor& x) {
-    return fmnist::batched(x.to(device), 500,
-                           [&](const at::Tensor& b) { return cls->features(b); });
+    return batched(x.to(device), [&](const at::Tensor& b) { return cls->features(b); });
   };
   const at::Tensor test_features = features(data.test.images);
   const double fd = difftrain::eval::frechet_distance(features(samples), test_features);
@@ -533,6 +533,7 @@ int run(const Settings& s) {
                                    .narrow(0, 0, std::min(n, samples.size(0)));
   const double fd_floor = difftrain::eval::frechet_distance(
       features(data.train.images.index_select(0, real_pick)), test_features);
+  score_bar.finish();
 
   nlohmann::json per_class_json;
   for (std::int64_t c = 0; c < fmnist::kClasses; ++c)
@@ -586,15 +587,8 @@ int main(int argc, char** argv) {
       "classifier-free guidance from the EMA weights, and score the samples with a classifier."};
   app.get_formatter()->column_width(34);
   auto* g = app.add_option_group("data and run");
-  g->add_option("--data-dir", s.data_dir,
-                "directory with the IDX files (train-*, t10k-*; .gz or not)")
-      ->capture_default_str();
-  g->add_option("--out,--output_dir", s.out, "output directory")->capture_default_str();
-  g->add_option("--device", s.device, "cpu, cuda or cuda:N")->capture_default_str();
-  g->add_option("--seed", s.seed, "seeds weights, batches, noise and samples")
-      ->capture_default_str();
-  g->add_option("--limit", s.limit, "use only the first N images of each split (0: all)")
-      ->check(examples::count_in(0, 100'000'000));
+  examples::add_run_flags(g, s, "directory with the IDX files (train-*, t10k-*; .gz or not)",
+                          "folder of the TensorBoard event file (default: OUT/tensorboard)");
   g->add_flag("--resume", s.resume, "continue from the latest checkpoint in OUT/checkpoints");
   g->add_option("--resume_from_checkpoint", s.resume_from,
                 "continue from this checkpoint file, or \"latest\" (as --resume)");
@@ -612,9 +606,6 @@ int main(int argc, char** argv) {
                 "when stderr is not a terminal: a progress line every N steps (0: none; default: "
                 "a tenth of the steps)")
       ->check(examples::count_in(0, 100'000'000));
-  g->add_option("--tensorboard", s.tensorboard,
-                "folder of the TensorBoard event file (default: OUT/tensorboard)");
-  g->add_flag("--no-tensorboard", s.no_tensorboard, "write no TensorBoard event file");
   g->add_option("--profile-steps", s.profile_steps,
                 "profile this many steps after 10 warm-up steps: print where the step's time goes "
                 "and write OUT/profile.json (a Chrome trace); 0: none")
@@ -722,15 +713,7 @@ int main(int argc, char** argv) {
   e->add_option("--grid-columns", s.grid_columns, "samples per class in samples.png")
       ->check(examples::count_in(1, 10'000))
       ->capture_default_str();
-  e->add_option("--classifier", s.classifier,
-                "classifier cache file (default OUT/classifier.safetensors)");
-  e->add_option("--classifier-epochs", s.classifier_epochs, "classifier training epochs")
-      ->check(examples::count_in(1, 10'000))
-      ->capture_default_str();
-  e->add_option("--min-classifier-accuracy", s.min_classifier_accuracy,
-                "refuse to score with a weaker classifier")
-      ->check(examples::number_in(0, 1))
-      ->capture_default_str();
+  examples::add_judge_flags(e, s);
   // A config file (TOML or INI: `lr = 1e-3`, any of an option's long names) read first; flags
   // on the command line win over it.
   app.set_config("--config", "", "read options from this TOML/INI file (flags given here win)");

@@ -43,6 +43,7 @@
 #include <string>
 
 #include "../common/cli_checks.hpp"
+#include "../common/run_skeleton.hpp"
 #include "../fashion_mnist/classifier.hpp"
 #include "../fashion_mnist/data.hpp"
 #include "../fashion_mnist/unet.hpp"
@@ -55,11 +56,11 @@ using difftrain::ConfigError;
 
 namespace {
 
-struct Settings {
-  std::string data_dir = fmnist::kDefaultDataDir;
-  std::string out = "runs/fashion_mnist_adapters";
-  std::uint64_t seed = 0;
-  std::int64_t limit = 0;
+struct Settings : examples::RunFlags, examples::JudgeFlags {
+  Settings() {
+    data_dir = fmnist::kDefaultDataDir;
+    out = "runs/fashion_mnist_adapters";
+  }
   std::int64_t new_class = 9;
   std::string init_word = "sneaker";
   // base model
@@ -71,7 +72,6 @@ struct Settings {
   std::int64_t adapter_images = 300;
   std::int64_t adapter_steps = 300;
   std::int64_t adapter_batch = 32;
-  std::string device = "cpu";
   std::string ti_lr = "0.05:150, 0.02";
   std::string hn_lr = "0.02:150, 0.01";
   std::string hn_structure = "1,2,1";
@@ -84,22 +84,14 @@ struct Settings {
   std::int64_t samples = 100;
   std::int64_t sample_steps = 20;
   double guidance = 3.0;
-  std::string classifier;
-  std::int64_t classifier_epochs = 4;
-  double min_classifier_accuracy = 0.9;
-  std::string tensorboard;  // TensorBoard's folder, a run per training (default OUT/tensorboard)
-  bool no_tensorboard = false;
 };
 
 /// The TensorBoard run folder of one training (`base`, `lora`, ...), emptied of an earlier run's
 /// event files; empty when TensorBoard is off.
 fs::path tensorboard_run(const Settings& s, const std::string& name) {
   if (s.no_tensorboard) return {};
-  const fs::path dir =
-      (s.tensorboard.empty() ? fs::path(s.out) / "tensorboard" : fs::path(s.tensorboard)) / name;
-  if (fs::is_directory(dir))
-    for (const auto& e : fs::directory_iterator(dir))
-      if (e.path().filename().string().rfind("events.out.tfevents.", 0) == 0) fs::remove(e.path());
+  const fs::path dir = s.tensorboard_folder() / name;
+  examples::clear_event_files(dir);
   return dir;
 }
 
@@ -115,9 +107,7 @@ struct AdapterLog {
   }
 };
 
-double seconds_since(std::chrono::steady_clock::time_point t) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
-}
+using examples::seconds_since;
 
 /// "Ankle boot" → "ankle-boot": the word a prompt uses for a class.
 std::string word_of(std::int64_t c) {
@@ -390,6 +380,7 @@ int run(const Settings& s) {
                       "--init-word");
   if (s.out.empty()) throw ConfigError("is empty; name the output folder", "--out");
   const at::Device device = examples::device_from(s.device);
+  examples::apply_threads(s);
   // The step strings are read before any work, so a bad one costs no classifier or base model.
   for (const auto& [flag, text] : {std::pair<std::string, std::string>{"--embedding-lr", s.ti_lr},
                                    {"--hypernetwork-lr", s.hn_lr}}) {
@@ -405,16 +396,9 @@ int run(const Settings& s) {
   const std::string word = word_of(s.new_class);
 
   const fmnist::Dataset data = fmnist::load(s.data_dir, s.limit);
-  const fs::path classifier_path =
-      s.classifier.empty() ? out / "classifier.safetensors" : fs::path(s.classifier);
-  auto judge = fmnist::classifier_for(data, {.epochs = s.classifier_epochs, .seed = s.seed},
-                                      classifier_path, device);
-  std::fprintf(stderr, "classifier: %.2f %% test accuracy (%s)\n", 100 * judge.test_accuracy,
-               judge.from_cache ? "cached" : "trained");
-  if (judge.test_accuracy < s.min_classifier_accuracy)
-    throw difftrain::NumericError("the classifier reached " + std::to_string(judge.test_accuracy) +
-                                      " test accuracy, below --min-classifier-accuracy",
-                                  classifier_path.string());
+  const fs::path classifier_path = s.classifier_file(s.out);
+  auto judge = fmnist::judge_for(data, {.epochs = s.classifier_epochs, .seed = s.seed},
+                                 classifier_path, device, s.min_classifier_accuracy);
 
   const df::NoiseSchedule schedule;
   const fs::path base_path = out / "base.safetensors";
@@ -604,15 +588,8 @@ int main(int argc, char** argv) {
       "embedding, a hypernetwork and a LoRA, and score each with a classifier."};
   app.get_formatter()->column_width(34);
   auto* g = app.add_option_group("data and run");
-  g->add_option("--data-dir", s.data_dir, "directory with the IDX files")->capture_default_str();
-  g->add_option("--out,--output_dir", s.out, "output directory")->capture_default_str();
-  g->add_option("--tensorboard", s.tensorboard,
-                "TensorBoard's folder, a run per training (default: OUT/tensorboard)");
-  g->add_flag("--no-tensorboard", s.no_tensorboard, "write no TensorBoard event files");
-  g->add_option("--seed", s.seed, "seeds everything")->capture_default_str();
-  g->add_option("--device", s.device, "cpu, cuda or cuda:N")->capture_default_str();
-  g->add_option("--limit", s.limit, "use only the first N images of each split (0: all)")
-      ->check(examples::count_in(0, 100'000'000));
+  examples::add_run_flags(g, s, "directory with the IDX files",
+                          "TensorBoard's folder, a run per training (default: OUT/tensorboard)");
   g->add_option("--new-class", s.new_class, "the class the base model never sees (0-9)")
       ->check(examples::count_in(0, 9))
       ->capture_default_str();
@@ -671,16 +648,7 @@ int main(int argc, char** argv) {
   e->add_option("--guidance", s.guidance, "classifier-free guidance scale")
       ->check(examples::number_in(0, 1e4))
       ->capture_default_str();
-  e->add_option("--classifier", s.classifier,
-                "classifier cache file (default OUT/classifier.safetensors; the main job's "
-                "file can be shared)");
-  e->add_option("--classifier-epochs", s.classifier_epochs, "classifier training epochs")
-      ->check(examples::count_in(1, 10'000))
-      ->capture_default_str();
-  e->add_option("--min-classifier-accuracy", s.min_classifier_accuracy,
-                "refuse to score with a weaker classifier")
-      ->check(examples::number_in(0, 1))
-      ->capture_default_str();
+  examples::add_judge_flags(e, s);
   CLI11_PARSE(app, argc, argv);
   return examples::run_reporting_errors([&] { return run(s); });
 }

@@ -20,6 +20,7 @@
 #include <difftrain/io/atomic_file.hpp>
 #include <difftrain/io/image_grid.hpp>
 #include <difftrain/io/png.hpp>
+#include <difftrain/io/read_file.hpp>
 #include <difftrain/io/safetensors.hpp>
 #include <difftrain/models/models.hpp>
 #include <difftrain/train/callbacks.hpp>

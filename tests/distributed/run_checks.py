@@ -121,6 +121,29 @@ def check_equivalence(worker, tmp):
         ok(dl <= 1e-12, f"{what}: reported loss is the mean over ranks (max diff {dl:.2e})")
 
 
+def check_unused(worker, tmp):
+    """A model whose branch gets no gradient on odd steps and whose frozen layer never does
+    (find_unused_parameters): N ranks equal one process, with accumulation and chunks, and the
+    frozen layer ends where it started."""
+    start, _ = single(worker, f"{tmp}/start", "--steps", 0, "--unused")
+    no_errors(start, "untrained")
+    for acc, chunk, world in [(1, 0, 2), (2, 3, 2), (3, 0, 4)]:
+        what = f"unused parameters, accumulation {acc}, chunk {chunk or 'none'}, {world} ranks"
+        args = ["--steps", 20, "--accumulation", acc, "--chunk", chunk, "--dtype", "float64",
+                "--unused"]
+        one, _ = single(worker, f"{tmp}/one-{acc}-{chunk}-{world}", *args)
+        many, _ = launch(worker, world, f"{tmp}/many-{acc}-{chunk}-{world}", *args)
+        no_errors(one + many, what)
+        d = max_diff(one[0]["weights"], many[0]["weights"])
+        ok(d <= 1e-10, f"{what}: weights equal 1 process x whole batch (max diff {d:.2e})")
+        ok(all(m["weights"] == many[0]["weights"] for m in many),
+           f"{what}: every rank holds the same weights")
+        # The frozen layer's weight and bias are the last 4x4 + 4 values.
+        d0 = max_diff(start[0]["weights"][-20:], many[0]["weights"][-20:])
+        ok(d0 == 0.0, f"{what}: the frozen layer did not move")
+        ok(max_diff(start[0]["weights"], many[0]["weights"]) > 1e-3, f"{what}: the rest trained")
+
+
 def torchrun(cmd, world, timeout=180):
     e = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     return subprocess.run([str(TORCHRUN), "--standalone", f"--nproc-per-node={world}", *cmd],

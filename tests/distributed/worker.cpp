@@ -50,6 +50,7 @@ struct Settings {
   std::string on_nan = "skip";
   std::int64_t timeout_ms = 60000;
   bool allow_world_size_change = false;
+  bool unused = false;  // a branch used on even steps only, and one frozen layer
 };
 
 struct Batch {
@@ -74,9 +75,15 @@ std::pair<at::Tensor, at::Tensor> global_batch(std::int64_t step, std::int64_t m
 
 struct Net : torch::nn::Module {
   using Batch = ::Batch;
-  Net(at::ScalarType dtype, bool noise) : noise_(noise) {
+  Net(at::ScalarType dtype, bool noise, bool unused = false) : noise_(noise), unused_(unused) {
     fc1 = register_module("fc1", torch::nn::Linear(kIn, 16));
     fc2 = register_module("fc2", torch::nn::Linear(16, kOut));
+    if (unused_) {
+      // A conditional branch (its parameters get no gradient on odd steps) and a frozen layer
+      // (never trained): DDP's find_unused_parameters case.
+      branch = register_module("branch", torch::nn::Linear(kIn, kOut));
+      frozen = register_module("frozen", torch::nn::Linear(kOut, kOut));
+    }
     scale = register_buffer("scale", at::ones({kOut}, at::kDouble));
     to(dtype);
     // Deterministic weights: the same formula in tests/distributed/ddp.py.
@@ -88,19 +95,27 @@ struct Net : torch::nn::Module {
           0.3;
       p.value().copy_(v.reshape(p.value().sizes()));
     }
+    if (unused_)
+      for (auto& p : frozen->parameters()) p.set_requires_grad(false);
   }
   at::Tensor loss(const Batch& b) {
     at::Tensor pred = fc2->forward(at::tanh(fc1->forward(b.x))) * scale;
+    if (unused_) {
+      if (step_ % 2 == 0) pred = pred + 0.5 * branch->forward(b.x);
+      pred = frozen->forward(pred);
+    }
     at::Tensor y = b.y;
     if (noise_) y = y + 0.01 * at::randn_like(y);
     at::Tensor l = (pred - y).pow(2).mean();
     if (poison_) l = l * std::nan("");
     return l;
   }
-  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, branch{nullptr}, frozen{nullptr};
   at::Tensor scale;
   bool noise_;
+  bool unused_;
   bool poison_ = false;
+  std::int64_t step_ = 0;
 };
 
 struct Config : dt::train::DefaultConfig {
@@ -111,8 +126,9 @@ using Trainer = dt::train::Trainer<Net, Config>;
 
 nlohmann::json run(const Settings& s, std::int64_t& rank_out) {
   const at::ScalarType dtype = s.dtype == "float32" ? at::kFloat : at::kDouble;
-  Net net(dtype, s.noise);
+  Net net(dtype, s.noise, s.unused);
   Trainer::Options o;
+  o.parallel.find_unused_parameters = s.unused;
   o.optimizer.lr = 1e-2;
   o.groups.decay_groups = false;
   o.clipping.max_norm = 0.5;
@@ -150,6 +166,7 @@ nlohmann::json run(const Settings& s, std::int64_t& rank_out) {
     if (world->rank() == 1 && step == s.die_at) std::_Exit(9);
     if (world->rank() == 1 && step == s.hang_at) std::this_thread::sleep_for(std::chrono::hours(1));
     // Once: the skipped step is done again, with clean data this time.
+    net.step_ = step;
     net.poison_ = world->rank() == 1 && step == s.nan_at && !poisoned;
     poisoned = poisoned || net.poison_;
     std::vector<Batch> micro;
@@ -194,6 +211,7 @@ int main(int argc, char** argv) {
   app.add_option("--on-nan", s.on_nan)->check(CLI::IsMember({"skip", "stop"}));
   app.add_option("--timeout-ms", s.timeout_ms);
   app.add_flag("--allow-world-size-change", s.allow_world_size_change);
+  app.add_flag("--unused", s.unused);
   CLI11_PARSE(app, argc, argv);
   const auto start = std::chrono::steady_clock::now();
   std::int64_t rank = std::getenv("RANK") != nullptr ? std::atoll(std::getenv("RANK")) : 0;

@@ -64,6 +64,13 @@ done
 [ "$(ls "$work/a/tensorboard" | grep -c '^events\.out\.tfevents\.')" -eq 1 ] ||
   fail "one event file expected in $work/a/tensorboard"
 grep_in "$work/full.err" "train 6/6 \[#"
+# Every long phase shows progress off a terminal too: sampling, scoring, and the classifier when
+# this run trained it.
+grep_in "$work/full.err" "sample [0-9]*/[0-9]* \[#"
+grep_in "$work/full.err" "score [0-9]*/[0-9]* \[#"
+if grep -q "test accuracy (trained" "$work/full.err"; then
+  grep_in "$work/full.err" "classifier [0-9]*/[0-9]* \[#"
+fi
 grep_in "$work/a/results.json" '"class_accuracy"'
 grep_in "$work/a/results.json" '"frechet_distance"'
 grep_in "$work/full.out" "class accuracy of the samples"

@@ -89,18 +89,33 @@ def torch_file_cases():
         return b.replace(b"K\x03K\x10\x86", b"K\x63K\x10\x86") if n.endswith("data.pkl") else b
     cases["tensor_past_storage"] = rezip(emb, grow)
     cases.update(hostile_pickles(emb))
+    cases.update(format_cases())
     return cases
 
 
 def archive(pickle, records=None, compression=zipfile.ZIP_STORED):
-    """A torch.save-shaped zip around a hand-made pickle."""
+    """A torch.save-shaped zip around a hand-made pickle (with torch.save's version record unless
+    `records` gives another; None in `records` leaves a record out)."""
     out = io.BytesIO()
+    records = {"version": b"3\n"} | (records or {})
     with zipfile.ZipFile(out, "w", compression=compression) as z:
         z.writestr("archive/data.pkl", pickle)
         z.writestr("archive/byteorder", "little")
-        for name, data in (records or {}).items():
-            z.writestr("archive/" + name, data)
+        for name, data in records.items():
+            if data is not None:
+                z.writestr("archive/" + name, data)
     return out.getvalue()
+
+
+def format_cases():
+    """What torch.load refuses before it unpickles: the archive's version record missing, not a
+    number, or out of its range; and a pickle FRAME that promises more bytes than follow."""
+    empty_dict = b"\x80\x02}q\x00."
+    frame = b"\x80\x04\x95" + struct.pack("<Q", 1 << 20) + b"}q\x00."
+    return {"version_missing": archive(empty_dict, {"version": None}),
+            "version_garbage": archive(empty_dict, {"version": b"three"}),
+            "version_99": archive(empty_dict, {"version": b"99\n"}),
+            "frame_past_end": archive(frame)}
 
 
 def hostile_pickles(emb):
@@ -219,12 +234,24 @@ def png_cases():
         {"string_to_param": {"*": {"TORCHTENSOR": [[18446744073709551615, 1]]}}, "name": "x",
          "step": 0, "sd_checkpoint": None, "sd_checkpoint_name": None}).encode())
     out["torchtensor_u64"] = both[:-12] + chunk(b"tEXt", b"sd-ti-embedding\x00" + huge_int) + both[-12:]
+    # All black: no lit pixel, so no data blocks (not blocks of different widths).
+    import PIL.Image
+    black = io.BytesIO()
+    PIL.Image.new("RGB", (64, 48)).save(black, format="PNG")
+    out["all_black"] = black.getvalue()
     return out
+
+
+def many_entries_safetensors(n=200_000):
+    """200,000 empty tensors (a 13 MB header): a reader must parse it in time linear in its size."""
+    header = {f"t{i}": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]} for i in range(n)}
+    return {"many_entries": st(header)}
 
 
 def main(out):
     out = pathlib.Path(out)
-    for folder, cases in [("safetensors", safetensors_cases() | adapter_safetensors_cases()),
+    for folder, cases in [("safetensors", safetensors_cases() | adapter_safetensors_cases()
+                           | many_entries_safetensors()),
                           ("torch_file", torch_file_cases() | adapter_torch_cases()),
                           ("embedded_png", png_cases())]:
         (out / folder).mkdir(parents=True, exist_ok=True)

@@ -135,6 +135,8 @@ def sampler_sweep():
         "no_lower_order_final": dict(lower_order_final=False, solver_order=3),
         "heun": dict(solver_type="heun"),
         "heun_sde": dict(solver_type="heun", algorithm_type="sde-dpmsolver++"),
+        # Third order with heun: heun changes only the second-order steps (warm-up, final).
+        "heun_sde3": dict(solver_type="heun", algorithm_type="sde-dpmsolver++", solver_order=3),
         "lambda_clip": dict(beta_schedule="squaredcos_cap_v2", lambda_min_clipped=-5.1),
         "lambda_clip_trailing": dict(beta_schedule="squaredcos_cap_v2", lambda_min_clipped=-5.1,
                                      timestep_spacing="trailing"),

@@ -20,6 +20,7 @@
 #include <filesystem>
 
 #include "golden.hpp"
+#include "xy_batch.hpp"
 
 namespace dt = difftrain;
 namespace tr = difftrain::train;
@@ -59,13 +60,7 @@ fs::path scratch(const std::string& name) {
   return dir / name;
 }
 
-struct Batch {
-  at::Tensor x, y;
-  [[nodiscard]] std::int64_t size() const { return x.size(0); }
-  [[nodiscard]] Batch slice(std::int64_t s, std::int64_t n) const {
-    return {x.narrow(0, s, n), y.narrow(0, s, n)};
-  }
-};
+using Batch = difftrain::test::XyBatch;
 
 // The trainer tests' network (fc1 → LayerNorm → SiLU → fc2, MSE), taking batches from the CPU to
 // wherever its parameters are, as a user's loss does.

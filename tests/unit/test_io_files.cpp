@@ -547,7 +547,14 @@ TEST(FuzzCorpus, HostileCasesAreTypedErrorsNamingTheProblem) {
       {"torch_file", "deep_lists", "more than 64 levels deep"},
       {"torch_file", "dag_tuples", "expands to more than 4194304 values"},
       {"torch_file", "dag_dicts", "expands to more than 4194304 values"},
-      {"torch_file", "version_bomb", ""},  // the 100 MB record is never inflated
+      // torch.load refuses these before unpickling; a 100 MB version record is refused unread.
+      {"torch_file", "version_bomb", "version record of 104857600 bytes"},
+      {"torch_file", "version_missing", "has no version record"},
+      {"torch_file", "version_garbage", "version record that is not a number"},
+      {"torch_file", "version_99", "has format version 99; torch.load reads 1 to 10"},
+      {"torch_file", "frame_past_end", "FRAME of 1048576 bytes with 4 bytes of pickle left"},
+      {"safetensors", "many_entries", ""},  // 200,000 entries, parsed in linear time
+      {"embedded_png", "all_black", ""},    // no data blocks, not blocks of different widths
       {"torch_file", "flipped_tensor_byte", "fails its CRC-32 check"},
       {"torch_file", "deflated_records", ""},
       {"safetensors", "zero_then_huge", "overflow a stride"},
@@ -561,6 +568,10 @@ TEST(FuzzCorpus, HostileCasesAreTypedErrorsNamingTheProblem) {
       {"embedded_png", "ztxt_bomb", "inflates to more than"},
       {"embedded_png", "bad_base64", "not base64"},
   };
+  // An all-black picture is read as one with no embedded data, as the web UI reads it.
+  EXPECT_FALSE(
+      io::read_embedded_data(fs::path(DIFFTRAIN_FUZZ_CORPUS_DIR) / "embedded_png" / "all_black")
+          .has_value());
   for (const auto& [target, name, expect] : cases) {
     const std::string got =
         verdict(target, io::read_file(fs::path(DIFFTRAIN_FUZZ_CORPUS_DIR) / target / name));

@@ -16,12 +16,15 @@
 #include <difftrain/log/plot.hpp>
 #endif
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <thread>
+
+#include "xy_batch.hpp"
 
 namespace dt = difftrain;
 namespace lg = difftrain::log;
@@ -170,6 +173,30 @@ TEST(TfRecord, ABadChecksumIsAFormatErrorNamingTheOffset) {
 // ---- event files
 // ----------------------------------------------------------------------------------
 
+// event_files lists a run folder's event files (and nothing else, not in subfolders), sorted;
+// remove_event_files clears them for a fresh run and leaves the rest.
+TEST(EventFile, EventFilesAreListedAndRemovedLeavingOtherFiles) {
+  const fs::path dir = scratch("events-list");
+  (void)dt::io::remove_tree(dir);
+  EXPECT_TRUE(lg::event_files(dir).empty());  // no folder: none
+  {
+    lg::EventFileWriter a(dir), b(dir);
+    fs::create_directories(dir / "other_run");
+    lg::EventFileWriter nested(dir / "other_run");
+    std::ofstream(dir / "notes.txt") << "kept";
+    const auto files = lg::event_files(dir);
+    ASSERT_EQ(files.size(), 2U);
+    EXPECT_TRUE(std::is_sorted(files.begin(), files.end()));
+    EXPECT_TRUE((files[0] == a.path() && files[1] == b.path()) ||
+                (files[0] == b.path() && files[1] == a.path()));
+  }
+  lg::remove_event_files(dir);
+  EXPECT_TRUE(lg::event_files(dir).empty());
+  EXPECT_TRUE(fs::exists(dir / "notes.txt"));
+  EXPECT_EQ(lg::event_files(dir / "other_run").size(), 1U);
+  (void)dt::io::remove_tree(dir);
+}
+
 TEST(EventFile, WritesFileVersionThenEventsAndFlushesOnATimer) {
   const fs::path dir = scratch("events-timer");
   (void)dt::io::remove_tree(dir);
@@ -295,13 +322,7 @@ TEST(Histogram, CountsEveryFiniteValueOnce) {
 
 namespace {
 
-struct TinyBatch {
-  at::Tensor x, y;
-  [[nodiscard]] std::int64_t size() const { return x.size(0); }
-  [[nodiscard]] TinyBatch slice(std::int64_t s, std::int64_t n) const {
-    return {x.narrow(0, s, n), y.narrow(0, s, n)};
-  }
-};
+using TinyBatch = difftrain::test::XyBatch;
 struct TinyNetImpl : torch::nn::Module {
   using Batch = TinyBatch;
   TinyNetImpl() {

@@ -519,6 +519,161 @@ TEST(Models, ConfigMistakesAreNamed) {
   }
 }
 
+// Every size a config states is range-checked when it is read, before a parameter exists: zero,
+// negative and absurd values of every integer field are ConfigErrors naming the field and value
+// (norm_num_groups 0 once divided by zero; 2^40 channels, 10,000 blocks or a million layers once
+// allocated gigabytes before failing).
+TEST(Models, EveryConfigSizeIsRangeCheckedBeforeAnythingIsBuilt) {
+  const std::int64_t huge = std::int64_t{1} << 40;
+  struct Case {
+    std::string field;
+    std::vector<std::int64_t> bad;
+  };
+  const nlohmann::json unet = read_json(golden_models() / "unet_conv_proj" / "config.json");
+  const std::vector<Case> unet_fields = {
+      {"in_channels", {0, -3, huge}},
+      {"out_channels", {0, -3, huge}},
+      {"norm_num_groups", {0, -1, huge}},
+      {"block_out_channels", {0, -32, huge}},
+      {"layers_per_block", {-1, 1'000'000, huge}},
+      {"transformer_layers_per_block", {0, -1, 1'000'000}},
+      {"cross_attention_dim", {0, -8, huge}},
+      {"attention_head_dim", {0, -2, huge}},
+      {"conv_in_kernel", {-3, 1025}},
+      {"conv_out_kernel", {-3, 1025}},
+      {"time_embedding_dim", {0, -1, huge}},
+      {"time_cond_proj_dim", {0, -1, huge}},
+      {"num_class_embeds", {0, -1, huge}},
+      {"encoder_hid_dim", {0, -1, huge}},
+  };
+  std::size_t checked = 0;
+  for (const auto& [field, values] : unet_fields)
+    for (const std::int64_t v : values) {
+      nlohmann::json j = unet;
+      // A per-block list gets the value in its last entry, a scalar field the value itself.
+      if (j.contains(field) && j[field].is_array())
+        j[field].back() = v;
+      else
+        j[field] = v;
+      const std::string msg = error_of<dt::ConfigError>(
+          [&] { (void)models::UNet2DConditionConfig::from_json(j, "cfg.json"); });
+      EXPECT_NE(msg.find("'" + field + "'"), std::string::npos)
+          << field << "=" << v << " → " << msg;
+      EXPECT_NE(msg.find(std::to_string(v)), std::string::npos)
+          << field << "=" << v << " → " << msg;
+      EXPECT_NE(msg.find("cfg.json"), std::string::npos) << msg;
+      ++checked;
+    }
+  // 10,000 blocks, every list consistent: refused by count, not after building them.
+  {
+    nlohmann::json j = unet;
+    const std::size_t n = 10'000;
+    j["down_block_types"] = std::vector<std::string>(n, "DownBlock2D");
+    j["up_block_types"] = std::vector<std::string>(n, "UpBlock2D");
+    j["block_out_channels"] = std::vector<std::int64_t>(n, 1280);
+    j["attention_head_dim"] = 8;
+    j["layers_per_block"] = 1;
+    const std::string msg = error_of<dt::ConfigError>(
+        [&] { (void)models::UNet2DConditionConfig::from_json(j, "cfg.json"); });
+    EXPECT_NE(msg.find("'down_block_types' = 10000"), std::string::npos) << msg;
+  }
+  const nlohmann::json vae = read_json(golden_models() / "vae_two_levels" / "config.json");
+  const std::vector<Case> vae_fields = {
+      {"in_channels", {0, -3, huge}},        {"out_channels", {0, -3, huge}},
+      {"latent_channels", {0, -4, huge}},    {"norm_num_groups", {0, -1, huge}},
+      {"block_out_channels", {0, -1, huge}}, {"layers_per_block", {0, -1, 1'000'000}},
+  };
+  for (const auto& [field, values] : vae_fields)
+    for (const std::int64_t v : values) {
+      nlohmann::json j = vae;
+      if (j[field].is_array())
+        j[field].back() = v;
+      else
+        j[field] = v;
+      const std::string msg = error_of<dt::ConfigError>(
+          [&] { (void)models::AutoencoderKLConfig::from_json(j, "vae.json"); });
+      EXPECT_NE(msg.find("'" + field + "'"), std::string::npos)
+          << field << "=" << v << " → " << msg;
+      EXPECT_NE(msg.find(std::to_string(v)), std::string::npos)
+          << field << "=" << v << " → " << msg;
+      ++checked;
+    }
+  EXPECT_EQ(checked, 58u);
+}
+
+// A config that describes another model than its weights (more blocks, wider blocks, more layers,
+// other latent channels) is refused by comparing names and shapes with what the config implies,
+// before the model is built — the message is the signature's, not the strict loader's.
+TEST(Models, ConfigsThatDescribeOtherWeightsAreRefusedBeforeTheBuild) {
+  using Unet = models::UNet2DConditionModel<>;
+  const std::string name = "unet_conv_proj";
+  const nlohmann::json base = read_json(golden_models() / name / "config.json");
+  const auto n = base["down_block_types"].size();
+  std::vector<nlohmann::json> patches;
+  {
+    nlohmann::json j = base;  // one block more
+    j["down_block_types"].push_back("DownBlock2D");
+    j["up_block_types"].insert(j["up_block_types"].begin(), "UpBlock2D");
+    j["block_out_channels"].push_back(j["block_out_channels"].back());
+    for (const char* f : {"layers_per_block", "attention_head_dim", "cross_attention_dim",
+                          "only_cross_attention", "transformer_layers_per_block"})
+      if (j.contains(f) && j[f].is_array()) j[f].push_back(j[f].back());
+    patches.push_back(j);
+  }
+  {
+    nlohmann::json j = base;  // twice as wide
+    for (auto& c : j["block_out_channels"]) c = c.get<std::int64_t>() * 2;
+    patches.push_back(j);
+  }
+  {
+    nlohmann::json j = base;  // a layer more per block
+    const std::int64_t layers = j["layers_per_block"].is_array()
+                                    ? j["layers_per_block"][0].get<std::int64_t>()
+                                    : j.value("layers_per_block", std::int64_t{2});
+    j["layers_per_block"] = layers + 1;
+    patches.push_back(j);
+  }
+  {
+    nlohmann::json j = base;  // other input channels
+    j["in_channels"] = j.value("in_channels", std::int64_t{4}) + 1;
+    patches.push_back(j);
+  }
+  ASSERT_GE(n, 1u);
+  for (std::size_t i = 0; i < patches.size(); ++i) {
+    const fs::path d = copy_of(name, "signature_" + std::to_string(i));
+    write_text(d / "config.json", patches[i].dump());
+    const std::string msg = error_of<dt::ConfigError>([&] { models::from_pretrained<Unet>(d); });
+    EXPECT_NE(msg.find("describe different models"), std::string::npos) << i << ": " << msg;
+    EXPECT_NE(msg.find("config.json"), std::string::npos) << msg;
+  }
+  // The VAE: more latent channels, a layer more, a block more.
+  const nlohmann::json vae = read_json(golden_models() / "vae_two_levels" / "config.json");
+  std::vector<nlohmann::json> vae_patches(3, vae);
+  vae_patches[0]["latent_channels"] = vae.value("latent_channels", std::int64_t{4}) + 4;
+  vae_patches[1]["layers_per_block"] = vae.value("layers_per_block", std::int64_t{1}) + 1;
+  vae_patches[2]["down_block_types"].push_back("DownEncoderBlock2D");
+  vae_patches[2]["up_block_types"].push_back("UpDecoderBlock2D");
+  vae_patches[2]["block_out_channels"].push_back(vae["block_out_channels"].back());
+  for (std::size_t i = 0; i < vae_patches.size(); ++i) {
+    const fs::path d = copy_of("vae_two_levels", "vae_signature_" + std::to_string(i));
+    write_text(d / "config.json", vae_patches[i].dump());
+    const std::string msg =
+        error_of<dt::ConfigError>([&] { models::from_pretrained<models::AutoencoderKL<>>(d); });
+    EXPECT_NE(msg.find("describe different models"), std::string::npos) << i << ": " << msg;
+  }
+  // Every golden folder's own config agrees with its weights.
+  for (const auto& c : tst::golden("models.json")["unet"]) {
+    const fs::path folder = golden_models() / c["name"].get<std::string>();
+    std::optional<std::string> variant;
+    if (!c["variant"].is_null()) variant = c["variant"].get<std::string>();
+    const auto config =
+        models::UNet2DConditionConfig::from_json(read_json(folder / "config.json"), "config.json");
+    EXPECT_NO_THROW(models::check_weight_signature(
+        config.weight_signature(), models::read_model_weights(folder, variant), "config.json"))
+        << folder;
+  }
+}
+
 TEST(Models, WrongInputsAreShapeErrors) {
   auto unet = models::from_pretrained<models::UNet2DConditionModel<>>(golden_models() /
                                                                       "unet_linear_3_levels");
@@ -535,6 +690,10 @@ TEST(Models, WrongInputsAreShapeErrors) {
   cond.class_labels = at::tensor({1, 10});
   msg = error_of<dt::ShapeError>([&] { unet->forward(x, at::tensor({1, 2}), ctx, cond); });
   EXPECT_NE(msg.find("[0, 10)"), std::string::npos) << msg;
+  // The same check where labels for a GPU are made (forward checks only labels on the CPU).
+  msg = error_of<dt::ShapeError>([&] { unet->check_class_labels(at::tensor({-1, 3})); });
+  EXPECT_NE(msg.find("got -1 to 3"), std::string::npos) << msg;
+  EXPECT_NO_THROW(unet->check_class_labels(at::tensor({0, 9})));
   // A scalar timestep is broadcast over the batch, as diffusers does.
   cond.class_labels = labels;
   EXPECT_EQ(unet->forward(x, at::tensor(5), ctx, cond).sizes(), x.sizes());

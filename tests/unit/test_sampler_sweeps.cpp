@@ -309,7 +309,9 @@ TEST(SamplerSweeps, DpmSolverOptionsMatchDiffusers) {
     if (name == "euler_at_final" || name == "no_lower_order_final") o.solver_order = 3;
     if (name == "no_lower_order_final") o.lower_order_final = false;
     if (name.starts_with("heun")) o.solver_type = df::DpmSolverMultistep::SolverType::heun;
-    if (name == "heun_sde") o.algorithm_type = df::DpmSolverMultistep::Algorithm::sde_dpmsolver_pp;
+    if (name.starts_with("heun_sde"))
+      o.algorithm_type = df::DpmSolverMultistep::Algorithm::sde_dpmsolver_pp;
+    if (name == "heun_sde3") o.solver_order = 3;
     if (name.starts_with("lambda_clip")) {
       beta = "squaredcos_cap_v2";
       o.lambda_min_clipped = -5.1;
@@ -334,7 +336,7 @@ TEST(SamplerSweeps, DpmSolverOptionsMatchDiffusers) {
         key);
     ++checked;
   }
-  EXPECT_EQ(checked, 18);
+  EXPECT_EQ(checked, 20);
 }
 
 TEST(SamplerSweeps, EulerChurnAndFinalSigmaMatchDiffusers) {

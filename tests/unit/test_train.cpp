@@ -2,20 +2,26 @@
 // identical resume, damaged checkpoints, the non-finite loss guard, the gradient scaler against
 // torch's, parameter groups and callbacks.
 #include <gtest/gtest.h>
+#include <difftrain/io/read_file.hpp>
 #include <difftrain/io/remove_tree.hpp>
 #include <difftrain/io/safetensors.hpp>
 #include <difftrain/io/zip_archive.hpp>
 #include <difftrain/schedule/by_name.hpp>
 #include <difftrain/train/train.hpp>
 
+#include <atomic>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <iterator>
 #include <map>
 #include <numeric>
+#include <thread>
+#include <tuple>
 
 #include "golden.hpp"
+#include "xy_batch.hpp"
 
 namespace dt = difftrain;
 namespace tr = difftrain::train;
@@ -30,13 +36,7 @@ fs::path scratch(const std::string& name) {
   return dir / name;
 }
 
-struct Batch {
-  at::Tensor x, y;
-  [[nodiscard]] std::int64_t size() const { return x.size(0); }
-  [[nodiscard]] Batch slice(std::int64_t s, std::int64_t n) const {
-    return {x.narrow(0, s, n), y.narrow(0, s, n)};
-  }
-};
+using Batch = difftrain::test::XyBatch;
 
 // The Python reference's Net: fc1 → LayerNorm → SiLU → fc2, MSE loss. Optional dropout (for the
 // resume test, so the random state matters) and a NaN trigger (for the guard).
@@ -211,10 +211,24 @@ TEST(Trainer, AResumedRunEndsBitIdenticalToAnUninterruptedOne) {
   tc.fit(source, 100);
   const auto got = snapshot(*c);
   for (std::size_t i = 0; i < want.size(); ++i) EXPECT_TRUE(at::equal(got[i], want[i])) << i;
-  dt::ema::EmaScope scope(tc.ema());
-  const auto got_ema = snapshot(*c);
-  for (std::size_t i = 0; i < want.size(); ++i)
-    EXPECT_TRUE(at::equal(got_ema[i], want_ema[i])) << i;
+  {
+    dt::ema::EmaScope scope(tc.ema());
+    const auto got_ema = snapshot(*c);
+    for (std::size_t i = 0; i < want.size(); ++i)
+      EXPECT_TRUE(at::equal(got_ema[i], want_ema[i])) << i;
+  }
+  // The same run gives the same bytes: the checkpoint the resumed run writes at 100 is the one
+  // the uninterrupted run writes (the optimizer's archive once keyed its states by memory
+  // address), and so is one written again from the same state. Each of the model, optimizer and
+  // EMA parts is compared too, so a difference says where it is.
+  const fs::path uninterrupted = scratch("uninterrupted-100.pt"),
+                 resumed = scratch("resumed-100.pt"), again = scratch("again-100.pt");
+  ta.save_checkpoint(uninterrupted);
+  tc.save_checkpoint(resumed);
+  tc.save_checkpoint(again);
+  EXPECT_EQ(tr::optimizer_state_bytes(ta.optimizer()), tr::optimizer_state_bytes(tc.optimizer()));
+  EXPECT_EQ(dt::io::read_file(resumed), dt::io::read_file(again));
+  EXPECT_EQ(dt::io::read_file(uninterrupted), dt::io::read_file(resumed));
 }
 
 TEST(Trainer, DamagedFutureOrMismatchedCheckpointsAreTypedErrorsAndChangeNothing) {
@@ -327,6 +341,11 @@ TEST(Trainer, EveryKindOfCheckpointDamageIsTypedChangesNothingAndResumeFallsBack
          return st;
        }()},
       {"rng a list", with_entry("rng_cpu", dt::io::torch_list())},
+      // Parts that disagree about how far the run is.
+      {"step far ahead of its parts", with_entry("step", std::int64_t{1} << 62)},
+      {"scheduler behind the step", with_json([](auto& j) { j["scheduler"]["last_epoch"] = 3; })},
+      {"ema ahead of the step", with_json([](auto& j) { j["ema"]["optimization_step"] = 1000; })},
+      {"negative skip count", with_json([](auto& j) { j["skipped_overflow"] = -2; })},
   };
   // A fresh folder per case (libtorch exports its own std::filesystem::remove_all, which crashes
   // on a folder with files in it when it is the one the dynamic linker picks).
@@ -1159,4 +1178,33 @@ TEST(Trainer, PrecisionByNameIsTheStaticPolicyOfThatName) {
   } catch (const dt::ConfigError& e) {
     EXPECT_NE(std::string(e.what()).find("mixed_precision"), std::string::npos) << e.what();
   }
+}
+
+// ---- threads on a shared machine
+// -----------------------------------------------------------------
+
+// threads_for leaves out the cores other processes keep busy (from 60 % use on), never going
+// below one; cpu_load sees a core this process keeps busy while it samples.
+TEST(Threads, ThreadsForASharedMachineLeaveBusyCoresOut) {
+  const std::vector<std::tuple<int, double, int>> cases = {
+      {2, 0.0, 2}, {2, 0.5, 2},   {2, 0.6, 1},   {2, 1.0, 1}, {2, 2.0, 1},
+      {2, 5.0, 1}, {16, 3.3, 13}, {16, 0.2, 16}, {1, 0.0, 1}, {8, 7.9, 1}};
+  for (const auto& [cores, busy, want] : cases)
+    EXPECT_EQ(tr::threads_for({.cores = cores, .busy_elsewhere = busy}), want)
+        << cores << " cores, " << busy << " busy";
+
+  const tr::CpuLoad idle = tr::cpu_load(std::chrono::milliseconds(50));
+  EXPECT_GE(idle.cores, 1);
+  EXPECT_GE(idle.busy_elsewhere, 0.0);
+  EXPECT_LE(idle.busy_elsewhere, idle.cores + 0.01);
+  std::atomic<bool> stop{false};
+  std::thread spinner([&] {
+    volatile std::uint64_t x = 0;
+    while (!stop.load(std::memory_order_relaxed)) x = x + 1;
+  });
+  const tr::CpuLoad busy = tr::cpu_load(std::chrono::milliseconds(300));
+  stop = true;
+  spinner.join();
+  EXPECT_GE(busy.busy_elsewhere, 0.5) << "a spinning thread should show as a busy core";
+  EXPECT_LE(busy.busy_elsewhere, busy.cores + 0.01);
 }

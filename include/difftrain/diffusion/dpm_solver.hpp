@@ -28,6 +28,9 @@ namespace difftrain::diffusion {
 class DpmSolverMultistep {
  public:
   enum class Algorithm { dpmsolver_pp, sde_dpmsolver_pp };
+  /// How second-order steps combine the last two outputs. Third-order steps have one form for
+  /// both (as in diffusers, where `heun` with `solver_order=3` changes only the warm-up and final
+  /// second-order steps).
   enum class SolverType { midpoint, heun };
   struct Options {
     Prediction prediction_type = Prediction::epsilon;
@@ -51,10 +54,6 @@ class DpmSolverMultistep {
     if (o.solver_order < 1 || o.solver_order > 3)
       throw ConfigError("must be 1, 2 or 3, got " + std::to_string(o.solver_order),
                         "DPM-Solver++ option solver_order");
-    if (o.algorithm_type == Algorithm::sde_dpmsolver_pp && o.solver_order == 3 &&
-        o.solver_type == SolverType::heun)
-      throw ConfigError("the third-order SDE solver has no 'heun' form; use midpoint",
-                        "DPM-Solver++ option solver_type");
     if (std::isnan(o.lambda_min_clipped))
       throw ConfigError("is NaN", "DPM-Solver++ option lambda_min_clipped");
   }

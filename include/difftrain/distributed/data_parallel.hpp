@@ -51,6 +51,13 @@ class DataParallel {
     double first_bucket_cap_mb = 1.0;
     /// DDP's broadcast_buffers: rank 0's buffers before every forward.
     bool broadcast_buffers = true;
+    /// DDP's find_unused_parameters: before each gradient-sharing backward the autograd graph of
+    /// the loss is searched for the trainable parameters it does not reach (a conditional block,
+    /// a branch of the model the step skips, an adapter not applied this step); they count as
+    /// ready with no gradient, so the all-reduce does not wait for them. A parameter no rank used
+    /// keeps no gradient (the optimizer skips it, as on one process). Costs one graph traversal
+    /// per step; without it such a model stops with the reducer's error on the next step.
+    bool find_unused_parameters = false;
   };
 
   DataParallel(torch::nn::Module& model, const std::vector<at::Tensor>& params, const Options& o)
@@ -62,15 +69,15 @@ class DataParallel {
     check_same_model();
     start();
     std::vector<bool> sparse(params_.size(), false);
-    // DDP without find_unused_parameters: one bucket per dtype and device for the first step
-    // (no size limit); the reducer rebuilds them from the order of the first backward.
+    // As DDP: one bucket per dtype and device for the first step (no size limit); the reducer
+    // rebuilds them from the order of the first backward.
     auto [buckets, limits] = c10d::compute_bucket_assignment_by_size(
         params_, {static_cast<std::size_t>(std::numeric_limits<std::int64_t>::max())}, sparse);
     (void)limits;
     std::unordered_map<std::size_t, std::string> names;
     reducer_ = std::make_unique<c10d::Reducer>(
         params_, std::vector<std::vector<std::size_t>>(buckets.rbegin(), buckets.rend()),
-        world_->group(), sparse, mib(o_.bucket_cap_mb), /*find_unused_parameters=*/false,
+        world_->group(), sparse, mib(o_.bucket_cap_mb), o_.find_unused_parameters,
         /*gradient_as_bucket_view=*/false, names, mib(o_.first_bucket_cap_mb),
         /*skip_all_reduce_unused_params=*/false, /*use_python_reducer=*/false,
         std::vector<std::int64_t>{});
@@ -110,8 +117,13 @@ class DataParallel {
     return flag.item<double>() == 0.0;
   }
 
-  void before_backward() {
-    if (world_->distributed()) reducer_->prepare_for_backward({});
+  /// Before the backward of `loss` that shares gradients.
+  void before_backward(const at::Tensor& loss) {
+    if (!world_->distributed()) return;
+    if (o_.find_unused_parameters)
+      reducer_->prepare_for_backward({loss});
+    else
+      reducer_->prepare_for_backward({});
   }
 
   /// Runs `f` (the backward that shares gradients); a failure of the group is a DistributedError.

@@ -46,6 +46,15 @@ class RuleByName {
   void load_state(const nlohmann::json& s) {
     std::visit([&s](auto& r) { r.load_state(s); }, rule_);
   }
+  /// The keys of the chosen rule's state() that count updates.
+  [[nodiscard]] std::vector<std::string_view> counter_keys() const {
+    return std::visit(
+        [](const auto& r) {
+          const auto& c = std::decay_t<decltype(r)>::counters;
+          return std::vector<std::string_view>(c.begin(), c.end());
+        },
+        rule_);
+  }
   /// The name of the rule chosen.
   [[nodiscard]] std::string_view chosen() const {
     return std::visit([](const auto& r) { return std::decay_t<decltype(r)>::name; }, rule_);

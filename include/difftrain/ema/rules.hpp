@@ -10,6 +10,7 @@
 //   Karras        EDM2's power-function EMA: β = (1 − 1/t)^(1+γ), γ from sigma_rel
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <nlohmann/json.hpp>
@@ -62,6 +63,8 @@ inline void check_name(const nlohmann::json& s, std::string_view rule) {
 
 struct Constant {
   static constexpr std::string_view name = "constant";
+  /// The keys of state() that count updates; the others are options.
+  static constexpr std::array<std::string_view, 1> counters{"num_updates"};
   struct Options {
     double decay = 0.9999;
   };
@@ -92,6 +95,8 @@ struct Constant {
 /// diffusers' EMAModel.
 struct WarmupDecay {
   static constexpr std::string_view name = "warmup_decay";
+  /// The keys of state() that count updates; the others are options.
+  static constexpr std::array<std::string_view, 1> counters{"optimization_step"};
   struct Options {
     double decay = 0.9999;
     double min_decay = 0.0;
@@ -178,6 +183,8 @@ struct WarmupDecay {
 /// LitEma (latent diffusion, CogVideoX).
 struct LitEma {
   static constexpr std::string_view name = "lit_ema";
+  /// The keys of state() that count updates; the others are options.
+  static constexpr std::array<std::string_view, 1> counters{"num_updates"};
   struct Options {
     double decay = 0.9999;
     bool use_num_updates = true;
@@ -217,6 +224,8 @@ struct LitEma {
 /// to `update_after_step` they copy instead of averaging.
 struct EmaPytorch {
   static constexpr std::string_view name = "ema_pytorch";
+  /// The keys of state() that count updates; the others are options.
+  static constexpr std::array<std::string_view, 2> counters{"step", "initted"};
   struct Options {
     double beta = 0.9999;
     std::int64_t update_after_step = 100;
@@ -314,6 +323,9 @@ inline double sigma_rel_to_gamma(double sigma_rel) {
 /// β = (1 − 1/(t+1))^(1+γ) with t the number of calls so far, every `update_every` calls.
 struct Karras {
   static constexpr std::string_view name = "karras";
+  /// The keys of state() that count updates; the others are options (gamma as derived from
+  /// sigma_rel when that is set).
+  static constexpr std::array<std::string_view, 2> counters{"step", "initted"};
   struct Options {
     double gamma = 6.94;  ///< set this or sigma_rel
     double sigma_rel = 0.0;

@@ -13,6 +13,7 @@
 #include <ATen/core/Dict.h>
 #include <ATen/core/ivalue.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
@@ -353,6 +354,9 @@ inline std::optional<TorchValue> extract_image_data(const RgbImage& image, const
       if (v[i - 1]) return i;
     return v.size();
   };
+  // A picture with no lit pixel at all (all black, or every pixel missing a channel) carries no
+  // data blocks: the data and its cover are drawn with all three channels lit.
+  if (std::find(col_any.begin(), col_any.end(), true) == col_any.end()) return std::nullopt;
   const std::size_t x0 = first(col_any), x1 = end(col_any), y0 = first(row_any), y1 = end(row_any);
   if (x1 <= x0 || y1 <= y0) return std::nullopt;
   const std::size_t cw = x1 - x0, ch = y1 - y0;

@@ -15,8 +15,8 @@
 #include <vector>
 
 #include "difftrain/core/error.hpp"
-#include "difftrain/io/atomic_file.hpp"
 #include "difftrain/io/inflate.hpp"
+#include "difftrain/io/read_file.hpp"
 
 namespace difftrain::io {
 

@@ -8,6 +8,7 @@
 #include "difftrain/io/image_grid.hpp"
 #include "difftrain/io/inflate.hpp"
 #include "difftrain/io/png.hpp"
+#include "difftrain/io/read_file.hpp"
 #include "difftrain/io/remove_tree.hpp"
 #include "difftrain/io/safetensors.hpp"
 #include "difftrain/io/torch_file.hpp"

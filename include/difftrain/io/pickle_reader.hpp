@@ -219,10 +219,17 @@ class Unpickler {
     switch (op) {
       case 0x80:
         read(1);
-        break;  // PROTO
-      case 0x95:
-        read(8);
-        break;  // FRAME: a length hint only
+        break;      // PROTO
+      case 0x95: {  // FRAME: the length of the frame that follows, which must be there
+        const auto frame = read_le<std::uint64_t>();
+        const std::size_t left = data_.size() - pos_;
+        if (frame > left)
+          fail("has a FRAME of " + std::to_string(frame) + " bytes with " + std::to_string(left) +
+                   " bytes of pickle left (Python's unpickler refuses it: pickle exhausted "
+                   "before end of frame)",
+               at);
+        break;
+      }
       case '(':
         stack_.push_back(Item{Item::Kind::mark, {}, {}});
         break;
@@ -585,6 +592,36 @@ class Unpickler {
 
 }  // namespace pickle_detail
 
+/// torch.load reads the archive's format version first (".data/version", else "version") and
+/// refuses an archive without one, with one that is not a number, or with one outside the range
+/// its reader knows (caffe2's kMinSupportedFileFormatVersion to kMaxSupportedFileFormatVersion,
+/// 1 to 10; torch.save writes 3). A record longer than a number needs is refused unread (torch
+/// would inflate it whole first).
+inline void check_format_version(const ZipArchive& archive, const std::string& where) {
+  const std::string name = archive.contains(".data/version") ? ".data/version" : "version";
+  if (!archive.contains(name))
+    throw FormatError("has no version record (torch.load refuses such an archive)", where);
+  if (archive.size_of(name) > 32)
+    throw FormatError("has a " + name + " record of " + std::to_string(archive.size_of(name)) +
+                          " bytes; a format version is a short number",
+                      where);
+  const std::string text = archive.read(name);
+  // As caffe2::stoull reads it: leading blanks, then digits; what follows them is ignored.
+  std::size_t i = text.find_first_not_of(" \t\n\r");
+  std::uint64_t version = 0;
+  std::size_t digits = 0;
+  for (; i != std::string::npos && i < text.size() && text[i] >= '0' && text[i] <= '9'; ++i) {
+    version = version * 10 + static_cast<std::uint64_t>(text[i] - '0');
+    if (++digits > 18) break;
+  }
+  if (digits == 0) throw FormatError("has a " + name + " record that is not a number", where);
+  constexpr std::uint64_t kMin = 1, kMax = 10;
+  if (version < kMin || version > kMax)
+    throw FormatError("has format version " + std::to_string(version) + "; torch.load reads " +
+                          std::to_string(kMin) + " to " + std::to_string(kMax),
+                      where);
+}
+
 /// Reads a torch.save zip archive held in memory, with torch.load(weights_only=True)'s rules.
 inline c10::IValue read_torch_archive(const std::vector<char>& bytes, const std::string& where) {
   try {
@@ -599,6 +636,7 @@ inline c10::IValue read_torch_archive(const std::vector<char>& bytes, const std:
         throw FormatError("stores tensors in '" + order + "' byte order; only little is read",
                           where);
     }
+    check_format_version(archive, where);
     if (!archive.contains("data.pkl")) throw FormatError("has no data.pkl record", where);
     if (archive.size_of("data.pkl") > bytes.size())  // pickles are stored, never deflated
       throw FormatError("declares a data.pkl record larger than the file", where);

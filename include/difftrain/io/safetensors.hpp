@@ -23,14 +23,15 @@
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
-#include <unordered_set>
 #include <span>
 #include <string>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
 #include "difftrain/core/error.hpp"
 #include "difftrain/io/atomic_file.hpp"
+#include "difftrain/io/read_file.hpp"
 
 namespace difftrain::io {
 
@@ -135,8 +136,7 @@ class HeaderShapeCheck {
     --depth_;
     return true;
   }
-  bool parse_error(std::size_t position, const std::string&,
-                   const nlohmann::json::exception& e) {
+  bool parse_error(std::size_t position, const std::string&, const nlohmann::json::exception& e) {
     throw FormatError(std::string("header is not valid JSON: ") + e.what(),
                       where_ + ": header byte " + std::to_string(8 + position));
   }
@@ -144,8 +144,9 @@ class HeaderShapeCheck {
  private:
   void open() {
     if (++depth_ > kSafetensorsMaxDepth)
-      throw FormatError("header nests deeper than " + std::to_string(kSafetensorsMaxDepth) + " levels",
-                        where_ + ": header");
+      throw FormatError(
+          "header nests deeper than " + std::to_string(kSafetensorsMaxDepth) + " levels",
+          where_ + ": header");
   }
   std::string where_;
   std::size_t depth_ = 0;
@@ -153,7 +154,6 @@ class HeaderShapeCheck {
 };
 
 }  // namespace safetensors_detail
-
 
 struct SafetensorsFile {
   std::map<std::string, at::Tensor> tensors;

@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "difftrain/core/error.hpp"
-#include "difftrain/io/atomic_file.hpp"
+#include "difftrain/io/read_file.hpp"
 #include "difftrain/io/torch_pickle.hpp"
 
 namespace difftrain::io {

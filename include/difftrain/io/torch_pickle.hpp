@@ -19,6 +19,7 @@
 #include "difftrain/core/error.hpp"
 #include "difftrain/io/atomic_file.hpp"
 #include "difftrain/io/pickle_reader.hpp"
+#include "difftrain/io/read_file.hpp"
 
 namespace difftrain::io {
 

@@ -11,6 +11,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -274,5 +275,28 @@ class EventFileWriter {
   std::exception_ptr error_;
   std::thread flusher_;
 };
+
+/// The TensorBoard event files in `dir` (not its subfolders), sorted by name; none when `dir` does
+/// not exist.
+inline std::vector<std::filesystem::path> event_files(const std::filesystem::path& dir) {
+  std::vector<std::filesystem::path> out;
+  std::error_code ec;
+  if (!std::filesystem::is_directory(dir, ec)) return out;
+  for (const auto& e : std::filesystem::directory_iterator(dir))
+    if (e.is_regular_file() && e.path().filename().string().starts_with("events.out.tfevents."))
+      out.push_back(e.path());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+/// Removes the event files of `dir` (an earlier run's), leaving anything else in it.
+inline void remove_event_files(const std::filesystem::path& dir) {
+  for (const auto& file : event_files(dir)) {
+    std::error_code ec;
+    std::filesystem::remove(file, ec);
+    if (ec)
+      throw IoError("cannot remove an earlier run's event file: " + ec.message(), file.string());
+  }
+}
 
 }  // namespace difftrain::log

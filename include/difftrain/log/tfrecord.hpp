@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "difftrain/core/error.hpp"
-#include "difftrain/io/atomic_file.hpp"
+#include "difftrain/io/read_file.hpp"
 #include "difftrain/log/crc32c.hpp"
 
 namespace difftrain::log {

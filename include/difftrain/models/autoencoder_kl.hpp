@@ -104,16 +104,36 @@ struct AutoencoderKLConfig {
         throw ConfigError(
             "'up_block_types' has \"" + t + "\", which difftrain does not build (UpDecoderBlock2D)",
             where);
-    for (auto c : block_out_channels)
-      if (c <= 0 || norm_num_groups <= 0 || c % norm_num_groups != 0)
-        throw ConfigError("'block_out_channels' entry " + std::to_string(c) +
-                              " is not a positive multiple of norm_num_groups " +
-                              std::to_string(norm_num_groups),
-                          where);
-    if (layers_per_block <= 0) throw ConfigError("'layers_per_block' must be positive", where);
-    if (latent_channels <= 0) throw ConfigError("'latent_channels' must be positive", where);
+    // Every size in range before anything divides by one or allocates with one.
+    check_conv_model_sizes("block_out_channels", n, in_channels, out_channels, norm_num_groups,
+                           block_out_channels, where);
+    check_config_range("latent_channels", latent_channels, 1, ConfigLimits::channels, where);
+    check_config_range("layers_per_block", layers_per_block, 1, ConfigLimits::layers, where);
     if (!std::isfinite(scaling_factor) || scaling_factor == 0.0)
       throw ConfigError("'scaling_factor' must be finite and non-zero", where);
+  }
+
+  /// What this config implies about a weight file: block and layer counts, and the convolutions
+  /// that fix every block's width and the latent channels.
+  [[nodiscard]] WeightSignature weight_signature() const {
+    WeightSignature s;
+    const auto n = static_cast<std::int64_t>(block_out_channels.size());
+    const auto& ch = block_out_channels;
+    s.shapes.push_back({"encoder.conv_in.weight", {ch[0], in_channels, 3, 3}});
+    s.shapes.push_back({"encoder.conv_out.weight", {2 * latent_channels, ch.back(), 3, 3}});
+    s.shapes.push_back({"decoder.conv_in.weight", {ch.back(), latent_channels, 3, 3}});
+    s.shapes.push_back({"decoder.conv_out.weight", {out_channels, ch[0], 3, 3}});
+    s.counts.push_back({"encoder.down_blocks.", n});
+    s.counts.push_back({"decoder.up_blocks.", n});
+    for (std::int64_t i = 0; i < n; ++i) {
+      const auto k = static_cast<std::size_t>(i);
+      const std::string down = "encoder.down_blocks." + std::to_string(i) + ".";
+      s.counts.push_back({down + "resnets.", layers_per_block});
+      s.counts.push_back(
+          {"decoder.up_blocks." + std::to_string(i) + ".resnets.", layers_per_block + 1});
+      s.shapes.push_back({down + "resnets.0.conv1.weight", {ch[k], ch[k == 0 ? 0 : k - 1], 3, 3}});
+    }
+    return s;
   }
 
   static AutoencoderKLConfig from_json(const nlohmann::json& j, const std::string& where) {

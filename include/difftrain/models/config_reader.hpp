@@ -10,6 +10,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "difftrain/core/error.hpp"
@@ -21,6 +22,82 @@ template <class T>
 nlohmann::json value_or_null(const std::optional<T>& v) {
   return v ? nlohmann::json(*v) : nlohmann::json(nullptr);
 }
+
+/// Bounds on the sizes a model config may state, checked when it is read: far above every published
+/// diffusers model (SDXL's widest block has 1,280 channels, its cross-attention 2,048, its deepest
+/// block 10 transformer layers), low enough that a typo or a hostile file is refused before a
+/// parameter is allocated (10,000 blocks of 1,280 channels would otherwise take about 10 GB first).
+struct ConfigLimits {
+  static constexpr std::int64_t channels = std::int64_t{1} << 16;  // any width or embedding size
+  static constexpr std::int64_t blocks = 16;                       // down (and up) blocks
+  static constexpr std::int64_t layers = 256;                      // layers of one block
+  static constexpr std::int64_t kernel = 15;                       // a convolution's kernel side
+  static constexpr std::int64_t classes = std::int64_t{1} << 24;   // class-embedding rows
+};
+
+namespace config_detail {
+inline void check_range(const std::string& label, std::int64_t value, std::int64_t lo,
+                        std::int64_t hi, const std::string& where) {
+  if (value < lo || value > hi)
+    throw ConfigError(label + " = " + std::to_string(value) + " is out of range (" +
+                          std::to_string(lo) + " to " + std::to_string(hi) + ")",
+                      where);
+}
+}  // namespace config_detail
+
+/// A ConfigError naming the field and its value unless lo <= value <= hi.
+inline void check_config_range(const std::string& field, std::int64_t value, std::int64_t lo,
+                               std::int64_t hi, const std::string& where) {
+  config_detail::check_range("'" + field + "'", value, lo, hi, where);
+}
+
+/// The same for every entry of a per-block list ("'layers_per_block' entry 2 = -1 is ...").
+inline void check_config_range(const std::string& field, const std::vector<std::int64_t>& values,
+                               std::int64_t lo, std::int64_t hi, const std::string& where) {
+  for (std::size_t i = 0; i < values.size(); ++i)
+    config_detail::check_range("'" + field + "' entry " + std::to_string(i), values[i], lo, hi,
+                               where);
+}
+
+/// The same for an optional field, when present.
+inline void check_config_range(const std::string& field, const std::optional<std::int64_t>& value,
+                               std::int64_t lo, std::int64_t hi, const std::string& where) {
+  if (value) check_config_range(field, *value, lo, hi, where);
+}
+
+/// The sizes every diffusers convolutional model states (UNet, VAE): `blocks` (counted by the
+/// field `blocks_field`) and each channel count in range, and every block's width a multiple of
+/// the group norm's groups. Checked before anything divides by one or allocates with one.
+inline void check_conv_model_sizes(const std::string& blocks_field, std::size_t blocks,
+                                   std::int64_t in_channels, std::int64_t out_channels,
+                                   std::int64_t norm_num_groups,
+                                   const std::vector<std::int64_t>& block_out_channels,
+                                   const std::string& where) {
+  using L = ConfigLimits;
+  check_config_range(blocks_field, static_cast<std::int64_t>(blocks), 1, L::blocks, where);
+  check_config_range("in_channels", in_channels, 1, L::channels, where);
+  check_config_range("out_channels", out_channels, 1, L::channels, where);
+  check_config_range("norm_num_groups", norm_num_groups, 1, L::channels, where);
+  check_config_range("block_out_channels", block_out_channels, 1, L::channels, where);
+  for (auto c : block_out_channels)
+    if (c % norm_num_groups != 0)
+      throw ConfigError("'block_out_channels' entry " + std::to_string(c) +
+                            " is not a positive multiple of norm_num_groups " +
+                            std::to_string(norm_num_groups),
+                        where);
+}
+
+/// What a config implies about its weights, compared with the weights' names and shapes before the
+/// model is built (diffusers builds on the meta device for the same reason): a config that says
+/// 8 blocks or 1,280 channels where the file holds 4 blocks of 320 is refused before memory for
+/// the larger model is allocated. Not the whole model's shapes — `load_weights` checks every one
+/// after the build — but enough that the model built is no larger than its weights.
+struct WeightSignature {
+  /// Tensors the weights must hold, with these shapes.
+  std::vector<std::pair<std::string, std::vector<std::int64_t>>> shapes;
+  /// "down_blocks." → 4: the names that continue that prefix with an index use exactly 0 to 3.
+  std::vector<std::pair<std::string, std::int64_t>> counts;
+};
 
 class ConfigReader {
  public:

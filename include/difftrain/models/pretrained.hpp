@@ -29,8 +29,10 @@
 
 #include "difftrain/core/error.hpp"
 #include "difftrain/io/atomic_file.hpp"
+#include "difftrain/io/read_file.hpp"
 #include "difftrain/io/safetensors.hpp"
 #include "difftrain/io/torch_file.hpp"
+#include "difftrain/models/config_reader.hpp"
 
 namespace difftrain::models {
 
@@ -232,6 +234,47 @@ inline void load_weights(torch::nn::Module& model, const std::map<std::string, a
   for (const auto& [name, dst] : own) dst.copy_(weights.at(name));
 }
 
+/// Throws a ConfigError (at `where`, the config) for the first way `weights` differ from what the
+/// config implies; reads only names and shapes.
+inline void check_weight_signature(const WeightSignature& sig,
+                                   const std::map<std::string, at::Tensor>& weights,
+                                   const std::string& where) {
+  for (const auto& [prefix, want] : sig.counts) {
+    std::set<std::int64_t> seen;
+    for (auto it = weights.lower_bound(prefix);
+         it != weights.end() && it->first.starts_with(prefix); ++it) {
+      const std::string rest = it->first.substr(prefix.size());
+      const auto dot = rest.find('.');
+      const std::string index = rest.substr(0, dot);
+      if (index.empty() || index.size() > 9 ||
+          index.find_first_not_of("0123456789") != std::string::npos)
+        continue;
+      seen.insert(std::stoll(index));
+    }
+    const auto have = static_cast<std::int64_t>(seen.size());
+    const bool dense = seen.empty() || (*seen.begin() == 0 && *seen.rbegin() == have - 1);
+    if (have != want || !dense)
+      throw ConfigError("the config implies " + std::to_string(want) + " of '" + prefix +
+                            "N', the weights hold " + std::to_string(have) +
+                            (dense ? "" : " (not numbered from 0 without gaps)") +
+                            "; the config and the weights describe different models",
+                        where);
+  }
+  for (const auto& [name, shape] : sig.shapes) {
+    const auto it = weights.find(name);
+    if (it == weights.end())
+      throw ConfigError("the config implies a tensor '" + name +
+                            "' that the weights lack; the config and the weights describe "
+                            "different models",
+                        where);
+    if (it->second.sizes() != at::IntArrayRef(shape))
+      throw ConfigError("the config implies '" + name + "' of shape " + c10::str(shape) +
+                            ", the weights hold " + c10::str(it->second.sizes()) +
+                            "; the config and the weights describe different models",
+                        where);
+  }
+}
+
 struct LoadOptions {
   std::optional<std::string> variant;  // "fp16": the weights diffusers saved with variant="fp16"
   /// The model's parameter dtype after loading (diffusers' torch_dtype); none: float32.
@@ -253,8 +296,13 @@ Holder from_pretrained(const std::filesystem::path& folder, const LoadOptions& o
     throw ConfigError(
         "the folder holds a " + j["_class_name"].get<std::string>() + ", not a " + expected,
         config_path);
-  Holder model(Config::from_json(j, config_path), config_path);
+  Config config = Config::from_json(j, config_path);
+  // The weights are memory-mapped (names and shapes cost no parameter memory): compared with what
+  // the config implies before the model is built.
   const auto weights = read_model_weights(folder, options.variant);
+  if constexpr (requires { config.weight_signature(); })
+    check_weight_signature(config.weight_signature(), weights, config_path);
+  Holder model(std::move(config), config_path);
   load_weights(*model, weights, folder.string());
   if (options.dtype) model->to(*options.dtype);
   if (options.device) model->to(*options.device);

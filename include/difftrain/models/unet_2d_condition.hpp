@@ -20,6 +20,7 @@
 #include <torch/nn/pimpl.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -134,12 +135,26 @@ struct UNet2DConditionConfig {
                             "\" is not built by difftrain (UNetMidBlock2DCrossAttn, "
                             "UNetMidBlock2D or null)",
                         where);
-    for (auto c : block_out_channels)
-      if (c <= 0 || c % norm_num_groups != 0)
-        throw ConfigError("'block_out_channels' entry " + std::to_string(c) +
-                              " is not a positive multiple of norm_num_groups " +
-                              std::to_string(norm_num_groups),
-                          where);
+    // Every size in range before anything divides by one or allocates with one.
+    using L = ConfigLimits;
+    check_conv_model_sizes("down_block_types", n, in_channels, out_channels, norm_num_groups,
+                           block_out_channels, where);
+    check_config_range("layers_per_block", layers_per_block, 0, L::layers, where);
+    check_config_range("transformer_layers_per_block", transformer_layers_per_block, 1, L::layers,
+                       where);
+    check_config_range("cross_attention_dim", cross_attention_dim, 1, L::channels, where);
+    check_config_range("attention_head_dim", attention_head_dim, 1, L::channels, where);
+    check_config_range("conv_in_kernel", conv_in_kernel, 1, L::kernel, where);
+    check_config_range("conv_out_kernel", conv_out_kernel, 1, L::kernel, where);
+    check_config_range("time_embedding_dim", time_embedding_dim, 1, 4 * L::channels, where);
+    check_config_range("time_cond_proj_dim", time_cond_proj_dim, 1, L::channels, where);
+    check_config_range("encoder_hid_dim", encoder_hid_dim, 1, L::channels, where);
+    check_config_range("num_class_embeds", num_class_embeds, 1, L::classes, where);
+    check_config_range("projection_class_embeddings_input_dim",
+                       projection_class_embeddings_input_dim, 1, 4 * L::channels, where);
+    check_config_range("addition_time_embed_dim", addition_time_embed_dim, 1, L::channels, where);
+    if (!std::isfinite(norm_eps) || norm_eps <= 0)
+      throw ConfigError("'norm_eps' = " + std::to_string(norm_eps) + " must be positive", where);
     for (std::size_t i = 0; i < n; ++i)
       if (attention_head_dim[i] <= 0 || block_out_channels[i] % attention_head_dim[i] != 0)
         throw ConfigError(
@@ -205,6 +220,32 @@ struct UNet2DConditionConfig {
     for (const auto* act : {&time_embedding_act_fn, &timestep_post_act})
       if (*act && !diffusers_activation(**act))
         throw ConfigError("unknown activation \"" + **act + "\"", where);
+  }
+
+  /// What this (resolved) config implies about a weight file: block and layer counts, and the
+  /// convolutions that fix every block's width.
+  [[nodiscard]] WeightSignature weight_signature() const {
+    WeightSignature s;
+    const auto n = static_cast<std::int64_t>(blocks());
+    const auto& ch = block_out_channels;
+    s.shapes.push_back({"conv_in.weight", {ch[0], in_channels, conv_in_kernel, conv_in_kernel}});
+    s.shapes.push_back(
+        {"conv_out.weight", {out_channels, ch[0], conv_out_kernel, conv_out_kernel}});
+    s.counts.push_back({"down_blocks.", n});
+    s.counts.push_back({"up_blocks.", n});
+    for (std::int64_t i = 0; i < n; ++i) {
+      const auto k = static_cast<std::size_t>(i);
+      const std::string down = "down_blocks." + std::to_string(i) + ".";
+      s.counts.push_back({down + "resnets.", layers_per_block[k]});
+      s.counts.push_back({"up_blocks." + std::to_string(i) + ".resnets.",
+                          layers_per_block[static_cast<std::size_t>(n - 1 - i)] + 1});
+      if (layers_per_block[k] == 0) continue;
+      s.shapes.push_back({down + "resnets.0.conv1.weight", {ch[k], ch[k == 0 ? 0 : k - 1], 3, 3}});
+      if (down_block_types[k] == "CrossAttnDownBlock2D")
+        s.counts.push_back(
+            {down + "attentions.0.transformer_blocks.", transformer_layers_per_block[k]});
+    }
+    return s;
   }
 
   [[nodiscard]] std::int64_t time_embed_dim() const {
@@ -568,6 +609,22 @@ class UNet2DConditionModelImpl : public torch::nn::Module {
     return conv_out->forward(h);
   }
 
+  /// A ShapeError unless every label lies in [0, num_class_embeds) (a model without a class
+  /// table accepts any). forward does it for labels on the CPU; call it where labels for a GPU are
+  /// made (once per batch, before they move) to get the typed error there too: on the GPU a bad
+  /// label stops the device with the embedding's assert instead.
+  void check_class_labels(const at::Tensor& labels) const {
+    if (!c_.num_class_embeds || !labels.defined() || labels.numel() == 0) return;
+    // One read-back of both ends, not one per end.
+    const auto [lo_t, hi_t] = at::aminmax(labels);
+    const at::Tensor ends = at::stack({lo_t, hi_t}).to(at::kCPU, at::kLong);
+    const std::int64_t lo = ends[0].item<std::int64_t>(), hi = ends[1].item<std::int64_t>();
+    if (lo < 0 || hi >= *c_.num_class_embeds)
+      throw ShapeError("class_labels must lie in [0, " + std::to_string(*c_.num_class_embeds) +
+                           "); got " + std::to_string(lo) + " to " + std::to_string(hi),
+                       "UNet2DConditionModel");
+  }
+
   torch::nn::Conv2d conv_in{nullptr}, conv_out{nullptr};
   TimestepEmbedding<Act> time_embedding{nullptr};
   torch::nn::Linear encoder_hid_proj{nullptr};
@@ -638,15 +695,10 @@ class UNet2DConditionModelImpl : public torch::nn::Module {
     if (class_embedding) {
       if (at::isFloatingType(labels.scalar_type()))
         throw ShapeError("class_labels must be integer labels for num_class_embeds", where);
-      // An out-of-range label would stop a GPU with a device-side assert; one read-back of both
-      // ends (not one per end) turns it into a typed error.
-      const auto [lo_t, hi_t] = at::aminmax(labels);
-      const at::Tensor ends = at::stack({lo_t, hi_t}).to(at::kCPU, at::kLong);
-      const std::int64_t lo = ends[0].item<std::int64_t>(), hi = ends[1].item<std::int64_t>();
-      if (lo < 0 || hi >= *c_.num_class_embeds)
-        throw ShapeError("class_labels must lie in [0, " + std::to_string(*c_.num_class_embeds) +
-                             "); got " + std::to_string(lo) + " to " + std::to_string(hi),
-                         where);
+      // Labels on the CPU are range-checked here (a scan, no device wait). On a GPU the check
+      // would wait for the device every forward: there the embedding's own device-side assert
+      // stops a bad label, and check_class_labels does the typed check where the labels are made.
+      if (labels.device().is_cpu()) check_class_labels(labels);
       return class_embedding->forward(labels.to(at::kLong)).to(sample.scalar_type());
     }
     if (class_timestep_)

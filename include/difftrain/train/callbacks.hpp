@@ -134,11 +134,12 @@ class ProgressBar {
     bool force = false;
     std::FILE* out = stderr;
     std::size_t loss_window = 32;  ///< steps in the running mean of the loss
+    std::string label = "train";   ///< what the line starts with (one program, several trainings)
   };
   ProgressBar() : ProgressBar(Options()) {}
   explicit ProgressBar(const Options& o)
       : stats_(checked_window(o.loss_window)),
-        line_({.label = "train",
+        line_({.label = o.label,
                .total = o.total_steps,
                .every = o.every,
                .lines_every = o.lines_every,

@@ -9,7 +9,8 @@
 //   all_ok(ok)             on the last one, before its backward: true only when every rank's
 //                          losses of the step were finite (a NaN anywhere skips it everywhere);
 //                          also whether every rank could read a checkpoint
-//   before_backward()      on the last one, when the step goes on
+//   before_backward(loss)  on the last one, when the step goes on (the loss whose backward shares
+//                          gradients: a policy may search its graph for unused parameters)
 //   guard(f)               runs the last backward; failures of the group become DistributedError
 //
 // and once a step: mean(x) (a value averaged over ranks, for what is reported), start() (the
@@ -40,7 +41,7 @@ concept ParallelPolicy = requires {
   p.start();
   p.before_forward(b);
   { p.all_ok(b) } -> std::convertible_to<bool>;
-  p.before_backward();
+  p.before_backward(t);
   p.guard([] {});
   { p.mean(x) } -> std::convertible_to<double>;
   { p.gather(t) } -> std::convertible_to<std::vector<at::Tensor>>;
@@ -65,7 +66,7 @@ struct SingleProcess {
   void start() {}
   void before_forward(bool /*sync*/) {}
   [[nodiscard]] bool all_ok(bool ok) { return ok; }
-  void before_backward() {}
+  void before_backward(const at::Tensor& /*loss*/) {}
   template <class F>
   void guard(F&& f) {
     std::forward<F>(f)();

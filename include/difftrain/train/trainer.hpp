@@ -48,6 +48,7 @@
 #include "difftrain/schedule/diffusers.hpp"
 #include "difftrain/train/clipping.hpp"
 #include "difftrain/train/optimizer.hpp"
+#include "difftrain/train/optimizer_archive.hpp"
 #include "difftrain/train/parallel.hpp"
 #include "difftrain/train/precision.hpp"
 
@@ -153,20 +154,60 @@ enum class NanPolicy {
   skip,  ///< drop the step (no optimizer, schedule or EMA step) and go on
 };
 
-/// `optimizer`'s whole state as LibTorch's archive bytes: what a checkpoint stores under
-/// "optimizer" (equal bytes, equal state).
-inline std::string optimizer_state_bytes(torch::optim::Optimizer& optimizer) {
-  std::string bytes;
-  torch::serialize::OutputArchive archive;
-  optimizer.save(archive);
-  archive.save_to([&](const void* data, std::size_t n) {
-    bytes.append(static_cast<const char*>(data), n);
-    return n;
-  });
-  return bytes;
+namespace trainer_detail {
+// AnySchedule is the value a schedule chosen at run time becomes, not a policy type: a trainer
+// given it is told which policy does that job, before the generic "has no name".
+template <class S>
+consteval bool diagnose_schedule() {
+  if constexpr (std::is_same_v<S, schedule::AnySchedule>) {
+    static_assert(!std::is_same_v<S, schedule::AnySchedule>,
+                  "difftrain: schedule::AnySchedule is the value a schedule chosen at run time "
+                  "becomes, not a Config::Schedule; for a schedule chosen by name use `using "
+                  "Schedule = schedule::ByName;` (difftrain/schedule/by_name.hpp) and set "
+                  "Options::schedule");
+    return false;
+  } else {
+    return schedule::diagnose_lr_schedule<S>();
+  }
 }
 
-namespace trainer_detail {
+/// The parts of a checkpoint count the same steps: every applied step moves the scheduler once
+/// and the EMA once, so a step counter that disagrees with them is damage (a step of 2^62 beside
+/// a scheduler at 20 would make a resumed run believe itself finished).
+inline void check_parts_agree(const nlohmann::json& js, std::int64_t step,
+                              const std::string& where) {
+  const auto& sched = js.at("scheduler");
+  if (sched.contains("last_epoch") && sched["last_epoch"].is_number_integer() &&
+      sched["last_epoch"].get<std::int64_t>() != step)
+    throw FormatError("says step " + std::to_string(step) + " but its lr scheduler is at step " +
+                          std::to_string(sched["last_epoch"].get<std::int64_t>()) +
+                          "; the parts of the checkpoint disagree",
+                      where + " step");
+  for (const char* key : {"skipped_nonfinite", "skipped_overflow"})
+    if (js.value(key, std::int64_t{0}) < 0)
+      throw FormatError(std::string("has a negative '") + key + "'", where + " json");
+  if (!js.contains("ema")) return;
+  // An EMA counts its updates (diffusers' optimization_step, ema-pytorch's step, LitEma's
+  // num_updates): never more than the steps taken.
+  std::vector<const nlohmann::json*> stack{&js.at("ema")};
+  while (!stack.empty()) {
+    const nlohmann::json* node = stack.back();
+    stack.pop_back();
+    if (node->is_array())
+      for (const auto& e : *node) stack.push_back(&e);
+    if (!node->is_object()) continue;
+    for (const auto& [key, value] : node->items()) {
+      if (value.is_structured()) stack.push_back(&value);
+      if ((key == "optimization_step" || key == "step" || key == "num_updates") &&
+          value.is_number_integer() &&
+          (value.get<std::int64_t>() < 0 || value.get<std::int64_t>() > step))
+        throw FormatError("says step " + std::to_string(step) + " but its EMA's '" + key + "' is " +
+                              value.dump() + "; the parts of the checkpoint disagree",
+                          where + " step");
+    }
+  }
+}
+
 template <class E>
 struct EmaOptions {
   typename E::rule_type::Options rule{};
@@ -222,7 +263,7 @@ class Trainer {
                 "difftrain: Config::Precision needs a name and `autocast`, `scaled`, `dtype` "
                 "(static constexpr, or members of an instance built from its Options)");
   static_assert(diagnose_clipping<typename Config::Clipping>());
-  static_assert(schedule::diagnose_lr_schedule<typename Config::Schedule>(),
+  static_assert(trainer_detail::diagnose_schedule<typename Config::Schedule>(),
                 "difftrain: Config::Schedule is not an LR schedule (see the message above)");
   static_assert(diagnose_ema<typename Config::Ema>());
   static_assert(IsTuple<typename Config::Callbacks>::value,
@@ -561,6 +602,7 @@ class Trainer {
                           where);
     const std::int64_t saved_step = root.at("step").integer();
     if (saved_step < 0) throw FormatError("has a negative step", where);
+    trainer_detail::check_parts_agree(js, saved_step, where);
     // Model tensors: same names and shapes.
     const auto model_tensors = root.at("model").tensor_map();
     std::size_t expected = 0;
@@ -776,14 +818,24 @@ class Trainer {
 
   // The EMA rule's options as its state names them: the keys of a fresh rule's state that a few
   // updates leave unchanged (the others are counters).
+  // The EMA rule's options as its state() names them: the state of a rule made from this
+  // trainer's options, less the keys the rule declares as counters. (A rule that declares none is
+  // probed instead: the keys three updates leave unchanged.)
   [[nodiscard]] nlohmann::json ema_options() const requires has_ema {
-    typename EmaT::rule_type rule(o_.ema.rule);
-    const nlohmann::json before = rule.state();
-    for (int i = 0; i < 3; ++i) (void)rule.next();
-    const nlohmann::json after = rule.state();
-    nlohmann::json out = nlohmann::json::object();
-    for (const auto& [key, value] : before.items())
-      if (after.contains(key) && after[key] == value) out[key] = value;
+    using Rule = typename EmaT::rule_type;
+    Rule rule(o_.ema.rule);
+    nlohmann::json out = rule.state();
+    if constexpr (requires { rule.counter_keys(); }) {
+      for (const auto key : rule.counter_keys()) out.erase(std::string(key));
+    } else if constexpr (requires { Rule::counters; }) {
+      for (const auto key : Rule::counters) out.erase(std::string(key));
+    } else {
+      const nlohmann::json before = out;
+      for (int i = 0; i < 3; ++i) (void)rule.next();
+      const nlohmann::json after = rule.state();
+      for (const auto& [key, value] : before.items())
+        if (!after.contains(key) || after[key] != value) out.erase(key);
+    }
     return out;
   }
 
@@ -973,7 +1025,7 @@ class Trainer {
           "Model::loss");
     if (deferred_read()) {  // one rank: nothing to agree on before the gradients are final
       if (sync) {
-        parallel_->before_backward();
+        parallel_->before_backward(loss);
         parallel_->guard([&] {
           RECORD_USER_SCOPE("difftrain::backward");
           scaled_backward(loss, weight);
@@ -1002,7 +1054,7 @@ class Trainer {
       step_bad_agreed_only_ = true;
       return std::nan("");
     }
-    parallel_->before_backward();
+    parallel_->before_backward(loss);
     parallel_->guard([&] {
       RECORD_USER_SCOPE("difftrain::backward");
       scaled_backward(loss, weight);

@@ -1,0 +1,124 @@
+#pragma once
+// What every training program of the examples shares, so that each program holds only what is its
+// own: the flags of a run (data, output folder, seed, device, image limit, TensorBoard, threads)
+// and of the judging classifier, where the TensorBoard files go, the intra-op threads on a shared
+// machine, and timing. A program's Settings derive from RunFlags (and JudgeFlags when it scores
+// with the classifier) and add its own fields; its main adds the shared groups with
+// add_run_flags / add_judge_flags before its own.
+
+#include <ATen/Parallel.h>
+#include <CLI/CLI.hpp>
+#include <difftrain/core/error.hpp>
+#include <difftrain/log/event_file.hpp>
+#include <difftrain/train/threads.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+
+#include "cli_checks.hpp"
+
+namespace examples {
+
+/// Seconds since `t`.
+inline double seconds_since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+}
+
+/// The flags of any run: where the data and the outputs are, the seed, the device, how much data,
+/// TensorBoard, and the intra-op threads.
+struct RunFlags {
+  std::string data_dir;
+  std::string out;
+  std::string device = "cpu";
+  std::uint64_t seed = 0;
+  std::int64_t limit = 0;
+  std::string tensorboard;  // the event files' folder (default OUT/tensorboard)
+  bool no_tensorboard = false;
+  std::int64_t threads = 0;  // intra-op threads; 0: the cores other processes leave free
+
+  /// The TensorBoard folder, or empty when TensorBoard is off.
+  [[nodiscard]] std::filesystem::path tensorboard_folder() const {
+    if (no_tensorboard) return {};
+    return tensorboard.empty() ? std::filesystem::path(out) / "tensorboard"
+                               : std::filesystem::path(tensorboard);
+  }
+};
+
+/// Adds RunFlags' options to `g` (the program's "data and run" group). `data_help` and
+/// `tensorboard_help` say what the data and the event files are for this program.
+inline void add_run_flags(CLI::Option_group* g, RunFlags& f, const std::string& data_help,
+                          const std::string& tensorboard_help) {
+  g->add_option("--data-dir", f.data_dir, data_help)->capture_default_str();
+  g->add_option("--out,--output_dir", f.out, "output directory")->capture_default_str();
+  g->add_option("--device", f.device, "cpu, cuda or cuda:N")->capture_default_str();
+  g->add_option("--seed", f.seed, "seeds weights, batches, noise and samples")
+      ->capture_default_str();
+  g->add_option("--limit", f.limit, "use only the first N images of each split (0: all)")
+      ->check(count_in(0, 100'000'000));
+  g->add_option("--tensorboard", f.tensorboard, tensorboard_help);
+  g->add_flag("--no-tensorboard", f.no_tensorboard, "write no TensorBoard event files");
+  g->add_option("--threads", f.threads,
+                "intra-op CPU threads (0: OMP_NUM_THREADS if set, else the cores other "
+                "processes leave free at start; docs/train.md, \"A shared machine\")")
+      ->check(count_in(0, 4096))
+      ->capture_default_str();
+}
+
+/// The flags of the classifier that judges samples.
+struct JudgeFlags {
+  std::string classifier;  // its cache file (default OUT/classifier.safetensors)
+  std::int64_t classifier_epochs = 4;
+  double min_classifier_accuracy = 0.9;
+
+  [[nodiscard]] std::filesystem::path classifier_file(const std::string& out) const {
+    return classifier.empty() ? std::filesystem::path(out) / "classifier.safetensors"
+                              : std::filesystem::path(classifier);
+  }
+};
+
+inline void add_judge_flags(CLI::Option_group* g, JudgeFlags& f) {
+  g->add_option("--classifier", f.classifier,
+                "classifier cache file (default OUT/classifier.safetensors; another program's "
+                "file can be shared)");
+  g->add_option("--classifier-epochs", f.classifier_epochs, "classifier training epochs")
+      ->check(count_in(1, 10'000))
+      ->capture_default_str();
+  g->add_option("--min-classifier-accuracy", f.min_classifier_accuracy,
+                "refuse to score with a weaker classifier")
+      ->check(number_in(0, 1))
+      ->capture_default_str();
+}
+
+/// Sets LibTorch's intra-op threads: `f.threads`; with 0, OMP_NUM_THREADS when it is set (torchrun
+/// sets it), else the cores that other processes leave free at start (measured for a quarter of a
+/// second; on a quiet machine every core). Says what it chose on stderr.
+inline int apply_threads(const RunFlags& f) {
+  int threads = static_cast<int>(f.threads);
+  std::string why = "--threads";
+  const char* env = std::getenv("OMP_NUM_THREADS");
+  if (threads == 0 && env != nullptr && *env != '\0') {
+    threads = at::get_num_threads();  // LibTorch read it at start; a launcher's choice stands
+    why = std::string("OMP_NUM_THREADS=") + env;
+  } else if (threads == 0) {
+    const difftrain::train::CpuLoad load = difftrain::train::cpu_load();
+    threads = difftrain::train::threads_for(load);
+    char buf[96];
+    std::snprintf(buf, sizeof buf, "%d cores, %.1f kept busy by other processes", load.cores,
+                  load.busy_elsewhere);
+    why = buf;
+  }
+  at::set_num_threads(threads);
+  std::fprintf(stderr, "threads: %d (%s)\n", threads, why.c_str());
+  return threads;
+}
+
+/// Empties `dir` of an earlier run's TensorBoard event files (a fresh run starts a fresh curve).
+inline void clear_event_files(const std::filesystem::path& dir) {
+  if (!dir.empty()) difftrain::log::remove_event_files(dir);
+}
+
+}  // namespace examples

@@ -1,0 +1,44 @@
+"""Compiles one tests/compile_fail/ source with the exact command CMake generated for it (read from
+compile_commands.json; parse only, nothing written) and passes when the compiler refuses it with
+output matching the file's `// expect: <regex>` line. Reading the command instead of running
+`cmake --build` lets these checks run side by side: two builds in one build tree at once would
+share ninja's log.   check.py BUILD_DIR SOURCE"""
+import json
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
+
+build, source = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]).resolve()
+first = source.read_text().splitlines()[0]
+if not first.startswith("// expect: "):
+    sys.exit(f"{source}: the first line must be `// expect: <regex>`")
+expect = first[len("// expect: "):]
+entries = json.loads((build / "compile_commands.json").read_text())
+entry = next((e for e in entries if pathlib.Path(e["directory"], e["file"]).resolve() == source),
+             None)
+if entry is None:
+    sys.exit(f"{source} is not in {build}/compile_commands.json (re-run CMake)")
+args = entry["arguments"] if "arguments" in entry else shlex.split(entry["command"])
+# Parse only: drop the object file and the dependency file, keep every flag that decides meaning.
+kept, skip = [], 0
+for i, a in enumerate(args):
+    if skip:
+        skip -= 1
+        continue
+    if a in ("-o", "-MF", "-MT", "-MQ"):
+        skip = 1
+        continue
+    if a in ("-MD", "-MMD", "-c"):
+        continue
+    kept.append(a)
+run = subprocess.run(kept + ["-fsyntax-only"], cwd=entry["directory"], capture_output=True,
+                     text=True)
+output = run.stdout + run.stderr
+print(output[-20000:])
+if run.returncode == 0:
+    sys.exit(f"FAIL: {source.name} compiled; it must be refused")
+if not re.search(expect, output, re.DOTALL):
+    sys.exit(f"FAIL: {source.name} was refused, but no message matches: {expect}")
+print(f"refused as expected: {expect}")
