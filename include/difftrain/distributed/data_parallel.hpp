@@ -20,6 +20,7 @@
 
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
+#include <torch/csrc/distributed/c10d/logger.hpp>
 #include <torch/csrc/distributed/c10d/reducer.hpp>
 
 #include <cstdint>
@@ -75,12 +76,16 @@ class DataParallel {
         params_, {static_cast<std::size_t>(std::numeric_limits<std::int64_t>::max())}, sparse);
     (void)limits;
     std::unordered_map<std::size_t, std::string> names;
-    reducer_ = std::make_unique<c10d::Reducer>(
+    reducer_ = std::make_shared<c10d::Reducer>(
         params_, std::vector<std::vector<std::size_t>>(buckets.rbegin(), buckets.rend()),
         world_->group(), sparse, mib(o_.bucket_cap_mb), o_.find_unused_parameters,
         /*gradient_as_bucket_view=*/false, names, mib(o_.first_bucket_cap_mb),
         /*skip_all_reduce_unused_params=*/false, /*use_python_reducer=*/false,
         std::vector<std::int64_t>{});
+    // The reducer reports through a logger, as DDP sets one; the search for unused parameters
+    // writes to it and would find none without it.
+    logger_ = std::make_shared<c10d::Logger>(reducer_);
+    reducer_->set_logger(logger_);
   }
 
   DataParallel(const DataParallel&) = delete;
@@ -203,7 +208,8 @@ class DataParallel {
   std::vector<at::Tensor> params_;
   Options o_;
   std::shared_ptr<World> world_;
-  std::unique_ptr<c10d::Reducer> reducer_;
+  std::shared_ptr<c10d::Reducer> reducer_;
+  std::shared_ptr<c10d::Logger> logger_;
 };
 
 }  // namespace difftrain::distributed
