@@ -103,19 +103,26 @@ def no_errors(results, what):
            f"{what}: rank {r} finished ({res['error'] if res else 'no result'})")
 
 
+def one_equals_many(worker, tmp, what, world, tag, args):
+    """Runs `args` in one process and in `world` ranks; checks that the ranks end with the one
+    process's weights (float64, 1e-10) and with each other's. Returns both runs' results."""
+    one, _ = single(worker, f"{tmp}/one-{tag}", *args)
+    many, _ = launch(worker, world, f"{tmp}/many-{tag}", *args)
+    no_errors(one + many, what)
+    d = max_diff(one[0]["weights"], many[0]["weights"])
+    ok(d <= 1e-10, f"{what}: weights equal 1 process x whole batch (max diff {d:.2e})")
+    ok(all(m["weights"] == many[0]["weights"] for m in many),
+       f"{what}: every rank holds the same weights")
+    return one, many
+
+
 def check_equivalence(worker, tmp):
     configs = [(acc, chunk, world) for acc in (1, 2, 3) for chunk in (0, 3) for world in (2,)]
     configs += [(2, 0, 4), (3, 3, 4)]
     for acc, chunk, world in configs:
         what = f"accumulation {acc}, chunk {chunk or 'none'}, {world} ranks"
         args = ["--steps", 50, "--accumulation", acc, "--chunk", chunk, "--dtype", "float64"]
-        one, _ = single(worker, f"{tmp}/one-{acc}-{chunk}-{world}", *args)
-        many, _ = launch(worker, world, f"{tmp}/many-{acc}-{chunk}-{world}", *args)
-        no_errors(one + many, what)
-        d = max_diff(one[0]["weights"], many[0]["weights"])
-        ok(d <= 1e-10, f"{what}: weights equal 1 process x whole batch (max diff {d:.2e})")
-        ok(all(m["weights"] == many[0]["weights"] for m in many),
-           f"{what}: every rank holds the same weights")
+        one, many = one_equals_many(worker, tmp, what, world, f"{acc}-{chunk}-{world}", args)
         ok(all(m["scale"] == 1.0 for m in many), f"{what}: buffers are rank 0's")
         dl = max_diff(one[0]["losses"], many[0]["losses"])
         ok(dl <= 1e-12, f"{what}: reported loss is the mean over ranks (max diff {dl:.2e})")
@@ -131,13 +138,7 @@ def check_unused(worker, tmp):
         what = f"unused parameters, accumulation {acc}, chunk {chunk or 'none'}, {world} ranks"
         args = ["--steps", 20, "--accumulation", acc, "--chunk", chunk, "--dtype", "float64",
                 "--unused"]
-        one, _ = single(worker, f"{tmp}/one-{acc}-{chunk}-{world}", *args)
-        many, _ = launch(worker, world, f"{tmp}/many-{acc}-{chunk}-{world}", *args)
-        no_errors(one + many, what)
-        d = max_diff(one[0]["weights"], many[0]["weights"])
-        ok(d <= 1e-10, f"{what}: weights equal 1 process x whole batch (max diff {d:.2e})")
-        ok(all(m["weights"] == many[0]["weights"] for m in many),
-           f"{what}: every rank holds the same weights")
+        one, many = one_equals_many(worker, tmp, what, world, f"{acc}-{chunk}-{world}", args)
         # The frozen layer's weight and bias are the last 4x4 + 4 values.
         d0 = max_diff(start[0]["weights"][-20:], many[0]["weights"][-20:])
         ok(d0 == 0.0, f"{what}: the frozen layer did not move")
