@@ -16,12 +16,9 @@ namespace difftrain::bench {
 
 /// `python script` for a script in benchmarks/: the interpreter and folder the build saw, or
 /// DIFFTRAIN_PYTHON / DIFFTRAIN_BENCH_DIR from the environment (a binary run on another machine).
-inline std::string python_script(const std::string& script) {
-  const char* py = std::getenv("DIFFTRAIN_PYTHON");
-  const char* dir = std::getenv("DIFFTRAIN_BENCH_DIR");
-  return std::string(py != nullptr ? py : DIFFTRAIN_PYTHON) + " " +
-         (dir != nullptr ? dir : DIFFTRAIN_BENCH_DIR) + "/" + script;
-}
+/// Defined in main.cpp, the one unit compiled with the build's paths, so that the other units'
+/// objects are the same in every checkout and a compiler cache shares them.
+std::string python_script(const std::string& script);
 
 /// The number after "seconds_per_step": in what a baseline script printed, or -1 without one.
 inline double seconds_in(const std::string& text) {

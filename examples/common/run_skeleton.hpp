@@ -9,7 +9,6 @@
 #include <ATen/Parallel.h>
 #include <CLI/CLI.hpp>
 #include <difftrain/core/error.hpp>
-#include <difftrain/log/event_file.hpp>
 #include <difftrain/train/threads.hpp>
 
 #include <chrono>
@@ -114,11 +113,6 @@ inline int apply_threads(const RunFlags& f) {
   at::set_num_threads(threads);
   std::fprintf(stderr, "threads: %d (%s)\n", threads, why.c_str());
   return threads;
-}
-
-/// Empties `dir` of an earlier run's TensorBoard event files (a fresh run starts a fresh curve).
-inline void clear_event_files(const std::filesystem::path& dir) {
-  if (!dir.empty()) difftrain::log::remove_event_files(dir);
 }
 
 }  // namespace examples

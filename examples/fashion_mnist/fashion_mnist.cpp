@@ -323,7 +323,7 @@ int run(const Settings& s) {
   // the steps logged after its checkpoint.
   const fs::path tb_dir = s.tensorboard_folder();
   if (main_rank && !s.resume && (s.tensorboard.empty() || s.overwrite))
-    examples::clear_event_files(tb_dir);
+    difftrain::log::remove_event_files(tb_dir);
   // The settings results.json repeats, under its names; TensorBoard's table shows them with the
   // model's and optimizer's own.
   const nlohmann::json shared_settings = {{"sampler", s.sampler},

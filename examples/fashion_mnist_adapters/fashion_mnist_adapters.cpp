@@ -91,7 +91,7 @@ struct Settings : examples::RunFlags, examples::JudgeFlags {
 fs::path tensorboard_run(const Settings& s, const std::string& name) {
   if (s.no_tensorboard) return {};
   const fs::path dir = s.tensorboard_folder() / name;
-  examples::clear_event_files(dir);
+  difftrain::log::remove_event_files(dir);
   return dir;
 }
 

@@ -3,6 +3,14 @@
 # Then moves the installed package elsewhere and does it again with no Torch_DIR: the package finds
 # this machine's LibTorch through DIFFTRAIN_PYTHON's torch, not the path it was installed with.
 file(REMOVE_RECURSE ${WORK_DIR})
+# The consumer's builds go through the compiler cache as the project's do (the settings travel in
+# the environment: the consumer project itself knows nothing of them). Paths are made relative to
+# the checkout, so the next clone's run hits the cache.
+if(CCACHE)
+  set(ENV{CMAKE_CXX_COMPILER_LAUNCHER} ${CCACHE})
+  set(ENV{CCACHE_BASEDIR} ${SOURCE_DIR})
+  set(ENV{CCACHE_SLOPPINESS} pch_defines,time_macros,include_file_mtime,include_file_ctime)
+endif()
 set(prefix ${WORK_DIR}/prefix)
 
 function(run_step what)

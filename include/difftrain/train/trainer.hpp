@@ -23,6 +23,7 @@
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <concepts>
@@ -174,8 +175,10 @@ consteval bool diagnose_schedule() {
 /// The parts of a checkpoint count the same steps: every applied step moves the scheduler once
 /// and the EMA once, so a step counter that disagrees with them is damage (a step of 2^62 beside
 /// a scheduler at 20 would make a resumed run believe itself finished).
-inline void check_parts_agree(const nlohmann::json& js, std::int64_t step,
-                              const std::string& where) {
+/// `ema_counters` are the keys the EMA rule declares as counters; they are looked for at any depth
+/// of the EMA's state (post-hoc EMA nests one rule state per profile).
+inline void check_parts_agree(const nlohmann::json& js, std::int64_t step, const std::string& where,
+                              const std::vector<std::string>& ema_counters = {}) {
   const auto& sched = js.at("scheduler");
   if (sched.contains("last_epoch") && sched["last_epoch"].is_number_integer() &&
       sched["last_epoch"].get<std::int64_t>() != step)
@@ -186,7 +189,7 @@ inline void check_parts_agree(const nlohmann::json& js, std::int64_t step,
   for (const char* key : {"skipped_nonfinite", "skipped_overflow"})
     if (js.value(key, std::int64_t{0}) < 0)
       throw FormatError(std::string("has a negative '") + key + "'", where + " json");
-  if (!js.contains("ema")) return;
+  if (!js.contains("ema") || ema_counters.empty()) return;
   // An EMA counts its updates (diffusers' optimization_step, ema-pytorch's step, LitEma's
   // num_updates): never more than the steps taken.
   std::vector<const nlohmann::json*> stack{&js.at("ema")};
@@ -198,7 +201,7 @@ inline void check_parts_agree(const nlohmann::json& js, std::int64_t step,
     if (!node->is_object()) continue;
     for (const auto& [key, value] : node->items()) {
       if (value.is_structured()) stack.push_back(&value);
-      if ((key == "optimization_step" || key == "step" || key == "num_updates") &&
+      if (std::find(ema_counters.begin(), ema_counters.end(), key) != ema_counters.end() &&
           value.is_number_integer() &&
           (value.get<std::int64_t>() < 0 || value.get<std::int64_t>() > step))
         throw FormatError("says step " + std::to_string(step) + " but its EMA's '" + key + "' is " +
@@ -602,7 +605,10 @@ class Trainer {
                           where);
     const std::int64_t saved_step = root.at("step").integer();
     if (saved_step < 0) throw FormatError("has a negative step", where);
-    trainer_detail::check_parts_agree(js, saved_step, where);
+    if constexpr (has_ema)
+      trainer_detail::check_parts_agree(js, saved_step, where, ema_counter_keys());
+    else
+      trainer_detail::check_parts_agree(js, saved_step, where);
     // Model tensors: same names and shapes.
     const auto model_tensors = root.at("model").tensor_map();
     std::size_t expected = 0;
@@ -816,26 +822,32 @@ class Trainer {
     return nlohmann::json::object();
   }
 
-  // The EMA rule's options as its state names them: the keys of a fresh rule's state that a few
-  // updates leave unchanged (the others are counters).
-  // The EMA rule's options as its state() names them: the state of a rule made from this
-  // trainer's options, less the keys the rule declares as counters. (A rule that declares none is
-  // probed instead: the keys three updates leave unchanged.)
-  [[nodiscard]] nlohmann::json ema_options() const requires has_ema {
+  // The keys of the EMA rule's state() that count updates: those the rule declares (RuleByName
+  // says which for the rule it chose); a rule that declares none is probed: the keys three
+  // updates change.
+  [[nodiscard]] std::vector<std::string> ema_counter_keys() const requires has_ema {
     using Rule = typename EmaT::rule_type;
     Rule rule(o_.ema.rule);
-    nlohmann::json out = rule.state();
+    std::vector<std::string> keys;
     if constexpr (requires { rule.counter_keys(); }) {
-      for (const auto key : rule.counter_keys()) out.erase(std::string(key));
+      for (const auto key : rule.counter_keys()) keys.emplace_back(key);
     } else if constexpr (requires { Rule::counters; }) {
-      for (const auto key : Rule::counters) out.erase(std::string(key));
+      for (const auto key : Rule::counters) keys.emplace_back(key);
     } else {
-      const nlohmann::json before = out;
+      const nlohmann::json before = rule.state();
       for (int i = 0; i < 3; ++i) (void)rule.next();
       const nlohmann::json after = rule.state();
       for (const auto& [key, value] : before.items())
-        if (!after.contains(key) || after[key] != value) out.erase(key);
+        if (!after.contains(key) || after[key] != value) keys.push_back(key);
     }
+    return keys;
+  }
+
+  // The EMA rule's options as its state() names them: the state of a rule made from this
+  // trainer's options, less its counters.
+  [[nodiscard]] nlohmann::json ema_options() const requires has_ema {
+    nlohmann::json out = typename EmaT::rule_type(o_.ema.rule).state();
+    for (const auto& key : ema_counter_keys()) out.erase(key);
     return out;
   }
 
