@@ -17,8 +17,9 @@ ALLOWED = {
     "distributed": {"core", "io", "log", "nn", "schedule", "ema", "diffusion", "train",
                     "distributed"},
     "models": {"core", "io", "nn", "models"},
+    "text": {"core", "io", "nn", "models", "text"},
     "adapters": {"core", "io", "log", "nn", "schedule", "ema", "diffusion", "train", "models",
-                 "adapters"},
+                 "text", "adapters"},
 }
 
 root = pathlib.Path(__file__).resolve().parent.parent / "include" / "difftrain"

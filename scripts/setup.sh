@@ -12,7 +12,7 @@ apt_packages=(
   build-essential cmake ninja-build ccache pkg-config git python3 python3-venv
   libgtest-dev libgmock-dev libbenchmark-dev
   libxtensor-dev xtl-dev nlohmann-json3-dev libcli11-dev libfmt-dev
-  libpng-dev zlib1g-dev libcairo2-dev dataset-fashion-mnist libgloo-dev
+  libpng-dev zlib1g-dev libcairo2-dev dataset-fashion-mnist libgloo-dev libicu-dev
   clang clang-tidy clang-format libclang-rt-14-dev
 )
 missing=()

@@ -13,4 +13,5 @@
 #include "difftrain/models/models.hpp"
 #include "difftrain/nn/nn.hpp"
 #include "difftrain/schedule/schedule.hpp"
+#include "difftrain/text/text.hpp"
 #include "difftrain/train/train.hpp"

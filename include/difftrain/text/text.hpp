@@ -1,0 +1,6 @@
+#pragma once
+// Text conditioning: tokenizers read from transformers' tokenizer folders (link difftrain::text,
+// which brings ICU).
+
+#include "difftrain/text/clip_tokenizer.hpp"
+#include "difftrain/text/unicode.hpp"
