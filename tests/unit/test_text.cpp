@@ -5,11 +5,17 @@
 #include <unistd.h>
 
 #include <difftrain/io/remove_tree.hpp>
+#include <difftrain/io/safetensors.hpp>
+#include <difftrain/models/clip_text_model.hpp>
+#include <difftrain/models/pretrained.hpp>
+#include <difftrain/nn/attention/math.hpp>
 #include <difftrain/text/clip_tokenizer.hpp>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <string>
 #include <thread>
 #include <vector>
@@ -42,11 +48,11 @@ std::vector<std::string> sweep_strings() {
 // A scratch copy of the SD 1.x folder, damaged by `damage`, removed afterwards.
 struct DamagedFolder {
   fs::path dir;
-  explicit DamagedFolder(const std::string& name, const std::string& variant = "sd15") {
+  explicit DamagedFolder(const std::string& name, const fs::path& source = tokenizer_dir("sd15")) {
     dir = fs::temp_directory_path() / ("difftrain-tok-" + name + "-" + std::to_string(::getpid()));
     dt::io::remove_tree(dir);
     fs::create_directories(dir);
-    for (const auto& e : fs::directory_iterator(tokenizer_dir(variant)))
+    for (const auto& e : fs::directory_iterator(source))
       fs::copy_file(e.path(), dir / e.path().filename());
   }
   ~DamagedFolder() { dt::io::remove_tree(dir); }
@@ -226,7 +232,7 @@ TEST(ClipTokenizer, DamagedFoldersAreRefused) {
     expect_error<dt::FormatError>(load(f.dir), "a pad token that is a number", {"pad_token"});
   }
   {
-    DamagedFolder f("other-normalizer", "json");
+    DamagedFolder f("other-normalizer", tokenizer_dir("json"));
     std::string j = f.read("tokenizer.json");
     j.replace(j.find("\"NFC\""), 5, "\"NFKC\"");
     f.write("tokenizer.json", j);
@@ -234,7 +240,7 @@ TEST(ClipTokenizer, DamagedFoldersAreRefused) {
                                   {"tokenizer.json", "normalizer", "NFKC"});
   }
   {
-    DamagedFolder f("wordpiece", "json");
+    DamagedFolder f("wordpiece", tokenizer_dir("json"));
     std::string j = f.read("tokenizer.json");
     j.replace(j.find("\"type\": \"BPE\""), 13, "\"type\": \"WordPiece\"");
     f.write("tokenizer.json", j);
@@ -247,4 +253,214 @@ TEST(ClipTokenizer, DamagedFoldersAreRefused) {
     expect_error<dt::FormatError>(load(f.dir), "a config that is a list",
                                   {"tokenizer_config.json"});
   }
+}
+
+// ---- CLIP text encoders ----------------------------------------------------------------------
+
+namespace {
+
+namespace models = difftrain::models;
+namespace attn = difftrain::nn::attention;
+
+fs::path encoder_dir(const std::string& name) {
+  return fs::path(DIFFTRAIN_GOLDEN_DIR) / "text_encoders" / name;
+}
+
+// |a - b| relative to b's scale (its largest magnitude; at least 1e-3, for gradients that are
+// zero in exact arithmetic, as the key projection's bias, whose values are rounding noise).
+double scaled_error(const at::Tensor& a, const at::Tensor& b) {
+  const double scale = std::max(b.abs().max().item<double>(), 1e-3);
+  return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>() / scale;
+}
+
+template <class Backend>
+void check_encoder_case(const nlohmann::json& c, bool checkpointing) {
+  const std::string name = c["name"].get<std::string>();
+  SCOPED_TRACE(name + " " + std::string(Backend::name) + (checkpointing ? " checkpointed" : ""));
+  models::LoadOptions lo;
+  if (!c["variant"].is_null()) lo.variant = c["variant"].get<std::string>();
+  auto model = models::from_pretrained<models::CLIPTextModel<Backend>>(encoder_dir(name), lo);
+  model->to(at::kDouble);
+  model->train();
+  model->set_gradient_checkpointing(checkpointing);
+  EXPECT_EQ(model->config().with_projection, c["projection"].get<bool>());
+  const auto io =
+      dt::io::load_safetensors(encoder_dir(name).string() + ".io.safetensors", true).tensors;
+  std::optional<at::Tensor> mask;
+  if (io.contains("attention_mask")) mask = io.at("attention_mask");
+  const models::CLIPTextOutput out = model->forward(io.at("input_ids"), mask, true);
+  EXPECT_LT(scaled_error(out.last_hidden_state, io.at("last_hidden_state")), 1e-10);
+  const auto layers = c["layers"].get<std::size_t>();
+  ASSERT_EQ(out.hidden_states.size(), layers + 1);
+  for (std::size_t i = 0; i <= layers; ++i)
+    EXPECT_LT(scaled_error(out.hidden_states[i], io.at("hidden_states." + std::to_string(i))),
+              1e-10)
+        << "hidden state " << i;
+  at::Tensor loss = (out.last_hidden_state * io.at("w_last")).sum() +
+                    (out.hidden_states[layers - 1] * io.at("w_hidden")).sum();
+  if (c["projection"].get<bool>()) {
+    EXPECT_LT(scaled_error(out.text_embeds, io.at("text_embeds")), 1e-10);
+    loss = loss + (out.text_embeds * io.at("w_embeds")).sum();
+  } else {
+    EXPECT_FALSE(out.text_embeds.defined());
+    EXPECT_LT(scaled_error(out.pooler_output, io.at("pooler_output")), 1e-10);
+    loss = loss + (out.pooler_output * io.at("w_pooled")).sum();
+  }
+  loss.backward();
+  std::size_t compared = 0;
+  for (const auto& p : model->named_parameters(true)) {
+    const auto it = io.find("grad." + p.key());
+    ASSERT_NE(it, io.end()) << "no reference gradient for " << p.key();
+    ASSERT_TRUE(p.value().grad().defined()) << p.key();
+    EXPECT_LT(scaled_error(p.value().grad(), it->second), 1e-10) << p.key();
+    ++compared;
+  }
+  const auto reference_grads = std::count_if(
+      io.begin(), io.end(), [](const auto& e) { return e.first.starts_with("grad."); });
+  EXPECT_EQ(compared, static_cast<std::size_t>(reference_grads));
+}
+
+}  // namespace
+
+// Four random tiny configurations (quick_gelu, gelu, gelu_new; 1 to 3 layers; 2 to 5 heads; with
+// and without the projection; the old eos_token_id = 2 pooling; a padding mask) saved by
+// transformers as one file, shards, an fp16 variant and the prefixed names of older files: every
+// hidden state, the pooled output or text_embeds, and every parameter's gradient (the token
+// table's included) equal transformers' in float64, with the math and SDPA backends and with
+// gradient checkpointing.
+TEST(ClipTextModel, EqualsTransformersOnTinyConfigs) {
+  const auto& g = tst::golden("text_encoders.json");
+  ASSERT_GE(g["cases"].size(), 4U);
+  for (const auto& c : g["cases"]) {
+    check_encoder_case<attn::Math>(c, false);
+    check_encoder_case<attn::Sdpa<attn::Auto>>(c, true);
+  }
+}
+
+// The encoders Stable Diffusion uses, from transformers' own configs: SD 1.x's CLIP ViT-L/14
+// (123,060,480 parameters; SDXL's first encoder, and with the projection 123,650,304), SD 2.x's
+// OpenCLIP ViT-H/14 (340,387,840) and SDXL's ViT-bigG/14 with its projection (694,659,840): the
+// same parameter names, shapes and counts as transformers'. (The golden file also holds ViT-H
+// with a projection and bigG without; building those too would double the test's time.)
+TEST(ClipTextModel, PublishedConfigsHaveTransformersParameters) {
+  const auto& g = tst::golden("text_encoders.json")["published"];
+  ASSERT_EQ(g.size(), 6U);
+  for (const std::string name : {"clip_vit_l14", "clip_vit_l14_with_projection", "openclip_vit_h14",
+                                 "openclip_vit_bigg14_with_projection"}) {
+    const auto& p = g.at(name);
+    SCOPED_TRACE(name);
+    const auto config = models::CLIPTextConfig::from_json(p["config"], name);
+    const models::CLIPTextModel<> model(config);
+    std::map<std::string, std::vector<std::int64_t>> shapes;
+    std::int64_t count = 0;
+    for (const auto& t : model->named_parameters(true)) {
+      shapes[t.key()] = t.value().sizes().vec();
+      count += t.value().numel();
+    }
+    EXPECT_EQ(count, p["parameters"].get<std::int64_t>());
+    EXPECT_EQ(shapes, (p["shapes"].get<std::map<std::string, std::vector<std::int64_t>>>()));
+  }
+}
+
+TEST(ClipTextModel, BadConfigsAndInputsAreNamed) {
+  const nlohmann::json base = {{"architectures", {"CLIPTextModel"}},
+                               {"model_type", "clip_text_model"},
+                               {"vocab_size", 50},
+                               {"hidden_size", 16},
+                               {"intermediate_size", 32},
+                               {"num_hidden_layers", 1},
+                               {"num_attention_heads", 2},
+                               {"max_position_embeddings", 8}};
+  auto with = [&](const std::string& key, const nlohmann::json& v) {
+    nlohmann::json j = base;
+    j[key] = v;
+    return [j] { (void)models::CLIPTextConfig::from_json(j, "config.json"); };
+  };
+  expect_error<dt::ConfigError>(with("num_attention_heads", 3), "heads not dividing",
+                                {"hidden_size", "num_attention_heads"});
+  expect_error<dt::ConfigError>(with("hidden_act", "mish"), "unknown activation",
+                                {"hidden_act", "mish"});
+  expect_error<dt::ConfigError>(with("num_hidden_layers", 0), "no layers", {"num_hidden_layers"});
+  expect_error<dt::ConfigError>(with("hidden_size", -16), "negative width", {"hidden_size"});
+  expect_error<dt::ConfigError>(with("vocab_size", 2.5), "a fractional vocabulary", {"vocab_size"});
+  expect_error<dt::ConfigError>(with("rope_theta", 10000), "a field CLIP has not", {"rope_theta"});
+  expect_error<dt::ConfigError>(with("model_type", "clip"), "a full CLIP config", {"model_type"});
+  expect_error<dt::ConfigError>(with("architectures", {"T5EncoderModel"}), "another model",
+                                {"T5EncoderModel"});
+
+  models::CLIPTextModel<attn::Math> model(models::CLIPTextConfig::from_json(base, "config.json"));
+  expect_error<dt::ShapeError>(
+      [&] {
+        (void)model->forward(at::full({2, 4}, 50, at::kLong));
+      },
+      "an id past the vocabulary", {"token id 50", "(0, 0)"});
+  expect_error<dt::ShapeError>(
+      [&] {
+        (void)model->forward(at::ones({1, 9}, at::kLong));
+      },
+      "too long", {"length 9", "8 positions"});
+  expect_error<dt::ShapeError>([&] { (void)model->forward(at::ones({4}, at::kLong)); },
+                               "one dimension", {"(batch, length)"});
+  expect_error<dt::ShapeError>(
+      [&] {
+        (void)model->forward(at::ones({1, 4}));
+      },
+      "float ids", {"integer"});
+  expect_error<dt::ShapeError>(
+      [&] {
+        (void)model->forward(at::ones({1, 4}, at::kLong), at::ones({1, 3}, at::kLong));
+      },
+      "a mask of another shape", {"attention_mask"});
+
+  // A config that says more layers than the weights hold is refused before the model is built.
+  DamagedFolder f("encoder-layers", encoder_dir("tiny_quick_gelu"));
+  auto j = nlohmann::json::parse(f.read("config.json"));
+  j["num_hidden_layers"] = 200;
+  f.write("config.json", j.dump());
+  expect_error<dt::ConfigError>(
+      [&] { (void)models::from_pretrained<models::CLIPTextModel<>>(f.dir); }, "200 layers",
+      {"text_model.encoder.layers.", "200"});
+}
+
+// A folder difftrain saves loads back to the same model, in both classes (one as an fp16
+// variant); with DIFFTRAIN_TEXT_OUT set the folders and outputs stay there for
+// tests/reference/check_cpp_text_encoders.py, which loads them in transformers.
+TEST(ClipTextModel, SavedFoldersRoundTrip) {
+  const char* keep = std::getenv("DIFFTRAIN_TEXT_OUT");
+  const fs::path out = keep != nullptr ? fs::path(keep)
+                                       : fs::temp_directory_path() /
+                                             ("difftrain-text-save-" + std::to_string(::getpid()));
+  std::map<std::string, at::Tensor> outputs;
+  for (const std::string name : {"tiny_quick_gelu", "tiny_gelu_projection"}) {
+    SCOPED_TRACE(name);
+    auto model = models::from_pretrained<models::CLIPTextModel<>>(encoder_dir(name));
+    model->eval();
+    const bool projection = model->config().with_projection;
+    models::SaveOptions so;
+    if (projection) {
+      so.variant = "fp16";
+      so.dtype = at::kHalf;
+    }
+    models::save_pretrained(model, out / name, so);
+    EXPECT_TRUE(
+        fs::exists(out / name / (projection ? "model.fp16.safetensors" : "model.safetensors")));
+    models::LoadOptions lo;
+    lo.variant = so.variant;
+    auto back = models::from_pretrained<models::CLIPTextModel<>>(out / name, lo);
+    back->eval();
+    at::Tensor ids = at::randint(3, model->config().vocab_size - 3, {2, 8}, at::kLong);
+    ids.index_put_({at::indexing::Slice(), 7}, model->config().eos_token_id);
+    at::NoGradGuard no_grad;
+    const auto a = model->forward(ids), b = back->forward(ids);
+    const double tol = projection ? 1e-2 : 0.0;  // the fp16 variant rounds the weights
+    EXPECT_LE(scaled_error(b.last_hidden_state, a.last_hidden_state), tol);
+    outputs[name + ".input_ids"] = ids;
+    outputs[name + ".last_hidden_state"] = b.last_hidden_state;
+    outputs[name + (projection ? ".text_embeds" : ".pooler_output")] =
+        projection ? b.text_embeds : b.pooler_output;
+  }
+  if (keep != nullptr)
+    dt::io::save_safetensors(out / "outputs.safetensors", outputs);
+  else
+    dt::io::remove_tree(out);
 }

@@ -1,8 +1,9 @@
 #pragma once
 // Umbrella header of the models layer: diffusers' UNet2DConditionModel and AutoencoderKL, their
-// building blocks, and diffusers model folders.
+// building blocks, transformers' CLIP text encoders, and model folders.
 
 #include "difftrain/models/autoencoder_kl.hpp"
+#include "difftrain/models/clip_text_model.hpp"
 #include "difftrain/models/config_reader.hpp"
 #include "difftrain/models/embeddings.hpp"
 #include "difftrain/models/pretrained.hpp"

@@ -25,6 +25,7 @@
 #include <regex>
 #include <set>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "difftrain/core/error.hpp"
@@ -41,6 +42,28 @@ inline constexpr const char* kWeightsIndexName = "diffusion_pytorch_model.safete
 inline constexpr const char* kBinWeightsName = "diffusion_pytorch_model.bin";
 inline constexpr const char* kBinWeightsIndexName = "diffusion_pytorch_model.bin.index.json";
 
+/// The weight files' names of a model folder: diffusers' (the default) or transformers'
+/// (`model.safetensors`, `pytorch_model.bin`, ...); the variant and shard rules are the same.
+struct WeightNames {
+  const char* single = kWeightsName;
+  const char* index = kWeightsIndexName;
+  const char* bin = kBinWeightsName;
+  const char* bin_index = kBinWeightsIndexName;
+};
+inline constexpr WeightNames kDiffusersWeights{};
+inline constexpr WeightNames kTransformersWeights{
+    "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+    "pytorch_model.bin.index.json"};
+
+/// The names a model type's folders use: transformers' for a config that says so.
+template <class Config>
+constexpr WeightNames weight_names_for() {
+  if constexpr (requires { Config::transformers_folder; })
+    return Config::transformers_folder ? kTransformersWeights : kDiffusersWeights;
+  else
+    return kDiffusersWeights;
+}
+
 /// diffusers' _add_variant: the variant goes before the last extension.
 inline std::string add_variant(const std::string& name, const std::optional<std::string>& variant) {
   if (!variant) return name;
@@ -49,8 +72,9 @@ inline std::string add_variant(const std::string& name, const std::optional<std:
 }
 
 /// "diffusion_pytorch_model[.variant]": what shard names start with.
-inline std::string shard_stem(const std::optional<std::string>& variant) {
-  const std::string base = add_variant(kWeightsName, variant);
+inline std::string shard_stem(const std::optional<std::string>& variant,
+                              const WeightNames& names = kDiffusersWeights) {
+  const std::string base = add_variant(names.single, variant);
   return base.substr(0, base.size() - std::string(".safetensors").size());
 }
 
@@ -116,9 +140,10 @@ inline bool is_pickled(const std::filesystem::path& file) { return file.extensio
 /// The weight files of a folder, as diffusers' from_pretrained picks them: safetensors (an index
 /// before a single file) before torch.save's `.bin` (likewise), each in the requested variant.
 inline WeightFiles find_weight_files(const std::filesystem::path& folder,
-                                     const std::optional<std::string>& variant = std::nullopt) {
-  for (const auto& [index_name, single_name] : {std::pair{kWeightsIndexName, kWeightsName},
-                                                std::pair{kBinWeightsIndexName, kBinWeightsName}}) {
+                                     const std::optional<std::string>& variant = std::nullopt,
+                                     const WeightNames& names = kDiffusersWeights) {
+  for (const auto& [index_name, single_name] :
+       {std::pair{names.index, names.single}, std::pair{names.bin_index, names.bin}}) {
     const auto index = folder / add_variant(index_name, variant);
     if (std::filesystem::exists(index)) return pretrained_detail::read_shard_index(folder, index);
     if (const auto single = folder / add_variant(single_name, variant);
@@ -126,13 +151,14 @@ inline WeightFiles find_weight_files(const std::filesystem::path& folder,
       return WeightFiles{{single}, {}};
   }
   std::string hint;
-  if (variant && (std::filesystem::exists(folder / kWeightsName) ||
-                  std::filesystem::exists(folder / kBinWeightsName)))
+  if (variant && (std::filesystem::exists(folder / names.single) ||
+                  std::filesystem::exists(folder / names.bin)))
     hint = "; it has the weights without the \"" + *variant + "\" variant";
   else if (!variant)
     for (const auto& e : std::filesystem::directory_iterator(folder)) {
       const std::string f = e.path().filename().string();
-      const std::string prefix = "diffusion_pytorch_model.";
+      const std::string single(names.single);
+      const std::string prefix = single.substr(0, single.find('.') + 1);
       for (const std::string suffix : {".safetensors", ".bin"})
         if (hint.empty() && f.size() > prefix.size() + suffix.size() && f.starts_with(prefix) &&
             f.ends_with(suffix) && f.find(".index.") == std::string::npos)
@@ -140,10 +166,9 @@ inline WeightFiles find_weight_files(const std::filesystem::path& folder,
                  f.substr(prefix.size(), f.size() - prefix.size() - suffix.size()) +
                  "\" (pass it as LoadOptions::variant)";
     }
-  throw IoError("the model folder has none of " + add_variant(kWeightsName, variant) + ", " +
-                    add_variant(kWeightsIndexName, variant) + ", " +
-                    add_variant(kBinWeightsName, variant) + " or " +
-                    add_variant(kBinWeightsIndexName, variant) + hint,
+  throw IoError("the model folder has none of " + add_variant(names.single, variant) + ", " +
+                    add_variant(names.index, variant) + ", " + add_variant(names.bin, variant) +
+                    " or " + add_variant(names.bin_index, variant) + hint,
                 folder.string());
 }
 
@@ -165,8 +190,9 @@ inline std::string modern_name(const std::string& name) {
 
 /// Every tensor of the folder's weights by name (memory-mapped views), checked against the index.
 inline std::map<std::string, at::Tensor> read_model_weights(
-    const std::filesystem::path& folder, const std::optional<std::string>& variant = std::nullopt) {
-  const WeightFiles wf = find_weight_files(folder, variant);
+    const std::filesystem::path& folder, const std::optional<std::string>& variant = std::nullopt,
+    const WeightNames& names = kDiffusersWeights) {
+  const WeightFiles wf = find_weight_files(folder, variant, names);
   std::map<std::string, at::Tensor> out;
   std::map<std::string, std::filesystem::path> from;
   for (const auto& file : wf.files) {
@@ -299,7 +325,10 @@ Holder from_pretrained(const std::filesystem::path& folder, const LoadOptions& o
   Config config = Config::from_json(j, config_path);
   // The weights are memory-mapped (names and shapes cost no parameter memory): compared with what
   // the config implies before the model is built.
-  const auto weights = read_model_weights(folder, options.variant);
+  auto weights = read_model_weights(folder, options.variant, weight_names_for<Config>());
+  // Names that changed between library versions, put the way this model names them.
+  if constexpr (requires { Config::adapt_weight_names(weights); })
+    Config::adapt_weight_names(weights);
   if constexpr (requires { config.weight_signature(); })
     check_weight_signature(config.weight_signature(), weights, config_path);
   Holder model(std::move(config), config_path);
@@ -320,7 +349,8 @@ struct SaveOptions {
 /// Writes `tensors` and `config` as a diffusers model folder. Returns the weight files written.
 inline std::vector<std::filesystem::path> save_pretrained_tensors(
     const std::map<std::string, at::Tensor>& tensors, const nlohmann::json& config,
-    const std::filesystem::path& folder, const SaveOptions& options = {}) {
+    const std::filesystem::path& folder, const SaveOptions& options = {},
+    const WeightNames& names = kDiffusersWeights) {
   std::filesystem::create_directories(folder);
   io::ensure_writable_folder(folder);
   const std::string text = config.dump(2) + "\n";
@@ -343,15 +373,15 @@ inline std::vector<std::filesystem::path> save_pretrained_tensors(
   }
   const std::map<std::string, std::string> metadata{{"format", "pt"}};
   std::vector<std::filesystem::path> written;
-  const auto index_path = folder / add_variant(kWeightsIndexName, options.variant);
+  const auto index_path = folder / add_variant(names.index, options.variant);
   if (shards.size() == 1) {
-    written.push_back(folder / add_variant(kWeightsName, options.variant));
+    written.push_back(folder / add_variant(names.single, options.variant));
     io::save_safetensors(written.back(), shards[0], metadata);
     // An index left from an earlier sharded save would win over the new file: remove it.
     std::error_code ec;
     std::filesystem::remove(index_path, ec);
   } else {
-    const std::string stem = shard_stem(options.variant);
+    const std::string stem = shard_stem(options.variant, names);
     nlohmann::json index;
     std::uint64_t total = 0;
     for (std::size_t i = 0; i < shards.size(); ++i) {
@@ -371,7 +401,7 @@ inline std::vector<std::filesystem::path> save_pretrained_tensors(
   }
   // Shards of an earlier save (same variant) that this one does not use, as diffusers cleans.
   std::string escaped;
-  for (char ch : shard_stem(options.variant)) {
+  for (char ch : shard_stem(options.variant, names)) {
     if (std::string_view(".^$|()[]{}*+?\\").find(ch) != std::string_view::npos) escaped += '\\';
     escaped += ch;
   }
@@ -396,7 +426,9 @@ std::vector<std::filesystem::path> save_pretrained(const Holder& model,
   std::map<std::string, at::Tensor> tensors;
   for (const auto& p : model->named_parameters(true)) tensors[p.key()] = p.value();
   for (const auto& b : model->named_buffers(true)) tensors[b.key()] = b.value();
-  return save_pretrained_tensors(tensors, model->config().to_json(), folder, options);
+  using Config = std::decay_t<decltype(model->config())>;
+  return save_pretrained_tensors(tensors, model->config().to_json(), folder, options,
+                                 weight_names_for<Config>());
 }
 
 }  // namespace difftrain::models
