@@ -30,6 +30,7 @@
 
 #include "difftrain/adapters/embedding.hpp"
 #include "difftrain/core/error.hpp"
+#include "difftrain/text/webui_prompt.hpp"
 
 namespace difftrain::adapters {
 
@@ -156,6 +157,28 @@ class EmbeddingDatabase {
       }
     }
     return report;
+  }
+
+  /// For text::tokenize_prompt: the embedding whose name starts at a position of a prompt's
+  /// tokens (the database must outlive the finder).
+  [[nodiscard]] text::EmbeddingFinder prompt_finder() const {
+    return [this](const std::vector<std::int64_t>& tokens,
+                  std::size_t position) -> std::optional<text::FoundEmbedding> {
+      const auto m = find_embedding_at_position(tokens, position);
+      if (!m) return std::nullopt;
+      return text::FoundEmbedding{m->embedding->name, m->embedding->vectors(), m->length};
+    };
+  }
+  /// For text::encode_webui_prompts: an embedding's vectors for the text encoder `key` names
+  /// ("clip_l" or "clip_g" for an SDXL pair; ignored otherwise).
+  [[nodiscard]] std::function<at::Tensor(const std::string&)> prompt_vectors(
+      std::string key = "clip_l") const {
+    return [this, key](const std::string& name) -> at::Tensor {
+      const auto it = word_embeddings_.find(name);
+      if (it == word_embeddings_.end())
+        throw ConfigError("is not registered", "embedding '" + name + "'");
+      return it->second->vectors_for(key);
+    };
   }
 
   /// Registered embeddings by name.

@@ -4,3 +4,5 @@
 
 #include "difftrain/text/clip_tokenizer.hpp"
 #include "difftrain/text/unicode.hpp"
+#include "difftrain/text/webui_conditioning.hpp"
+#include "difftrain/text/webui_prompt.hpp"
