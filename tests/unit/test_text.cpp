@@ -10,6 +10,7 @@
 #include <difftrain/models/pretrained.hpp>
 #include <difftrain/nn/attention/math.hpp>
 #include <difftrain/text/clip_tokenizer.hpp>
+#include <difftrain/text/encode_prompt.hpp>
 #include <difftrain/text/webui_conditioning.hpp>
 #include <difftrain/text/webui_prompt.hpp>
 
@@ -724,4 +725,72 @@ TEST(WebuiPrompt, ConditioningFollowsTheRules) {
         });
       },
       "an embedding of another width", {"emb", "32"});
+}
+
+// ---- diffusers' encode_prompt ---------------------------------------------------------------
+
+// The conditioning diffusers' SD and SDXL pipelines compute, on tiny random pipelines with SD's
+// vocabulary: short and long (truncated) prompts, guidance with an empty, a given and (SDXL) a
+// zeroed negative prompt, clip_skip 1 and 2, two images per prompt, SD 2's "!" padding, SDXL's
+// prompt_2.
+TEST(EncodePrompt, EqualsDiffusersPipelines) {
+  const auto& g = tst::golden("encode_prompt.json");
+  const fs::path root = fs::path(DIFFTRAIN_GOLDEN_DIR) / "encode_prompt";
+  const auto want = dt::io::load_safetensors(root / "outputs.safetensors", true).tensors;
+  auto te1 = models::from_pretrained<models::CLIPTextModel<>>(root / "text_encoder");
+  auto te2 = models::from_pretrained<models::CLIPTextModel<>>(root / "text_encoder_2");
+  te1->eval();
+  te2->eval();
+  const auto tok2 = text::CLIPTokenizer::from_folder(tokenizer_dir("sd2"));
+  const auto prompts = g["prompts"].get<std::vector<std::string>>();
+  at::NoGradGuard no_grad;
+  auto list = [](const nlohmann::json& c, const char* key) {
+    std::optional<std::vector<std::string>> v;
+    if (c.contains(key)) v = c[key].get<std::vector<std::string>>();
+    return v;
+  };
+  for (const auto& c : g["cases"]) {
+    const std::string name = c["name"].get<std::string>();
+    SCOPED_TRACE(name);
+    text::EncodePromptOptions o;
+    o.num_images_per_prompt = c["num_images_per_prompt"].get<std::int64_t>();
+    o.do_classifier_free_guidance = c["guidance"].get<bool>();
+    if (c.contains("clip_skip")) o.clip_skip = c["clip_skip"].get<std::int64_t>();
+    o.negative_prompt = list(c, "negative_prompt");
+    o.prompt_2 = list(c, "prompt_2");
+    const std::string pipe = c["pipeline"].get<std::string>();
+    text::EncodedPrompt got;
+    if (pipe.starts_with("xl")) {
+      o.force_zeros_for_empty_prompt = pipe == "xl";
+      got = text::encode_prompt_sdxl(sd15(), te1, tok2, te2, prompts, o);
+      EXPECT_LT(scaled_error(got.pooled_prompt_embeds, want.at(name + ".pooled_prompt_embeds")),
+                1e-5);
+      EXPECT_LT(scaled_error(got.negative_pooled_prompt_embeds,
+                             want.at(name + ".negative_pooled_prompt_embeds")),
+                1e-5);
+    } else {
+      got = text::encode_prompt(pipe == "sd2" ? tok2 : sd15(), te1, prompts, o);
+      EXPECT_FALSE(got.pooled_prompt_embeds.defined());
+    }
+    const at::Tensor& w = want.at(name + ".prompt_embeds");
+    ASSERT_EQ(got.prompt_embeds.sizes(), w.sizes());
+    EXPECT_LT(scaled_error(got.prompt_embeds, w), 1e-5);
+    if (want.contains(name + ".negative_prompt_embeds")) {
+      EXPECT_LT(scaled_error(got.negative_prompt_embeds, want.at(name + ".negative_prompt_embeds")),
+                1e-5);
+    } else {
+      EXPECT_FALSE(got.negative_prompt_embeds.defined());
+    }
+  }
+  text::EncodePromptOptions bad;
+  bad.negative_prompt = std::vector<std::string>{"a", "b", "c"};
+  expect_error<dt::ConfigError>([&] { (void)text::encode_prompt(sd15(), te1, prompts, bad); },
+                                "three negatives for two prompts", {"negative_prompt", "3"});
+  bad = {};
+  bad.clip_skip = 3;
+  expect_error<dt::ConfigError>([&] { (void)text::encode_prompt(sd15(), te1, prompts, bad); },
+                                "clip_skip past the layers", {"clip_skip 3"});
+  expect_error<dt::ConfigError>(
+      [&] { (void)text::encode_prompt_sdxl(sd15(), te1, tok2, te1, prompts, {}); },
+      "no projection on the second encoder", {"CLIPTextModelWithProjection"});
 }

@@ -3,6 +3,7 @@
 // which brings ICU).
 
 #include "difftrain/text/clip_tokenizer.hpp"
+#include "difftrain/text/encode_prompt.hpp"
 #include "difftrain/text/unicode.hpp"
 #include "difftrain/text/webui_conditioning.hpp"
 #include "difftrain/text/webui_prompt.hpp"

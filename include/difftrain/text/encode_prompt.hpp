@@ -1,0 +1,187 @@
+#pragma once
+// Prompts to conditioning as diffusers' pipelines compute it (encode_prompt of
+// StableDiffusionPipeline and StableDiffusionXLPipeline, diffusers 0.42):
+//
+//   SD 1.x / 2.x  ids padded and truncated to the tokenizer's model_max_length; the encoder's
+//                 last_hidden_state, or with clip_skip n the hidden state n + 1 from the end
+//                 through the final LayerNorm; the negative prompt ("" when none) encoded the
+//                 same way but without clip_skip.
+//   SDXL          both encoders' hidden states at -2 (or -(clip_skip + 2)), no final LayerNorm,
+//                 concatenated along the width; the pooled output is the second encoder's
+//                 text_embeds; with no negative prompt and force_zeros_for_empty_prompt the
+//                 negative embeddings are zeros, else the negative prompt ("" when none, the
+//                 second encoder reading negative_prompt_2 when given) encoded the same way.
+//
+// Each prompt's embeddings are repeated num_images_per_prompt times, consecutively.
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "difftrain/core/error.hpp"
+#include "difftrain/models/clip_text_model.hpp"
+#include "difftrain/text/clip_tokenizer.hpp"
+
+namespace difftrain::text {
+
+struct EncodePromptOptions {
+  std::int64_t num_images_per_prompt = 1;
+  bool do_classifier_free_guidance = true;
+  /// One per prompt, or one for all; none: "" (SD), zeros or "" (SDXL, by
+  /// force_zeros_for_empty_prompt).
+  std::optional<std::vector<std::string>> negative_prompt;
+  std::optional<std::int64_t> clip_skip;
+  /// SDXL: what the second tokenizer and encoder read (default: prompt / negative_prompt).
+  std::optional<std::vector<std::string>> prompt_2, negative_prompt_2;
+  /// SDXL pipelines' config flag (true in SDXL base's model_index.json).
+  bool force_zeros_for_empty_prompt = true;
+};
+
+/// What encode_prompt returns; the pooled tensors are SDXL's (undefined for SD), the negative
+/// ones undefined without guidance.
+struct EncodedPrompt {
+  at::Tensor prompt_embeds, negative_prompt_embeds;
+  at::Tensor pooled_prompt_embeds, negative_pooled_prompt_embeds;
+};
+
+namespace encode_detail {
+
+inline std::vector<std::string> negatives(const std::optional<std::vector<std::string>>& given,
+                                          std::size_t batch, const char* what) {
+  if (!given) return std::vector<std::string>(batch, "");
+  if (given->size() == 1) return std::vector<std::string>(batch, given->front());
+  if (given->size() != batch)
+    throw ConfigError(std::string(what) + " has " + std::to_string(given->size()) +
+                          " entries for " + std::to_string(batch) +
+                          " prompts (give one, or one per prompt)",
+                      "encode_prompt");
+  return *given;
+}
+
+/// (B, …) → (B · n, …), each row repeated n times in a row.
+inline at::Tensor per_image(const at::Tensor& t, std::int64_t n) {
+  return n == 1 ? t : t.repeat_interleave(n, 0);
+}
+
+template <class Encoder>
+at::Tensor ids_for(const CLIPTokenizer& tok, Encoder& encoder,
+                   const std::vector<std::string>& texts, std::int64_t max_length) {
+  EncodeOptions o;
+  o.max_length = max_length;
+  const BatchEncoding b = tok(texts, o);
+  std::vector<std::int64_t> flat;
+  for (const auto& row : b.input_ids) flat.insert(flat.end(), row.begin(), row.end());
+  return at::tensor(flat, at::kLong)
+      .view({static_cast<std::int64_t>(texts.size()), -1})
+      .to(encoder->token_embedding->weight.device());
+}
+
+template <class Encoder>
+void check_skip(const std::optional<std::int64_t>& clip_skip, Encoder& encoder,
+                std::int64_t extra) {
+  if (!clip_skip) return;
+  const std::int64_t layers = encoder->config().num_hidden_layers;
+  if (*clip_skip < 0 || *clip_skip + extra > layers)
+    throw ConfigError("clip_skip " + std::to_string(*clip_skip) + " reaches past the encoder's " +
+                          std::to_string(layers) + " layers",
+                      "encode_prompt");
+}
+
+template <class Encoder>
+at::Tensor hidden_from_end(Encoder& encoder, const at::Tensor& ids, std::int64_t from_end,
+                           at::Tensor* pooled = nullptr) {
+  const models::CLIPTextOutput out = encoder->forward(ids, std::nullopt, true);
+  if (pooled != nullptr) *pooled = out.text_embeds;
+  return out.hidden_states[out.hidden_states.size() - static_cast<std::size_t>(from_end)];
+}
+
+}  // namespace encode_detail
+
+/// SD 1.x / 2.x: one tokenizer and CLIPTextModel.
+template <class Encoder>
+EncodedPrompt encode_prompt(const CLIPTokenizer& tok, Encoder& encoder,
+                            const std::vector<std::string>& prompts,
+                            const EncodePromptOptions& o = {}) {
+  if (prompts.empty()) throw ConfigError("no prompts", "encode_prompt");
+  if (o.num_images_per_prompt < 1)
+    throw ConfigError("num_images_per_prompt must be at least 1", "encode_prompt");
+  encode_detail::check_skip(o.clip_skip, encoder, 1);
+  const std::int64_t max_len = tok.model_max_length();
+  EncodedPrompt out;
+  const at::Tensor ids = encode_detail::ids_for(tok, encoder, prompts, max_len);
+  if (!o.clip_skip) {
+    out.prompt_embeds = encoder->forward(ids).last_hidden_state;
+  } else {
+    out.prompt_embeds =
+        encoder->final_layer_norm(encode_detail::hidden_from_end(encoder, ids, *o.clip_skip + 1));
+  }
+  out.prompt_embeds = encode_detail::per_image(out.prompt_embeds, o.num_images_per_prompt);
+  if (o.do_classifier_free_guidance) {
+    const auto neg = encode_detail::negatives(o.negative_prompt, prompts.size(), "negative_prompt");
+    const at::Tensor neg_ids = encode_detail::ids_for(tok, encoder, neg, out.prompt_embeds.size(1));
+    out.negative_prompt_embeds = encode_detail::per_image(
+        encoder->forward(neg_ids).last_hidden_state, o.num_images_per_prompt);
+  }
+  return out;
+}
+
+/// SDXL: CLIPTextModel and CLIPTextModelWithProjection, each with its tokenizer.
+template <class Encoder1, class Encoder2>
+EncodedPrompt encode_prompt_sdxl(const CLIPTokenizer& tok1, Encoder1& enc1,
+                                 const CLIPTokenizer& tok2, Encoder2& enc2,
+                                 const std::vector<std::string>& prompts,
+                                 const EncodePromptOptions& o = {}) {
+  if (prompts.empty()) throw ConfigError("no prompts", "encode_prompt_sdxl");
+  if (o.num_images_per_prompt < 1)
+    throw ConfigError("num_images_per_prompt must be at least 1", "encode_prompt_sdxl");
+  if (!enc2->config().with_projection)
+    throw ConfigError(
+        "the second text encoder must be a CLIPTextModelWithProjection (its "
+        "text_embeds are SDXL's pooled conditioning)",
+        "encode_prompt_sdxl");
+  encode_detail::check_skip(o.clip_skip, enc1, 2);
+  encode_detail::check_skip(o.clip_skip, enc2, 2);
+  const std::int64_t from_end = o.clip_skip ? *o.clip_skip + 2 : 2;
+  const std::vector<std::string> prompts_2 =
+      o.prompt_2 ? encode_detail::negatives(o.prompt_2, prompts.size(), "prompt_2") : prompts;
+  EncodedPrompt out;
+  at::Tensor pooled;
+  const at::Tensor h1 = encode_detail::hidden_from_end(
+      enc1, encode_detail::ids_for(tok1, enc1, prompts, tok1.model_max_length()), from_end);
+  const at::Tensor h2 = encode_detail::hidden_from_end(
+      enc2, encode_detail::ids_for(tok2, enc2, prompts_2, tok2.model_max_length()), from_end,
+      &pooled);
+  if (h1.size(1) != h2.size(1))
+    throw ShapeError("the two tokenizers give " + std::to_string(h1.size(1)) + " and " +
+                         std::to_string(h2.size(1)) + " positions; they must agree",
+                     "encode_prompt_sdxl");
+  out.prompt_embeds =
+      encode_detail::per_image(at::cat({h1, h2.to(h1.scalar_type())}, -1), o.num_images_per_prompt);
+  out.pooled_prompt_embeds = encode_detail::per_image(pooled, o.num_images_per_prompt);
+  if (!o.do_classifier_free_guidance) return out;
+  if (!o.negative_prompt && o.force_zeros_for_empty_prompt) {
+    out.negative_prompt_embeds = at::zeros_like(out.prompt_embeds);
+    out.negative_pooled_prompt_embeds = at::zeros_like(out.pooled_prompt_embeds);
+    return out;
+  }
+  const auto neg = encode_detail::negatives(o.negative_prompt, prompts.size(), "negative_prompt");
+  const auto neg_2 =
+      o.negative_prompt_2
+          ? encode_detail::negatives(o.negative_prompt_2, prompts.size(), "negative_prompt_2")
+          : neg;
+  const std::int64_t len = h1.size(1);
+  at::Tensor neg_pooled;
+  const at::Tensor n1 =
+      encode_detail::hidden_from_end(enc1, encode_detail::ids_for(tok1, enc1, neg, len), 2);
+  const at::Tensor n2 = encode_detail::hidden_from_end(
+      enc2, encode_detail::ids_for(tok2, enc2, neg_2, len), 2, &neg_pooled);
+  out.negative_prompt_embeds =
+      encode_detail::per_image(at::cat({n1, n2.to(n1.scalar_type())}, -1), o.num_images_per_prompt);
+  out.negative_pooled_prompt_embeds = encode_detail::per_image(neg_pooled, o.num_images_per_prompt);
+  return out;
+}
+
+}  // namespace difftrain::text
