@@ -110,6 +110,22 @@ def generate(out: pathlib.Path):
                 tensors[name + ".negative_prompt_embeds"] = npe.contiguous()
             meta.append({"name": name, "pipeline": pipe_name, "guidance": cfg,
                          "num_images_per_prompt": n, **kw})
+    # diffusers' load_textual_inversion: "<cat-toy>" and "<cat-toy>_1" added to the tokenizer,
+    # two rows to the token table, then a prompt naming it.
+    gen = torch.Generator().manual_seed(3)
+    vectors = torch.randn(2, 32, generator=gen)
+    sd.load_textual_inversion(vectors, token="<cat-toy>")
+    ti_prompts = ["a photo of <cat-toy> on a beach", "<Cat-Toy>, oil painting"]
+    with torch.no_grad():
+        pe, _ = sd.encode_prompt(ti_prompts, device="cpu", num_images_per_prompt=1,
+                                 do_classifier_free_guidance=False)
+    tensors["ti.vectors"] = vectors
+    tensors["ti.prompt_embeds"] = pe.contiguous()
+    tensors["ti.input_ids"] = torch.tensor(
+        sd.tokenizer(sd.maybe_convert_prompt(ti_prompts, sd.tokenizer), padding="max_length",
+                     max_length=77, truncation=True)["input_ids"])
+    meta_ti = {"prompts": ti_prompts, "table_rows": sd.text_encoder.get_input_embeddings().weight.shape[0],
+               "token_ids": sd.tokenizer.convert_tokens_to_ids(["<cat-toy>", "<cat-toy>_1"])}
     save_file(tensors, root / "outputs.safetensors")
-    (out / "encode_prompt.json").write_text(json.dumps({"prompts": prompts, "cases": meta},
-                                                       indent=1))
+    (out / "encode_prompt.json").write_text(json.dumps({"prompts": prompts, "cases": meta,
+                                                        "textual_inversion": meta_ti}, indent=1))

@@ -11,6 +11,7 @@
 #include <difftrain/nn/attention/math.hpp>
 #include <difftrain/text/clip_tokenizer.hpp>
 #include <difftrain/text/encode_prompt.hpp>
+#include <difftrain/text/textual_inversion.hpp>
 #include <difftrain/text/webui_conditioning.hpp>
 #include <difftrain/text/webui_prompt.hpp>
 
@@ -793,4 +794,96 @@ TEST(EncodePrompt, EqualsDiffusersPipelines) {
   expect_error<dt::ConfigError>(
       [&] { (void)text::encode_prompt_sdxl(sd15(), te1, tok2, te1, prompts, {}); },
       "no projection on the second encoder", {"CLIPTextModelWithProjection"});
+}
+
+// ---- textual inversion in the token table -----------------------------------------------------
+
+// diffusers' load_textual_inversion: a two-vector embedding as "<cat-toy>" and "<cat-toy>_1", new
+// rows of the table, prompts expanded as diffusers expands them (not "<Cat-Toy>": its text
+// replacement is case-sensitive); the conditioning equals diffusers'.
+TEST(TextualInversion, LoadsAsDiffusers) {
+  const auto& g = tst::golden("encode_prompt.json")["textual_inversion"];
+  const fs::path root = fs::path(DIFFTRAIN_GOLDEN_DIR) / "encode_prompt";
+  const auto want = dt::io::load_safetensors(root / "outputs.safetensors", true).tensors;
+  auto te = models::from_pretrained<models::CLIPTextModel<>>(root / "text_encoder");
+  te->eval();
+  text::CLIPTokenizer tok = sd15();
+  const auto ids = text::load_textual_inversion(tok, te, "<cat-toy>", want.at("ti.vectors"));
+  EXPECT_EQ(ids, g["token_ids"].get<Ids>());
+  EXPECT_EQ(te->token_embedding->weight.size(0), g["table_rows"].get<std::int64_t>());
+  EXPECT_EQ(te->config().vocab_size, g["table_rows"].get<std::int64_t>());
+  const auto prompts = g["prompts"].get<std::vector<std::string>>();
+  std::vector<std::string> converted;
+  for (const auto& p : prompts) converted.push_back(text::convert_prompt(tok, p));
+  const text::BatchEncoding b = tok(converted);
+  EXPECT_EQ(b.input_ids[0],
+            (std::vector<std::int64_t>(want.at("ti.input_ids")[0].data_ptr<std::int64_t>(),
+                                       want.at("ti.input_ids")[0].data_ptr<std::int64_t>() + 77)));
+  EXPECT_EQ(b.input_ids[1],
+            (std::vector<std::int64_t>(want.at("ti.input_ids")[1].data_ptr<std::int64_t>(),
+                                       want.at("ti.input_ids")[1].data_ptr<std::int64_t>() + 77)));
+  text::EncodePromptOptions o;
+  o.do_classifier_free_guidance = false;
+  at::NoGradGuard no_grad;
+  const auto e = text::encode_prompt(tok, te, prompts, o);
+  EXPECT_LT(scaled_error(e.prompt_embeds, want.at("ti.prompt_embeds")), 1e-5);
+  // A name the tokenizer has, or vectors of another width, change nothing.
+  expect_error<dt::ConfigError>(
+      [&] { (void)text::load_textual_inversion(tok, te, "<cat-toy>", at::zeros({32})); },
+      "the same name again", {"<cat-toy>", "already"});
+  expect_error<dt::ShapeError>(
+      [&] {
+        (void)text::load_textual_inversion(tok, te, "<dog>", at::zeros({2, 31}));
+      },
+      "another width", {"32"});
+  EXPECT_EQ(tok.size(), g["table_rows"].get<std::int64_t>());
+  EXPECT_EQ(te->token_embedding->weight.size(0), g["table_rows"].get<std::int64_t>());
+}
+
+// Training an embedding against the real encoder changes only its rows: after 12 AdamW steps with
+// weight decay, every other row of the table and every encoder weight equal their values before,
+// to the bit, while the embedding moved and the loss fell.
+TEST(TextualInversion, TrainingChangesOnlyItsRows) {
+  const fs::path root = fs::path(DIFFTRAIN_GOLDEN_DIR) / "encode_prompt";
+  auto te = models::from_pretrained<models::CLIPTextModel<>>(root / "text_encoder");
+  te->train();
+  text::CLIPTokenizer tok = sd15();
+  const at::Tensor init =
+      te->token_embedding->weight.detach().index_select(0, at::tensor(tok.encode("cat", false)));
+  const auto ids = text::load_textual_inversion(tok, te, "<sks>", at::cat({init, init}));
+  std::vector<std::pair<std::string, at::Tensor>> before;
+  for (const auto& p : te->named_parameters(true)) {
+    p.value().set_requires_grad(p.key() == "text_model.embeddings.token_embedding.weight");
+    before.emplace_back(p.key(), p.value().detach().clone());
+  }
+  at::Tensor& table = te->token_embedding->weight;
+  text::TokenRowsKeeper keeper(table, ids);
+  torch::optim::AdamW opt({table}, torch::optim::AdamWOptions(5e-2).weight_decay(1e-2));
+  const text::BatchEncoding b = tok({text::convert_prompt(tok, "a photo of <sks>")});
+  const at::Tensor input = at::tensor(b.input_ids[0]).unsqueeze(0);
+  at::manual_seed(0);
+  const at::Tensor target = at::randn({1, 32});
+  std::vector<double> losses;
+  for (int step = 0; step < 12; ++step) {
+    opt.zero_grad();
+    const at::Tensor loss = (te->forward(input).pooler_output - target).square().mean();
+    loss.backward();
+    opt.step();
+    keeper.restore();
+    losses.push_back(loss.item<double>());
+  }
+  EXPECT_LT(losses.back(), losses.front());
+  std::vector<std::int64_t> other;
+  for (std::int64_t r = 0; r < table.size(0); ++r)
+    if (std::find(ids.begin(), ids.end(), r) == ids.end()) other.push_back(r);
+  const at::Tensor keep = at::tensor(other);
+  for (const auto& [name, old] : before) {
+    const at::Tensor now = te->named_parameters(true)[name];
+    if (name == "text_model.embeddings.token_embedding.weight") {
+      EXPECT_TRUE(at::equal(now.index_select(0, keep), old.index_select(0, keep)));
+      for (const auto id : ids) EXPECT_FALSE(at::equal(now[id], old[id])) << "row " << id;
+    } else {
+      EXPECT_TRUE(at::equal(now, old)) << name;
+    }
+  }
 }

@@ -13,6 +13,7 @@
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/normalization.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -365,6 +366,25 @@ class CLIPTextModelImpl : public torch::nn::Module {
   }
 
   [[nodiscard]] const Config& config() const { return c_; }
+
+  /// Grows (or shrinks) the token table to `rows`, as transformers' resize_token_embeddings: the
+  /// rows kept are unchanged, new rows start at the mean of the old ones (the caller, e.g.
+  /// textual inversion, usually overwrites them). The parameter stays the same object; resize
+  /// before building an optimizer on it, and with no autograd graph alive that uses the table
+  /// (its gradient is dropped). config().vocab_size follows.
+  void resize_token_embeddings(std::int64_t rows) {
+    check_config_range("vocab_size", rows, 1, std::int64_t{1} << 24, "resize_token_embeddings");
+    at::NoGradGuard no_grad;
+    const at::Tensor old = token_embedding->weight;
+    const std::int64_t keep = std::min(rows, old.size(0));
+    at::Tensor grown = at::empty({rows, old.size(1)}, old.options());
+    grown.slice(0, 0, keep).copy_(old.slice(0, 0, keep));
+    if (rows > keep) grown.slice(0, keep).copy_(old.mean(0, true).expand({rows - keep, -1}));
+    token_embedding->weight.mutable_grad() = at::Tensor();
+    token_embedding->weight.set_data(grown);
+    token_embedding->options.num_embeddings(rows);
+    c_.vocab_size = rows;
+  }
 
   /// Recomputes each layer's activations in backward instead of storing them.
   void set_gradient_checkpointing(bool on) { checkpointing_ = on; }

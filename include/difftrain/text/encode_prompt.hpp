@@ -12,7 +12,8 @@
 //                 negative embeddings are zeros, else the negative prompt ("" when none, the
 //                 second encoder reading negative_prompt_2 when given) encoded the same way.
 //
-// Each prompt's embeddings are repeated num_images_per_prompt times, consecutively.
+// Each prompt's embeddings are repeated num_images_per_prompt times, consecutively. Prompts naming
+// a multi-vector textual-inversion token are expanded first, as diffusers does.
 
 #include <ATen/ATen.h>
 
@@ -24,6 +25,7 @@
 #include "difftrain/core/error.hpp"
 #include "difftrain/models/clip_text_model.hpp"
 #include "difftrain/text/clip_tokenizer.hpp"
+#include "difftrain/text/textual_inversion.hpp"
 
 namespace difftrain::text {
 
@@ -71,7 +73,11 @@ at::Tensor ids_for(const CLIPTokenizer& tok, Encoder& encoder,
                    const std::vector<std::string>& texts, std::int64_t max_length) {
   EncodeOptions o;
   o.max_length = max_length;
-  const BatchEncoding b = tok(texts, o);
+  // Prompts naming a multi-vector textual-inversion token get all its tokens (diffusers'
+  // maybe_convert_prompt, which its pipelines run on every prompt, negatives included).
+  std::vector<std::string> converted;
+  for (const auto& t : texts) converted.push_back(convert_prompt(tok, t));
+  const BatchEncoding b = tok(converted, o);
   std::vector<std::int64_t> flat;
   for (const auto& row : b.input_ids) flat.insert(flat.end(), row.begin(), row.end());
   return at::tensor(flat, at::kLong)
