@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <difftrain/adapters/text_encoder_adapters.hpp>
 #include <difftrain/io/remove_tree.hpp>
 #include <difftrain/io/safetensors.hpp>
 #include <difftrain/models/clip_text_model.hpp>
@@ -885,5 +886,67 @@ TEST(TextualInversion, TrainingChangesOnlyItsRows) {
     } else {
       EXPECT_TRUE(at::equal(now, old)) << name;
     }
+  }
+}
+
+// ---- LoRA on the text encoder -----------------------------------------------------------------
+
+// LoRA on every attention projection and MLP layer of a CLIP text encoder trains (only the
+// branches move), and its PEFT ("text_encoder.") and kohya ("lora_te_") files load back onto a
+// fresh encoder with the same output; with DIFFTRAIN_TEXT_OUT set the files stay for
+// check_cpp_text_encoders.py, which reads them with diffusers' lora_state_dict.
+TEST(TextEncoderLora, TrainsAndItsFilesLoadBack) {
+  namespace ad = difftrain::adapters;
+  const fs::path root = fs::path(DIFFTRAIN_GOLDEN_DIR) / "encode_prompt";
+  auto te = models::from_pretrained<models::CLIPTextModel<>>(root / "text_encoder");
+  const auto adapted =
+      ad::inject_lora(*te, ad::text_encoder_lora_targets(true), {.rank = 4, .alpha = 8.0});
+  EXPECT_EQ(adapted.size(), 3U * 6U);  // 3 layers × q, k, v, out, fc1, fc2
+  std::vector<at::Tensor> trainable;
+  for (const auto& p : te->parameters())
+    if (p.requires_grad()) trainable.push_back(p);
+  EXPECT_EQ(trainable.size(), adapted.size() * 2);
+  const auto b = sd15()({"a photo of a cat", "an oil painting of a castle"});
+  std::vector<std::int64_t> flat;
+  for (const auto& row : b.input_ids) flat.insert(flat.end(), row.begin(), row.end());
+  const at::Tensor ids = at::tensor(flat).view({2, -1});
+  at::manual_seed(1);
+  const at::Tensor target = at::randn({2, 77, 32});
+  torch::optim::AdamW opt(trainable, torch::optim::AdamWOptions(1e-2));
+  double first = 0, last = 0;
+  for (int step = 0; step < 6; ++step) {
+    opt.zero_grad();
+    const at::Tensor loss = (te->forward(ids).last_hidden_state - target).square().mean();
+    loss.backward();
+    opt.step();
+    (step == 0 ? first : last) = loss.item<double>();
+  }
+  EXPECT_LT(last, first);
+  te->eval();
+  at::NoGradGuard no_grad;
+  const at::Tensor out = te->forward(ids).last_hidden_state;
+  const auto peft = ad::lora_state_dict(*te, ad::text_encoder_lora_keys(ad::LoraLayout::peft));
+  const auto kohya = ad::lora_state_dict(*te, ad::text_encoder_lora_keys(ad::LoraLayout::kohya));
+  EXPECT_TRUE(
+      peft.contains("text_encoder.text_model.encoder.layers.0.self_attn.q_proj.lora_A.weight"));
+  EXPECT_TRUE(kohya.contains("lora_te_text_model_encoder_layers_2_mlp_fc2.lora_up.weight"));
+  const auto sdxl2 = ad::lora_state_dict(
+      *te, ad::text_encoder_lora_keys(ad::LoraLayout::kohya, ad::TextEncoderSlot::second));
+  EXPECT_TRUE(sdxl2.contains("lora_te2_text_model_encoder_layers_1_self_attn_out_proj.alpha"));
+  for (const auto* file : {&peft, &kohya}) {
+    auto fresh = models::from_pretrained<models::CLIPTextModel<>>(root / "text_encoder");
+    fresh->eval();
+    const auto layout = file == &peft ? ad::LoraLayout::peft : ad::LoraLayout::kohya;
+    ad::load_lora_state_dict(*fresh, *file, ad::text_encoder_lora_keys(layout),
+                             {.rank = 4, .alpha = 8.0});
+    EXPECT_LT(scaled_error(fresh->forward(ids).last_hidden_state, out), 1e-6);
+  }
+  if (const char* dir = std::getenv("DIFFTRAIN_TEXT_OUT")) {
+    const fs::path o = dir;
+    fs::create_directories(o);
+    dt::io::save_safetensors(o / "te_lora_peft.safetensors", peft);
+    dt::io::save_safetensors(o / "te_lora_kohya.safetensors", kohya);
+    dt::io::save_safetensors(o / "te_lora_output.safetensors",
+                             {{"output", out}, {"input_ids", ids}});
   }
 }
