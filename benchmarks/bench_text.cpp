@@ -1,9 +1,15 @@
-// Tokenizer throughput: difftrain's CLIPTokenizer against Hugging Face's Rust tokenizers (the
-// backend of transformers' CLIPTokenizer) called from Python, both on one core, on the same 2,000
-// captions with SD's vocabulary. The ratio is difftrain's time per pass over the captions / the
-// baseline's (goal: <= 1).
+// Text conditioning:
+//   clip_tokenizer_vs_hf_tokenizers: difftrain's CLIPTokenizer against Hugging Face's Rust
+//     tokenizers (the backend of transformers' CLIPTokenizer) called from Python, both on one
+//     core, on the same 2,000 captions with SD's vocabulary; difftrain's time per pass / the
+//     baseline's (goal <= 1).
+//   clip_text_encoder_vs_transformers: SD 1.x's CLIP ViT-L/14 text encoder, forward and backward
+//     of a (2, 77) batch on the CPU, against transformers' CLIPTextModel in eager mode with the
+//     same threads (goal <= 1).
 #include <benchmark/benchmark.h>
 
+#include <ATen/Parallel.h>
+#include <difftrain/models/clip_text_model.hpp>
 #include <difftrain/text/clip_tokenizer.hpp>
 
 #include <chrono>
@@ -56,7 +62,50 @@ void difftrain_tokenizer(benchmark::State& state) {
   }
 }
 
+void transformers_text_encoder(benchmark::State& state) {
+  static std::string why;
+  static const double seconds = difftrain::bench::python_seconds_per_step(
+      difftrain::bench::python_script("python_text_encoder_step.py") + " 2 " +
+          std::to_string(at::get_num_threads()),
+      &why);
+  difftrain::bench::report_baseline(state, seconds, why);
+}
+
+void difftrain_text_encoder(benchmark::State& state) {
+  namespace models = difftrain::models;
+  models::CLIPTextConfig c;
+  c.hidden_size = 768;
+  c.intermediate_size = 3072;
+  c.num_hidden_layers = 12;
+  c.num_attention_heads = 12;
+  c.projection_dim = 768;
+  models::CLIPTextModel<> te(c);
+  te->train();
+  at::Tensor ids = at::randint(0, 49406, {2, 77}, at::kLong);
+  ids.select(1, 76).fill_(49407);
+  auto step = [&] {
+    te->zero_grad(true);
+    te->forward(ids).last_hidden_state.sum().backward();
+  };
+  step();
+  step();
+  for (auto _ : state) {  // three steps per iteration: one step is about a second on 2 cores
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < 3; ++i) step();
+    state.SetIterationTime(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / 3);
+  }
+}
+
 }  // namespace
 
+BENCHMARK(transformers_text_encoder)
+    ->Name("clip_text_encoder_vs_transformers/baseline")
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(difftrain_text_encoder)
+    ->Name("clip_text_encoder_vs_transformers/difftrain")
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
 BENCHMARK(hf_tokenizers)->Name("clip_tokenizer_vs_hf_tokenizers/baseline")->UseManualTime();
 BENCHMARK(difftrain_tokenizer)->Name("clip_tokenizer_vs_hf_tokenizers/difftrain")->UseManualTime();

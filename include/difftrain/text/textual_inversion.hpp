@@ -9,6 +9,7 @@
 // touched — is text::encode_webui_prompts with an EmbeddingDatabase.)
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 
 #include <cstdint>
 #include <set>
