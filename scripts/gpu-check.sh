@@ -7,6 +7,7 @@
 #   XTENSOR_PREFIX   an install prefix of xtensor + xtl + xsimd headers, where none is installed
 #   GTEST_PREFIX / BENCHMARK_PREFIX   likewise, where their CMake packages are elsewhere
 #   GLOO_PREFIX   an install prefix of Gloo's headers (include/gloo), where none is installed
+#   ICU_PREFIX   an install prefix of ICU (include/unicode, lib/libicuuc.so), where none is installed
 #   (prefixes must lie outside the source tree: CMake refuses exported include paths inside it)
 #   DIFFTRAIN_GOLDEN_DIR   golden values made elsewhere (tests/reference/generate_all.py); without
 #   it they are generated here, which needs the reference packages (diffusers, ...) in python3
@@ -17,7 +18,7 @@ mkdir -p "$out"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 python=${DIFFTRAIN_PYTHON:-python3}
 build=${BUILD_DIR:-build/gpu}
-prefixes="${XTENSOR_PREFIX:-};${GTEST_PREFIX:-};${BENCHMARK_PREFIX:-};${CLI11_PREFIX:-};${GLOO_PREFIX:-}"
+prefixes="${XTENSOR_PREFIX:-};${GTEST_PREFIX:-};${BENCHMARK_PREFIX:-};${CLI11_PREFIX:-};${GLOO_PREFIX:-};${ICU_PREFIX:-}"
 
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1

@@ -11,6 +11,7 @@
 #include <difftrain/io/safetensors.hpp>
 #include <difftrain/models/models.hpp>
 #include <difftrain/nn/attention/math.hpp>
+#include <difftrain/text/encode_prompt.hpp>
 #include <difftrain/train/train.hpp>
 
 #include <ATen/Context.h>
@@ -451,4 +452,78 @@ TEST(Cuda, EveryEmaEngineOnGpuParametersMatchesTheCpu) {
   for (const auto& [name, g] : got)
     for (std::size_t i = 0; i < want.size(); ++i)
       EXPECT_LT((g[i] - want[i]).abs().max().item<double>(), 1e-6) << name << " " << i;
+}
+
+// CLIP text encoders on the GPU: transformers' outputs and gradients (float32, no TF32) with the
+// default SDPA backend and with the math one, diffusers' SD and SDXL encode_prompt, and a bf16
+// autocast forward close to float32.
+TEST(Cuda, ClipTextEncodersMatchTransformersOnTheGpu) {
+  DIFFTRAIN_NEEDS_CUDA();
+  NoTf32 full_precision;
+  namespace text = difftrain::text;
+  const fs::path golden = dt::test::golden_dir();
+  models::LoadOptions lo;
+  lo.device = kGpu;
+  auto check = [&](auto backend_tag, const nlohmann::json& c) {
+    using Backend = decltype(backend_tag);
+    const std::string name = c["name"];
+    SCOPED_TRACE(name + " " + std::string(Backend::name));
+    const fs::path dir = golden / "text_encoders" / name;
+    const auto t = dt::io::load_safetensors(dir.string() + ".io.safetensors", true).tensors;
+    models::LoadOptions l = lo;
+    if (!c["variant"].is_null()) l.variant = c["variant"].get<std::string>();
+    auto te = models::from_pretrained<models::CLIPTextModel<Backend>>(dir, l);
+    te->train();
+    std::optional<at::Tensor> mask;
+    if (t.contains("attention_mask")) mask = t.at("attention_mask").to(kGpu);
+    const auto out = te->forward(t.at("input_ids").to(kGpu), mask, true);
+    EXPECT_TRUE(out.last_hidden_state.is_cuda());
+    EXPECT_LE(scaled_error(out.last_hidden_state, t.at("last_hidden_state")), 1e-5);
+    const auto layers = c["layers"].get<std::size_t>();
+    at::Tensor loss = (out.last_hidden_state * t.at("w_last").to(kGpu, at::kFloat)).sum() +
+                      (out.hidden_states[layers - 1] * t.at("w_hidden").to(kGpu, at::kFloat)).sum();
+    if (c["projection"].get<bool>())
+      loss = loss + (out.text_embeds * t.at("w_embeds").to(kGpu, at::kFloat)).sum();
+    else
+      loss = loss + (out.pooler_output * t.at("w_pooled").to(kGpu, at::kFloat)).sum();
+    loss.backward();
+    for (const auto& p : te->named_parameters(true)) {
+      ASSERT_TRUE(p.value().grad().defined()) << p.key();
+      const at::Tensor& want = t.at("grad." + p.key());
+      const at::Tensor got = p.value().grad().cpu().to(at::kDouble);
+      const double scale = std::max(want.abs().max().item<double>(), 1e-3);
+      EXPECT_LE((got - want).abs().max().item<double>() / scale, 1e-4) << p.key();
+    }
+  };
+  for (const auto& c : dt::test::golden("text_encoders.json")["cases"]) {
+    check(dt::nn::attention::Sdpa<dt::nn::attention::Auto>{}, c);
+    check(dt::nn::attention::Math{}, c);
+  }
+  // diffusers' encode_prompt, computed on the GPU.
+  const fs::path root = golden / "encode_prompt";
+  const auto want = dt::io::load_safetensors(root / "outputs.safetensors", true).tensors;
+  auto te1 = models::from_pretrained<models::CLIPTextModel<>>(root / "text_encoder", lo);
+  auto te2 = models::from_pretrained<models::CLIPTextModel<>>(root / "text_encoder_2", lo);
+  te1->eval();
+  te2->eval();
+  const auto tok = text::CLIPTokenizer::from_folder(golden / "clip_tokenizer" / "sd15");
+  const auto tok2 = text::CLIPTokenizer::from_folder(golden / "clip_tokenizer" / "sd2");
+  const auto prompts =
+      dt::test::golden("encode_prompt.json")["prompts"].get<std::vector<std::string>>();
+  at::NoGradGuard no_grad;
+  const auto sd = text::encode_prompt(tok, te1, prompts, {});
+  EXPECT_TRUE(sd.prompt_embeds.is_cuda());
+  EXPECT_LE(scaled_error(sd.prompt_embeds, want.at("sd_plain.prompt_embeds")), 1e-5);
+  EXPECT_LE(scaled_error(sd.negative_prompt_embeds, want.at("sd_plain.negative_prompt_embeds")),
+            1e-5);
+  const auto xl = text::encode_prompt_sdxl(tok, te1, tok2, te2, prompts, {});
+  EXPECT_LE(scaled_error(xl.prompt_embeds, want.at("xl_zero_negative.prompt_embeds")), 1e-5);
+  EXPECT_LE(scaled_error(xl.pooled_prompt_embeds, want.at("xl_zero_negative.pooled_prompt_embeds")),
+            1e-5);
+  {
+    tr::AutocastGuard autocast(c10::kCUDA, at::kBFloat16);
+    const auto bf = text::encode_prompt(tok, te1, prompts, {});
+    EXPECT_LE(scaled_error(bf.prompt_embeds.to(at::kFloat), want.at("sd_plain.prompt_embeds")),
+              5e-2);
+  }
 }
