@@ -5,7 +5,8 @@
 //     baseline's (goal <= 1).
 //   clip_text_encoder_vs_transformers: SD 1.x's CLIP ViT-L/14 text encoder, forward and backward
 //     of a (2, 77) batch on the CPU, against transformers' CLIPTextModel in eager mode with the
-//     same threads (goal <= 1).
+//     same threads (goal <= 1); _paired alternates blocks of both sides (paired.hpp) and reports
+//     the median ratio of the rounds as paired_ratio.
 #include <benchmark/benchmark.h>
 
 #include <ATen/Parallel.h>
@@ -19,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "paired.hpp"
 #include "python_baseline.hpp"
 
 namespace {
@@ -71,22 +73,49 @@ void transformers_text_encoder(benchmark::State& state) {
   difftrain::bench::report_baseline(state, seconds, why);
 }
 
-void difftrain_text_encoder(benchmark::State& state) {
-  namespace models = difftrain::models;
-  models::CLIPTextConfig c;
-  c.hidden_size = 768;
-  c.intermediate_size = 3072;
-  c.num_hidden_layers = 12;
-  c.num_attention_heads = 12;
-  c.projection_dim = 768;
-  models::CLIPTextModel<> te(c);
-  te->train();
+// SD 1.x's text encoder (CLIP ViT-L/14), random weights, and one training step of it.
+struct TextEncoderStep {
+  difftrain::models::CLIPTextModel<> te{config()};
   at::Tensor ids = at::randint(0, 49406, {2, 77}, at::kLong);
-  ids.select(1, 76).fill_(49407);
-  auto step = [&] {
+  static difftrain::models::CLIPTextConfig config() {
+    difftrain::models::CLIPTextConfig c;
+    c.hidden_size = 768;
+    c.intermediate_size = 3072;
+    c.num_hidden_layers = 12;
+    c.num_attention_heads = 12;
+    c.projection_dim = 768;
+    return c;
+  }
+  TextEncoderStep() {
+    te->train();
+    ids.select(1, 76).fill_(49407);
+  }
+  void operator()() {
     te->zero_grad(true);
     te->forward(ids).last_hidden_state.sum().backward();
+  }
+};
+
+// The same, paired: the Python side stays up (python_text_encoder_step.py serve) and blocks of 2
+// steps alternate with difftrain's, 8 rounds; the median of the rounds' ratios is the result.
+void text_encoder_paired(benchmark::State& state) {
+  difftrain::bench::PythonServer python(
+      difftrain::bench::python_script("python_text_encoder_step.py") + " 2 " +
+      std::to_string(at::get_num_threads()) + " serve");
+  TextEncoderStep step;
+  step();
+  step();
+  auto python_block = [&] { return python.run(2); };
+  auto difftrain_block = [&] {
+    return difftrain::bench::seconds_per_step(
+        2, [&] { step(); }, [] {});
   };
+  difftrain::bench::report_paired(state, difftrain::bench::paired(8, python_block, difftrain_block),
+                                  python.why());
+}
+
+void difftrain_text_encoder(benchmark::State& state) {
+  TextEncoderStep step;
   step();
   step();
   for (auto _ : state) {  // three steps per iteration: one step is about a second on 2 cores
@@ -106,6 +135,11 @@ BENCHMARK(transformers_text_encoder)
 BENCHMARK(difftrain_text_encoder)
     ->Name("clip_text_encoder_vs_transformers/difftrain")
     ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(text_encoder_paired)
+    ->Name("clip_text_encoder_vs_transformers_paired")
+    ->UseManualTime()
+    ->Iterations(1)
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(hf_tokenizers)->Name("clip_tokenizer_vs_hf_tokenizers/baseline")->UseManualTime();
 BENCHMARK(difftrain_tokenizer)->Name("clip_tokenizer_vs_hf_tokenizers/difftrain")->UseManualTime();

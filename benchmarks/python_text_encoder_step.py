@@ -1,7 +1,10 @@
-"""The Python side of clip_text_encoder_vs_transformers: transformers' CLIPTextModel (eager
-attention) with SD 1.x's CLIP ViT-L/14 configuration, random weights, a forward and backward of
-sum(last_hidden_state) on a (BATCH, 77) batch. Usage: python_text_encoder_step.py BATCH THREADS;
-prints {"seconds_per_step": ...}."""
+"""The Python side of clip_text_encoder_vs_transformers(_paired): transformers' CLIPTextModel
+(eager attention) with SD 1.x's CLIP ViT-L/14 configuration, random weights, a forward and backward
+of sum(last_hidden_state) on a (BATCH, 77) batch, with the same threads as the C++ side.
+Usage: python_text_encoder_step.py BATCH THREADS [serve]; prints {"seconds_per_step": ...}. With
+`serve` it stays up after its warm-up: each line it reads is a step count, answered with
+{"seconds_per_step": ...} for that block (the paired benchmark alternates such blocks with its
+own)."""
 import json
 import sys
 import time
@@ -29,6 +32,17 @@ def main():
 
     for _ in range(2):
         step()
+    if len(sys.argv) > 3 and sys.argv[3] == "serve":
+        print(json.dumps({"ready": True}), flush=True)
+        for line in sys.stdin:
+            if not line.strip():
+                break
+            start = time.perf_counter()
+            for _ in range(int(line)):
+                step()
+            print(json.dumps({"seconds_per_step": (time.perf_counter() - start) / int(line)}),
+                  flush=True)
+        return
     steps, start = 0, time.perf_counter()
     while steps < 3 or time.perf_counter() - start < 3.0:
         step()
