@@ -12,6 +12,7 @@
 #include <ATen/core/grad_mode.h>
 
 #include <cstdint>
+#include <map>
 #include <set>
 #include <string>
 #include <vector>
@@ -63,13 +64,21 @@ std::vector<std::int64_t> load_textual_inversion(CLIPTokenizer& tok, Encoder& en
 inline std::string convert_prompt(const CLIPTokenizer& tok, std::string prompt) {
   std::set<std::string> added;
   for (const auto& t : tok.added_tokens()) added.insert(t.content);
-  const std::vector<std::string> tokens = tok.tokenize(prompt);
-  for (const auto& token : std::set<std::string>(tokens.begin(), tokens.end())) {
-    if (!added.contains(token)) continue;
+  // The added tokens with companions and what replaces them; with none (no multi-vector
+  // embedding loaded) nothing can change, and the prompt is not tokenized a second time.
+  std::map<std::string, std::string> replacements;
+  for (const auto& token : added) {
     std::string replacement = token;
     for (int i = 1; added.contains(token + "_" + std::to_string(i)); ++i)
       replacement += " " + token + "_" + std::to_string(i);
-    if (replacement == token) continue;
+    if (replacement != token) replacements.emplace(token, std::move(replacement));
+  }
+  if (replacements.empty()) return prompt;
+  const std::vector<std::string> tokens = tok.tokenize(prompt);
+  for (const auto& token : std::set<std::string>(tokens.begin(), tokens.end())) {
+    const auto r = replacements.find(token);
+    if (r == replacements.end()) continue;
+    const std::string& replacement = r->second;
     std::string out;
     for (std::size_t at = 0;;) {
       const auto hit = prompt.find(token, at);
