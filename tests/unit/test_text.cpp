@@ -12,6 +12,7 @@
 #include <difftrain/nn/attention/math.hpp>
 #include <difftrain/text/clip_tokenizer.hpp>
 #include <difftrain/text/encode_prompt.hpp>
+#include <difftrain/text/t5_tokenizer.hpp>
 #include <difftrain/text/textual_inversion.hpp>
 #include <difftrain/text/webui_conditioning.hpp>
 #include <difftrain/text/webui_prompt.hpp>
@@ -21,6 +22,7 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -949,4 +951,152 @@ TEST(TextEncoderLora, TrainsAndItsFilesLoadBack) {
     dt::io::save_safetensors(o / "te_lora_output.safetensors",
                              {{"output", out}, {"input_ids", ids}});
   }
+}
+
+// ---- T5's tokenizer ----------------------------------------------------------------------------
+
+namespace {
+
+fs::path t5_dir(const std::string& variant) {
+  return fs::path(DIFFTRAIN_GOLDEN_DIR) / "t5_tokenizer" / variant;
+}
+
+}  // namespace
+
+// Every string of the sweep (the CLIP sweep's kinds, with sentinels, "▁" written literally, runs
+// of white space and full-width tokens mixed in) gives transformers' ids, for two trained
+// SentencePiece models (T5's nmt_nfkc; case-folding nfkc_cf with user-defined and control pieces)
+// in each folder layout; so do the added tokens, padded and truncated batches and decoding.
+TEST(T5Tokenizer, SweepEqualsTransformers) {
+  const auto& g = tst::golden("t5_tokenizer.json");
+  const auto strings = g["strings"].get<std::vector<std::string>>();
+  ASSERT_GE(strings.size(), 10000U);
+  for (const auto& [variant, v] : g["variants"].items()) {
+    SCOPED_TRACE(variant);
+    const auto tok = text::T5Tokenizer::from_folder(t5_dir(variant));
+    EXPECT_EQ(tok.size(), v["size"].get<std::int64_t>());
+    EXPECT_EQ(tok.eos_token_id(), v["eos"].get<std::int64_t>());
+    EXPECT_EQ(tok.pad_token_id(), v["pad"].get<std::int64_t>());
+    EXPECT_EQ(tok.unk_token_id(), v["unk"].get<std::int64_t>());
+    EXPECT_EQ(tok.model_max_length(), v["model_max_length"].get<std::int64_t>());
+    std::map<std::int64_t, std::pair<std::string, bool>> added;
+    for (const auto& a : tok.added_tokens()) added[a.id] = {a.content, a.special};
+    ASSERT_EQ(added.size(), v["added"].size());
+    for (const auto& a : v["added"]) {
+      const auto id = a[0].get<std::int64_t>();
+      ASSERT_TRUE(added.contains(id)) << a;
+      EXPECT_EQ(added[id].first, a[1].get<std::string>());
+      EXPECT_EQ(added[id].second, a[2].get<bool>()) << a;
+    }
+    const std::size_t count = v["count"].get<std::size_t>();
+    std::size_t differ = 0;
+    for (std::size_t i = 0; i < count; ++i) {
+      const Ids want = v["ids"][i].get<Ids>();
+      const Ids got = tok.encode(strings[i]);
+      if (got != want && ++differ <= 3)
+        ADD_FAILURE() << "string " << i << " " << nlohmann::json(strings[i]).dump() << ": "
+                      << nlohmann::json(tok.tokenize(strings[i])).dump() << " "
+                      << nlohmann::json(got).dump() << " vs " << nlohmann::json(want).dump();
+    }
+    EXPECT_EQ(differ, 0U) << "of " << count;
+
+    const std::vector<std::string> first(strings.begin(), strings.begin() + 500);
+    text::EncodeOptions o;
+    o.max_length = 64;
+    const text::BatchEncoding padded = tok(first, o);
+    EXPECT_EQ(padded.input_ids, v["batch_ids"].get<IdRows>());
+    EXPECT_EQ(padded.attention_mask, v["batch_mask"].get<IdRows>());
+    o.padding = text::Padding::longest;
+    o.max_length = 40;
+    const text::BatchEncoding longest =
+        tok(std::vector<std::string>(strings.begin() + 500, strings.begin() + 700), o);
+    EXPECT_EQ(longest.input_ids, v["longest_ids"].get<IdRows>());
+    EXPECT_EQ(longest.attention_mask, v["longest_mask"].get<IdRows>());
+    for (std::size_t i = 0; i < 200; ++i)
+      EXPECT_EQ(tok.encode(strings[700 + i], false), v["plain_ids"][i].get<Ids>()) << i;
+    for (std::size_t i = 0; i < 500; ++i) {
+      const Ids ids = v["ids"][i].get<Ids>();
+      EXPECT_EQ(tok.decode(ids), v["decoded"][i].get<std::string>()) << i;
+      EXPECT_EQ(tok.decode(ids, true), v["decoded_skip"][i].get<std::string>()) << i;
+    }
+  }
+}
+
+TEST(T5Tokenizer, BadInputIsNamed) {
+  const auto tok = text::T5Tokenizer::from_folder(t5_dir("t5_model"));
+  expect_error<dt::FormatError>([&] { (void)tok.encode("caf\xe9"); }, "Latin-1 text",
+                                {"UTF-8", "byte 3"});
+  const Ids bad{5, 999999, 1};
+  expect_error<dt::ConfigError>([&] { (void)tok.decode(bad); }, "id out of range",
+                                {"999999", "position 1"});
+  text::EncodeOptions o;
+  o.max_length = -1;
+  o.padding = text::Padding::none;
+  expect_error<dt::ConfigError>([&] { (void)tok({"a"}, o); }, "max_length -1", {"max_length"});
+}
+
+// A damaged folder or model is refused with an error naming the file and what is wrong; no cut
+// or flipped byte of spiece.model gets anything but a loaded tokenizer or a FormatError.
+TEST(T5Tokenizer, DamagedFilesAreRefused) {
+  auto load = [](const fs::path& dir) {
+    return [dir] { (void)text::T5Tokenizer::from_folder(dir); };
+  };
+  {
+    DamagedFolder f("t5-empty", t5_dir("t5_model"));
+    fs::remove(f.dir / "spiece.model");
+    expect_error<dt::IoError>(load(f.dir), "no model file", {"tokenizer.json", "spiece.model"});
+  }
+  {
+    DamagedFolder f("t5-extra", t5_dir("t5_model"));
+    f.write("tokenizer_config.json", R"({"extra_ids": -3})");
+    expect_error<dt::FormatError>(load(f.dir), "negative extra_ids", {"extra_ids"});
+  }
+  {
+    DamagedFolder f("t5-bpe", t5_dir("t5_json"));
+    std::string j = f.read("tokenizer.json");
+    j.replace(j.find("\"Unigram\""), 9, "\"BPE\"");
+    f.write("tokenizer.json", j);
+    expect_error<dt::FormatError>(load(f.dir), "a BPE tokenizer.json", {"BPE", "Unigram"});
+  }
+  {
+    DamagedFolder f("t5-base64", t5_dir("t5_json"));
+    std::string j = f.read("tokenizer.json");
+    const auto at = j.find("\"precompiled_charsmap\":");
+    j.insert(j.find('"', at + 22) + 1, "*");
+    f.write("tokenizer.json", j);
+    expect_error<dt::FormatError>(load(f.dir), "bad base64", {"base64", "precompiled_charsmap"});
+  }
+  {
+    DamagedFolder f("t5-vocab", t5_dir("t5_json"));
+    std::string j = f.read("tokenizer.json");
+    const auto at = j.find("\"<pad>\",", j.find("\"vocab\""));
+    j.replace(at, 8, "0,");
+    f.write("tokenizer.json", j);
+    expect_error<dt::FormatError>(load(f.dir), "a number as piece", {"vocab[0]"});
+  }
+  DamagedFolder f("t5-cut", t5_dir("t5_model"));
+  const std::string model = f.read("spiece.model");
+  std::mt19937 rng(5);
+  std::size_t refused = 0;
+  for (int k = 0; k < 160; ++k) {
+    std::string bad = model;
+    if (k < 80) {
+      bad.resize(std::uniform_int_distribution<std::size_t>(0, model.size() - 1)(rng));
+    } else {
+      for (int flips = 0; flips < 4; ++flips)
+        bad[std::uniform_int_distribution<std::size_t>(0, model.size() - 1)(rng)] ^=
+            static_cast<char>(1 << (rng() % 8));
+    }
+    f.write("spiece.model", bad);
+    try {
+      const auto tok = text::T5Tokenizer::from_folder(f.dir);
+      (void)tok.encode("a photo of a cat ｆｕｌｌ　ｗｉｄｔｈ ①");
+    } catch (const dt::FormatError& e) {
+      ++refused;
+      EXPECT_NE(std::string(e.what()).find("spiece.model"), std::string::npos) << e.what();
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "case " << k << ": " << e.what();
+    }
+  }
+  EXPECT_GT(refused, 60U);
 }

@@ -37,38 +37,10 @@
 
 #include "difftrain/core/error.hpp"
 #include "difftrain/io/read_file.hpp"
+#include "difftrain/text/tokenizer_common.hpp"
 #include "difftrain/text/unicode.hpp"
 
 namespace difftrain::text {
-
-/// A token beside the BPE vocabulary (special tokens, textual-inversion names) with the matching
-/// flags of the tokenizers library.
-struct AddedToken {
-  std::string content;
-  std::int64_t id = -1;
-  bool special = false;
-  bool normalized = true;    ///< matched in the normalized (lower-cased) text, else in the raw text
-  bool lstrip = false;       ///< takes the white space before it
-  bool rstrip = false;       ///< takes the white space after it
-  bool single_word = false;  ///< only where no letter or digit touches it
-};
-
-enum class Padding { none, longest, max_length };
-
-/// How a batch is made; the defaults are what diffusers' pipelines and training scripts ask:
-/// `tokenizer(prompt, padding="max_length", max_length=tokenizer.model_max_length,
-/// truncation=True)`.
-struct EncodeOptions {
-  bool add_special_tokens = true;
-  bool truncation = true;
-  Padding padding = Padding::max_length;
-  std::int64_t max_length = 0;  ///< 0: the tokenizer's model_max_length
-};
-
-struct BatchEncoding {
-  std::vector<std::vector<std::int64_t>> input_ids;
-  std::vector<std::vector<std::int64_t>> attention_mask;
-};
 
 namespace clip_detail {
 
@@ -83,50 +55,6 @@ inline std::array<char32_t, 256> byte_alphabet() {
   char32_t next = 256;
   for (std::size_t b = 0; b < 256; ++b) out[b] = printable[b] ? static_cast<char32_t>(b) : next++;
   return out;
-}
-
-inline const nlohmann::json& at_key(const nlohmann::json& j, const char* key,
-                                    const std::string& where) {
-  if (!j.is_object() || !j.contains(key))
-    throw FormatError(std::string("has no '") + key + "'", where);
-  return j.at(key);
-}
-
-inline nlohmann::json read_json(const std::filesystem::path& file) {
-  const std::vector<char> bytes = io::read_file(file);
-  try {
-    return nlohmann::json::parse(bytes.begin(), bytes.end());
-  } catch (const nlohmann::json::exception& e) {
-    throw FormatError(std::string("is not JSON: ") + e.what(), file.string());
-  }
-}
-
-/// A special token's value in tokenizer_config.json / special_tokens_map.json: a string, or an
-/// AddedToken dict ({"content": ..., "normalized": ...}).
-inline AddedToken token_from_json(const nlohmann::json& v, bool special_by_default,
-                                  const std::string& where) {
-  AddedToken t;
-  if (v.is_string()) {
-    t.content = v.get<std::string>();
-    t.special = true;
-    t.normalized = false;
-    return t;
-  }
-  if (!v.is_object() || !v.contains("content") || !v["content"].is_string())
-    throw FormatError("is neither a string nor a token object with a 'content'", where);
-  t.content = v["content"].get<std::string>();
-  t.special = v.contains("special") && v["special"].is_boolean() ? v["special"].get<bool>()
-                                                                 : special_by_default;
-  t.normalized = v.contains("normalized") && v["normalized"].is_boolean()
-                     ? v["normalized"].get<bool>()
-                     : !t.special;
-  auto flag = [&](const char* key) {
-    return v.contains(key) && v[key].is_boolean() && v[key].get<bool>();
-  };
-  t.lstrip = flag("lstrip");
-  t.rstrip = flag("rstrip");
-  t.single_word = flag("single_word");
-  return t;
 }
 
 }  // namespace clip_detail
@@ -226,8 +154,8 @@ class CLIPTokenizer {
     const fs::path config_file = dir / "tokenizer_config.json";
     const fs::path map_file = dir / "special_tokens_map.json";
     const fs::path json_file = dir / "tokenizer.json";
-    nlohmann::json config =
-        fs::exists(config_file) ? clip_detail::read_json(config_file) : nlohmann::json::object();
+    nlohmann::json config = fs::exists(config_file) ? tokenizer_detail::read_json(config_file)
+                                                    : nlohmann::json::object();
     if (!config.is_object()) throw FormatError("is not a JSON object", config_file.string());
 
     std::unordered_map<std::string, std::int64_t> vocab;
@@ -237,11 +165,12 @@ class CLIPTokenizer {
     std::string where;
     if (fs::exists(json_file)) {
       where = json_file.string();
-      const nlohmann::json j = clip_detail::read_json(json_file);
+      const nlohmann::json j = tokenizer_detail::read_json(json_file);
       check_pipeline(j, where, byte_level_regex);
-      const auto& model = clip_detail::at_key(j, "model", where);
-      read_vocab(clip_detail::at_key(model, "vocab", where + " model"), vocab, where + " vocab");
-      const auto& m = clip_detail::at_key(model, "merges", where + " model");
+      const auto& model = tokenizer_detail::at_key(j, "model", where);
+      read_vocab(tokenizer_detail::at_key(model, "vocab", where + " model"), vocab,
+                 where + " vocab");
+      const auto& m = tokenizer_detail::at_key(model, "merges", where + " model");
       if (!m.is_array()) throw FormatError("'merges' is not a list", where + " model");
       merges.reserve(m.size());
       for (std::size_t i = 0; i < m.size(); ++i) {
@@ -260,7 +189,7 @@ class CLIPTokenizer {
         for (std::size_t i = 0; i < j["added_tokens"].size(); ++i) {
           const auto& e = j["added_tokens"][i];
           const std::string at = where + " added_tokens[" + std::to_string(i) + "]";
-          AddedToken t = clip_detail::token_from_json(e, false, at);
+          AddedToken t = tokenizer_detail::token_from_json(e, false, at);
           if (!e.contains("id") || !e["id"].is_number_integer())
             throw FormatError("has no integer 'id'", at);
           t.id = e["id"].get<std::int64_t>();
@@ -270,7 +199,7 @@ class CLIPTokenizer {
       const fs::path vocab_file = dir / "vocab.json";
       const fs::path merges_file = dir / "merges.txt";
       where = dir.string() + " (vocab.json, merges.txt)";
-      read_vocab(clip_detail::read_json(vocab_file), vocab, vocab_file.string());
+      read_vocab(tokenizer_detail::read_json(vocab_file), vocab, vocab_file.string());
       merges = read_merges(merges_file);
     }
 
@@ -281,7 +210,7 @@ class CLIPTokenizer {
     if (config.contains("added_tokens_decoder") && config["added_tokens_decoder"].is_object()) {
       for (const auto& [key, value] : config["added_tokens_decoder"].items()) {
         const std::string at = config_file.string() + " added_tokens_decoder." + key;
-        AddedToken t = clip_detail::token_from_json(value, false, at);
+        AddedToken t = tokenizer_detail::token_from_json(value, false, at);
         try {
           t.id = std::stoll(key);
         } catch (const std::exception&) {
@@ -291,7 +220,7 @@ class CLIPTokenizer {
         added.push_back(std::move(t));
       }
     } else if (fs::exists(map_file)) {
-      const nlohmann::json map = clip_detail::read_json(map_file);
+      const nlohmann::json map = tokenizer_detail::read_json(map_file);
       if (!map.is_object()) throw FormatError("is not a JSON object", map_file.string());
       for (const char* key : special_keys)
         if (map.contains(key) && !map[key].is_null()) {
@@ -310,7 +239,7 @@ class CLIPTokenizer {
       if (config[key].is_string() && by_content.contains(config[key].get<std::string>())) {
         t = by_content.at(config[key].get<std::string>());
       } else {
-        t = clip_detail::token_from_json(config[key], false, at);
+        t = tokenizer_detail::token_from_json(config[key], false, at);
       }
       t.special = true;  // registered as a special token whatever its dict said
       t.id = -1;         // the vocabulary's id, or the next free one
@@ -364,13 +293,13 @@ class CLIPTokenizer {
     std::vector<std::int64_t> ids;
     if (add_special_tokens) ids.push_back(bos_);
     const std::u32string raw = utf8_to_u32(text, where_ + " input");
-    for (const auto& [seg, token] : split_added(raw, raw_tokens_)) {
+    for (const auto& [seg, token] : tokenizer_detail::split_added(raw, raw_tokens_)) {
       if (token >= 0) {
         ids.push_back(token);
         continue;
       }
       const std::u32string norm = normalize(seg);
-      for (const auto& [piece, id] : split_added(norm, normalized_tokens_)) {
+      for (const auto& [piece, id] : tokenizer_detail::split_added(norm, normalized_tokens_)) {
         if (id >= 0)
           ids.push_back(id);
         else
@@ -385,6 +314,8 @@ class CLIPTokenizer {
   /// gives it.
   [[nodiscard]] BatchEncoding operator()(const std::vector<std::string>& texts,
                                          const EncodeOptions& o = {}) const {
+    if (o.max_length < 0)
+      throw ConfigError("max_length " + std::to_string(o.max_length) + " is negative", where_);
     const std::int64_t max_len = o.max_length > 0 ? o.max_length : model_max_length_;
     const std::int64_t specials = o.add_special_tokens ? 2 : 0;
     if (o.truncation && max_len < specials)
@@ -509,14 +440,10 @@ class CLIPTokenizer {
     std::int32_t rank;
     std::int32_t id;
   };
-  struct Matcher {  // added tokens of one kind, as code points, longest first
-    std::vector<std::pair<std::u32string, AddedToken>> tokens;
-  };
   struct Cache {  // words already split (as the tokenizers library keeps them), shared by threads
     std::mutex mutex;
     std::unordered_map<std::string, std::vector<std::int64_t>> words;
   };
-  using Segment = std::pair<std::u32string, std::int64_t>;  // text, or an added token's id (>= 0)
 
   static std::uint64_t pair_key(std::int64_t a, std::int64_t b) {
     return (static_cast<std::uint64_t>(a) << 32) | static_cast<std::uint64_t>(b);
@@ -573,7 +500,7 @@ class CLIPTokenizer {
                             ", not CLIP's (difftrain's CLIPTokenizer does not run it)",
                         where);
     };
-    const auto& model = clip_detail::at_key(j, "model", where);
+    const auto& model = tokenizer_detail::at_key(j, "model", where);
     if (model.value("type", std::string("BPE")) != "BPE") refuse("the model", model["type"]);
     if (model.value("end_of_word_suffix", nlohmann::json()) != "</w>")
       refuse("the BPE end_of_word_suffix", model.value("end_of_word_suffix", nlohmann::json()));
@@ -582,7 +509,7 @@ class CLIPTokenizer {
         refuse(std::string("the BPE ") + key, model[key]);
     if (model.value("byte_fallback", false))
       refuse("the BPE byte_fallback", model["byte_fallback"]);
-    const auto& norm = clip_detail::at_key(j, "normalizer", where);
+    const auto& norm = tokenizer_detail::at_key(j, "normalizer", where);
     const nlohmann::json want_norm = {
         {"type", "Sequence"},
         {"normalizers",
@@ -590,7 +517,7 @@ class CLIPTokenizer {
           {{"type", "Replace"}, {"pattern", {{"Regex", "\\s+"}}}, {"content", " "}},
           {{"type", "Lowercase"}}}}};
     if (norm != want_norm) refuse("the normalizer", norm);
-    const auto& pre = clip_detail::at_key(j, "pre_tokenizer", where);
+    const auto& pre = tokenizer_detail::at_key(j, "pre_tokenizer", where);
     const std::string clip_regex =
         "<\\|startoftext\\|>|<\\|endoftext\\|>|'s|'t|'re|'ve|'m|'ll|'d|[\\p{L}]+|[\\p{N}]|"
         "[^\\s\\p{L}\\p{N}]+";
@@ -619,50 +546,8 @@ class CLIPTokenizer {
         raw_tokens_.tokens.emplace_back(cps, t);
     }
     // Longest first, so the first that matches at a position is the longest.
-    for (Matcher* m : {&raw_tokens_, &normalized_tokens_})
-      std::stable_sort(m->tokens.begin(), m->tokens.end(), [](const auto& a, const auto& b) {
-        return a.first.size() > b.first.size();
-      });
-  }
-
-  static bool is_word_char(char32_t c) { return is_letter(c) || is_number(c); }
-
-  /// `s` cut at the added tokens of `m`, leftmost-longest, with their strip and single-word rules.
-  static std::vector<Segment> split_added(const std::u32string& s, const Matcher& m) {
-    std::vector<Segment> out;
-    if (m.tokens.empty()) {
-      out.emplace_back(s, -1);
-      return out;
-    }
-    std::size_t start_offset = 0;
-    for (std::size_t i = 0; i < s.size();) {
-      const std::pair<std::u32string, AddedToken>* hit = nullptr;
-      for (const auto& cand : m.tokens)
-        if (!cand.first.empty() && s.compare(i, cand.first.size(), cand.first) == 0) {
-          hit = &cand;
-          break;
-        }
-      if (hit == nullptr) {
-        ++i;
-        continue;
-      }
-      std::size_t start = i, stop = i + hit->first.size();
-      const AddedToken& t = hit->second;
-      i = stop;
-      if (t.single_word &&
-          ((start > 0 && is_word_char(s[start - 1])) || (stop < s.size() && is_word_char(s[stop]))))
-        continue;
-      if (t.lstrip)
-        while (start > start_offset && is_space(s[start - 1])) --start;
-      if (t.rstrip)
-        while (stop < s.size() && is_space(s[stop])) ++stop;
-      if (start_offset < start) out.emplace_back(s.substr(start_offset, start - start_offset), -1);
-      out.emplace_back(std::u32string(), t.id);
-      start_offset = stop;
-      i = stop;
-    }
-    if (start_offset < s.size()) out.emplace_back(s.substr(start_offset), -1);
-    return out;
+    raw_tokens_.sort_longest_first();
+    normalized_tokens_.sort_longest_first();
   }
 
   /// NFC, white-space runs to one space, lower case.
@@ -831,7 +716,7 @@ class CLIPTokenizer {
   std::array<std::int32_t, 256> byte_id_{};
   std::array<std::int32_t, 256> byte_end_id_{};
   std::vector<AddedToken> added_;
-  Matcher raw_tokens_, normalized_tokens_;
+  tokenizer_detail::AddedTokenMatcher raw_tokens_, normalized_tokens_;
   std::int64_t bos_ = -1, eos_ = -1, pad_ = -1, unk_ = -1;
   std::int64_t model_max_length_ = 77;
   bool byte_level_regex_ = true;

@@ -4,6 +4,7 @@
 // pre-tokenizer regex (`\p{L}`, `\p{N}`, `\s`) tests. Hand-written tables would go stale with every
 // Unicode version; ICU is the library the rest of the system already uses for exactly this.
 
+#include <unicode/ubrk.h>
 #include <unicode/uchar.h>
 #include <unicode/unorm2.h>
 #include <unicode/ustring.h>
@@ -151,6 +152,39 @@ inline bool is_number(char32_t c) {
   if (c < 0x80) return c >= U'0' && c <= U'9';
   const auto t = u_charType(static_cast<UChar32>(c));
   return t == U_DECIMAL_DIGIT_NUMBER || t == U_LETTER_NUMBER || t == U_OTHER_NUMBER;
+}
+
+/// The extended grapheme clusters of `s` (UAX #29, as the unicode-segmentation crate the
+/// tokenizers library uses splits them): the code-point offsets where one ends, the last being
+/// s.size().
+inline std::vector<std::size_t> grapheme_ends(std::u32string_view s) {
+  std::vector<std::size_t> ends;
+  if (s.empty()) return ends;
+  std::u16string u16;
+  std::vector<std::size_t> cp_at;  // UTF-16 offset -> code-point index
+  u16.reserve(s.size());
+  cp_at.reserve(s.size() + 1);
+  for (std::size_t i = 0; i < s.size(); ++i) {
+    const auto c = static_cast<UChar32>(s[i]);
+    cp_at.push_back(i);
+    if (c > 0xFFFF) {
+      u16.push_back(static_cast<char16_t>(U16_LEAD(c)));
+      u16.push_back(static_cast<char16_t>(U16_TRAIL(c)));
+      cp_at.push_back(i);
+    } else {
+      u16.push_back(static_cast<char16_t>(c));
+    }
+  }
+  cp_at.push_back(s.size());
+  UErrorCode status = U_ZERO_ERROR;
+  UBreakIterator* it = ubrk_open(UBRK_CHARACTER, "", reinterpret_cast<const UChar*>(u16.data()),
+                                 static_cast<int32_t>(u16.size()), &status);
+  if (U_FAILURE(status))
+    throw IoError(std::string("ICU cannot segment text: ") + u_errorName(status), "text");
+  for (int32_t b = ubrk_next(it); b != UBRK_DONE; b = ubrk_next(it))
+    ends.push_back(cp_at[static_cast<std::size_t>(b)]);
+  ubrk_close(it);
+  return ends;
 }
 
 }  // namespace difftrain::text

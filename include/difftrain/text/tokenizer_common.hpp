@@ -1,0 +1,149 @@
+#pragma once
+// What the tokenizers share: added tokens and how they cut a text (leftmost-longest, with the
+// tokenizers library's strip and single-word rules), the batch options and result, and reading
+// the JSON files of a transformers tokenizer folder.
+
+#include <algorithm>
+#include <cstdint>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "difftrain/core/error.hpp"
+#include "difftrain/io/read_file.hpp"
+#include "difftrain/text/unicode.hpp"
+
+namespace difftrain::text {
+
+/// A token beside the BPE vocabulary (special tokens, textual-inversion names) with the matching
+/// flags of the tokenizers library.
+struct AddedToken {
+  std::string content;
+  std::int64_t id = -1;
+  bool special = false;
+  bool normalized = true;    ///< matched in the normalized (lower-cased) text, else in the raw text
+  bool lstrip = false;       ///< takes the white space before it
+  bool rstrip = false;       ///< takes the white space after it
+  bool single_word = false;  ///< only where no letter or digit touches it
+};
+
+enum class Padding { none, longest, max_length };
+
+/// How a batch is made; the defaults are what diffusers' pipelines and training scripts ask:
+/// `tokenizer(prompt, padding="max_length", max_length=tokenizer.model_max_length,
+/// truncation=True)`.
+struct EncodeOptions {
+  bool add_special_tokens = true;
+  bool truncation = true;
+  Padding padding = Padding::max_length;
+  std::int64_t max_length = 0;  ///< 0: the tokenizer's model_max_length
+};
+
+struct BatchEncoding {
+  std::vector<std::vector<std::int64_t>> input_ids;
+  std::vector<std::vector<std::int64_t>> attention_mask;
+};
+
+namespace tokenizer_detail {
+
+inline const nlohmann::json& at_key(const nlohmann::json& j, const char* key,
+                                    const std::string& where) {
+  if (!j.is_object() || !j.contains(key))
+    throw FormatError(std::string("has no '") + key + "'", where);
+  return j.at(key);
+}
+
+inline nlohmann::json read_json(const std::filesystem::path& file) {
+  const std::vector<char> bytes = io::read_file(file);
+  try {
+    return nlohmann::json::parse(bytes.begin(), bytes.end());
+  } catch (const nlohmann::json::exception& e) {
+    throw FormatError(std::string("is not JSON: ") + e.what(), file.string());
+  }
+}
+
+/// A special token's value in tokenizer_config.json / special_tokens_map.json: a string, or an
+/// AddedToken dict ({"content": ..., "normalized": ...}).
+inline AddedToken token_from_json(const nlohmann::json& v, bool special_by_default,
+                                  const std::string& where) {
+  AddedToken t;
+  if (v.is_string()) {
+    t.content = v.get<std::string>();
+    t.special = true;
+    t.normalized = false;
+    return t;
+  }
+  if (!v.is_object() || !v.contains("content") || !v["content"].is_string())
+    throw FormatError("is neither a string nor a token object with a 'content'", where);
+  t.content = v["content"].get<std::string>();
+  t.special = v.contains("special") && v["special"].is_boolean() ? v["special"].get<bool>()
+                                                                 : special_by_default;
+  t.normalized = v.contains("normalized") && v["normalized"].is_boolean()
+                     ? v["normalized"].get<bool>()
+                     : !t.special;
+  auto flag = [&](const char* key) {
+    return v.contains(key) && v[key].is_boolean() && v[key].get<bool>();
+  };
+  t.lstrip = flag("lstrip");
+  t.rstrip = flag("rstrip");
+  t.single_word = flag("single_word");
+  return t;
+}
+
+/// Added tokens of one kind (raw or normalized), as code points, longest first.
+struct AddedTokenMatcher {
+  std::vector<std::pair<std::u32string, AddedToken>> tokens;
+
+  void sort_longest_first() {
+    std::stable_sort(tokens.begin(), tokens.end(),
+                     [](const auto& a, const auto& b) { return a.first.size() > b.first.size(); });
+  }
+};
+
+using Segment = std::pair<std::u32string, std::int64_t>;  // text, or an added token's id (>= 0)
+
+inline bool is_word_char(char32_t c) { return is_letter(c) || is_number(c); }
+
+/// `s` cut at the added tokens of `m`, leftmost-longest, with their strip and single-word rules.
+inline std::vector<Segment> split_added(const std::u32string& s, const AddedTokenMatcher& m) {
+  std::vector<Segment> out;
+  if (m.tokens.empty()) {
+    out.emplace_back(s, -1);
+    return out;
+  }
+  std::size_t start_offset = 0;
+  for (std::size_t i = 0; i < s.size();) {
+    const std::pair<std::u32string, AddedToken>* hit = nullptr;
+    for (const auto& cand : m.tokens)
+      if (!cand.first.empty() && s.compare(i, cand.first.size(), cand.first) == 0) {
+        hit = &cand;
+        break;
+      }
+    if (hit == nullptr) {
+      ++i;
+      continue;
+    }
+    std::size_t start = i, stop = i + hit->first.size();
+    const AddedToken& t = hit->second;
+    i = stop;
+    if (t.single_word &&
+        ((start > 0 && is_word_char(s[start - 1])) || (stop < s.size() && is_word_char(s[stop]))))
+      continue;
+    if (t.lstrip)
+      while (start > start_offset && is_space(s[start - 1])) --start;
+    if (t.rstrip)
+      while (stop < s.size() && is_space(s[stop])) ++stop;
+    if (start_offset < start) out.emplace_back(s.substr(start_offset, start - start_offset), -1);
+    out.emplace_back(std::u32string(), t.id);
+    start_offset = stop;
+    i = stop;
+  }
+  if (start_offset < s.size()) out.emplace_back(s.substr(start_offset), -1);
+  return out;
+}
+
+}  // namespace tokenizer_detail
+
+}  // namespace difftrain::text

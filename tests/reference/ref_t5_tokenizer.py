@@ -1,0 +1,109 @@
+"""T5 tokenizer parity: transformers' T5Tokenizer on SentencePiece Unigram models trained here.
+
+Two models are trained with sentencepiece's own trainer on a generated corpus (words, punctuation,
+digits, accented and CJK text, emoji), laid out as T5's (<pad>=0, </s>=1, <unk>=2, no <s>):
+  t5      nmt_nfkc normalization (T5's), 2,000 pieces, 100 sentinels;
+  sym     nfkc_cf (case folded), user-defined pieces "<sep>" and "@@", a control piece "<ctrl>",
+          10 sentinels.
+Each is written as the folders users have:
+  <name>_model/  spiece.model + tokenizer_config.json (what T5's hub folders hold);
+  <name>_json/   tokenizer.json + tokenizer_config.json as transformers 5 saves them;
+  <name>_both/   both (SD3's tokenizer_3), where transformers reads tokenizer.json.
+A sweep of generated strings (the CLIP sweep's kinds plus T5's own: sentinels, "▁" written
+literally, runs of white space) is tokenized by each; the C++ test compares every id.
+SentencePiece's own encoder is run on the same strings and the strings where it differs counted.
+"""
+import io
+import json
+import pathlib
+import random
+import shutil
+
+import ref_clip_tokenizer as clip_ref
+
+
+def t5_strings(n: int, seed: int):
+    rng = random.Random(seed)
+    base = clip_ref.random_strings(n, seed=seed)
+    extra = ["<extra_id_0>", "<extra_id_99>", "<extra_id_9>", "<extra_id_100>", "</s>", "<pad>",
+             "<unk>", "<s>", "＜pad＞", "▁", "▁▁", "a▁b", "▁word", "<sep>", "@@", "<ctrl>",
+             "<SEP>", "   ", "\t\t", " \u3000 ", "x" * 40, "ｆｕｌｌ　ｗｉｄｔｈ", "①", "ﬀ", "㍻",
+             "Ⅷ", "¼", "e\u0301\u0301", "\u0301", "한\u1100", "\U0001F9D1\u200D\U0001F9B0"]
+    out = []
+    for s in base:
+        if rng.random() < 0.5:
+            words = s.split(" ")
+            for _ in range(rng.randint(1, 4)):
+                words.insert(rng.randint(0, len(words)), rng.choice(extra))
+            s = rng.choice([" ", "", "  "]).join(words)
+        out.append(s)
+    return out
+
+
+def train(corpus, **options):
+    import sentencepiece as spm
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus), model_writer=model, model_type="unigram", pad_id=0,
+        eos_id=1, unk_id=2, bos_id=-1, character_coverage=0.98, num_threads=1,
+        hard_vocab_limit=False, minloglevel=2, **options)
+    return model.getvalue()
+
+
+def write_folders(root: pathlib.Path, name: str, model: bytes, extra_ids: int):
+    from transformers import T5Tokenizer
+    folder = root / f"{name}_model"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "spiece.model").write_bytes(model)
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "T5Tokenizer", "extra_ids": extra_ids, "model_max_length": 512,
+         "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"}, indent=1))
+    tok = T5Tokenizer.from_pretrained(str(folder))
+    tok.save_pretrained(str(root / f"{name}_json"))
+    both = root / f"{name}_both"
+    shutil.copytree(root / f"{name}_json", both, dirs_exist_ok=True)
+    shutil.copy(folder / "spiece.model", both / "spiece.model")
+
+
+def generate(out: pathlib.Path):
+    import sentencepiece as spm
+    from transformers import T5Tokenizer
+    from transformers.utils import logging
+    logging.set_verbosity_error()
+    root = out / "t5_tokenizer"
+    if root.exists():
+        shutil.rmtree(root)
+    corpus = [s.replace("\n", " ") for s in clip_ref.random_strings(4000, seed=7)]
+    corpus += clip_ref.CAPTIONS * 5
+    models = {
+        "t5": (train(corpus, vocab_size=2000, normalization_rule_name="nmt_nfkc"), 100),
+        "sym": (train(corpus, vocab_size=1500, normalization_rule_name="nfkc_cf",
+                      user_defined_symbols=["<sep>", "@@"], control_symbols=["<ctrl>"]), 10),
+    }
+    strings = t5_strings(12000, seed=11) + clip_ref.CAPTIONS
+    result = {"strings": strings, "variants": {}}
+    for name, (model, extra_ids) in models.items():
+        write_folders(root, name, model, extra_ids)
+        for layout, count in [("model", len(strings)), ("json", len(strings)), ("both", 2000)]:
+            tok = T5Tokenizer.from_pretrained(str(root / f"{name}_{layout}"))
+            some = strings[:count]
+            ids = tok(some)["input_ids"]
+            batch = tok(some[:500], padding="max_length", max_length=64, truncation=True)
+            longest = tok(some[500:700], padding="longest", truncation=True, max_length=40)
+            plain = tok(some[700:900], add_special_tokens=False)["input_ids"]
+            result["variants"][f"{name}_{layout}"] = {
+                "count": count, "ids": ids, "size": len(tok), "eos": tok.eos_token_id,
+                "pad": tok.pad_token_id, "unk": tok.unk_token_id,
+                "model_max_length": tok.model_max_length,
+                "added": [[i, t.content, t.special, t.normalized]
+                          for i, t in sorted(tok.added_tokens_decoder.items())],
+                "batch_ids": batch["input_ids"], "batch_mask": batch["attention_mask"],
+                "longest_ids": longest["input_ids"], "longest_mask": longest["attention_mask"],
+                "plain_ids": plain,
+                "decoded": [tok.decode(x) for x in ids[:500]],
+                "decoded_skip": [tok.decode(x, skip_special_tokens=True) for x in ids[:500]]}
+        sp = spm.SentencePieceProcessor(model_proto=model)
+        fast = result["variants"][f"{name}_model"]["ids"]
+        result["variants"][f"{name}_model"]["sentencepiece_differs"] = sum(
+            sp.encode(s) + [1] != fast[i] for i, s in enumerate(strings))
+    (out / "t5_tokenizer.json").write_text(json.dumps(result, ensure_ascii=False))
