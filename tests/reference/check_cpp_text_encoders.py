@@ -1,6 +1,6 @@
-"""CLIP text-encoder folders written by difftrain (CLIPTextModel, and CLIPTextModelWithProjection
-as an fp16 variant) load in transformers' from_pretrained with no missing or unexpected weights
-and give the outputs difftrain computed. Usage: check_cpp_text_encoders.py TEST_BINARY GOLDEN_DIR"""
+"""Text-encoder folders written by difftrain (CLIPTextModel, CLIPTextModelWithProjection as an fp16
+variant, T5EncoderModel) load in transformers' from_pretrained with no missing or unexpected
+weights and give the outputs difftrain computed. Usage: check_cpp_text_encoders.py TEST_BINARY GOLDEN_DIR"""
 import os
 import pathlib
 import subprocess
@@ -9,7 +9,7 @@ import tempfile
 
 import torch
 from safetensors.torch import load_file
-from transformers import CLIPTextModel, CLIPTextModelWithProjection
+from transformers import CLIPTextModel, CLIPTextModelWithProjection, T5EncoderModel
 from transformers.utils import logging
 
 
@@ -18,7 +18,8 @@ def main(binary, golden_dir):
     out = pathlib.Path(tempfile.mkdtemp())
     env = dict(os.environ, DIFFTRAIN_TEXT_OUT=str(out), DIFFTRAIN_GOLDEN_DIR=golden_dir)
     subprocess.run([binary, "--gtest_filter=ClipTextModel.SavedFoldersRoundTrip:"
-                    "TextEncoderLora.TrainsAndItsFilesLoadBack"], check=True, env=env)
+                    "TextEncoderLora.TrainsAndItsFilesLoadBack:T5Encoder.SavedFoldersRoundTrip"],
+                   check=True, env=env)
     t = load_file(out / "outputs.safetensors")
     for name, cls, variant, key in (("tiny_quick_gelu", CLIPTextModel, None, "pooler_output"),
                                     ("tiny_gelu_projection", CLIPTextModelWithProjection, "fp16",
@@ -35,7 +36,16 @@ def main(binary, golden_dir):
             assert err < 1e-5, (name, what, err)
             print(f"{name} {what}: transformers on difftrain's folder, max scaled error {err:.2e}")
 
-
+    model, info = T5EncoderModel.from_pretrained(out / "t5", output_loading_info=True,
+                                                 dtype=torch.float32)
+    bad = {k: v for k, v in info.items() if v}
+    assert not bad, ("t5", bad)
+    t5 = load_file(out / "t5" / "outputs.safetensors")
+    with torch.no_grad():
+        got = model.eval()(t5["input_ids"]).last_hidden_state
+    err = (got - t5["last_hidden_state"]).abs().max().item()
+    assert err < 1e-5, ("t5", err)
+    print(f"t5 last_hidden_state: transformers on difftrain's folder, max error {err:.2e}")
     check_lora(out, pathlib.Path(golden_dir))
 
 

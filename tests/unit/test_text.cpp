@@ -9,6 +9,7 @@
 #include <difftrain/io/safetensors.hpp>
 #include <difftrain/models/clip_text_model.hpp>
 #include <difftrain/models/pretrained.hpp>
+#include <difftrain/models/t5_encoder.hpp>
 #include <difftrain/nn/attention/math.hpp>
 #include <difftrain/text/clip_tokenizer.hpp>
 #include <difftrain/text/encode_prompt.hpp>
@@ -1099,4 +1100,197 @@ TEST(T5Tokenizer, DamagedFilesAreRefused) {
     }
   }
   EXPECT_GT(refused, 60U);
+}
+
+// ---- T5's encoder ------------------------------------------------------------------------------
+
+namespace {
+
+fs::path t5_encoder_dir(const std::string& name) {
+  return fs::path(DIFFTRAIN_GOLDEN_DIR) / "t5_encoders" / name;
+}
+
+template <class Backend>
+void check_t5_case(const nlohmann::json& c, bool checkpointing) {
+  const std::string name = c["name"].get<std::string>();
+  SCOPED_TRACE(name + " " + std::string(Backend::name) + (checkpointing ? " checkpointed" : ""));
+  models::LoadOptions lo;
+  if (!c["variant"].is_null()) lo.variant = c["variant"].get<std::string>();
+  auto model = models::from_pretrained<models::T5EncoderModel<Backend>>(t5_encoder_dir(name), lo);
+  model->to(at::kDouble);
+  model->train();
+  model->set_gradient_checkpointing(checkpointing);
+  const auto io =
+      dt::io::load_safetensors(t5_encoder_dir(name).string() + ".io.safetensors", true).tensors;
+  std::optional<at::Tensor> mask;
+  if (io.contains("attention_mask")) mask = io.at("attention_mask");
+  const models::T5EncoderOutput out = model->forward(io.at("input_ids"), mask, true);
+  EXPECT_LT(scaled_error(out.last_hidden_state, io.at("last_hidden_state")), 1e-10);
+  ASSERT_EQ(out.hidden_states.size(), c["hidden_states"].get<std::size_t>());
+  at::Tensor loss = at::zeros({}, at::kDouble);
+  for (std::size_t i = 0; i < out.hidden_states.size(); ++i) {
+    const std::string k = std::to_string(i);
+    EXPECT_LT(scaled_error(out.hidden_states[i], io.at("hidden_states." + k)), 1e-10) << k;
+    loss = loss + (out.hidden_states[i] * io.at("w." + k)).sum();
+  }
+  loss.backward();
+  std::size_t compared = 0;
+  for (const auto& p : model->named_parameters(true)) {
+    const auto it = io.find("grad." + p.key());
+    ASSERT_NE(it, io.end()) << "no reference gradient for " << p.key();
+    ASSERT_TRUE(p.value().grad().defined()) << p.key();
+    EXPECT_LT(scaled_error(p.value().grad(), it->second), 1e-10) << p.key();
+    ++compared;
+  }
+  const auto reference_grads = std::count_if(
+      io.begin(), io.end(), [](const auto& e) { return e.first.starts_with("grad."); });
+  EXPECT_EQ(compared, static_cast<std::size_t>(reference_grads));
+}
+
+}  // namespace
+
+// Four random tiny configurations (T5 v1.1's gated-gelu, the original relu, gated-silu; 1 to 3
+// layers; attention widths other than d_model; sequences past the exact buckets and past
+// max_distance; padding masks) saved by transformers as one file, shards, an fp16 variant and
+// with the token table under encoder.embed_tokens: every hidden state and every parameter's
+// gradient (the relative-position table's and the token table's included) equal transformers' in
+// float64, with the math and SDPA backends and with gradient checkpointing.
+TEST(T5Encoder, EqualsTransformersOnTinyConfigs) {
+  const auto& g = tst::golden("t5_encoders.json");
+  ASSERT_GE(g["cases"].size(), 4U);
+  for (const auto& c : g["cases"]) {
+    check_t5_case<attn::Math>(c, false);
+    check_t5_case<attn::Sdpa<attn::Auto>>(c, true);
+  }
+}
+
+// T5 v1.1 small, base and XXL (SD3's and Flux's T5 encoder, 4,762,310,656 parameters): the
+// parameter names, shapes and counts transformers builds, from the config alone (XXL is too large
+// to build here), and the built model of the small one has exactly those.
+TEST(T5Encoder, PublishedConfigsHaveTransformersParameters) {
+  const auto& g = tst::golden("t5_encoders.json")["published"];
+  ASSERT_EQ(g.size(), 3U);
+  for (const auto& [name, p] : g.items()) {
+    SCOPED_TRACE(name);
+    const auto config = models::T5EncoderConfig::from_json(p["config"], name);
+    const auto shapes = config.parameter_shapes();
+    std::int64_t count = 0;
+    for (const auto& [k, s] : shapes) {
+      std::int64_t n = 1;
+      for (const auto d : s) n *= d;
+      count += n;
+    }
+    EXPECT_EQ(count, p["parameters"].get<std::int64_t>());
+    EXPECT_EQ(shapes, (p["shapes"].get<std::map<std::string, std::vector<std::int64_t>>>()));
+    if (name == "t5_v1_1_small") {
+      const models::T5EncoderModel<> model(config);
+      std::map<std::string, std::vector<std::int64_t>> built;
+      for (const auto& t : model->named_parameters(true)) built[t.key()] = t.value().sizes().vec();
+      EXPECT_EQ(built, shapes);
+    }
+  }
+  EXPECT_EQ(g["t5_v1_1_xxl"]["parameters"].get<std::int64_t>(), 4762310656);
+}
+
+// Float16 as transformers runs it: the feed-forward output projections stay float32, the output
+// is float16 and close to the float32 model's; infinities are clamped to finite values.
+TEST(T5Encoder, HalfPrecisionKeepsTheOutputProjectionsInFloat32) {
+  auto model =
+      models::from_pretrained<models::T5EncoderModel<attn::Math>>(t5_encoder_dir("gated_gelu"));
+  model->eval();
+  const at::Tensor ids = at::randint(0, 60, {2, 12}, at::kLong);
+  at::NoGradGuard no_grad;
+  const at::Tensor want = model->forward(ids).last_hidden_state;
+  model->to(at::kHalf);
+  for (const auto& p : model->named_parameters(true))
+    EXPECT_EQ(p.value().scalar_type(),
+              p.key().ends_with("DenseReluDense.wo.weight") ? at::kFloat : at::kHalf)
+        << p.key();
+  const at::Tensor got = model->forward(ids).last_hidden_state;
+  EXPECT_EQ(got.scalar_type(), at::kHalf);
+  EXPECT_LT(scaled_error(got.to(at::kFloat), want), 2e-2);
+  EXPECT_TRUE(at::isfinite(got).all().item<bool>());
+}
+
+TEST(T5Encoder, BadConfigsAndInputsAreNamed) {
+  const nlohmann::json base = {{"architectures", {"T5EncoderModel"}},
+                               {"model_type", "t5"},
+                               {"vocab_size", 50},
+                               {"d_model", 16},
+                               {"d_kv", 4},
+                               {"d_ff", 32},
+                               {"num_layers", 1},
+                               {"num_heads", 2},
+                               {"feed_forward_proj", "gated-gelu"}};
+  auto with = [&](const std::string& key, const nlohmann::json& v) {
+    nlohmann::json j = base;
+    j[key] = v;
+    return [j] { (void)models::T5EncoderConfig::from_json(j, "config.json"); };
+  };
+  expect_error<dt::ConfigError>(with("feed_forward_proj", "gated-mish"), "unknown activation",
+                                {"feed_forward_proj", "gated-mish"});
+  expect_error<dt::ConfigError>(with("feed_forward_proj", "gated-gelu-new"), "three parts",
+                                {"feed_forward_proj"});
+  expect_error<dt::ConfigError>(with("num_layers", 0), "no layers", {"num_layers"});
+  expect_error<dt::ConfigError>(with("relative_attention_num_buckets", 2), "two buckets",
+                                {"relative_attention_num_buckets"});
+  expect_error<dt::ConfigError>(with("relative_attention_max_distance", 4), "distance too short",
+                                {"relative_attention_max_distance"});
+  expect_error<dt::ConfigError>(with("model_type", "umt5"), "UMT5", {"model_type", "umt5"});
+  expect_error<dt::ConfigError>(with("architectures", {"CLIPTextModel"}), "another model",
+                                {"CLIPTextModel"});
+  expect_error<dt::ConfigError>(with("is_gated_act", false), "contradiction", {"is_gated_act"});
+  expect_error<dt::ConfigError>(with("rope_theta", 1e4), "a field T5 has not", {"rope_theta"});
+
+  models::T5EncoderModel<attn::Math> model(models::T5EncoderConfig::from_json(base, "config.json"));
+  expect_error<dt::ShapeError>(
+      [&] {
+        (void)model->forward(at::full({2, 4}, 50, at::kLong));
+      },
+      "an id past the vocabulary", {"token id 50", "(0, 0)"});
+  expect_error<dt::ShapeError>([&] { (void)model->forward(at::ones({4}, at::kLong)); },
+                               "one dimension", {"(batch, length)"});
+  expect_error<dt::ShapeError>(
+      [&] {
+        (void)model->forward(at::ones({1, 4}));
+      },
+      "float ids", {"integer"});
+  expect_error<dt::ShapeError>(
+      [&] {
+        (void)model->forward(at::ones({1, 4}, at::kLong), at::ones({1, 3}, at::kLong));
+      },
+      "a mask of another shape", {"attention_mask"});
+
+  DamagedFolder f("t5-layers", t5_encoder_dir("gated_gelu"));
+  auto j = nlohmann::json::parse(f.read("config.json"));
+  j["num_layers"] = 7;
+  f.write("config.json", j.dump());
+  expect_error<dt::ConfigError>(
+      [&] { (void)models::from_pretrained<models::T5EncoderModel<>>(f.dir); }, "7 layers",
+      {"encoder.block.", "7"});
+}
+
+// A folder difftrain saves loads back (in difftrain and, with DIFFTRAIN_TEXT_OUT set, in
+// transformers: tests/reference/check_cpp_text_encoders.py).
+TEST(T5Encoder, SavedFoldersRoundTrip) {
+  const char* keep = std::getenv("DIFFTRAIN_TEXT_OUT");
+  const fs::path out = keep != nullptr ? fs::path(keep) / "t5"
+                                       : fs::temp_directory_path() /
+                                             ("difftrain-t5-save-" + std::to_string(::getpid()));
+  auto model =
+      models::from_pretrained<models::T5EncoderModel<>>(t5_encoder_dir("gated_gelu_embed_tokens"));
+  model->eval();
+  models::save_pretrained(model, out);
+  auto back = models::from_pretrained<models::T5EncoderModel<>>(out);
+  back->eval();
+  const at::Tensor ids = at::randint(0, 70, {2, 9}, at::kLong);
+  at::NoGradGuard no_grad;
+  const at::Tensor a = model->forward(ids).last_hidden_state;
+  const at::Tensor b = back->forward(ids).last_hidden_state;
+  EXPECT_EQ(scaled_error(b, a), 0.0);
+  if (keep != nullptr)
+    dt::io::save_safetensors(out / "outputs.safetensors",
+                             {{"input_ids", ids}, {"last_hidden_state", b}});
+  else
+    dt::io::remove_tree(out);
 }

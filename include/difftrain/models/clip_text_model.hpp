@@ -27,72 +27,12 @@
 
 #include "difftrain/core/error.hpp"
 #include "difftrain/models/config_reader.hpp"
+#include "difftrain/models/transformers_config.hpp"
 #include "difftrain/nn/attention/sdpa.hpp"
 #include "difftrain/nn/blocks/checkpoint.hpp"
 #include "difftrain/nn/layers/adaptable.hpp"
 
 namespace difftrain::models {
-
-/// The fields every transformers config may carry (PretrainedConfig's generation and bookkeeping
-/// settings): accepted, no effect on the model.
-inline void accept_transformers_common_fields(ConfigReader& r) {
-  for (const char* key : {"architectures",
-                          "model_type",
-                          "transformers_version",
-                          "torch_dtype",
-                          "dtype",
-                          "add_cross_attention",
-                          "bad_words_ids",
-                          "begin_suppress_tokens",
-                          "chunk_size_feed_forward",
-                          "cross_attention_hidden_size",
-                          "decoder_start_token_id",
-                          "diversity_penalty",
-                          "do_sample",
-                          "early_stopping",
-                          "encoder_no_repeat_ngram_size",
-                          "finetuning_task",
-                          "forced_bos_token_id",
-                          "forced_eos_token_id",
-                          "id2label",
-                          "is_decoder",
-                          "is_encoder_decoder",
-                          "label2id",
-                          "length_penalty",
-                          "max_length",
-                          "min_length",
-                          "no_repeat_ngram_size",
-                          "num_beam_groups",
-                          "num_beams",
-                          "num_return_sequences",
-                          "output_attentions",
-                          "output_hidden_states",
-                          "output_scores",
-                          "prefix",
-                          "problem_type",
-                          "pruned_heads",
-                          "remove_invalid_values",
-                          "repetition_penalty",
-                          "return_dict",
-                          "return_dict_in_generate",
-                          "sep_token_id",
-                          "suppress_tokens",
-                          "task_specific_params",
-                          "temperature",
-                          "tf_legacy_loss",
-                          "tie_encoder_decoder",
-                          "tie_word_embeddings",
-                          "tokenizer_class",
-                          "top_k",
-                          "top_p",
-                          "torchscript",
-                          "typical_p",
-                          "use_bfloat16",
-                          "use_cache",
-                          "gradient_checkpointing",
-                          "dropout"})
-    r.accept(key);
-}
 
 struct CLIPTextConfig {
   static constexpr std::string_view class_name = "CLIPTextModel";
@@ -141,19 +81,10 @@ struct CLIPTextConfig {
     (void)activation(where);
   }
 
-  enum class Act { quick_gelu, gelu, gelu_tanh, relu, silu };
+  using Act = HiddenAct;
   /// The activation hidden_act names (transformers' ACT2FN names for those CLIP configs use).
   [[nodiscard]] Act activation(const std::string& where) const {
-    if (hidden_act == "quick_gelu") return Act::quick_gelu;
-    if (hidden_act == "gelu") return Act::gelu;
-    if (hidden_act == "gelu_new" || hidden_act == "gelu_pytorch_tanh" || hidden_act == "gelu_fast")
-      return Act::gelu_tanh;
-    if (hidden_act == "relu") return Act::relu;
-    if (hidden_act == "silu" || hidden_act == "swish") return Act::silu;
-    throw ConfigError("'hidden_act' = \"" + hidden_act +
-                          "\" is not an activation difftrain's CLIP text model has (quick_gelu, "
-                          "gelu, gelu_new, gelu_pytorch_tanh, gelu_fast, relu, silu, swish)",
-                      where);
+    return hidden_activation(hidden_act, "hidden_act", "CLIP text model", where);
   }
 
   static CLIPTextConfig from_json(const nlohmann::json& j, const std::string& where) {
@@ -256,26 +187,6 @@ struct CLIPTextOutput {
   std::vector<at::Tensor> hidden_states;
 };
 
-namespace clip_detail {
-
-inline at::Tensor activate(const at::Tensor& x, CLIPTextConfig::Act act) {
-  switch (act) {
-    case CLIPTextConfig::Act::quick_gelu:
-      return x * at::sigmoid(1.702 * x);
-    case CLIPTextConfig::Act::gelu:
-      return at::gelu(x);
-    case CLIPTextConfig::Act::gelu_tanh:
-      return at::gelu(x, "tanh");
-    case CLIPTextConfig::Act::relu:
-      return at::relu(x);
-    case CLIPTextConfig::Act::silu:
-      return at::silu(x);
-  }
-  return x;
-}
-
-}  // namespace clip_detail
-
 /// One pre-norm layer: x + attn(ln1(x)), then x + mlp(ln2(x)); transformers' CLIPEncoderLayer.
 template <nn::attention::AttentionBackend Backend>
 class CLIPEncoderLayerImpl : public torch::nn::Module {
@@ -317,7 +228,7 @@ class CLIPEncoderLayerImpl : public torch::nn::Module {
             .transpose(1, 2)
             .reshape({b, l, d});
     const at::Tensor y = x + out_proj(a);
-    return y + fc2(clip_detail::activate(fc1(layer_norm2(y)), act_));
+    return y + fc2(activate(fc1(layer_norm2(y)), act_));
   }
 
   std::shared_ptr<torch::nn::Module> self_attn, mlp;

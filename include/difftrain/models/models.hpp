@@ -8,6 +8,8 @@
 #include "difftrain/models/embeddings.hpp"
 #include "difftrain/models/pretrained.hpp"
 #include "difftrain/models/resnet.hpp"
+#include "difftrain/models/t5_encoder.hpp"
 #include "difftrain/models/transformer_2d.hpp"
+#include "difftrain/models/transformers_config.hpp"
 #include "difftrain/models/unet_2d_condition.hpp"
 #include "difftrain/models/unet_blocks.hpp"
