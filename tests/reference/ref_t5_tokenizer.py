@@ -107,3 +107,39 @@ def generate(out: pathlib.Path):
         result["variants"][f"{name}_model"]["sentencepiece_differs"] = sum(
             sp.encode(s) + [1] != fast[i] for i, s in enumerate(strings))
     (out / "t5_tokenizer.json").write_text(json.dumps(result, ensure_ascii=False))
+    prompt_embeds(out, root)
+
+
+def prompt_embeds(out: pathlib.Path, root: pathlib.Path):
+    """SD3's and Flux's _get_t5_prompt_embeds (called on stand-ins for the pipelines) with the
+    t5 tokenizer and a tiny random T5 v1.1 encoder of its vocabulary."""
+    import types
+    from diffusers import FluxPipeline, StableDiffusion3Pipeline
+    from diffusers.utils import logging as dlogging
+    dlogging.set_verbosity_error()  # the pipelines warn of the truncated long prompt
+    from safetensors.torch import save_file
+    from transformers import T5Config, T5EncoderModel, T5Tokenizer
+    torch_ = __import__("torch")
+    tok = T5Tokenizer.from_pretrained(str(root / "t5_both"))
+    torch_.manual_seed(5)
+    encoder = T5EncoderModel(T5Config(vocab_size=len(tok), d_model=16, d_kv=4, d_ff=24,
+                                      num_layers=2, num_heads=4, feed_forward_proj="gated-gelu",
+                                      dropout_rate=0.0)).eval()
+    encoder.save_pretrained(root / "t5_prompt_encoder")
+    long = " ".join(clip_ref.CAPTIONS) * 3
+    prompts = ["a photo of a cat", "An astronaut riding a horse <extra_id_0>", long]
+    cases = {"sd3": (StableDiffusion3Pipeline, 256, 2, "tokenizer_3", "text_encoder_3"),
+             "sd3_short": (StableDiffusion3Pipeline, 77, 1, "tokenizer_3", "text_encoder_3"),
+             "flux": (FluxPipeline, 512, 1, "tokenizer_2", "text_encoder_2")}
+    outputs, meta = {}, {"prompts": prompts, "cases": {}}
+    for name, (cls, length, n, tok_attr, enc_attr) in cases.items():
+        pipe = types.SimpleNamespace(**{tok_attr: tok, enc_attr: encoder, "text_encoder": encoder,
+                                        "tokenizer_max_length": 77, "_execution_device": "cpu"})
+        with torch_.no_grad():
+            embeds = cls._get_t5_prompt_embeds(pipe, prompt=prompts, num_images_per_prompt=n,
+                                               max_sequence_length=length,
+                                               device=torch_.device("cpu"))
+        outputs[name] = embeds.contiguous()
+        meta["cases"][name] = {"max_sequence_length": length, "num_images_per_prompt": n}
+    save_file(outputs, root / "t5_prompt_embeds.safetensors")
+    (out / "t5_prompt.json").write_text(json.dumps(meta))

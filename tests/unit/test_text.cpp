@@ -1294,3 +1294,28 @@ TEST(T5Encoder, SavedFoldersRoundTrip) {
   else
     dt::io::remove_tree(out);
 }
+
+// SD3's and Flux's T5 prompt embeddings (diffusers' _get_t5_prompt_embeds) with the trained T5
+// tokenizer and a tiny T5 v1.1 encoder: short prompts, a sentinel, a prompt past the maximum
+// length; SD3's 256 and 77 and Flux's 512 tokens; two images per prompt.
+TEST(EncodePrompt, T5PromptEmbedsEqualDiffusers) {
+  const auto& g = tst::golden("t5_prompt.json");
+  const auto want = dt::io::load_safetensors(t5_dir("t5_prompt_embeds.safetensors"), true).tensors;
+  const auto tok = text::T5Tokenizer::from_folder(t5_dir("t5_both"));
+  auto encoder = models::from_pretrained<models::T5EncoderModel<>>(t5_dir("t5_prompt_encoder"));
+  encoder->eval();
+  const auto prompts = g["prompts"].get<std::vector<std::string>>();
+  at::NoGradGuard no_grad;
+  for (const auto& [name, c] : g["cases"].items()) {
+    SCOPED_TRACE(name);
+    const at::Tensor got =
+        text::t5_prompt_embeds(tok, encoder, prompts, c["max_sequence_length"].get<std::int64_t>(),
+                               c["num_images_per_prompt"].get<std::int64_t>());
+    ASSERT_EQ(got.sizes(), want.at(name).sizes());
+    EXPECT_LT(scaled_error(got, want.at(name)), 1e-5);
+  }
+  expect_error<dt::ConfigError>([&] { (void)text::t5_prompt_embeds(tok, encoder, {}, 256); },
+                                "no prompts", {"no prompts"});
+  expect_error<dt::ConfigError>([&] { (void)text::t5_prompt_embeds(tok, encoder, prompts, 0); },
+                                "length 0", {"max_sequence_length 0"});
+}

@@ -12,6 +12,10 @@
 //                 negative embeddings are zeros, else the negative prompt ("" when none, the
 //                 second encoder reading negative_prompt_2 when given) encoded the same way.
 //
+//   SD3 / Flux    T5's part (_get_t5_prompt_embeds): ids padded and truncated to
+//                 max_sequence_length (SD3 256, Flux 512), the encoder's last_hidden_state with
+//                 no attention mask.
+//
 // Each prompt's embeddings are repeated num_images_per_prompt times, consecutively. Prompts naming
 // a multi-vector textual-inversion token are expanded first, as diffusers does.
 
@@ -25,6 +29,7 @@
 #include "difftrain/core/error.hpp"
 #include "difftrain/models/clip_text_model.hpp"
 #include "difftrain/text/clip_tokenizer.hpp"
+#include "difftrain/text/t5_tokenizer.hpp"
 #include "difftrain/text/textual_inversion.hpp"
 
 namespace difftrain::text {
@@ -188,6 +193,32 @@ EncodedPrompt encode_prompt_sdxl(const CLIPTokenizer& tok1, Encoder1& enc1,
       encode_detail::per_image(at::cat({n1, n2.to(n1.scalar_type())}, -1), o.num_images_per_prompt);
   out.negative_pooled_prompt_embeds = encode_detail::per_image(neg_pooled, o.num_images_per_prompt);
   return out;
+}
+
+/// SD3's and Flux's T5 prompt embeddings (diffusers' _get_t5_prompt_embeds): (B · n,
+/// max_sequence_length, d_model), in the encoder's dtype. The pipelines pass no attention mask:
+/// the padding is attended to, as the models were trained.
+template <class Encoder>
+at::Tensor t5_prompt_embeds(const T5Tokenizer& tokenizer, Encoder& encoder,
+                            const std::vector<std::string>& prompts,
+                            std::int64_t max_sequence_length = 256,
+                            std::int64_t num_images_per_prompt = 1) {
+  if (prompts.empty()) throw ConfigError("no prompts", "t5_prompt_embeds");
+  if (max_sequence_length < 1)
+    throw ConfigError(
+        "max_sequence_length " + std::to_string(max_sequence_length) + " must be at least 1",
+        "t5_prompt_embeds");
+  if (num_images_per_prompt < 1)
+    throw ConfigError("num_images_per_prompt must be at least 1", "t5_prompt_embeds");
+  EncodeOptions o;
+  o.max_length = max_sequence_length;
+  const BatchEncoding b = tokenizer(prompts, o);
+  std::vector<std::int64_t> flat;
+  for (const auto& row : b.input_ids) flat.insert(flat.end(), row.begin(), row.end());
+  const at::Tensor ids = at::tensor(flat, at::kLong)
+                             .view({static_cast<std::int64_t>(prompts.size()), -1})
+                             .to(encoder->shared->weight.device());
+  return encode_detail::per_image(encoder->forward(ids).last_hidden_state, num_images_per_prompt);
 }
 
 }  // namespace difftrain::text
