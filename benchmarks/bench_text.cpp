@@ -3,6 +3,9 @@
 //     tokenizers (the backend of transformers' CLIPTokenizer) called from Python, both on one
 //     core, on the same 2,000 captions with SD's vocabulary; difftrain's time per pass / the
 //     baseline's (goal <= 1).
+//   t5_tokenizer_vs_hf_tokenizers: difftrain's T5Tokenizer against the same Rust library running
+//     transformers' T5Tokenizer, one core each, on the same 2,000 captions with a 4,000-piece
+//     T5-layout Unigram model trained for the benchmark (goal <= 1).
 //   clip_text_encoder_vs_transformers: SD 1.x's CLIP ViT-L/14 text encoder, forward and backward
 //     of a (2, 77) batch on the CPU, against transformers' CLIPTextModel in eager mode with the
 //     same threads (goal <= 1); _paired alternates blocks of both sides (paired.hpp) and reports
@@ -12,6 +15,7 @@
 #include <ATen/Parallel.h>
 #include <difftrain/models/clip_text_model.hpp>
 #include <difftrain/text/clip_tokenizer.hpp>
+#include <difftrain/text/t5_tokenizer.hpp>
 
 #include <chrono>
 #include <filesystem>
@@ -54,6 +58,44 @@ void difftrain_tokenizer(benchmark::State& state) {
   }
   const auto tok = difftrain::text::CLIPTokenizer::from_folder(folder() / "sd15");
   std::ifstream in(folder() / "texts.json");
+  const auto texts = nlohmann::json::parse(in).get<std::vector<std::string>>();
+  for (const auto& t : texts) benchmark::DoNotOptimize(tok.encode(t));
+  for (auto _ : state) {
+    const auto start = std::chrono::steady_clock::now();
+    for (const auto& t : texts) benchmark::DoNotOptimize(tok.encode(t));
+    state.SetIterationTime(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+}
+
+const std::filesystem::path& t5_folder() {
+  static const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / "difftrain-bench-t5-tokenizer";
+  return dir;
+}
+
+double t5_baseline_seconds(std::string& why) {
+  static std::string reason;
+  static const double seconds = difftrain::bench::python_seconds_per_step(
+      difftrain::bench::python_script("python_t5_tokenizer.py") + " " + t5_folder().string(),
+      &reason);
+  why = reason;
+  return seconds;
+}
+
+void hf_t5_tokenizer(benchmark::State& state) {
+  std::string why;
+  difftrain::bench::report_baseline(state, t5_baseline_seconds(why), why);
+}
+
+void difftrain_t5_tokenizer(benchmark::State& state) {
+  std::string why;
+  if (t5_baseline_seconds(why) <= 0) {
+    state.SkipWithError(("no tokenizer model: the Python baseline did not run: " + why).c_str());
+    return;
+  }
+  const auto tok = difftrain::text::T5Tokenizer::from_folder(t5_folder() / "t5");
+  std::ifstream in(t5_folder() / "texts.json");
   const auto texts = nlohmann::json::parse(in).get<std::vector<std::string>>();
   for (const auto& t : texts) benchmark::DoNotOptimize(tok.encode(t));
   for (auto _ : state) {
@@ -143,3 +185,5 @@ BENCHMARK(text_encoder_paired)
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(hf_tokenizers)->Name("clip_tokenizer_vs_hf_tokenizers/baseline")->UseManualTime();
 BENCHMARK(difftrain_tokenizer)->Name("clip_tokenizer_vs_hf_tokenizers/difftrain")->UseManualTime();
+BENCHMARK(hf_t5_tokenizer)->Name("t5_tokenizer_vs_hf_tokenizers/baseline")->UseManualTime();
+BENCHMARK(difftrain_t5_tokenizer)->Name("t5_tokenizer_vs_hf_tokenizers/difftrain")->UseManualTime();

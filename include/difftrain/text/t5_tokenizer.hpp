@@ -104,7 +104,8 @@ class PrecompiledCharsMap {
     std::size_t begin = 0;
     std::string bytes;
     for (const std::size_t end : grapheme_ends(s)) {
-      bytes = u32_to_utf8(std::u32string_view(s).substr(begin, end - begin));
+      bytes.clear();
+      for (std::size_t i = begin; i < end && bytes.size() < 6; ++i) append_utf8(bytes, s[i]);
       if (bytes.size() < 6) {
         if (const auto r = transform(bytes)) {
           out += utf8_to_u32(*r, where_ + " replacement");

@@ -160,6 +160,14 @@ inline bool is_number(char32_t c) {
 inline std::vector<std::size_t> grapheme_ends(std::u32string_view s) {
   std::vector<std::size_t> ends;
   if (s.empty()) return ends;
+  bool ascii = true;
+  for (const char32_t c : s) ascii = ascii && c < 0x80;
+  if (ascii) {  // every ASCII character is a cluster of its own, except CR LF
+    ends.reserve(s.size());
+    for (std::size_t i = 0; i < s.size(); ++i)
+      if (!(s[i] == U'\r' && i + 1 < s.size() && s[i + 1] == U'\n')) ends.push_back(i + 1);
+    return ends;
+  }
   std::u16string u16;
   std::vector<std::size_t> cp_at;  // UTF-16 offset -> code-point index
   u16.reserve(s.size());
@@ -176,14 +184,23 @@ inline std::vector<std::size_t> grapheme_ends(std::u32string_view s) {
     }
   }
   cp_at.push_back(s.size());
+  // One iterator per thread, given new text each call (opening one loads ICU's rules).
+  struct Iterator {
+    UBreakIterator* it = nullptr;
+    ~Iterator() {
+      if (it != nullptr) ubrk_close(it);
+    }
+  };
+  thread_local Iterator cached;
   UErrorCode status = U_ZERO_ERROR;
-  UBreakIterator* it = ubrk_open(UBRK_CHARACTER, "", reinterpret_cast<const UChar*>(u16.data()),
-                                 static_cast<int32_t>(u16.size()), &status);
+  if (cached.it == nullptr) cached.it = ubrk_open(UBRK_CHARACTER, "", nullptr, 0, &status);
+  if (U_SUCCESS(status))
+    ubrk_setText(cached.it, reinterpret_cast<const UChar*>(u16.data()),
+                 static_cast<int32_t>(u16.size()), &status);
   if (U_FAILURE(status))
     throw IoError(std::string("ICU cannot segment text: ") + u_errorName(status), "text");
-  for (int32_t b = ubrk_next(it); b != UBRK_DONE; b = ubrk_next(it))
+  for (int32_t b = ubrk_next(cached.it); b != UBRK_DONE; b = ubrk_next(cached.it))
     ends.push_back(cp_at[static_cast<std::size_t>(b)]);
-  ubrk_close(it);
   return ends;
 }
 
