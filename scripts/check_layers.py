@@ -18,6 +18,7 @@ ALLOWED = {
                     "distributed"},
     "models": {"core", "io", "nn", "models"},
     "text": {"core", "io", "nn", "models", "text"},
+    "data": {"core", "io", "data"},
     "adapters": {"core", "io", "log", "nn", "schedule", "ema", "diffusion", "train", "models",
                  "text", "adapters"},
 }

@@ -1,0 +1,246 @@
+// Image files as the training scripts open them (PIL: open, exif_transpose, convert("RGB")):
+// tests/reference/ref_images.py writes every kind of JPEG, PNG and WebP with Pillow and the pixels
+// PIL gives; the decoder must give the same, and refuse hostile files with typed errors.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <difftrain/data/image.hpp>
+#include <difftrain/data/image_folder.hpp>
+#include <difftrain/io/remove_tree.hpp>
+#include <difftrain/io/safetensors.hpp>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <string>
+
+#include "golden.hpp"
+
+namespace dt = difftrain;
+namespace data = difftrain::data;
+namespace tst = difftrain::test;
+namespace fs = std::filesystem;
+
+namespace {
+
+fs::path images_dir() { return fs::path(DIFFTRAIN_GOLDEN_DIR) / "images"; }
+
+}  // namespace
+
+// Every file: baseline, progressive, 4:2:0 / 4:2:2 / 4:4:4 and grey JPEGs; RGB, RGBA, grey,
+// grey + alpha, palette (with tRNS), 1-bit, 2-bit-valued, 16-bit colour and grey, gAMA PNGs;
+// lossless, lossless with alpha and lossy WebPs; EXIF orientations 1 to 8 (JPEG), 6 (PNG eXIf),
+// 8 (WebP). Equal to PIL's pixels to the bit; the lossy WebP (libwebp's versions may round
+// differently) within 2 levels.
+TEST(Images, DecodeAsPilOpensTransposesAndConverts) {
+  const auto& g = tst::golden("images.json");
+  const auto want = dt::io::load_safetensors(images_dir() / "expected.safetensors", true).tensors;
+  ASSERT_GE(want.size(), 30U);
+  for (const auto& [name, expected] : want) {
+    SCOPED_TRACE(name);
+    const data::DecodedImage got = data::read_image(images_dir() / "good" / name);
+    ASSERT_EQ(got.pixels.sizes(), expected.sizes());
+    ASSERT_EQ(got.pixels.scalar_type(), at::kByte);
+    const auto diff = (got.pixels.to(at::kInt) - expected.to(at::kInt)).abs();
+    const int worst = diff.max().item<int>();
+    if (g["exact"][name].get<bool>())
+      EXPECT_EQ(worst, 0) << "at " << diff.argmax().item<std::int64_t>();
+    else
+      EXPECT_LE(worst, 2);
+    if (name.starts_with("orientation_")) {
+      const int o = name[12] - '0';
+      EXPECT_EQ(got.exif_orientation, o);
+      EXPECT_EQ(got.stored_width, 37);
+      EXPECT_EQ(got.pixels.size(1), o >= 5 ? 23 : 37);
+    }
+  }
+}
+
+// Damaged, truncated and foreign files, decompression bombs (a header claiming 10^10 pixels) and
+// CMYK JPEGs are FormatErrors naming the file and the problem, before any pixel memory is taken.
+TEST(Images, HostileFilesAreFormatErrorsSayingWhy) {
+  const std::map<std::string, std::string> why = {
+      {"truncated.jpg", "is damaged"},
+      {"truncated_header.jpg", "missing SOS marker"},
+      {"truncated.png", "past the end of the file"},
+      {"truncated.webp", "damaged or truncated"},
+      {"empty.png", "is empty"},
+      {"gif.jpg", "is a GIF"},
+      {"bmp.png", "is a BMP"},
+      {"text.webp", "unknown kind of file"},
+      {"bomb.png", "over the limit"},
+      {"bomb.jpg", "over the limit"},
+      {"cmyk.jpg", "CMYK"},
+      {"garbage_after_magic.jpg", "has no pixels"},
+  };
+  const auto& listed = tst::golden("images.json")["hostile"];
+  ASSERT_EQ(listed.size(), why.size());
+  for (const auto& [name, message] : why) {
+    SCOPED_TRACE(name);
+    const fs::path file = images_dir() / "bad" / name;
+    try {
+      (void)data::read_image(file);
+      ADD_FAILURE() << "accepted";
+    } catch (const dt::FormatError& e) {
+      const std::string text = e.what();
+      EXPECT_NE(text.find(message), std::string::npos) << text;
+      EXPECT_NE(text.find(name), std::string::npos) << text;
+    }
+  }
+  data::ImageLimits small;
+  small.max_pixels = 1000;
+  try {
+    (void)data::read_image(images_dir() / "good" / "large_odd.jpg", small);
+    ADD_FAILURE() << "a 157x301 image under a 1000-pixel limit was accepted";
+  } catch (const dt::FormatError& e) {
+    EXPECT_NE(std::string(e.what()).find("157x301"), std::string::npos) << e.what();
+  }
+}
+
+// ---- image folders -----------------------------------------------------------------------------
+
+namespace {
+
+struct ScratchFolder {
+  fs::path dir;
+  explicit ScratchFolder(const std::string& name)
+      : dir(fs::temp_directory_path() /
+            ("difftrain-data-" + name + "-" + std::to_string(::getpid()))) {
+    dt::io::remove_tree(dir);
+    fs::create_directories(dir);
+  }
+  ~ScratchFolder() { dt::io::remove_tree(dir); }
+  void image(const fs::path& rel, const std::string& source) const {
+    fs::create_directories((dir / rel).parent_path());
+    fs::copy_file(images_dir() / "good" / source, dir / rel);
+  }
+  void text(const fs::path& rel, const std::string& content) const {
+    fs::create_directories((dir / rel).parent_path());
+    std::ofstream(dir / rel, std::ios::binary) << content;
+  }
+};
+
+const data::ImageRecord& find(const data::ImageFolder& f, const std::string& name) {
+  for (const auto& r : f.images)
+    if (r.path.filename() == name) return r;
+  throw std::runtime_error("no record for " + name);
+}
+
+}  // namespace
+
+// Captions by the rules of each tool: diffusers' metadata.jsonl / metadata.csv (file_name relative
+// to the metadata file, the chosen caption column), a sidecar .txt or .caption read whole, the web
+// UI's [filewords] (leading digits and dashes dropped; a word regex joined), kohya's "N_words"
+// folders (N repeats, the words as the caption when nothing else gives one). Sizes come from the
+// headers, after the EXIF orientation; files that are not images are skipped and reported.
+TEST(ImageFolder, CaptionsRepeatsAndSizesFollowEachToolsRules) {
+  ScratchFolder f("captions");
+  f.image("meta/a.jpg", "baseline_420.jpg");
+  f.image("meta/sub/b.png", "rgb.png");
+  f.text("meta/metadata.jsonl",
+         "{\"file_name\": \"a.jpg\", \"text\": \"a photo of a sneaker\", \"other\": 1}\n\n"
+         "{\"file_name\": \"sub/b.png\", \"text\": \"a boot, \\\"quoted\\\"\"}\n");
+  f.image("csv/c.webp", "lossless.webp");
+  f.text("csv/metadata.csv", "file_name,text\nc.webp,\"a shirt, white\nwith a second line\"\n");
+  f.image("side/d.jpg", "orientation_6.jpg");
+  f.text("side/d.txt", "  a bag, leather\n");
+  f.image("side/e.png", "grey.png");
+  f.text("side/e.caption", "a coat");
+  f.image("names/00012-3 a red dress.png", "palette.png");
+  f.image("names/-7-sandal_blue.jpg", "grey.jpg");
+  f.image("10_sks dog/f.jpg", "q75_444.jpg");
+  f.image("10_sks dog/g.jpg", "q95_422.jpg");
+  f.text("10_sks dog/g.txt", "sks dog on a beach");
+  f.text("names/notes.txt", "not an image");
+  f.text("names/broken.jpg", "not a jpeg at all");
+  f.image("names/cmyk.jpg", "../bad/cmyk.jpg");
+
+  const data::ImageFolder folder = data::scan_image_folder(f.dir);
+  EXPECT_EQ(folder.images.size(), 9U);
+  EXPECT_EQ(find(folder, "a.jpg").caption, "a photo of a sneaker");
+  EXPECT_EQ(find(folder, "a.jpg").caption_source, "metadata");
+  EXPECT_EQ(find(folder, "b.png").caption, "a boot, \"quoted\"");
+  EXPECT_EQ(find(folder, "c.webp").caption, "a shirt, white\nwith a second line");
+  EXPECT_EQ(find(folder, "d.jpg").caption, "  a bag, leather\n");  // read whole, as the web UI
+  EXPECT_EQ(find(folder, "d.jpg").caption_source, "sidecar");
+  EXPECT_EQ(find(folder, "e.png").caption, "a coat");
+  EXPECT_EQ(find(folder, "00012-3 a red dress.png").caption, "a red dress");
+  EXPECT_EQ(find(folder, "00012-3 a red dress.png").caption_source, "filename");
+  EXPECT_EQ(find(folder, "-7-sandal_blue.jpg").caption, "sandal_blue");
+  EXPECT_EQ(find(folder, "f.jpg").caption, "sks dog");
+  EXPECT_EQ(find(folder, "f.jpg").caption_source, "folder");
+  EXPECT_EQ(find(folder, "f.jpg").repeats, 10);
+  EXPECT_EQ(find(folder, "g.jpg").caption, "sks dog on a beach");
+  EXPECT_EQ(find(folder, "g.jpg").repeats, 10);
+  EXPECT_EQ(find(folder, "a.jpg").repeats, 1);
+  EXPECT_EQ(folder.epoch_size(), 7 + 20);
+  // Sizes after the orientation: orientation 6 turns the 37x23 picture to 23x37.
+  EXPECT_EQ(find(folder, "d.jpg").width, 23);
+  EXPECT_EQ(find(folder, "d.jpg").height, 37);
+  EXPECT_EQ(find(folder, "a.jpg").width, 37);
+  ASSERT_EQ(folder.skipped.size(), 2U);
+  for (const auto& s : folder.skipped) {
+    EXPECT_TRUE(s.path.filename() == "broken.jpg" || s.path.filename() == "cmyk.jpg") << s.path;
+    EXPECT_NE(s.reason.find(s.path.filename().string()), std::string::npos) << s.reason;
+  }
+
+  data::ImageFolderOptions words;
+  words.filename_word_regex = "[a-z]+";
+  words.filename_join = ", ";
+  EXPECT_EQ(data::filewords("00012-3 a red dress.png", words), "a, red, dress");
+  EXPECT_EQ(data::filewords("-7-sandal_blue.jpg", words), "sandal, blue");
+  EXPECT_EQ(data::filewords("2024 12 photo.png"), "12 photo");
+}
+
+TEST(ImageFolder, MistakesAreTypedErrorsNamingThem) {
+  {
+    ScratchFolder f("empty");
+    f.text("readme.txt", "no images here");
+    try {
+      (void)data::scan_image_folder(f.dir);
+      ADD_FAILURE() << "an empty folder was accepted";
+    } catch (const dt::ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("no JPEG, PNG or WebP"), std::string::npos) << e.what();
+    }
+  }
+  {
+    ScratchFolder f("column");
+    f.image("a.jpg", "baseline_420.jpg");
+    f.text("metadata.jsonl", "{\"file_name\": \"a.jpg\", \"caption\": \"x\"}\n");
+    try {
+      (void)data::scan_image_folder(f.dir);
+      ADD_FAILURE() << "a missing caption column was accepted";
+    } catch (const dt::ConfigError& e) {
+      const std::string w = e.what();
+      EXPECT_NE(w.find("'text'"), std::string::npos) << w;
+      EXPECT_NE(w.find("caption"), std::string::npos) << w;
+      EXPECT_NE(w.find("line 1"), std::string::npos) << w;
+    }
+    data::ImageFolderOptions o;
+    o.caption_column = "caption";
+    EXPECT_EQ(data::scan_image_folder(f.dir, o).images.at(0).caption, "x");
+  }
+  {
+    ScratchFolder f("csv");
+    f.image("a.jpg", "baseline_420.jpg");
+    f.text("metadata.csv", "file_name,text\na.jpg,\"unclosed\n");
+    try {
+      (void)data::scan_image_folder(f.dir);
+      ADD_FAILURE() << "an unclosed quote was accepted";
+    } catch (const dt::FormatError& e) {
+      EXPECT_NE(std::string(e.what()).find("metadata.csv"), std::string::npos) << e.what();
+    }
+  }
+  {
+    ScratchFolder f("big");
+    f.image("a.jpg", "large_odd.jpg");
+    f.image("b.jpg", "baseline_420.jpg");
+    data::ImageFolderOptions o;
+    o.limits.max_pixels = 1000;
+    const auto folder = data::scan_image_folder(f.dir, o);
+    ASSERT_EQ(folder.images.size(), 1U);
+    ASSERT_EQ(folder.skipped.size(), 1U);
+    EXPECT_NE(folder.skipped[0].reason.find("over the limit"), std::string::npos);
+  }
+  EXPECT_THROW((void)data::scan_image_folder("/no/such/folder"), dt::IoError);
+}
