@@ -6,11 +6,13 @@
 
 #include <difftrain/data/image.hpp>
 #include <difftrain/data/image_folder.hpp>
+#include <difftrain/data/transforms.hpp>
 #include <difftrain/io/remove_tree.hpp>
 #include <difftrain/io/safetensors.hpp>
 
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <map>
 #include <string>
 
@@ -243,4 +245,91 @@ TEST(ImageFolder, MistakesAreTypedErrorsNamingThem) {
     EXPECT_NE(folder.skipped[0].reason.find("over the limit"), std::string::npos);
   }
   EXPECT_THROW((void)data::scan_image_folder("/no/such/folder"), dt::IoError);
+}
+
+// ---- transforms --------------------------------------------------------------------------------
+
+// torchvision.transforms.v2.functional on the same uint8 tensors: resize (nearest, bilinear and
+// bicubic, with and without antialiasing, down and up, (h, w), max_size), center crops (odd
+// anchors rounded half to even, zero padding), RandomCrop's corners from the same seed, the flip
+// and ToTensor + Normalize: equal to the bit.
+TEST(Transforms, EqualTorchvisionToTheBit) {
+  const auto& g = tst::golden("transforms.json");
+  const auto t = dt::io::load_safetensors(images_dir() / "transforms.safetensors", true).tensors;
+  for (const auto& c : g["resize"]) {
+    const std::string name = c["name"];
+    SCOPED_TRACE(name);
+    const std::string mode = c["mode"];
+    const auto interp = mode == "nearest"    ? data::Interpolation::nearest
+                        : mode == "bilinear" ? data::Interpolation::bilinear
+                                             : data::Interpolation::bicubic;
+    std::optional<std::int64_t> max_size;
+    if (!c["max_size"].is_null()) max_size = c["max_size"].get<std::int64_t>();
+    const at::Tensor got = data::resize(t.at("pic." + c["pic"].get<std::string>()),
+                                        c["size"].get<std::vector<std::int64_t>>(), interp,
+                                        c["antialias"].get<bool>(), max_size);
+    const at::Tensor& want = t.at("resize." + name);
+    ASSERT_EQ(got.sizes(), want.sizes());
+    EXPECT_TRUE(got.equal(want)) << "max difference "
+                                 << (got.to(at::kInt) - want.to(at::kInt)).abs().max().item<int>();
+  }
+  for (const auto& c : g["center_crop"]) {
+    const std::string name = c["name"];
+    SCOPED_TRACE(name);
+    const at::Tensor got =
+        data::center_crop(t.at("pic." + c["pic"].get<std::string>()), c["h"].get<std::int64_t>(),
+                          c["w"].get<std::int64_t>());
+    EXPECT_TRUE(got.equal(t.at("center." + name)));
+  }
+  for (const auto& c : g["random_crop"]) {
+    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(c["seed"].get<std::uint64_t>());
+    data::CropCorner corner;
+    const at::Tensor crop = data::random_crop(t.at("pic.noise"), c["h"].get<std::int64_t>(),
+                                              c["w"].get<std::int64_t>(), gen, &corner);
+    EXPECT_EQ(corner.top, c["top"].get<std::int64_t>()) << c;
+    EXPECT_EQ(corner.left, c["left"].get<std::int64_t>()) << c;
+    EXPECT_EQ(crop.size(-2), c["h"].get<std::int64_t>());
+  }
+  EXPECT_TRUE(data::horizontal_flip(t.at("pic.small")).equal(t.at("flip.small")));
+  EXPECT_TRUE(data::to_unit_range(t.at("pic.small")).equal(t.at("unit.small")));
+}
+
+// Against PIL's resize (what diffusers' scripts run on PIL images): the share of values within
+// one level, bilinear and bicubic, to 64 and 128 pixels on the shorter side of a 157x301 JPEG.
+// Antialiased resampling in both, with different filters' support and rounding: the goal is
+// at least 99 % within 1/255.
+TEST(Transforms, ResizeIsWithinOneLevelOfPilAlmostEverywhere) {
+  const auto t = dt::io::load_safetensors(images_dir() / "transforms.safetensors", true).tensors;
+  for (const char* mode : {"bilinear", "bicubic"})
+    for (const int size : {64, 128}) {
+      const std::string key = std::string("pil.") + mode + "." + std::to_string(size);
+      SCOPED_TRACE(key);
+      const at::Tensor pil = t.at(key);
+      const at::Tensor got =
+          data::resize(t.at("pic.large"), {size},
+                       std::string(mode) == "bilinear" ? data::Interpolation::bilinear
+                                                       : data::Interpolation::bicubic);
+      ASSERT_EQ(got.sizes(), pil.sizes());
+      const at::Tensor diff = (got.to(at::kInt) - pil.to(at::kInt)).abs();
+      const double within = (diff <= 1).to(at::kDouble).mean().item<double>();
+      RecordProperty(key, std::to_string(within));
+      std::cout << key << ": " << within * 100 << " % within one level, largest difference "
+                << diff.max().item<int>() << "\n";
+      EXPECT_GE(within, 0.99);
+    }
+}
+
+TEST(Transforms, BadArgumentsAreTypedErrors) {
+  const at::Tensor img = at::zeros({3, 10, 20}, at::kByte);
+  EXPECT_THROW((void)data::resize(img, {}), dt::ConfigError);
+  EXPECT_THROW((void)data::resize(img, {0}), dt::ConfigError);
+  EXPECT_THROW((void)data::resize(img, {8}, data::Interpolation::bilinear, true, 8),
+               dt::ConfigError);
+  EXPECT_THROW((void)data::resize(at::zeros({10, 20}, at::kByte), {8}), dt::ShapeError);
+  EXPECT_THROW((void)data::center_crop(img, 0, 4), dt::ConfigError);
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(1);
+  EXPECT_THROW((void)data::random_crop(img, 11, 4, gen), dt::ShapeError);
+  EXPECT_THROW((void)data::to_unit_range(img.to(at::kFloat)), dt::ShapeError);
+  EXPECT_EQ(data::resized_size(10, 20, {5}), (std::array<std::int64_t, 2>{5, 10}));
+  EXPECT_EQ(data::resized_size(20, 10, {5}, 8), (std::array<std::int64_t, 2>{8, 4}));
 }
