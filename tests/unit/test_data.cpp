@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <difftrain/data/buckets.hpp>
 #include <difftrain/data/image.hpp>
 #include <difftrain/data/image_folder.hpp>
 #include <difftrain/data/transforms.hpp>
@@ -332,4 +333,80 @@ TEST(Transforms, BadArgumentsAreTypedErrors) {
   EXPECT_THROW((void)data::to_unit_range(img.to(at::kFloat)), dt::ShapeError);
   EXPECT_EQ(data::resized_size(10, 20, {5}), (std::array<std::int64_t, 2>{5, 10}));
   EXPECT_EQ(data::resized_size(20, 10, {5}, 8), (std::array<std::int64_t, 2>{8, 4}));
+}
+
+// ---- aspect-ratio buckets ----------------------------------------------------------------------
+
+// kohya's bucket tables and choices (tests/reference/ref_buckets.py transcribes sd-scripts'
+// make_bucket_resolutions and select_bucket): SD 1.x, SD 2.x, SDXL and 32-pixel-step settings
+// with and without no_upscale, on 424 image sizes each (random from 200 to 5000 pixels a side,
+// extremes, exact bucket sizes): the same table, bucket, resized size and aspect error.
+TEST(Buckets, TablesAndChoicesEqualKohyas) {
+  const auto& g = tst::golden("buckets.json");
+  for (const auto& c : g["configs"]) {
+    SCOPED_TRACE(c["name"].get<std::string>());
+    data::BucketOptions o;
+    o.max_width = c["max_width"];
+    o.max_height = c["max_height"];
+    o.min_size = c["min_size"];
+    o.max_size = c["max_size"];
+    o.steps = c["steps"];
+    o.no_upscale = c["no_upscale"];
+    const data::BucketManager m(o);
+    std::vector<data::Bucket> want_table;
+    for (const auto& r : c["table"]) want_table.emplace_back(r[0], r[1]);
+    EXPECT_EQ(m.table(), want_table);
+    const auto& sizes = c["sizes"];
+    ASSERT_GE(sizes.size(), 400U);
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      const data::BucketChoice got = m.select(sizes[i][0], sizes[i][1]);
+      const auto& want = c["choices"][i];
+      ASSERT_EQ(got.bucket, (data::Bucket{want[0][0], want[0][1]})) << sizes[i];
+      EXPECT_EQ(got.resized_width, want[1][0].get<std::int64_t>()) << sizes[i];
+      EXPECT_EQ(got.resized_height, want[1][1].get<std::int64_t>()) << sizes[i];
+      EXPECT_NEAR(got.aspect_error, want[2].get<double>(), 1e-12) << sizes[i];
+      EXPECT_GE(got.resized_width, got.bucket.first) << sizes[i];  // the crop fits
+      EXPECT_GE(got.resized_height, got.bucket.second) << sizes[i];
+    }
+  }
+}
+
+// Every batch holds one bucket's images; every image appears its repeats times per epoch; the
+// order is fixed by seed and epoch and changes with either.
+TEST(Buckets, BatchesHoldOneBucketEachAndFollowTheSeed) {
+  std::vector<data::Bucket> buckets;
+  std::vector<std::int64_t> repeats;
+  for (std::size_t i = 0; i < 53; ++i) {
+    buckets.push_back(i % 3 == 0   ? data::Bucket{512, 512}
+                      : i % 3 == 1 ? data::Bucket{576, 448}
+                                   : data::Bucket{448, 576});
+    repeats.push_back(i % 5 == 0 ? 2 : 1);
+  }
+  const auto a = data::bucket_batches(buckets, repeats, 4, 7, 0);
+  std::vector<std::size_t> seen(buckets.size(), 0);
+  for (const auto& batch : a) {
+    ASSERT_FALSE(batch.empty());
+    EXPECT_LE(batch.size(), 4U);
+    for (const auto i : batch) {
+      EXPECT_EQ(buckets[i], buckets[batch.front()]);
+      ++seen[i];
+    }
+  }
+  for (std::size_t i = 0; i < buckets.size(); ++i)
+    EXPECT_EQ(seen[i], static_cast<std::size_t>(repeats[i])) << i;
+  EXPECT_EQ(a, data::bucket_batches(buckets, repeats, 4, 7, 0));
+  EXPECT_NE(a, data::bucket_batches(buckets, repeats, 4, 7, 1));
+  EXPECT_NE(a, data::bucket_batches(buckets, repeats, 4, 8, 0));
+  const std::string table = data::describe_buckets(buckets, repeats);
+  EXPECT_NE(table.find("number of buckets: 3"), std::string::npos) << table;
+  EXPECT_NE(table.find("resolution (512, 512), count: 22"), std::string::npos) << table;
+  EXPECT_THROW((void)data::bucket_batches(buckets, repeats, 0, 1, 0), dt::ConfigError);
+  EXPECT_THROW((void)data::bucket_batches(buckets, {1, 2}, 4, 1, 0), dt::ShapeError);
+  data::BucketOptions bad;
+  bad.max_size = 256;
+  EXPECT_THROW(data::BucketManager{bad}, dt::ConfigError);
+  bad = {};
+  bad.min_size = 250;
+  EXPECT_THROW(data::BucketManager{bad}, dt::ConfigError);
+  EXPECT_THROW((void)data::BucketManager({}).select(0, 10), dt::ShapeError);
 }
