@@ -7,15 +7,18 @@
 #include <difftrain/data/buckets.hpp>
 #include <difftrain/data/image.hpp>
 #include <difftrain/data/image_folder.hpp>
+#include <difftrain/data/loader.hpp>
 #include <difftrain/data/transforms.hpp>
 #include <difftrain/io/remove_tree.hpp>
 #include <difftrain/io/safetensors.hpp>
 
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <map>
 #include <string>
+#include <thread>
 
 #include "golden.hpp"
 
@@ -157,6 +160,7 @@ TEST(ImageFolder, CaptionsRepeatsAndSizesFollowEachToolsRules) {
   f.text("names/notes.txt", "not an image");
   f.text("names/broken.jpg", "not a jpeg at all");
   f.image("names/cmyk.jpg", "../bad/cmyk.jpg");
+  f.image("names/cut.jpg", "../bad/truncated.jpg");  // damaged after its header
 
   const data::ImageFolder folder = data::scan_image_folder(f.dir);
   EXPECT_EQ(folder.images.size(), 9U);
@@ -181,11 +185,17 @@ TEST(ImageFolder, CaptionsRepeatsAndSizesFollowEachToolsRules) {
   EXPECT_EQ(find(folder, "d.jpg").width, 23);
   EXPECT_EQ(find(folder, "d.jpg").height, 37);
   EXPECT_EQ(find(folder, "a.jpg").width, 37);
-  ASSERT_EQ(folder.skipped.size(), 2U);
+  ASSERT_EQ(folder.skipped.size(), 3U);
   for (const auto& s : folder.skipped) {
-    EXPECT_TRUE(s.path.filename() == "broken.jpg" || s.path.filename() == "cmyk.jpg") << s.path;
+    EXPECT_TRUE(s.path.filename() == "broken.jpg" || s.path.filename() == "cmyk.jpg" ||
+                s.path.filename() == "cut.jpg")
+        << s.path;
     EXPECT_NE(s.reason.find(s.path.filename().string()), std::string::npos) << s.reason;
   }
+
+  data::ImageFolderOptions headers_only;
+  headers_only.verify_pixels = false;  // the damage after the header is found later, by decoding
+  EXPECT_EQ(data::scan_image_folder(f.dir, headers_only).skipped.size(), 2U);
 
   data::ImageFolderOptions words;
   words.filename_word_regex = "[a-z]+";
@@ -409,4 +419,95 @@ TEST(Buckets, BatchesHoldOneBucketEachAndFollowTheSeed) {
   bad.min_size = 250;
   EXPECT_THROW(data::BucketManager{bad}, dt::ConfigError);
   EXPECT_THROW((void)data::BucketManager({}).select(0, 10), dt::ShapeError);
+}
+
+// ---- the loader --------------------------------------------------------------------------------
+
+// Items come in index order whatever the number of workers (and as made on the consumer's thread
+// with none); no more than `prefetch` are made ahead; a worker's error reaches the consumer at its
+// item, with its type.
+TEST(Loader, OrderIsTheIndexOrderAndMemoryIsBounded) {
+  auto make = [](std::size_t i) {
+    std::this_thread::sleep_for(std::chrono::microseconds((i * 7919) % 300));
+    return std::vector<std::size_t>{i, i * i};
+  };
+  std::vector<std::vector<std::size_t>> first;
+  for (const std::size_t workers : {0, 1, 2, 4}) {
+    SCOPED_TRACE(workers);
+    data::ParallelLoader<std::vector<std::size_t>> loader(60, make, workers, 3);
+    std::vector<std::vector<std::size_t>> got;
+    while (auto item = loader.next()) got.push_back(*item);
+    ASSERT_EQ(got.size(), 60U);
+    if (first.empty()) first = got;
+    EXPECT_EQ(got, first);
+    EXPECT_LE(loader.peak_ahead(), 3U);
+  }
+  data::ParallelLoader<int> failing(
+      10,
+      [](std::size_t i) -> int {
+        if (i == 5) throw dt::FormatError("is damaged", "image 5");
+        return static_cast<int>(i);
+      },
+      3, 4);
+  for (int i = 0; i < 5; ++i) EXPECT_EQ(*failing.next(), i);
+  EXPECT_THROW((void)failing.next(), dt::FormatError);
+}
+
+// Bucketed batches of a folder of assorted sizes and orientations: each batch is one bucket's
+// shape, values in [-1, 1], original sizes and crop corners recorded; the same pixels, captions
+// and corners with 1 and 3 workers, and another order in another epoch.
+TEST(Loader, ImageBatchesAreTheSameWithAnyNumberOfWorkers) {
+  ScratchFolder f("loader");
+  const std::vector<std::string> sources = {
+      "baseline_420.jpg", "orientation_6.jpg", "rgb.png",     "large_odd.jpg", "lossless.webp",
+      "grey.png",         "orientation_3.jpg", "palette.png", "q75_444.jpg"};
+  for (std::size_t i = 0; i < sources.size(); ++i) {
+    f.image("img" + std::to_string(i) + "_" + sources[i], sources[i]);
+    f.text("img" + std::to_string(i) + "_" + fs::path(sources[i]).stem().string() + ".txt",
+           "caption " + std::to_string(i));
+  }
+  const data::ImageFolder folder = data::scan_image_folder(f.dir);
+  data::BucketOptions bo;
+  bo.max_width = bo.max_height = 64;
+  bo.min_size = 32;
+  bo.max_size = 128;
+  bo.steps = 16;
+  const data::BucketManager buckets(bo);
+  auto epoch = [&](std::size_t workers, std::uint64_t e) {
+    data::ImageBatchOptions o;
+    o.batch_size = 2;
+    o.random_crop = true;
+    o.flip_p = 0.5;
+    o.seed = 11;
+    o.workers = workers;
+    data::ImageBatches batches(folder, buckets, o, e);
+    std::vector<data::ImageBatch> out;
+    while (auto b = batches.next()) out.push_back(std::move(*b));
+    return out;
+  };
+  const auto one = epoch(1, 0), three = epoch(3, 0), other = epoch(3, 1);
+  ASSERT_EQ(one.size(), three.size());
+  std::size_t images = 0;
+  for (std::size_t b = 0; b < one.size(); ++b) {
+    EXPECT_TRUE(one[b].pixels.equal(three[b].pixels)) << b;
+    EXPECT_EQ(one[b].indices, three[b].indices);
+    EXPECT_EQ(one[b].crop_top_left, three[b].crop_top_left);
+    EXPECT_EQ(one[b].captions, three[b].captions);
+    const auto& first = folder.images[one[b].indices[0]];
+    const auto choice = buckets.select(first.width, first.height);
+    EXPECT_EQ(one[b].pixels.size(2), choice.bucket.second);
+    EXPECT_EQ(one[b].pixels.size(3), choice.bucket.first);
+    EXPECT_LE(one[b].pixels.abs().max().item<float>(), 1.0f);
+    for (std::size_t k = 0; k < one[b].indices.size(); ++k) {
+      const auto& r = folder.images[one[b].indices[k]];
+      EXPECT_EQ(one[b].original_sizes[k], (std::array<std::int64_t, 2>{r.height, r.width}));
+      EXPECT_EQ(one[b].captions[k], "caption " + r.path.filename().string().substr(3, 1));
+    }
+    images += one[b].indices.size();
+  }
+  EXPECT_EQ(images, sources.size());
+  std::vector<std::vector<std::size_t>> order_one, order_other;
+  for (const auto& b : one) order_one.push_back(b.indices);
+  for (const auto& b : other) order_other.push_back(b.indices);
+  EXPECT_NE(order_one, order_other);
 }

@@ -16,9 +16,9 @@
 // Repeats: kohya's "N_words" folder names give each image in them N repeats (1 otherwise).
 //
 // Each image's header is read (its size, after its EXIF orientation; aspect-ratio buckets need
-// it) but not its pixels; a file that cannot be read as an image is reported once (path and
-// reason), skipped and counted. An empty folder, a caption column that does not exist and
-// unreadable metadata are typed errors.
+// it) and, unless verify_pixels is off, its pixels decoded once; a file that cannot be read as an
+// image is reported once (path and reason), skipped and counted. An empty folder, a caption column
+// that does not exist and unreadable metadata are typed errors.
 
 #include <turbojpeg.h>
 #include <webp/decode.h>
@@ -51,6 +51,9 @@ struct ImageFolderOptions {
   std::string filename_word_regex;
   std::string filename_join = " ";  ///< the web UI's dataset_filename_join_string
   bool kohya_repeat_folders = true;
+  /// Decode every image once while scanning, so a file damaged after its header is skipped and
+  /// reported here rather than failing a batch later (costs one decode per image).
+  bool verify_pixels = true;
   ImageLimits limits;
 };
 
@@ -325,6 +328,7 @@ inline ImageFolder scan_image_folder(const std::filesystem::path& root,
       const std::vector<char> bytes = io::read_file(f);
       r.format = detect_image_format(bytes, f.string());
       std::tie(r.width, r.height) = probe_size(bytes, r.format, o.limits, f.string());
+      if (o.verify_pixels) (void)decode_image(bytes, f.string(), o.limits);
     } catch (const Error& e) {
       out.skipped.push_back({f, e.what()});
       continue;
