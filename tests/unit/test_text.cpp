@@ -281,6 +281,23 @@ double scaled_error(const at::Tensor& a, const at::Tensor& b) {
   return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>() / scale;
 }
 
+// Every parameter's gradient equals the reference's "grad.<name>" (float64, 1e-10 of its scale),
+// and the reference has no gradient the model lacks.
+void expect_gradients_match(const torch::nn::Module& model,
+                            const std::map<std::string, at::Tensor>& io) {
+  std::size_t compared = 0;
+  for (const auto& p : model.named_parameters(true)) {
+    const auto it = io.find("grad." + p.key());
+    ASSERT_NE(it, io.end()) << "no reference gradient for " << p.key();
+    ASSERT_TRUE(p.value().grad().defined()) << p.key();
+    EXPECT_LT(scaled_error(p.value().grad(), it->second), 1e-10) << p.key();
+    ++compared;
+  }
+  const auto reference_grads = std::count_if(
+      io.begin(), io.end(), [](const auto& e) { return e.first.starts_with("grad."); });
+  EXPECT_EQ(compared, static_cast<std::size_t>(reference_grads));
+}
+
 template <class Backend>
 void check_encoder_case(const nlohmann::json& c, bool checkpointing) {
   const std::string name = c["name"].get<std::string>();
@@ -315,17 +332,7 @@ void check_encoder_case(const nlohmann::json& c, bool checkpointing) {
     loss = loss + (out.pooler_output * io.at("w_pooled")).sum();
   }
   loss.backward();
-  std::size_t compared = 0;
-  for (const auto& p : model->named_parameters(true)) {
-    const auto it = io.find("grad." + p.key());
-    ASSERT_NE(it, io.end()) << "no reference gradient for " << p.key();
-    ASSERT_TRUE(p.value().grad().defined()) << p.key();
-    EXPECT_LT(scaled_error(p.value().grad(), it->second), 1e-10) << p.key();
-    ++compared;
-  }
-  const auto reference_grads = std::count_if(
-      io.begin(), io.end(), [](const auto& e) { return e.first.starts_with("grad."); });
-  EXPECT_EQ(compared, static_cast<std::size_t>(reference_grads));
+  expect_gradients_match(*model, io);
 }
 
 }  // namespace
@@ -1134,17 +1141,7 @@ void check_t5_case(const nlohmann::json& c, bool checkpointing) {
     loss = loss + (out.hidden_states[i] * io.at("w." + k)).sum();
   }
   loss.backward();
-  std::size_t compared = 0;
-  for (const auto& p : model->named_parameters(true)) {
-    const auto it = io.find("grad." + p.key());
-    ASSERT_NE(it, io.end()) << "no reference gradient for " << p.key();
-    ASSERT_TRUE(p.value().grad().defined()) << p.key();
-    EXPECT_LT(scaled_error(p.value().grad(), it->second), 1e-10) << p.key();
-    ++compared;
-  }
-  const auto reference_grads = std::count_if(
-      io.begin(), io.end(), [](const auto& e) { return e.first.starts_with("grad."); });
-  EXPECT_EQ(compared, static_cast<std::size_t>(reference_grads));
+  expect_gradients_match(*model, io);
 }
 
 }  // namespace

@@ -59,7 +59,7 @@ inline std::array<char32_t, 256> byte_alphabet() {
 
 }  // namespace clip_detail
 
-class CLIPTokenizer {
+class CLIPTokenizer : public TokenTable {
  public:
   /// The names of transformers' special-token attributes, in the order it registers them (a
   /// later registration of the same text sets its flags).
@@ -74,10 +74,9 @@ class CLIPTokenizer {
                 std::string eos = "<|endoftext|>", std::string pad = "<|endoftext|>",
                 std::string unk = "<|endoftext|>", std::int64_t model_max_length = 77,
                 bool byte_level_regex = true, std::string where = "CLIP tokenizer")
-      : vocab_(std::move(vocab)),
+      : TokenTable(std::move(vocab), std::move(where)),
         model_max_length_(model_max_length),
-        byte_level_regex_(byte_level_regex),
-        where_(std::move(where)) {
+        byte_level_regex_(byte_level_regex) {
     std::int64_t max_id = -1;
     for (const auto& [token, id] : vocab_) {
       if (id < 0 || id > std::numeric_limits<std::int32_t>::max())
@@ -406,21 +405,6 @@ class CLIPTokenizer {
     return out;
   }
 
-  [[nodiscard]] std::optional<std::int64_t> token_to_id(const std::string& token) const {
-    for (const auto& t : added_)
-      if (t.content == token) return t.id;
-    if (const auto it = vocab_.find(token); it != vocab_.end()) return it->second;
-    return std::nullopt;
-  }
-  [[nodiscard]] const std::string& id_to_token(std::int64_t id) const {
-    if (id < 0 || id >= static_cast<std::int64_t>(id_to_token_.size()))
-      throw ConfigError("token id " + std::to_string(id) + " is not in the vocabulary", where_);
-    return id_to_token_[static_cast<std::size_t>(id)];
-  }
-  /// Every id, added tokens included (the size the text encoder's token table needs).
-  [[nodiscard]] std::int64_t size() const noexcept {
-    return static_cast<std::int64_t>(id_to_token_.size());
-  }
   /// The BPE vocabulary alone.
   [[nodiscard]] std::int64_t vocab_size() const noexcept { return base_vocab_size_; }
   [[nodiscard]] std::int64_t bos_token_id() const noexcept { return bos_; }
@@ -428,12 +412,6 @@ class CLIPTokenizer {
   [[nodiscard]] std::int64_t pad_token_id() const noexcept { return pad_; }
   [[nodiscard]] std::int64_t unk_token_id() const noexcept { return unk_; }
   [[nodiscard]] std::int64_t model_max_length() const noexcept { return model_max_length_; }
-  [[nodiscard]] const std::vector<AddedToken>& added_tokens() const noexcept { return added_; }
-  [[nodiscard]] bool is_special(std::int64_t id) const {
-    for (const auto& t : added_)
-      if (t.id == id && t.special) return true;
-    return false;
-  }
 
  private:
   struct Merge {
@@ -707,20 +685,16 @@ class CLIPTokenizer {
 
   static constexpr std::size_t kCacheCapacity = 10000;
 
-  std::unordered_map<std::string, std::int64_t> vocab_;
-  std::vector<std::string> id_to_token_;
   std::int64_t base_vocab_size_ = 0;
   std::unordered_map<std::uint64_t, Merge> merges_;
   std::array<char32_t, 256> alphabet_{};
   std::unordered_map<char32_t, std::uint8_t> byte_of_char_;
   std::array<std::int32_t, 256> byte_id_{};
   std::array<std::int32_t, 256> byte_end_id_{};
-  std::vector<AddedToken> added_;
   tokenizer_detail::AddedTokenMatcher raw_tokens_, normalized_tokens_;
   std::int64_t bos_ = -1, eos_ = -1, pad_ = -1, unk_ = -1;
   std::int64_t model_max_length_ = 77;
   bool byte_level_regex_ = true;
-  std::string where_;
   std::shared_ptr<Cache> cache_ = std::make_shared<Cache>();
 };
 

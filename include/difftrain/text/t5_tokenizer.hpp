@@ -144,7 +144,7 @@ class PrecompiledCharsMap {
   std::string where_;
 };
 
-class T5Tokenizer {
+class T5Tokenizer : public TokenTable {
  public:
   /// A piece of the Unigram vocabulary and its log-probability.
   struct Piece {
@@ -351,34 +351,13 @@ class T5Tokenizer {
     return out;
   }
 
-  [[nodiscard]] std::optional<std::int64_t> token_to_id(const std::string& token) const {
-    for (const auto& t : added_)
-      if (t.content == token) return t.id;
-    if (const auto it = vocab_.find(token); it != vocab_.end()) return it->second;
-    return std::nullopt;
-  }
-  [[nodiscard]] const std::string& id_to_token(std::int64_t id) const {
-    if (id < 0 || id >= size())
-      throw ConfigError("token id " + std::to_string(id) + " is not in the vocabulary", where_);
-    return id_to_token_[static_cast<std::size_t>(id)];
-  }
-  /// Every id, added tokens included.
-  [[nodiscard]] std::int64_t size() const noexcept {
-    return static_cast<std::int64_t>(id_to_token_.size());
-  }
   /// The Unigram vocabulary with the sentinels (32,100 for T5's).
   [[nodiscard]] std::int64_t vocab_size() const noexcept { return base_vocab_size_; }
   [[nodiscard]] std::int64_t eos_token_id() const noexcept { return eos_; }
   [[nodiscard]] std::int64_t pad_token_id() const noexcept { return pad_; }
   [[nodiscard]] std::int64_t unk_token_id() const noexcept { return unk_; }
   [[nodiscard]] std::int64_t model_max_length() const noexcept { return model_max_length_; }
-  [[nodiscard]] const std::vector<AddedToken>& added_tokens() const noexcept { return added_; }
   [[nodiscard]] const std::vector<Piece>& pieces() const noexcept { return pieces_; }
-  [[nodiscard]] bool is_special(std::int64_t id) const {
-    for (const auto& t : added_)
-      if (t.id == id && t.special) return true;
-    return false;
-  }
 
  private:
   static constexpr std::string_view kSpace = "\xE2\x96\x81";  // U+2581 "▁"
@@ -615,17 +594,13 @@ class T5Tokenizer {
   }
 
   std::vector<Piece> pieces_;
-  std::unordered_map<std::string, std::int64_t> vocab_;
-  std::vector<std::string> id_to_token_;
   std::size_t max_piece_chars_ = 1;
   double min_score_ = 0;
   std::int64_t base_vocab_size_ = 0;
   PrecompiledCharsMap charsmap_;
-  std::vector<AddedToken> added_;
   tokenizer_detail::AddedTokenMatcher added_matcher_;
   std::int64_t eos_ = 1, unk_ = 2, pad_ = 0;
   std::int64_t model_max_length_ = std::numeric_limits<std::int64_t>::max();
-  std::string where_;
 };
 
 }  // namespace difftrain::text

@@ -7,7 +7,9 @@
 #include <cstdint>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -44,6 +46,43 @@ struct EncodeOptions {
 struct BatchEncoding {
   std::vector<std::vector<std::int64_t>> input_ids;
   std::vector<std::vector<std::int64_t>> attention_mask;
+};
+
+/// What every tokenizer has: the vocabulary both ways and the added tokens, and the lookups on
+/// them. A tokenizer derives from it and fills it while it reads its files.
+class TokenTable {
+ public:
+  [[nodiscard]] std::optional<std::int64_t> token_to_id(const std::string& token) const {
+    for (const auto& t : added_)
+      if (t.content == token) return t.id;
+    if (const auto it = vocab_.find(token); it != vocab_.end()) return it->second;
+    return std::nullopt;
+  }
+  [[nodiscard]] const std::string& id_to_token(std::int64_t id) const {
+    if (id < 0 || id >= size())
+      throw ConfigError("token id " + std::to_string(id) + " is not in the vocabulary", where_);
+    return id_to_token_[static_cast<std::size_t>(id)];
+  }
+  /// Every id, added tokens included (the size the text encoder's token table needs).
+  [[nodiscard]] std::int64_t size() const noexcept {
+    return static_cast<std::int64_t>(id_to_token_.size());
+  }
+  [[nodiscard]] const std::vector<AddedToken>& added_tokens() const noexcept { return added_; }
+  [[nodiscard]] bool is_special(std::int64_t id) const {
+    for (const auto& t : added_)
+      if (t.id == id && t.special) return true;
+    return false;
+  }
+
+ protected:
+  TokenTable() = default;
+  TokenTable(std::unordered_map<std::string, std::int64_t> vocab, std::string where)
+      : vocab_(std::move(vocab)), where_(std::move(where)) {}
+
+  std::unordered_map<std::string, std::int64_t> vocab_;
+  std::vector<std::string> id_to_token_;
+  std::vector<AddedToken> added_;
+  std::string where_;
 };
 
 namespace tokenizer_detail {
