@@ -281,6 +281,12 @@ TEST(Transforms, EqualTorchvisionToTheBit) {
                                         c["antialias"].get<bool>(), max_size);
     const at::Tensor& want = t.at("resize." + name);
     ASSERT_EQ(got.sizes(), want.sizes());
+    // The same from the decoded rows' layout (channels last), which the loader passes.
+    const at::Tensor rows =
+        t.at("pic." + c["pic"].get<std::string>()).permute({1, 2, 0}).contiguous();
+    EXPECT_TRUE(data::resize(rows.permute({2, 0, 1}), c["size"].get<std::vector<std::int64_t>>(),
+                             interp, c["antialias"].get<bool>(), max_size)
+                    .equal(want));
     EXPECT_TRUE(got.equal(want)) << "max difference "
                                  << (got.to(at::kInt) - want.to(at::kInt)).abs().max().item<int>();
   }

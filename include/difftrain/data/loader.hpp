@@ -170,7 +170,7 @@ class ImageBatches {
       at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(
           o_.seed * 1000003ULL + epoch_ * 7919ULL + b * 131ULL + k);
       const DecodedImage img = read_image(r.path, o_.limits);
-      at::Tensor x = img.pixels.permute({2, 0, 1}).contiguous();
+      at::Tensor x = img.pixels.permute({2, 0, 1});  // channels last: the resize reads it as is
       x = data::resize(x, std::vector<std::int64_t>{c.resized_height, c.resized_width});
       CropCorner corner;
       x = o_.random_crop ? random_crop(x, c.bucket.second, c.bucket.first, gen, &corner)

@@ -184,7 +184,7 @@ inline at::Tensor to_unit_range(const at::Tensor& img) {
     throw ShapeError(
         std::string("expects uint8 pixels, got ") + std::string(c10::toString(img.scalar_type())),
         "to_unit_range");
-  return img.to(at::kFloat).div(255).sub(0.5).div(0.5);
+  return img.to(at::kFloat).div_(255).sub_(0.5).div_(0.5);
 }
 
 }  // namespace difftrain::data
