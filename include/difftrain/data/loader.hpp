@@ -13,6 +13,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
 
 #include <atomic>
 #include <condition_variable>
@@ -134,6 +135,9 @@ struct ImageBatchOptions {
   std::uint64_t seed = 0;
   std::size_t workers = 2;
   std::size_t prefetch_batches = 2;
+  /// Page-locked batches (when CUDA is there), so `pixels.to(device, non_blocking)` overlaps the
+  /// copy with the step.
+  bool pin_memory = false;
   ImageLimits limits;
 };
 
@@ -186,6 +190,7 @@ class ImageBatches {
       out.crop_top_left.push_back({corner.top, corner.left});
     }
     out.pixels = at::stack(pixels);
+    if (o_.pin_memory && at::hasCUDA()) out.pixels = out.pixels.pin_memory();
     return out;
   }
 
