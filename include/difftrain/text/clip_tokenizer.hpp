@@ -313,44 +313,9 @@ class CLIPTokenizer : public TokenTable {
   /// gives it.
   [[nodiscard]] BatchEncoding operator()(const std::vector<std::string>& texts,
                                          const EncodeOptions& o = {}) const {
-    if (o.max_length < 0)
-      throw ConfigError("max_length " + std::to_string(o.max_length) + " is negative", where_);
-    const std::int64_t max_len = o.max_length > 0 ? o.max_length : model_max_length_;
-    const std::int64_t specials = o.add_special_tokens ? 2 : 0;
-    if (o.truncation && max_len < specials)
-      throw ConfigError(
-          "max_length " + std::to_string(max_len) + " leaves no room for the start and end tokens",
-          where_);
-    if (o.padding == Padding::max_length && max_len == std::numeric_limits<std::int64_t>::max())
-      throw ConfigError(
-          "padding to max_length needs a max_length (the tokenizer states no "
-          "model_max_length)",
-          where_);
-    BatchEncoding out;
-    std::size_t longest = 0;
-    for (const auto& t : texts) {
-      std::vector<std::int64_t> ids = encode(t, false);
-      if (o.truncation && static_cast<std::int64_t>(ids.size()) > max_len - specials)
-        ids.resize(static_cast<std::size_t>(max_len - specials));
-      if (o.add_special_tokens) {
-        ids.insert(ids.begin(), bos_);
-        ids.push_back(eos_);
-      }
-      longest = std::max(longest, ids.size());
-      out.attention_mask.emplace_back(ids.size(), 1);
-      out.input_ids.push_back(std::move(ids));
-    }
-    const std::size_t target = o.padding == Padding::max_length ? static_cast<std::size_t>(max_len)
-                               : o.padding == Padding::longest  ? longest
-                                                                : 0;
-    if (target > 0 && pad_ < 0 && o.padding != Padding::none)
-      throw ConfigError("cannot pad: the tokenizer has no padding token", where_);
-    for (std::size_t i = 0; i < out.input_ids.size(); ++i)
-      if (out.input_ids[i].size() < target) {
-        out.attention_mask[i].resize(target, 0);
-        out.input_ids[i].resize(target, pad_);
-      }
-    return out;
+    return tokenizer_detail::make_batch(texts, o, model_max_length_, bos_, eos_, pad_,
+                                        "the start and end tokens", where_,
+                                        [this](const std::string& t) { return encode(t, false); });
   }
 
   /// The text of `ids` as transformers decodes it (the byte-level decode, then "</w>" as a space,

@@ -284,37 +284,8 @@ class T5Tokenizer : public TokenTable {
   /// gives it (what SD3's pipeline asks: max_length 256, padded, truncated).
   [[nodiscard]] BatchEncoding operator()(const std::vector<std::string>& texts,
                                          const EncodeOptions& o = {}) const {
-    if (o.max_length < 0)
-      throw ConfigError("max_length " + std::to_string(o.max_length) + " is negative", where_);
-    const std::int64_t max_len = o.max_length > 0 ? o.max_length : model_max_length_;
-    const std::int64_t specials = o.add_special_tokens ? 1 : 0;
-    if (o.truncation && max_len < specials)
-      throw ConfigError("max_length " + std::to_string(max_len) + " leaves no room for </s>",
-                        where_);
-    if (o.padding == Padding::max_length && max_len == std::numeric_limits<std::int64_t>::max())
-      throw ConfigError(
-          "padding to max_length needs a max_length (the tokenizer states no model_max_length)",
-          where_);
-    BatchEncoding out;
-    std::size_t longest = 0;
-    for (const auto& text : texts) {
-      std::vector<std::int64_t> ids = encode(text, false);
-      if (o.truncation && static_cast<std::int64_t>(ids.size()) > max_len - specials)
-        ids.resize(static_cast<std::size_t>(max_len - specials));
-      if (o.add_special_tokens) ids.push_back(eos_);
-      longest = std::max(longest, ids.size());
-      out.attention_mask.emplace_back(ids.size(), 1);
-      out.input_ids.push_back(std::move(ids));
-    }
-    const std::size_t target = o.padding == Padding::max_length ? static_cast<std::size_t>(max_len)
-                               : o.padding == Padding::longest  ? longest
-                                                                : 0;
-    for (std::size_t i = 0; i < out.input_ids.size(); ++i)
-      if (out.input_ids[i].size() < target) {
-        out.attention_mask[i].resize(target, 0);
-        out.input_ids[i].resize(target, pad_);
-      }
-    return out;
+    return tokenizer_detail::make_batch(texts, o, model_max_length_, -1, eos_, pad_, "</s>", where_,
+                                        [this](const std::string& t) { return encode(t, false); });
   }
 
   /// The text of `ids` as transformers decodes it: "▁" as a space, none in the first token.

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <filesystem>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -180,6 +181,53 @@ inline std::vector<Segment> split_added(const std::u32string& s, const AddedToke
     i = stop;
   }
   if (start_offset < s.size()) out.emplace_back(s.substr(start_offset), -1);
+  return out;
+}
+
+/// A batch as transformers' `tokenizer(texts, padding=..., max_length=..., truncation=...)` makes
+/// it: each text's ids from `encode` (without special tokens) truncated to leave room for the
+/// special tokens, `bos` (when >= 0) before and `eos` after them, then padded with `pad`.
+/// `specials_name` says which tokens the room is for, in errors.
+template <class Encode>
+BatchEncoding make_batch(const std::vector<std::string>& texts, const EncodeOptions& o,
+                         std::int64_t model_max_length, std::int64_t bos, std::int64_t eos,
+                         std::int64_t pad, const std::string& specials_name,
+                         const std::string& where, Encode&& encode) {
+  if (o.max_length < 0)
+    throw ConfigError("max_length " + std::to_string(o.max_length) + " is negative", where);
+  const std::int64_t max_len = o.max_length > 0 ? o.max_length : model_max_length;
+  const std::int64_t specials = o.add_special_tokens ? (bos >= 0 ? 2 : 1) : 0;
+  if (o.truncation && max_len < specials)
+    throw ConfigError(
+        "max_length " + std::to_string(max_len) + " leaves no room for " + specials_name, where);
+  if (o.padding == Padding::max_length && max_len == std::numeric_limits<std::int64_t>::max())
+    throw ConfigError(
+        "padding to max_length needs a max_length (the tokenizer states no model_max_length)",
+        where);
+  BatchEncoding out;
+  std::size_t longest = 0;
+  for (const auto& text : texts) {
+    std::vector<std::int64_t> ids = encode(text);
+    if (o.truncation && static_cast<std::int64_t>(ids.size()) > max_len - specials)
+      ids.resize(static_cast<std::size_t>(max_len - specials));
+    if (o.add_special_tokens) {
+      if (bos >= 0) ids.insert(ids.begin(), bos);
+      ids.push_back(eos);
+    }
+    longest = std::max(longest, ids.size());
+    out.attention_mask.emplace_back(ids.size(), 1);
+    out.input_ids.push_back(std::move(ids));
+  }
+  const std::size_t target = o.padding == Padding::max_length ? static_cast<std::size_t>(max_len)
+                             : o.padding == Padding::longest  ? longest
+                                                              : 0;
+  if (target > 0 && pad < 0 && o.padding != Padding::none)
+    throw ConfigError("cannot pad: the tokenizer has no padding token", where);
+  for (std::size_t i = 0; i < out.input_ids.size(); ++i)
+    if (out.input_ids[i].size() < target) {
+      out.attention_mask[i].resize(target, 0);
+      out.input_ids[i].resize(target, pad);
+    }
   return out;
 }
 
