@@ -7,7 +7,9 @@
 #include <difftrain/data/buckets.hpp>
 #include <difftrain/data/image.hpp>
 #include <difftrain/data/image_folder.hpp>
+#include <difftrain/data/latent_cache.hpp>
 #include <difftrain/data/loader.hpp>
+#include <difftrain/data/tensor_cache.hpp>
 #include <difftrain/data/transforms.hpp>
 #include <difftrain/io/remove_tree.hpp>
 #include <difftrain/io/safetensors.hpp>
@@ -541,4 +543,318 @@ TEST(Loader, PinnedBatchesCopyToTheGpuWithoutBlocking) {
     const at::Tensor gpu = b->pixels.to(at::Device(at::kCUDA), /*non_blocking=*/true);
     EXPECT_TRUE(gpu.cpu().equal(b->pixels));
   }
+}
+
+// A batch position is a place to resume: the epoch made from batch `start` on is the tail of the
+// whole epoch, and position() counts from it.
+TEST(Loader, ImageBatchesResumeInTheMiddleOfAnEpoch) {
+  ScratchFolder f("resume");
+  const std::vector<std::string> sources = {"baseline_420.jpg", "rgb.png",     "lossless.webp",
+                                            "grey.png",         "q75_444.jpg", "orientation_6.jpg"};
+  for (std::size_t i = 0; i < sources.size(); ++i)
+    f.image("img" + std::to_string(i) + "_" + sources[i], sources[i]);
+  const data::ImageFolder folder = data::scan_image_folder(f.dir);
+  data::BucketOptions bo;
+  bo.max_width = bo.max_height = 32;
+  bo.min_size = 16;
+  bo.max_size = 64;
+  bo.steps = 16;
+  const data::BucketManager buckets(bo);
+  data::ImageBatchOptions o;
+  o.batch_size = 2;
+  o.random_crop = true;
+  o.flip_p = 0.5;
+  o.seed = 3;
+  data::ImageBatches whole(folder, buckets, o, 4);
+  std::vector<data::ImageBatch> all;
+  while (auto b = whole.next()) all.push_back(std::move(*b));
+  ASSERT_GE(all.size(), 3U);
+  EXPECT_EQ(whole.position(), all.size());
+  data::ImageBatches tail(folder, buckets, o, 4, 2);
+  EXPECT_EQ(tail.position(), 2U);
+  for (std::size_t b = 2; b < all.size(); ++b) {
+    const auto got = tail.next();
+    ASSERT_TRUE(got);
+    EXPECT_EQ(got->indices, all[b].indices);
+    EXPECT_TRUE(got->pixels.equal(all[b].pixels)) << b;
+  }
+  EXPECT_FALSE(tail.next());
+  EXPECT_THROW(data::ImageBatches(folder, buckets, o, 4, all.size() + 1), dt::ConfigError);
+}
+
+// ---- caches on disk ----------------------------------------------------------------------------
+
+namespace {
+
+/// A stand-in VAE encoder that works per sample (so batching cannot change a value): the mean is
+/// a 4× average pool of the channels' weighted sums, the std a function of it.
+std::pair<at::Tensor, at::Tensor> pool_encoder(const at::Tensor& pixels) {
+  const at::Tensor w = at::arange(1, 13, at::kFloat).reshape({4, 3, 1, 1}) / 10;
+  const at::Tensor mean = at::avg_pool2d(at::conv2d(pixels, w), 4);
+  return {mean, 0.05 + 0.1 * at::sigmoid(mean)};
+}
+
+struct CacheScene {
+  ScratchFolder images{"cache-images"};
+  ScratchFolder cache{"cache-store"};
+  data::BucketManager buckets{[] {
+    data::BucketOptions bo;
+    bo.max_width = bo.max_height = 32;
+    bo.min_size = 16;
+    bo.max_size = 64;
+    bo.steps = 16;
+    return bo;
+  }()};
+  data::ImageFolder folder;
+  CacheScene() {
+    const std::vector<std::string> sources = {
+        "baseline_420.jpg", "rgb.png",           "lossless.webp", "grey.png",
+        "q75_444.jpg",      "orientation_6.jpg", "large_odd.jpg"};
+    for (std::size_t i = 0; i < sources.size(); ++i) {
+      images.image("img" + std::to_string(i) + "_" + sources[i], sources[i]);
+      images.text("img" + std::to_string(i) + "_" + fs::path(sources[i]).stem().string() + ".txt",
+                  "caption " + std::to_string(i));
+    }
+    folder = data::scan_image_folder(images.dir);
+  }
+  data::LatentCacheOptions options(std::size_t per_shard = 3) const {
+    data::LatentCacheOptions o;
+    o.flipped = true;
+    o.batch_size = 2;
+    o.shards.entries_per_shard = per_shard;
+    return o;
+  }
+  std::vector<fs::path> shards() const {
+    std::vector<fs::path> out;
+    for (const auto& e : fs::recursive_directory_iterator(cache.dir))
+      if (e.path().extension() == ".safetensors") out.push_back(e.path());
+    std::sort(out.begin(), out.end());
+    return out;
+  }
+};
+
+}  // namespace
+
+// Built once from the encoder, read back without it: the batches of cached latents have the
+// pixel loader's images, order, flips, crop corners and original sizes (center crop, same seed),
+// and each latent is the encoder's posterior of that very sample drawn with the sample's
+// generator. A second build encodes nothing.
+TEST(LatentCache, CachedBatchesAreThePixelLoadersBatchesEncoded) {
+  CacheScene s;
+  std::size_t calls = 0, last_done = 0, last_total = 0;
+  auto encode = [&](const at::Tensor& px) {
+    ++calls;
+    return pool_encoder(px);
+  };
+  auto o = s.options();
+  o.progress = [&](std::size_t done, std::size_t total) {
+    EXPECT_GT(done, last_done);
+    last_done = done;
+    last_total = total;
+  };
+  {
+    data::LatentCache cache(s.cache.dir, "vae-a-0123456789abcdef", s.folder, s.buckets, o);
+    EXPECT_EQ(cache.missing().size(), 14U);
+    const auto report = cache.build(encode);
+    EXPECT_EQ(report.entries, 14U);
+    EXPECT_EQ(report.encoded, 14U);
+    EXPECT_EQ(report.reused, 0U);
+    EXPECT_EQ(last_done, 14U);
+    EXPECT_EQ(last_total, 14U);
+    EXPECT_EQ(cache.store().shards_written(), 5U);  // 14 entries, 3 per shard
+  }
+  const std::size_t first_calls = calls;
+  data::LatentCache cache(s.cache.dir, "vae-a-0123456789abcdef", s.folder, s.buckets, o);
+  EXPECT_TRUE(cache.missing().empty());
+  const auto again = cache.build(encode);
+  EXPECT_EQ(again.reused, 14U);
+  EXPECT_EQ(again.encoded, 0U);
+  EXPECT_EQ(calls, first_calls);
+  EXPECT_TRUE(cache.store().damaged().empty());
+
+  data::ImageBatchOptions io;
+  io.batch_size = 2;
+  io.flip_p = 0.5;
+  io.seed = 21;
+  io.workers = 2;
+  for (const std::uint64_t epoch : {0U, 1U}) {
+    data::ImageBatches pixels(s.folder, s.buckets, io, epoch);
+    data::CachedLatentBatches latents(cache, s.folder, 2, 0.5, 21, epoch);
+    ASSERT_EQ(latents.size(), pixels.size());
+    std::size_t flips = 0;
+    for (std::size_t b = 0; b < pixels.size(); ++b) {
+      const auto p = pixels.next();
+      const auto l = latents.next();
+      ASSERT_TRUE(p && l);
+      EXPECT_EQ(l->indices, p->indices);
+      EXPECT_EQ(l->captions, p->captions);
+      EXPECT_EQ(l->original_sizes, p->original_sizes);
+      EXPECT_EQ(l->crop_top_left, p->crop_top_left);
+      const auto [mean, std] = pool_encoder(p->pixels);
+      for (std::size_t k = 0; k < p->indices.size(); ++k) {
+        at::Generator gen = data::sample_generator(21, epoch, b, k);
+        EXPECT_EQ(data::draw_flip(0.5, gen), static_cast<bool>(l->flipped[k]));
+        flips += l->flipped[k] ? 1 : 0;
+        const auto i = static_cast<std::int64_t>(k);
+        const at::Tensor want = mean[i] + std[i] * at::randn(mean[i].sizes(), gen);
+        EXPECT_TRUE(at::allclose(l->latents[i], want, 1e-5, 1e-6)) << b << " " << k;
+      }
+    }
+    EXPECT_FALSE(latents.next());
+    EXPECT_GT(flips, 0U);
+  }
+  // seek: the rest of an epoch from a batch position.
+  data::CachedLatentBatches whole(cache, s.folder, 2, 0.5, 21, 3),
+      tail(cache, s.folder, 2, 0.5, 21, 3);
+  tail.seek(2);
+  (void)whole.next(), (void)whole.next();
+  while (auto b = whole.next()) EXPECT_TRUE(tail.next()->latents.equal(b->latents));
+  EXPECT_THROW(tail.seek(99), dt::ConfigError);
+}
+
+// A changed image invalidates its own entries only; another VAE (another fingerprint) and the
+// other storage open other folders; `sample` storage keeps one fixed draw.
+TEST(LatentCache, ChangedImageOrVaeInvalidatesOnlyTheirEntries) {
+  CacheScene s;
+  auto o = s.options(100);
+  {
+    data::LatentCache cache(s.cache.dir, "vae-a-0123456789abcdef", s.folder, s.buckets, o);
+    (void)cache.build(pool_encoder);
+  }
+  const fs::path changed = s.folder.images[2].path;
+  fs::copy_file(images_dir() / "good" / "q95_422.jpg", changed,
+                fs::copy_options::overwrite_existing);
+  const data::ImageFolder rescanned = data::scan_image_folder(s.images.dir);
+  {
+    data::LatentCache cache(s.cache.dir, "vae-a-0123456789abcdef", rescanned, s.buckets, o);
+    const auto missing = cache.missing();
+    ASSERT_EQ(missing.size(), 2U);
+    EXPECT_EQ(rescanned.images[missing[0].first].path, changed);
+    EXPECT_EQ(cache.build(pool_encoder).encoded, 2U);
+  }
+  data::LatentCache other_vae(s.cache.dir, "vae-b-0123456789abcdef", rescanned, s.buckets, o);
+  EXPECT_EQ(other_vae.missing().size(), 14U);
+  EXPECT_NE(other_vae.store().folder(),
+            data::LatentCache(s.cache.dir, "vae-a-0123456789abcdef", rescanned, s.buckets, o)
+                .store()
+                .folder());
+  auto so = o;
+  so.storage = data::LatentStorage::sample;
+  data::LatentCache sampled(s.cache.dir, "vae-a-0123456789abcdef", rescanned, s.buckets, so);
+  EXPECT_EQ(sampled.missing().size(), 14U);
+  (void)sampled.build(pool_encoder);
+  at::Generator g1 = data::sample_generator(1, 0, 0, 0), g2 = data::sample_generator(2, 0, 0, 0);
+  const auto a = sampled.read(0, false, g1), b = sampled.read(0, false, g2);
+  EXPECT_TRUE(a.latent.equal(b.latent));  // one draw, made when cached
+  const auto entry = sampled.store().get(sampled.key(0, false));
+  EXPECT_EQ(entry.count("mean"), 0U);
+  EXPECT_EQ(entry.at("sample").dim(), 3);
+  data::LatentCache dist(s.cache.dir, "vae-a-0123456789abcdef", rescanned, s.buckets, o);
+  const auto c = dist.read(0, false, g1), d = dist.read(0, false, g2);
+  EXPECT_FALSE(c.latent.equal(d.latent));  // a new draw per read
+}
+
+// A damaged shard (bytes changed, cut short, another producer's, not a shard) is set aside as
+// .damaged with the reason, and only its entries are encoded again; an interrupted build keeps
+// its finished shards and the next one encodes the rest.
+TEST(LatentCache, DamagedShardsAreSetAsideAndInterruptedBuildsResume) {
+  CacheScene s;
+  const auto o = s.options(2);
+  std::size_t calls = 0;
+  auto failing = [&](const at::Tensor& px) {
+    if (++calls == 4) throw dt::IoError("the encoder ran out of memory", "test");
+    return pool_encoder(px);
+  };
+  {
+    data::LatentCache cache(s.cache.dir, "vae-a-0123456789abcdef", s.folder, s.buckets, o);
+    EXPECT_THROW((void)cache.build(failing), dt::IoError);
+  }
+  {
+    data::LatentCache cache(s.cache.dir, "vae-a-0123456789abcdef", s.folder, s.buckets, o);
+    EXPECT_EQ(cache.missing().size(), 14U - 6U);  // three batches of two: three shards
+    EXPECT_EQ(cache.build(pool_encoder).encoded, 8U);
+  }
+  auto shards = s.shards();
+  ASSERT_EQ(shards.size(), 7U);
+  {  // a changed byte in the last tensor's data
+    std::fstream f(shards[0], std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-3, std::ios::end);
+    f.put('\x7f');
+  }
+  fs::resize_file(shards[1], fs::file_size(shards[1]) - 10);
+  { std::ofstream(shards[2], std::ios::binary | std::ios::trunc) << "not a shard"; }
+  const std::map<std::string, at::Tensor> foreign{{"k/mean", at::zeros({2})}};
+  dt::io::save_safetensors(shards[3], foreign,
+                           {{"format", "difftrain.tensor_cache.v1"},
+                            {"fingerprint", "someone else"},
+                            {"checksum", data::tensors_fingerprint(foreign)}});
+  data::LatentCache cache(s.cache.dir, "vae-a-0123456789abcdef", s.folder, s.buckets, o);
+  const auto& damaged = cache.store().damaged();
+  ASSERT_EQ(damaged.size(), 4U);
+  EXPECT_NE(damaged[0].reason.find("checksum"), std::string::npos) << damaged[0].reason;
+  EXPECT_NE(damaged[3].reason.find("another producer"), std::string::npos) << damaged[3].reason;
+  for (const auto& d : damaged) {
+    EXPECT_FALSE(fs::exists(d.path));
+    EXPECT_TRUE(fs::exists(d.path.string() + ".damaged"));
+  }
+  EXPECT_EQ(cache.missing().size(), 8U);
+  EXPECT_EQ(cache.build(pool_encoder).encoded, 8U);
+  EXPECT_TRUE(data::LatentCache(s.cache.dir, "vae-a-0123456789abcdef", s.folder, s.buckets, o)
+                  .store()
+                  .damaged()
+                  .empty());
+}
+
+// Mistakes: flips from a cache without mirror images, reading before building, an encoder that
+// returns the wrong shape, a short fingerprint.
+TEST(LatentCache, MistakesAreTypedErrors) {
+  CacheScene s;
+  auto o = s.options();
+  o.flipped = false;
+  data::LatentCache cache(s.cache.dir, "vae-a-0123456789abcdef", s.folder, s.buckets, o);
+  EXPECT_THROW(data::CachedLatentBatches(cache, s.folder, 2, 0.5, 0, 0), dt::ConfigError);
+  at::Generator gen = data::sample_generator(0, 0, 0, 0);
+  EXPECT_THROW((void)cache.read(0, false, gen), dt::ConfigError);
+  EXPECT_THROW((void)cache.build(
+                   [](const at::Tensor& px) { return std::make_pair(px.mean(1), px.mean(1)); }),
+               dt::ShapeError);
+  EXPECT_THROW(data::TensorCache(s.cache.dir, "short", "x"), dt::ConfigError);
+}
+
+// Frozen text encoders' outputs: each distinct text computed once (batched), read back by the
+// next run without computing; batched fields of the wrong length are a ShapeError.
+TEST(TensorCache, TextEntriesAreComputedOnceAndReadBack) {
+  ScratchFolder dir("text-cache");
+  std::vector<std::size_t> batch_sizes;
+  auto compute = [&](const std::vector<std::string>& texts) {
+    batch_sizes.push_back(texts.size());
+    std::vector<at::Tensor> rows;
+    for (const auto& t : texts) rows.push_back(at::full({3, 2}, static_cast<double>(t.size())));
+    return data::TensorCache::Entry{{"hidden", at::stack(rows)},
+                                    {"pooled", at::stack(rows).sum(1)}};
+  };
+  const std::vector<std::string> texts = {
+      "a photo of a sneaker", "a bag", "a photo of a sneaker", "", "a coat", "a dress"};
+  {
+    data::TensorCache cache(dir.dir, "text-encoder-0123456789", "test", {.entries_per_shard = 2});
+    const auto got = cache.entries_for_texts(texts, compute, 2);
+    ASSERT_EQ(got.size(), texts.size());
+    EXPECT_EQ(batch_sizes, (std::vector<std::size_t>{2, 2, 1}));
+    for (std::size_t i = 0; i < texts.size(); ++i)
+      EXPECT_TRUE(
+          got[i].at("hidden").equal(at::full({3, 2}, static_cast<double>(texts[i].size()))));
+  }
+  data::TensorCache cache(dir.dir, "text-encoder-0123456789", "test");
+  EXPECT_EQ(cache.size(), 5U);
+  const auto again = cache.entries_for_texts(texts, compute, 2);
+  EXPECT_EQ(batch_sizes.size(), 3U);  // nothing computed
+  EXPECT_TRUE(again[4].at("pooled").equal(at::full({2}, 18.0)));
+  EXPECT_THROW((void)cache.entries_for_texts(
+                   {"new"},
+                   [](const std::vector<std::string>&) {
+                     return data::TensorCache::Entry{{"hidden", at::zeros({3, 2})}};
+                   }),
+               dt::ShapeError);
+  EXPECT_THROW((void)cache.get("absent"), dt::ConfigError);
+  EXPECT_THROW(cache.put("a/b", {{"x", at::zeros({1})}}), dt::ConfigError);
 }

@@ -6,5 +6,7 @@
 #include "difftrain/data/buckets.hpp"
 #include "difftrain/data/image.hpp"
 #include "difftrain/data/image_folder.hpp"
+#include "difftrain/data/latent_cache.hpp"
 #include "difftrain/data/loader.hpp"
+#include "difftrain/data/tensor_cache.hpp"
 #include "difftrain/data/transforms.hpp"

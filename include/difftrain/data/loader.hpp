@@ -119,6 +119,37 @@ class ParallelLoader {
   std::vector<std::thread> threads_;
 };
 
+/// An image (H, W, C uint8) resized to cover its bucket and cropped to it, at random with `gen` or
+/// at the center: (C, bucket height, bucket width) uint8. `corner` gets the crop's corner.
+inline at::Tensor crop_to_bucket(const at::Tensor& hwc, const BucketChoice& c, bool random,
+                                 at::Generator& gen, CropCorner& corner) {
+  at::Tensor x = hwc.permute({2, 0, 1});  // channels last: the resize reads it as is
+  x = data::resize(x, std::vector<std::int64_t>{c.resized_height, c.resized_width});
+  return random ? random_crop(x, c.bucket.second, c.bucket.first, gen, &corner)
+                : center_crop(x, c.bucket.second, c.bucket.first, &corner);
+}
+
+/// Whether a sample is mirrored: one draw from `gen` when flip_p > 0 (none otherwise, so turning
+/// flips off leaves every later draw as it was).
+inline bool draw_flip(double flip_p, at::Generator& gen) {
+  return flip_p > 0 && at::rand({1}, gen, at::kDouble).item<double>() < flip_p;
+}
+
+/// The crop `x` mirrored left to right, and its corner moved to where the crop lies in the
+/// mirrored resized image (SDXL's crop_top_left of a flipped sample).
+inline at::Tensor mirror(const at::Tensor& x, const BucketChoice& c, CropCorner& corner) {
+  corner.left = c.resized_width - corner.left - c.bucket.first;
+  return horizontal_flip(x);
+}
+
+/// The generator of one sample's random choices: seeded by the run's seed, the epoch and the
+/// sample's place in the epoch, so any thread makes the same sample.
+inline at::Generator sample_generator(std::uint64_t seed, std::uint64_t epoch, std::size_t batch,
+                                      std::size_t k) {
+  return at::make_generator<at::CPUGeneratorImpl>(seed * 1000003ULL + epoch * 7919ULL +
+                                                  batch * 131ULL + k);
+}
+
 /// One batch of images of one bucket.
 struct ImageBatch {
   at::Tensor pixels;                 ///< (B, 3, H, W) float32 in [-1, 1]
@@ -144,9 +175,11 @@ struct ImageBatchOptions {
 /// An epoch of bucketed batches of an image folder, made on worker threads, delivered in order.
 class ImageBatches {
  public:
+  /// The batches of `epoch` from batch `start` on (a resumed run's place in the epoch; the
+  /// batches before it are skipped without being made).
   ImageBatches(const ImageFolder& folder, const BucketManager& buckets, const ImageBatchOptions& o,
-               std::uint64_t epoch)
-      : folder_(folder), o_(o), epoch_(epoch) {
+               std::uint64_t epoch, std::size_t start = 0)
+      : folder_(folder), o_(o), epoch_(epoch), start_(start) {
     std::vector<Bucket> assigned;
     std::vector<std::int64_t> repeats;
     for (const auto& r : folder.images) {
@@ -155,12 +188,24 @@ class ImageBatches {
       repeats.push_back(r.repeats);
     }
     batches_ = bucket_batches(assigned, repeats, o.batch_size, o.seed, epoch);
+    if (start > batches_.size())
+      throw ConfigError("start " + std::to_string(start) + " is past the epoch's " +
+                            std::to_string(batches_.size()) + " batches",
+                        "image batches");
     loader_.emplace(
-        batches_.size(), [this](std::size_t b) { return make(b); }, o.workers, o.prefetch_batches);
+        batches_.size() - start, [this](std::size_t b) { return make(start_ + b); }, o.workers,
+        o.prefetch_batches);
   }
 
+  /// Batches in the whole epoch.
   [[nodiscard]] std::size_t size() const { return batches_.size(); }
-  std::optional<ImageBatch> next() { return loader_->next(); }
+  /// The next batch's place in the epoch (what a checkpoint keeps to resume there).
+  [[nodiscard]] std::size_t position() const { return start_ + consumed_; }
+  std::optional<ImageBatch> next() {
+    auto b = loader_->next();
+    if (b) ++consumed_;
+    return b;
+  }
 
  private:
   ImageBatch make(std::size_t b) const {
@@ -171,18 +216,11 @@ class ImageBatches {
       const ImageRecord& r = folder_.images[i];
       const BucketChoice& c = choices_[i];
       // This sample's draws, whatever thread makes it.
-      at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(
-          o_.seed * 1000003ULL + epoch_ * 7919ULL + b * 131ULL + k);
+      at::Generator gen = sample_generator(o_.seed, epoch_, b, k);
       const DecodedImage img = read_image(r.path, o_.limits);
-      at::Tensor x = img.pixels.permute({2, 0, 1});  // channels last: the resize reads it as is
-      x = data::resize(x, std::vector<std::int64_t>{c.resized_height, c.resized_width});
       CropCorner corner;
-      x = o_.random_crop ? random_crop(x, c.bucket.second, c.bucket.first, gen, &corner)
-                         : center_crop(x, c.bucket.second, c.bucket.first, &corner);
-      if (o_.flip_p > 0 && at::rand({1}, gen, at::kDouble).item<double>() < o_.flip_p) {
-        x = horizontal_flip(x);
-        corner.left = c.resized_width - corner.left - c.bucket.first;
-      }
+      at::Tensor x = crop_to_bucket(img.pixels, c, o_.random_crop, gen, corner);
+      if (draw_flip(o_.flip_p, gen)) x = mirror(x, c, corner);
       pixels.push_back(to_unit_range(x.contiguous()));
       out.indices.push_back(i);
       out.captions.push_back(r.caption);
@@ -197,6 +235,7 @@ class ImageBatches {
   const ImageFolder& folder_;
   ImageBatchOptions o_;
   std::uint64_t epoch_;
+  std::size_t start_ = 0, consumed_ = 0;
   std::vector<BucketChoice> choices_;
   std::vector<std::vector<std::size_t>> batches_;
   std::optional<ParallelLoader<ImageBatch>> loader_;
