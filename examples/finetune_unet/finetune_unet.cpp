@@ -34,6 +34,7 @@
 #include <string>
 
 #include "../common/cli_checks.hpp"
+#include "../common/scheduler_config.hpp"
 #include "../fashion_mnist/data.hpp"
 
 namespace {
@@ -53,39 +54,6 @@ struct Settings {
   std::int64_t prompt_tokens = 4, samples_per_class = 4, sample_steps = 20, seed = 0;
   double lr = 1e-3, alpha = 4.0, snr_gamma = 0.0, ema_decay = 0.999;
 };
-
-/// The noise schedule and prediction type of a diffusers scheduler_config.json (the fields that
-/// shape training; the sampler-only fields are not needed here). Defaults: Stable Diffusion's.
-std::pair<df::NoiseSchedule::Options, df::Prediction> scheduler_from(const Settings& s) {
-  df::NoiseSchedule::Options o;
-  o.beta_start = 0.00085;
-  o.beta_end = 0.012;
-  o.beta_schedule = df::BetaSchedule::scaled_linear;
-  std::string prediction = "epsilon";
-  if (!s.scheduler_config.empty()) {
-    const std::vector<char> bytes = dt::io::read_file(s.scheduler_config);
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(bytes.begin(), bytes.end());
-    } catch (const nlohmann::json::parse_error& e) {
-      throw dt::FormatError(std::string("not valid JSON: ") + e.what(), s.scheduler_config);
-    }
-    try {
-      o.num_train_timesteps = j.value("num_train_timesteps", o.num_train_timesteps);
-      o.beta_start = j.value("beta_start", o.beta_start);
-      o.beta_end = j.value("beta_end", o.beta_end);
-      o.rescale_betas_zero_snr = j.value("rescale_betas_zero_snr", false);
-      prediction = j.value("prediction_type", prediction);
-      o.beta_schedule = df::beta_schedule_from(
-          j.value("beta_schedule", std::string("scaled_linear")), s.scheduler_config);
-    } catch (const nlohmann::json::exception& e) {
-      throw ConfigError(std::string("a field has the wrong type: ") + e.what(), s.scheduler_config);
-    }
-  }
-  if (!s.prediction_type.empty()) prediction = s.prediction_type;
-  return {o, df::prediction_from(
-                 prediction, s.prediction_type.empty() ? s.scheduler_config : "--prediction-type")};
-}
 
 using Unet = models::UNet2DConditionModel<>;
 
@@ -156,8 +124,10 @@ int run(const Settings& s) {
     throw ConfigError("name the diffusers UNet and VAE folders (--unet DIR --vae DIR)", "flags");
   const fs::path out(s.out);
   dt::io::ensure_writable_folder(out);
-  const auto [schedule_options, prediction] = scheduler_from(s);
-  const df::NoiseSchedule schedule(schedule_options);
+  const examples::SchedulerConfig sc =
+      examples::read_scheduler_config(s.scheduler_config, s.prediction_type);
+  const df::Prediction prediction = sc.prediction;
+  const df::NoiseSchedule schedule(sc.schedule);
 
   tr::set_seed(s.seed);
   auto vae = models::from_pretrained<models::AutoencoderKL<>>(s.vae_dir);

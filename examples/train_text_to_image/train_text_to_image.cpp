@@ -1,0 +1,888 @@
+// Fine-tuning Stable Diffusion on a folder of captioned images, as diffusers'
+// train_text_to_image.py and train_text_to_image_lora.py do, with their flag names: a pipeline
+// folder (model_index.json naming unet, vae, text_encoder, tokenizer and scheduler), an image
+// folder (metadata.jsonl/csv, sidecar captions, file names or kohya's N_name folders), and either
+// full fine-tuning of the UNet (optionally with EMA) or LoRA on the UNet's attention and, with
+// --train_text_encoder, on the text encoder's.
+//
+//   train_text_to_image --pretrained_model_name_or_path SD --train_data_dir IMAGES
+//                       --output_dir OUT [--use_lora --rank 4] [--cache_latents] ...
+//
+// What it writes to --output_dir:
+//   full fine-tuning   the pipeline folder: the trained unet/ (EMA weights with --use_ema) and
+//                      the base's other components, which StableDiffusionPipeline.from_pretrained
+//                      loads;
+//   --use_lora         pytorch_lora_weights.safetensors (PEFT keys under unet. and text_encoder.,
+//                      what load_lora_weights reads) and lora_kohya.safetensors (the web UI's);
+//   always             checkpoints/ (every --checkpointing_steps; --resume_from_checkpoint),
+//                      tensorboard/, validation/ (images of --validation_prompt) and results.json.
+//
+// Images become latents through the VAE each step, or once with --cache_latents (a cache on disk
+// keyed by each image's content, its bucket and the VAE's weights; a later run reuses it). A
+// frozen text encoder's outputs are cached the same way. --enable_bucket trains on kohya's
+// aspect-ratio buckets instead of square crops. Ctrl-C stops after the current step and saves a
+// checkpoint.
+
+#include <CLI/CLI.hpp>
+#include <difftrain/adapters/text_encoder_adapters.hpp>
+#include <difftrain/adapters/unet_adapters.hpp>
+#include <difftrain/data/data.hpp>
+#include <difftrain/diffusion/ddim.hpp>
+#include <difftrain/diffusion/sample.hpp>
+#include <difftrain/diffusion/weighting.hpp>
+#include <difftrain/ema/ema.hpp>
+#include <difftrain/io/atomic_file.hpp>
+#include <difftrain/io/image_grid.hpp>
+#include <difftrain/io/png.hpp>
+#include <difftrain/io/read_file.hpp>
+#include <difftrain/io/remove_tree.hpp>
+#include <difftrain/io/safetensors.hpp>
+#include <difftrain/models/models.hpp>
+#include <difftrain/schedule/by_name.hpp>
+#include <difftrain/text/clip_tokenizer.hpp>
+#include <difftrain/text/encode_prompt.hpp>
+#include <difftrain/train/callbacks.hpp>
+#include <difftrain/train/seeding.hpp>
+#include <difftrain/train/tensorboard.hpp>
+#include <difftrain/train/trainer.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <filesystem>
+#include <limits>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "../common/cli_checks.hpp"
+#include "../common/run_skeleton.hpp"
+#include "../common/scheduler_config.hpp"
+
+namespace {
+namespace dt = difftrain;
+namespace df = difftrain::diffusion;
+namespace ad = difftrain::adapters;
+namespace data = difftrain::data;
+namespace models = difftrain::models;
+namespace text = difftrain::text;
+namespace tr = difftrain::train;
+namespace fs = std::filesystem;
+using dt::ConfigError;
+
+using Unet = models::UNet2DConditionModel<>;
+using Vae = models::AutoencoderKL<>;
+using TextEncoder = models::CLIPTextModel<>;
+
+struct Settings : examples::RunFlags {
+  std::string model;  // --pretrained_model_name_or_path
+  std::string image_column = "file_name", caption_column = "text";
+  std::int64_t resolution = 512;
+  bool center_crop = false, random_flip = false;
+  bool enable_bucket = false, bucket_no_upscale = false;
+  std::int64_t min_bucket_reso = 256, max_bucket_reso = 1024, bucket_reso_steps = 64;
+  std::int64_t train_batch_size = 16, max_train_steps = 100, gradient_accumulation_steps = 1;
+  double learning_rate = 1e-4;
+  std::string lr_scheduler = "constant";
+  std::int64_t lr_warmup_steps = 0;
+  double adam_beta1 = 0.9, adam_beta2 = 0.999, adam_weight_decay = 1e-2, adam_epsilon = 1e-8;
+  double max_grad_norm = 1.0;
+  double snr_gamma = 0.0, noise_offset = 0.0;
+  std::string prediction_type;  // empty: the scheduler's
+  bool use_ema = false;
+  double ema_decay = 0.9999;
+  bool use_lora = false, train_text_encoder = false;
+  std::int64_t rank = 4;
+  double lora_alpha = 0.0;  // 0: the rank (diffusers' default)
+  bool cache_latents = false;
+  std::string cache_dir;  // default OUT/cache
+  std::int64_t dataloader_num_workers = 2;
+  std::int64_t checkpointing_steps = 500, checkpoints_total_limit = 3;
+  std::string resume_from_checkpoint;  // a checkpoint file or "latest"
+  std::vector<std::string> validation_prompts;
+  std::int64_t num_validation_images = 2, validation_steps = 0, num_inference_steps = 25;
+  double guidance_scale = 7.5;
+  std::int64_t stop_at = 0;  // stop (with a checkpoint) after this step, as Ctrl-C does; 0: never
+  Settings() { out = "runs/train_text_to_image"; }
+};
+
+// ---- the pipeline folder ------------------------------------------------------------------------
+
+/// The components of a Stable Diffusion pipeline folder, read and checked before any work.
+struct Pipeline {
+  fs::path root;
+  std::optional<text::CLIPTokenizer> tokenizer;  // read after model_index.json is checked
+  TextEncoder text_encoder{nullptr};
+  Vae vae{nullptr};
+  Unet unet{nullptr};
+  examples::SchedulerConfig scheduler;
+  std::string vae_fingerprint, text_fingerprint;
+};
+
+/// model_index.json's entry `name` must be [library, class] with one of `classes`.
+void check_component(const nlohmann::json& index, const std::string& name,
+                     const std::vector<std::string>& classes, const fs::path& file) {
+  const std::string where = file.string() + ": " + name;
+  if (!index.contains(name) || !index[name].is_array() || index[name].size() != 2 ||
+      !index[name][1].is_string())
+    throw ConfigError("must name the pipeline's " + name + " as [library, class]", where);
+  const std::string cls = index[name][1].get<std::string>();
+  if (std::find(classes.begin(), classes.end(), cls) == classes.end()) {
+    std::string want;
+    for (const auto& c : classes) want += (want.empty() ? "" : " or ") + c;
+    throw ConfigError("is a " + cls + "; this program trains with a " + want, where);
+  }
+}
+
+Pipeline load_pipeline(const Settings& s) {
+  Pipeline p;
+  p.root = s.model;
+  const fs::path index_file = p.root / "model_index.json";
+  if (!fs::is_directory(p.root))
+    throw dt::IoError("is not a folder (name a diffusers pipeline folder)",
+                      "--pretrained_model_name_or_path " + s.model);
+  const std::vector<char> bytes = dt::io::read_file(index_file);
+  nlohmann::json index;
+  try {
+    index = nlohmann::json::parse(bytes.begin(), bytes.end());
+  } catch (const nlohmann::json::parse_error& e) {
+    throw dt::FormatError(std::string("is not valid JSON: ") + e.what(), index_file.string());
+  }
+  if (!index.is_object()) throw dt::FormatError("is not a JSON object", index_file.string());
+  const std::string cls = index.value("_class_name", std::string());
+  if (cls == "StableDiffusionXLPipeline")
+    throw ConfigError(
+        "is an SDXL pipeline; this program trains SD 1.x/2.x pipelines (one text encoder)",
+        index_file.string());
+  check_component(index, "unet", {"UNet2DConditionModel"}, index_file);
+  check_component(index, "vae", {"AutoencoderKL"}, index_file);
+  check_component(index, "text_encoder", {"CLIPTextModel"}, index_file);
+  check_component(index, "tokenizer", {"CLIPTokenizer", "CLIPTokenizerFast"}, index_file);
+  check_component(index, "scheduler",
+                  {"DDPMScheduler", "DDIMScheduler", "PNDMScheduler", "EulerDiscreteScheduler",
+                   "EulerAncestralDiscreteScheduler", "DPMSolverMultistepScheduler",
+                   "LMSDiscreteScheduler", "HeunDiscreteScheduler", "UniPCMultistepScheduler"},
+                  index_file);
+  p.scheduler = examples::read_scheduler_config(p.root / "scheduler" / "scheduler_config.json",
+                                                s.prediction_type);
+  p.tokenizer.emplace(text::CLIPTokenizer::from_folder(p.root / "tokenizer"));
+  p.text_encoder = models::from_pretrained<TextEncoder>(p.root / "text_encoder");
+  p.vae = models::from_pretrained<Vae>(p.root / "vae");
+  p.unet = models::from_pretrained<Unet>(p.root / "unet");
+  const auto& uc = p.unet->config();
+  const std::string unet_where = (p.root / "unet").string();
+  if (uc.in_channels != p.vae->config().latent_channels)
+    throw ConfigError("takes " + std::to_string(uc.in_channels) +
+                          " channels but the VAE's latents have " +
+                          std::to_string(p.vae->config().latent_channels),
+                      unet_where);
+  if (uc.cross_attention_dim.front() != p.text_encoder->config().hidden_size)
+    throw ConfigError("attends to " + std::to_string(uc.cross_attention_dim.front()) +
+                          "-wide text but the text encoder gives " +
+                          std::to_string(p.text_encoder->config().hidden_size),
+                      unet_where);
+  if (uc.class_embed_type || uc.num_class_embeds || uc.addition_embed_type)
+    throw ConfigError("takes class or added conditions; an SD 1.x/2.x UNet takes text only",
+                      unet_where);
+  // What the caches are keyed by: the weights as stored, so no model is needed to read them.
+  p.vae_fingerprint = data::tensors_fingerprint(models::read_model_weights(p.root / "vae"));
+  p.text_fingerprint =
+      data::tensors_fingerprint(models::read_model_weights(p.root / "text_encoder", std::nullopt,
+                                                           models::kTransformersWeights)) +
+      "|" + dt::io::sha256_hex(c10::str(p.tokenizer->size(), "|", p.tokenizer->model_max_length()));
+  return p;
+}
+
+// ---- the trainee --------------------------------------------------------------------------------
+
+/// The UNet (and the text encoder when it trains) with diffusers' denoising loss on latents.
+struct TextToImageImpl : torch::nn::Module {
+  struct Batch {
+    at::Tensor latents;  ///< scaled by the VAE's scaling factor
+    at::Tensor ids;      ///< token ids (B, L) when the text encoder trains
+    at::Tensor embeds;   ///< (B, L, D) from the frozen encoder otherwise
+    [[nodiscard]] std::int64_t size() const { return latents.size(0); }
+    [[nodiscard]] Batch slice(std::int64_t start, std::int64_t length) const {
+      return {latents.narrow(0, start, length), ids.defined() ? ids.narrow(0, start, length) : ids,
+              embeds.defined() ? embeds.narrow(0, start, length) : embeds};
+    }
+  };
+  TextToImageImpl(Unet u, TextEncoder te, const df::NoiseSchedule& schedule, const Settings& s,
+                  df::Prediction prediction)
+      : unet(register_module("unet", u)),
+        schedule_(schedule),
+        prediction_(prediction),
+        snr_gamma_(s.snr_gamma),
+        noise_offset_(s.noise_offset) {
+    if (te) text_encoder = register_module("text_encoder", te);
+  }
+  at::Tensor loss(const Batch& b) {
+    const std::int64_t n = b.latents.size(0);
+    const at::Tensor embeds =
+        b.embeds.defined() ? b.embeds : text_encoder->forward(b.ids).last_hidden_state;
+    at::Tensor noise = at::randn_like(b.latents);
+    if (noise_offset_ > 0)  // diffusers' --noise_offset: one shift per sample and channel
+      noise = noise + noise_offset_ * at::randn({n, b.latents.size(1), 1, 1}, b.latents.options());
+    const at::Tensor t =
+        at::randint(schedule_.num_train_timesteps(), {n}, b.latents.options().dtype(at::kLong));
+    const at::Tensor pred = unet->forward(schedule_.add_noise(b.latents, noise, t), t, embeds);
+    const at::Tensor target = schedule_.target(prediction_, b.latents, noise, t);
+    if (snr_gamma_ <= 0) return at::mse_loss(pred.to(at::kFloat), target.to(at::kFloat));
+    // diffusers' min-SNR: per-sample MSE weighted by min(SNR, γ)/SNR (ε) or /(SNR + 1) (v).
+    const at::Tensor per_sample =
+        (pred.to(at::kFloat) - target.to(at::kFloat)).square().mean({1, 2, 3});
+    const at::Tensor w =
+        df::min_snr_weights(schedule_.snr(t.cpu()).to(at::kFloat), snr_gamma_, prediction_)
+            .to(per_sample.device());
+    return (per_sample * w).mean();
+  }
+  Unet unet{nullptr};
+  TextEncoder text_encoder{nullptr};
+  df::NoiseSchedule schedule_;
+  df::Prediction prediction_;
+  double snr_gamma_, noise_offset_;
+};
+
+// ---- callbacks ----------------------------------------------------------------------------------
+
+std::atomic<bool> g_interrupted{false};
+extern "C" void on_sigint(int /*sig*/) {
+  g_interrupted.store(true);
+  std::signal(SIGINT, SIG_DFL);  // a second Ctrl-C ends the program at once
+}
+
+/// Stops after the step in which Ctrl-C arrived, or at `stop_at` (0: never); the run then saves a
+/// checkpoint.
+struct StopOnInterrupt {
+  std::int64_t stop_at = 0;
+  template <class T>
+  void on_step_end(T& t, const tr::StepInfo& s) {
+    if (g_interrupted.load() || (stop_at > 0 && s.step >= stop_at)) t.request_stop();
+  }
+};
+
+/// Every step's loss, for the report.
+struct LossRecord {
+  std::vector<double>* losses;
+  template <class T>
+  void on_step_end(T& /*trainer*/, const tr::StepInfo& s) {
+    losses->push_back(s.loss);
+  }
+};
+
+/// Images of the validation prompts with the current (EMA) weights: DDIM with classifier-free
+/// guidance, decoded by the VAE; (N, 3, H, W) in [-1, 1].
+struct Validation {
+  const Settings* s;
+  Pipeline* p;
+  TextEncoder encoder;  // the trained one (with its LoRA) or the pipeline's
+  Unet unet;
+  const df::NoiseSchedule* schedule;
+  at::Device device;
+  at::Tensor images() {
+    const bool unet_training = unet->is_training(), te_training = encoder->is_training();
+    unet->eval();
+    encoder->eval();
+    at::NoGradGuard no_grad;
+    text::EncodePromptOptions eo;
+    eo.num_images_per_prompt = s->num_validation_images;
+    eo.do_classifier_free_guidance = s->guidance_scale != 1.0;
+    const text::EncodedPrompt e =
+        text::encode_prompt(*p->tokenizer, encoder, s->validation_prompts, eo);
+    const std::int64_t n = e.prompt_embeds.size(0);
+    const std::int64_t h = s->resolution / p->vae->downscale();
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(s->seed + 4);
+    const at::Tensor noise = at::randn({n, unet->config().in_channels, h, h}, gen).to(device);
+    df::Ddim ddim(*schedule, p->scheduler.ddim);
+    const at::Tensor z = df::sample(
+        ddim,
+        [&](const at::Tensor& x, const at::Tensor& t, const at::Tensor& c) {
+          return unet->forward(x, t, c);
+        },
+        noise,
+        {.num_inference_steps = s->num_inference_steps,
+         .guidance_scale = s->guidance_scale,
+         .chunk_size = n},
+        e.prompt_embeds,
+        eo.do_classifier_free_guidance ? std::optional<at::Tensor>(e.negative_prompt_embeds)
+                                       : std::nullopt);
+    at::Tensor decoded = p->vae->decode_latents(z).clamp(-1, 1);
+    if (unet_training) unet->train();
+    if (te_training) encoder->train();
+    return decoded.cpu();
+  }
+  at::Tensor operator()(auto& /*trainer*/) { return images(); }
+};
+
+struct NoEmaConfig : tr::DefaultConfig {
+  using Optimizer = tr::AdamW;
+  using Schedule = dt::schedule::ByName;  // --lr_scheduler, diffusers' names
+  using Clipping = tr::ClipByNorm;
+  using Callbacks = std::tuple<tr::ProgressBar, tr::CheckpointEvery, tr::TensorBoard,
+                               tr::SampleEvery<Validation>, StopOnInterrupt, LossRecord>;
+};
+struct EmaConfig : NoEmaConfig {
+  using Ema = dt::ema::Ema<dt::ema::WarmupDecay>;  // diffusers' EMAModel
+};
+
+// ---- batches ------------------------------------------------------------------------------------
+
+/// The run's batches as a function of the micro-batch's place in the run, so a resumed run sees
+/// the batches the uninterrupted one would have: epoch = place / batches per epoch.
+class BatchStream {
+ public:
+  BatchStream(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
+              const data::BucketManager& buckets, data::LatentCache* cache, bool encoder_trains,
+              at::Device device)
+      : s_(s),
+        p_(p),
+        folder_(folder),
+        buckets_(buckets),
+        cache_(cache),
+        encoder_trains_(encoder_trains),
+        device_(device) {
+    const data::ImageBatches probe(folder, buckets, image_options(), 0);
+    per_epoch_ = probe.size();
+    if (!encoder_trains) {
+      text_cache_.emplace(cache_root(s) / "text", p.text_fingerprint,
+                          "CLIP text encoder outputs (last_hidden_state)");
+    }
+  }
+  [[nodiscard]] std::size_t batches_per_epoch() const { return per_epoch_; }
+  [[nodiscard]] double data_seconds() const { return data_seconds_; }
+
+  TextToImageImpl::Batch at_place(std::int64_t place) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const auto epoch = static_cast<std::uint64_t>(place) / per_epoch_;
+    const auto pos = static_cast<std::size_t>(static_cast<std::uint64_t>(place) % per_epoch_);
+    TextToImageImpl::Batch b;
+    std::vector<std::string> captions;
+    if (cache_ != nullptr) {
+      if (!latents_ || epoch != epoch_ || latents_->position() != pos) {
+        latents_.emplace(*cache_, folder_, static_cast<std::size_t>(s_.train_batch_size),
+                         s_.random_flip ? 0.5 : 0.0, s_.seed, epoch);
+        latents_->seek(pos);
+      }
+      data::LatentBatch l = *latents_->next();
+      b.latents = scale(l.latents.to(device_));
+      captions = std::move(l.captions);
+    } else {
+      if (!pixels_ || epoch != epoch_ || pixels_->position() != pos)
+        pixels_.emplace(folder_, buckets_, image_options(), epoch, pos);
+      data::ImageBatch i = *pixels_->next();
+      at::NoGradGuard no_grad;
+      b.latents = p_.vae->encode_latents(i.pixels.to(device_, /*non_blocking=*/true));
+      captions = std::move(i.captions);
+    }
+    epoch_ = epoch;
+    if (encoder_trains_) {
+      b.ids = ids(captions).to(device_);
+    } else {
+      std::vector<at::Tensor> rows;
+      for (const auto& e : text_cache_->entries_for_texts(captions, [&](const auto& texts) {
+             at::NoGradGuard no_grad;
+             return data::TensorCache::Entry{
+                 {"hidden", p_.text_encoder->forward(ids(texts).to(device_)).last_hidden_state}};
+           }))
+        rows.push_back(e.at("hidden"));
+      b.embeds = at::stack(rows).to(device_);
+    }
+    data_seconds_ += examples::seconds_since(t0);
+    return b;
+  }
+
+  static fs::path cache_root(const Settings& s) {
+    return s.cache_dir.empty() ? fs::path(s.out) / "cache" : fs::path(s.cache_dir);
+  }
+
+ private:
+  [[nodiscard]] data::ImageBatchOptions image_options() const {
+    data::ImageBatchOptions o;
+    o.batch_size = static_cast<std::size_t>(s_.train_batch_size);
+    o.random_crop = !s_.center_crop;
+    o.flip_p = s_.random_flip ? 0.5 : 0.0;
+    o.seed = s_.seed;
+    o.workers = static_cast<std::size_t>(s_.dataloader_num_workers);
+    o.pin_memory = device_.is_cuda();
+    return o;
+  }
+  at::Tensor scale(const at::Tensor& z) const {
+    const auto& c = p_.vae->config();
+    return (c.shift_factor ? z - *c.shift_factor : z) * c.scaling_factor;
+  }
+  at::Tensor ids(const std::vector<std::string>& captions) const {
+    const text::BatchEncoding enc = (*p_.tokenizer)(captions);
+    std::vector<std::int64_t> flat;
+    for (const auto& row : enc.input_ids) flat.insert(flat.end(), row.begin(), row.end());
+    return at::tensor(flat, at::kLong).view({static_cast<std::int64_t>(captions.size()), -1});
+  }
+
+  const Settings& s_;
+  Pipeline& p_;
+  const data::ImageFolder& folder_;
+  const data::BucketManager& buckets_;
+  data::LatentCache* cache_;
+  bool encoder_trains_;
+  at::Device device_;
+  std::size_t per_epoch_ = 1;
+  std::uint64_t epoch_ = 0;
+  std::optional<data::CachedLatentBatches> latents_;
+  std::optional<data::ImageBatches> pixels_;
+  std::optional<data::TensorCache> text_cache_;
+  double data_seconds_ = 0;
+};
+
+// ---- the run ------------------------------------------------------------------------------------
+
+/// Refuses flag combinations that cannot work, before anything is loaded.
+void check_flags(const Settings& s) {
+  if (s.train_text_encoder && !s.use_lora)
+    throw ConfigError("trains the text encoder with LoRA only; add --use_lora",
+                      "--train_text_encoder");
+  if (s.cache_latents && !s.center_crop && !s.enable_bucket)
+    throw ConfigError(
+        "needs a fixed crop: add --center_crop (a random crop differs every epoch and cannot be "
+        "cached)",
+        "--cache_latents");
+  if (!s.enable_bucket && s.resolution % 8 != 0)
+    throw ConfigError("must be a multiple of 8", "--resolution");
+  if (!s.validation_prompts.empty() && s.num_validation_images < 1)
+    throw ConfigError("must be at least 1 with --validation_prompt", "--num_validation_images");
+}
+
+data::BucketOptions bucket_options(const Settings& s) {
+  data::BucketOptions o;
+  o.max_width = o.max_height = s.resolution;
+  if (s.enable_bucket) {
+    o.min_size = s.min_bucket_reso;
+    o.max_size = s.max_bucket_reso;
+    o.steps = s.bucket_reso_steps;
+    o.no_upscale = s.bucket_no_upscale;
+  } else {  // diffusers' square: the shorter side resized to the resolution, then cropped
+    o.min_size = o.max_size = s.resolution;
+    o.steps = 8;
+  }
+  o.check(s.enable_bucket ? "--resolution / --*_bucket_reso" : "--resolution");
+  return o;
+}
+
+/// Copies the base pipeline's files other than the UNet's into `out` (the trained UNet goes to
+/// out/unet), so `out` is a pipeline folder of its own.
+void copy_pipeline_except_unet(const fs::path& base, const fs::path& out) {
+  for (const auto& e : fs::directory_iterator(base)) {
+    const auto name = e.path().filename();
+    if (name == "unet") continue;
+    if (e.is_directory()) {
+      for (const auto& f : fs::recursive_directory_iterator(e.path())) {
+        if (!f.is_regular_file()) continue;
+        const auto rel = fs::relative(f.path(), base);
+        fs::create_directories((out / rel).parent_path());
+        fs::copy_file(f.path(), out / rel, fs::copy_options::overwrite_existing);
+      }
+    } else if (e.is_regular_file()) {
+      fs::copy_file(e.path(), out / name, fs::copy_options::overwrite_existing);
+    }
+  }
+}
+
+void freeze(torch::nn::Module& m) {
+  for (auto& param : m.parameters()) param.set_requires_grad(false);
+}
+
+double mean_of(const std::vector<double>& v, std::size_t n, bool back) {
+  n = std::min(n, v.size());
+  double sum = 0;
+  for (std::size_t i = 0; i < n; ++i) sum += back ? v[v.size() - 1 - i] : v[i];
+  return n == 0 ? 0.0 : sum / static_cast<double>(n);
+}
+
+template <class Config>
+int train(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
+          const data::BucketManager& buckets, std::chrono::steady_clock::time_point t0) {
+  using Trainer = tr::Trainer<TextToImageImpl, Config>;
+  const fs::path out(s.out);
+  const at::Device device(s.device);
+  const df::NoiseSchedule schedule(p.scheduler.schedule);
+
+  // Latents, once, when asked (the VAE stays frozen).
+  std::optional<data::LatentCache> cache;
+  data::LatentCacheReport cache_report;
+  if (s.cache_latents) {
+    data::LatentCacheOptions co;
+    co.flipped = s.random_flip;
+    co.workers = static_cast<std::size_t>(s.dataloader_num_workers);
+    co.batch_size = static_cast<std::size_t>(s.train_batch_size);
+    co.progress = [](std::size_t done, std::size_t total) {
+      std::fprintf(stderr, "\rcaching latents: %zu/%zu", done, total);
+      if (done == total) std::fprintf(stderr, "\n");
+    };
+    cache.emplace(BatchStream::cache_root(s) / "latents", p.vae_fingerprint, folder, buckets, co);
+    for (const auto& d : cache->store().damaged())
+      std::fprintf(stderr, "latent cache: %s was damaged (%s); its entries are encoded again\n",
+                   d.path.string().c_str(), d.reason.c_str());
+    p.vae->eval();
+    cache_report = cache->build([&](const at::Tensor& px) {
+      at::NoGradGuard no_grad;
+      const auto posterior = p.vae->encode(px.to(device));
+      return std::make_pair(posterior.mean.cpu(), posterior.std.cpu());
+    });
+    std::fprintf(stderr, "latent cache: %zu entries, %zu reused, %zu encoded (%.1f s) in %s\n",
+                 cache_report.entries, cache_report.reused, cache_report.encoded,
+                 cache_report.seconds, cache->store().folder().string().c_str());
+  }
+
+  // LoRA: frozen base, new branches; full: the UNet trains.
+  freeze(*p.text_encoder);
+  freeze(*p.vae);
+  std::vector<std::string> unet_lora, te_lora;
+  if (s.use_lora) {
+    const double alpha = s.lora_alpha > 0 ? s.lora_alpha : static_cast<double>(s.rank);
+    unet_lora = ad::inject_lora(*p.unet, ad::unet_lora_targets(), {.rank = s.rank, .alpha = alpha});
+    if (s.train_text_encoder)
+      te_lora = ad::inject_lora(*p.text_encoder, ad::text_encoder_lora_targets(),
+                                {.rank = s.rank, .alpha = alpha});
+  }
+  p.unet->to(device);
+  p.text_encoder->to(device);
+  p.vae->to(device);
+  p.vae->eval();
+  if (!s.train_text_encoder) p.text_encoder->eval();
+
+  TextToImageImpl trainee(p.unet, s.train_text_encoder ? p.text_encoder : TextEncoder{nullptr},
+                          schedule, s, p.scheduler.prediction);
+  trainee.train();
+  typename Trainer::Options o;
+  o.optimizer.lr = s.learning_rate;
+  o.optimizer.beta1 = s.adam_beta1;
+  o.optimizer.beta2 = s.adam_beta2;
+  o.optimizer.eps = s.adam_epsilon;
+  o.optimizer.weight_decay = s.adam_weight_decay;
+  o.schedule.lr_scheduler = s.lr_scheduler;
+  o.schedule.args.num_warmup_steps = std::min(s.lr_warmup_steps, s.max_train_steps);
+  o.schedule.args.num_training_steps = s.max_train_steps;
+  o.clipping.max_norm = s.max_grad_norm;
+  o.accumulation_steps = s.gradient_accumulation_steps;
+  if constexpr (Trainer::has_ema) o.ema.rule.decay = s.ema_decay;
+
+  const fs::path ckpt_dir = out / "checkpoints";
+  const bool resume = !s.resume_from_checkpoint.empty();
+  if (!resume && !tr::CheckpointEvery::list(ckpt_dir).empty())
+    throw ConfigError(
+        "holds checkpoints of an earlier run; pass --resume_from_checkpoint latest to continue "
+        "it, or choose another --output_dir",
+        ckpt_dir.string());
+  const fs::path tb_dir = s.tensorboard_folder();
+  if (!resume && !tb_dir.empty() && s.tensorboard.empty()) dt::io::remove_tree(tb_dir);
+  const nlohmann::json run_settings = {
+      {"pretrained_model_name_or_path", s.model},
+      {"train_data_dir", s.data_dir},
+      {"images", folder.images.size()},
+      {"resolution", s.resolution},
+      {"enable_bucket", s.enable_bucket},
+      {"train_batch_size", s.train_batch_size},
+      {"gradient_accumulation_steps", s.gradient_accumulation_steps},
+      {"max_train_steps", s.max_train_steps},
+      {"learning_rate", s.learning_rate},
+      {"lr_scheduler", s.lr_scheduler},
+      {"use_lora", s.use_lora},
+      {"rank", s.rank},
+      {"train_text_encoder", s.train_text_encoder},
+      {"use_ema", s.use_ema},
+      {"snr_gamma", s.snr_gamma},
+      {"noise_offset", s.noise_offset},
+      {"prediction_type", std::string(df::to_string(p.scheduler.prediction))},
+      {"cache_latents", s.cache_latents},
+      {"seed", s.seed}};
+  std::vector<double> losses;
+  Validation validation{&s, &p, p.text_encoder, p.unet, &schedule, device};
+  Trainer trainer(
+      trainee, o,
+      typename Config::Callbacks{
+          tr::ProgressBar({.total_steps = s.max_train_steps,
+                           .every = 10,
+                           .lines_every = std::max<std::int64_t>(1, s.max_train_steps / 10)}),
+          tr::CheckpointEvery({.dir = ckpt_dir,
+                               .every = s.checkpointing_steps,
+                               .keep_last = static_cast<std::size_t>(s.checkpoints_total_limit)}),
+          tr::TensorBoard({.dir = tb_dir, .config = run_settings}),
+          tr::SampleEvery<Validation>(s.validation_steps > 0 && !s.validation_prompts.empty()
+                                          ? s.validation_steps
+                                          : std::numeric_limits<std::int64_t>::max(),
+                                      validation, "validation",
+                                      {.columns = s.num_validation_images}),
+          StopOnInterrupt{s.stop_at}, LossRecord{&losses}});
+  std::int64_t resumed_from = 0;
+  if (resume) {
+    std::optional<fs::path> from;
+    std::vector<std::string> skipped;
+    if (s.resume_from_checkpoint != "latest") {
+      trainer.load_checkpoint(s.resume_from_checkpoint);  // a file named on purpose: no fallback
+      from = fs::path(s.resume_from_checkpoint);
+    } else {
+      from = tr::resume_latest(trainer, ckpt_dir, &skipped);
+    }
+    for (const auto& why : skipped) std::fprintf(stderr, "resume: skipped %s\n", why.c_str());
+    if (!from) throw ConfigError("holds no readable checkpoint to resume from", ckpt_dir.string());
+    resumed_from = trainer.global_step();
+    std::fprintf(stderr, "resume: continuing from %s (step %lld)\n", from->string().c_str(),
+                 static_cast<long long>(resumed_from));
+  }
+
+  BatchStream stream(s, p, folder, buckets, cache ? &*cache : nullptr, s.train_text_encoder,
+                     device);
+  std::fprintf(stderr, "%s", data::describe_buckets(cache ? [&] {
+    std::vector<data::Bucket> b;
+    for (const auto& c : cache->choices()) b.push_back(c.bucket);
+    return b;
+  }() : [&] {
+    std::vector<data::Bucket> b;
+    for (const auto& r : folder.images) b.push_back(buckets.select(r.width, r.height).bucket);
+    return b;
+  }()).c_str());
+  std::signal(SIGINT, on_sigint);
+  const auto t_train = std::chrono::steady_clock::now();
+  trainer.fit(
+      [&](std::int64_t step, std::int64_t micro) {
+        return stream.at_place(step * s.gradient_accumulation_steps + micro);
+      },
+      s.max_train_steps);
+  const double train_seconds = examples::seconds_since(t_train);
+  std::signal(SIGINT, SIG_DFL);
+  const bool finished = trainer.global_step() >= s.max_train_steps;
+  if (!finished) {
+    std::get<tr::CheckpointEvery>(trainer.callbacks()).save(trainer);
+    std::fprintf(stderr,
+                 "stopped at step %lld; checkpoint saved, rerun with "
+                 "--resume_from_checkpoint latest to continue\n",
+                 static_cast<long long>(trainer.global_step()));
+  }
+
+  // What the run leaves: weights (EMA when kept), validation images, results.
+  nlohmann::json files;
+  auto write_outputs = [&] {
+    if (s.use_lora) {
+      std::map<std::string, std::string> meta{{"lora_rank", std::to_string(s.rank)},
+                                              {"base_model", s.model}};
+      for (const auto layout : {ad::LoraLayout::peft, ad::LoraLayout::kohya}) {
+        auto tensors = ad::lora_state_dict(*p.unet, ad::unet_lora_keys(layout));
+        if (s.train_text_encoder)
+          tensors.merge(ad::lora_state_dict(*p.text_encoder, ad::text_encoder_lora_keys(layout)));
+        const std::string name = layout == ad::LoraLayout::peft ? "pytorch_lora_weights.safetensors"
+                                                                : "lora_kohya.safetensors";
+        dt::io::save_safetensors(out / name, tensors, meta);
+        files[layout == ad::LoraLayout::peft ? "peft" : "kohya"] = name;
+      }
+    } else {
+      copy_pipeline_except_unet(p.root, out);
+      models::save_pretrained(p.unet, out / "unet");
+      files["pipeline"] = ".";
+    }
+    if (!s.validation_prompts.empty()) {
+      const at::Tensor images = validation.images();
+      fs::create_directories(out / "validation");
+      for (std::int64_t i = 0; i < images.size(0); ++i)
+        dt::io::write_png(
+            out / "validation" / ("image-" + std::to_string(i) + ".png"),
+            dt::io::image_grid(images.narrow(0, i, 1), {.columns = 1}),
+            {{"Description",
+              s.validation_prompts[static_cast<std::size_t>(i / s.num_validation_images)]}});
+      dt::io::write_png(
+          out / "validation.png",
+          dt::io::image_grid(images, {.columns = s.num_validation_images, .padding = 2}),
+          {{"Description", "one row per validation prompt"}});
+      files["validation"] = "validation.png";
+    }
+  };
+  if (finished) {
+    if constexpr (Trainer::has_ema) {
+      dt::ema::EmaScope scope(trainer.ema());
+      write_outputs();
+    } else {
+      write_outputs();
+    }
+  }
+  const std::size_t tenth = std::max<std::size_t>(1, losses.size() / 10);
+  nlohmann::json results = run_settings;
+  results["files"] = files;
+  results["steps"] = trainer.global_step();
+  results["resumed_from"] = resumed_from;
+  results["finished"] = finished;
+  results["first_loss"] = mean_of(losses, tenth, false);
+  results["last_loss"] = mean_of(losses, tenth, true);
+  results["lora_layers"] = {{"unet", unet_lora.size()}, {"text_encoder", te_lora.size()}};
+  results["batches_per_epoch"] = stream.batches_per_epoch();
+  results["train_seconds"] = train_seconds;
+  results["data_seconds"] = stream.data_seconds();
+  results["data_share"] = train_seconds > 0 ? stream.data_seconds() / train_seconds : 0.0;
+  results["skipped_images"] = folder.skipped.size();
+  if (cache)
+    results["latent_cache"] = {{"entries", cache_report.entries},
+                               {"reused", cache_report.reused},
+                               {"encoded", cache_report.encoded},
+                               {"seconds", cache_report.seconds}};
+  results["total_seconds"] = examples::seconds_since(t0);
+  const std::string text = results.dump(2) + "\n";
+  dt::io::write_file_atomic(out / "results.json", std::span<const char>(text.data(), text.size()));
+  std::printf("%s %lld steps (loss %.4f → %.4f, data %.1f%% of the time); wrote %s\n",
+              s.use_lora ? "LoRA" : "full fine-tuning",
+              static_cast<long long>(trainer.global_step()), results["first_loss"].get<double>(),
+              results["last_loss"].get<double>(), 100.0 * results["data_share"].get<double>(),
+              s.out.c_str());
+  return finished ? 0 : 130;
+}
+
+int run(const Settings& s) {
+  const auto t0 = std::chrono::steady_clock::now();
+  check_flags(s);
+  examples::apply_threads(s);
+  const data::BucketManager buckets(bucket_options(s));
+  // The images first: a wrong folder or caption column is found before the models load.
+  data::ImageFolderOptions fo;
+  fo.image_column = s.image_column;
+  fo.caption_column = s.caption_column;
+  data::ImageFolder folder = data::scan_image_folder(s.data_dir, fo);
+  for (const auto& skipped : folder.skipped)
+    std::fprintf(stderr, "skipped %s: %s\n", skipped.path.string().c_str(), skipped.reason.c_str());
+  if (s.limit > 0 && static_cast<std::int64_t>(folder.images.size()) > s.limit)
+    folder.images.resize(static_cast<std::size_t>(s.limit));
+  std::fprintf(stderr, "%zu images (%lld with repeats), %zu skipped\n", folder.images.size(),
+               static_cast<long long>(folder.epoch_size()), folder.skipped.size());
+  dt::io::ensure_writable_folder(s.out);
+  tr::set_seed(s.seed);
+  Pipeline p = load_pipeline(s);
+  if (!s.enable_bucket && s.resolution % p.vae->downscale() != 0)
+    throw ConfigError(
+        "must be a multiple of the VAE's downscale " + std::to_string(p.vae->downscale()),
+        "--resolution");
+  return s.use_ema ? train<EmaConfig>(s, p, folder, buckets, t0)
+                   : train<NoEmaConfig>(s, p, folder, buckets, t0);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Settings s;
+  CLI::App app{
+      "Fine-tune a Stable Diffusion pipeline (full or LoRA) on a folder of captioned images."};
+  app.get_formatter()->column_width(44);
+  using examples::count_in;
+  using examples::number_in;
+  auto* io = app.add_option_group("data and run");
+  io->add_option("--pretrained_model_name_or_path", s.model, "diffusers pipeline folder")
+      ->required();
+  io->add_option("--train_data_dir", s.data_dir, "folder of images with captions")->required();
+  io->add_option("--image_column", s.image_column, "metadata file's image column")
+      ->capture_default_str();
+  io->add_option("--caption_column", s.caption_column, "metadata file's caption column")
+      ->capture_default_str();
+  io->add_option("--output_dir", s.out, "output folder")->capture_default_str();
+  io->add_option("--device", s.device, "cpu, cuda or cuda:N")->capture_default_str();
+  io->add_option("--seed", s.seed, "seeds batches, noise and samples")->capture_default_str();
+  io->add_option("--max_train_samples", s.limit, "use only the first N images (0: all)")
+      ->check(count_in(0, 100'000'000));
+  io->add_option("--logging_dir", s.tensorboard,
+                 "TensorBoard folder (default OUTPUT_DIR/tensorboard)");
+  io->add_flag("--no_tensorboard", s.no_tensorboard, "write no TensorBoard event files");
+  io->add_option("--threads", s.threads, "intra-op CPU threads (0: the free cores)")
+      ->check(count_in(0, 4096));
+  io->add_option("--dataloader_num_workers", s.dataloader_num_workers, "decoding threads")
+      ->check(count_in(0, 256))
+      ->capture_default_str();
+  auto* img = app.add_option_group("images");
+  img->add_option("--resolution", s.resolution, "training size (bucket area with --enable_bucket)")
+      ->check(count_in(8, 8192))
+      ->capture_default_str();
+  img->add_flag("--center_crop", s.center_crop, "crop the center (default: a random crop)");
+  img->add_flag("--random_flip", s.random_flip, "mirror half the images");
+  img->add_flag("--enable_bucket", s.enable_bucket, "kohya's aspect-ratio buckets");
+  img->add_option("--min_bucket_reso", s.min_bucket_reso)
+      ->check(count_in(8, 8192))
+      ->capture_default_str();
+  img->add_option("--max_bucket_reso", s.max_bucket_reso)
+      ->check(count_in(8, 8192))
+      ->capture_default_str();
+  img->add_option("--bucket_reso_steps", s.bucket_reso_steps)
+      ->check(count_in(1, 1024))
+      ->capture_default_str();
+  img->add_flag("--bucket_no_upscale", s.bucket_no_upscale, "only shrink images into buckets");
+  img->add_flag("--cache_latents", s.cache_latents, "encode each image once (a cache on disk)");
+  img->add_option("--cache_dir", s.cache_dir, "latent and text cache (default OUTPUT_DIR/cache)");
+  auto* tg = app.add_option_group("training");
+  tg->add_option("--train_batch_size", s.train_batch_size)
+      ->check(count_in(1, 100'000))
+      ->capture_default_str();
+  tg->add_option("--max_train_steps", s.max_train_steps)
+      ->check(count_in(1, 100'000'000))
+      ->capture_default_str();
+  tg->add_option("--gradient_accumulation_steps", s.gradient_accumulation_steps)
+      ->check(count_in(1, 10'000))
+      ->capture_default_str();
+  tg->add_option("--learning_rate", s.learning_rate)
+      ->check(number_in(0, 1e4, true))
+      ->capture_default_str();
+  tg->add_option("--lr_scheduler", s.lr_scheduler, "diffusers' get_scheduler names")
+      ->capture_default_str();
+  tg->add_option("--lr_warmup_steps", s.lr_warmup_steps)
+      ->check(count_in(0, 100'000'000))
+      ->capture_default_str();
+  tg->add_option("--adam_beta1", s.adam_beta1)->check(number_in(0, 1))->capture_default_str();
+  tg->add_option("--adam_beta2", s.adam_beta2)->check(number_in(0, 1))->capture_default_str();
+  tg->add_option("--adam_weight_decay", s.adam_weight_decay)
+      ->check(number_in(0, 1e3))
+      ->capture_default_str();
+  tg->add_option("--adam_epsilon", s.adam_epsilon)
+      ->check(number_in(0, 1, true))
+      ->capture_default_str();
+  tg->add_option("--max_grad_norm", s.max_grad_norm)
+      ->check(number_in(0, 1e9, true))
+      ->capture_default_str();
+  tg->add_option("--snr_gamma", s.snr_gamma, "min-SNR γ (0: plain MSE)")
+      ->check(number_in(0, 1e6))
+      ->capture_default_str();
+  tg->add_option("--noise_offset", s.noise_offset)->check(number_in(0, 10))->capture_default_str();
+  tg->add_option("--prediction_type", s.prediction_type,
+                 "epsilon or v_prediction (default: the scheduler's)");
+  tg->add_flag("--use_ema", s.use_ema, "keep an EMA of the trained weights and save it");
+  tg->add_option("--ema_decay", s.ema_decay)->check(number_in(0, 1))->capture_default_str();
+  tg->add_flag("--use_lora", s.use_lora, "train LoRA branches, not the UNet");
+  tg->add_option("--rank", s.rank, "LoRA rank")->check(count_in(1, 4096))->capture_default_str();
+  tg->add_option("--lora_alpha", s.lora_alpha, "LoRA alpha (0: the rank)")
+      ->check(number_in(0, 1e6))
+      ->capture_default_str();
+  tg->add_flag("--train_text_encoder", s.train_text_encoder, "LoRA on the text encoder too");
+  auto* ck = app.add_option_group("checkpoints and validation");
+  ck->add_option("--checkpointing_steps", s.checkpointing_steps)
+      ->check(count_in(1, 100'000'000))
+      ->capture_default_str();
+  ck->add_option("--checkpoints_total_limit", s.checkpoints_total_limit)
+      ->check(count_in(1, 100'000))
+      ->capture_default_str();
+  ck->add_option("--resume_from_checkpoint", s.resume_from_checkpoint,
+                 "a checkpoint file or \"latest\"");
+  ck->add_option("--validation_prompt", s.validation_prompts,
+                 "prompt of the validation images (repeatable)");
+  ck->add_option("--num_validation_images", s.num_validation_images)
+      ->check(count_in(1, 64))
+      ->capture_default_str();
+  ck->add_option("--validation_steps", s.validation_steps,
+                 "validation images to TensorBoard every N steps (0: at the end only)")
+      ->check(count_in(0, 100'000'000))
+      ->capture_default_str();
+  ck->add_option("--num_inference_steps", s.num_inference_steps)
+      ->check(count_in(1, 1000))
+      ->capture_default_str();
+  ck->add_option("--guidance_scale", s.guidance_scale)
+      ->check(number_in(0, 100))
+      ->capture_default_str();
+  ck->add_option("--stop_at", s.stop_at,
+                 "stop with a checkpoint after this step, as Ctrl-C does (0: never)")
+      ->check(count_in(0, 100'000'000));
+  // As argparse: a flag given twice takes its last value (a command line extended by a script).
+  for (auto* group : {io, img, tg, ck})
+    for (auto* opt : group->get_options())
+      if (opt->get_name() != "--validation_prompt")
+        opt->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  CLI11_PARSE(app, argc, argv);
+  return examples::run_reporting_errors([&] { return run(s); });
+}

@@ -1,0 +1,105 @@
+"""Test data for the text-to-image programs, made here, never downloaded: a tiny Stable Diffusion
+1.x pipeline with random weights, saved by diffusers and transformers (save_pretrained, the SD
+vocabulary from the tokenizer folder ref_clip_tokenizer.py writes), and a captioned image folder
+of Fashion-MNIST items as JPEG, PNG and WebP at assorted sizes and EXIF orientations, captions in
+metadata.jsonl ("a photo of a sneaker"), plus one damaged file the programs must skip.
+
+    make_text_to_image_data.py OUT GOLDEN_DIR FASHION_MNIST_DIR
+"""
+import gzip
+import json
+import pathlib
+import sys
+
+import numpy as np
+import torch
+from PIL import Image
+
+CLASSES = {7: "sneaker", 8: "bag", 1: "trouser"}
+
+
+def fashion_mnist(folder: pathlib.Path, count: int):
+    with gzip.open(folder / "train-images-idx3-ubyte.gz") as f:
+        images = np.frombuffer(f.read(), np.uint8, offset=16).reshape(-1, 28, 28)
+    with gzip.open(folder / "train-labels-idx1-ubyte.gz") as f:
+        labels = np.frombuffer(f.read(), np.uint8, offset=8)
+    picked = []
+    for label in CLASSES:
+        idx = np.nonzero(labels == label)[0][:count]
+        picked += [(images[i], int(label)) for i in idx]
+    return picked
+
+
+def exif_with_orientation(orientation: int) -> bytes:
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    return exif.tobytes()
+
+
+def write_images(root: pathlib.Path, fmnist: pathlib.Path):
+    root.mkdir(parents=True, exist_ok=True)
+    rows = []
+    sizes = [(32, 32), (40, 40), (48, 32), (32, 48), (36, 36), (64, 64)]
+    for n, (pixels, label) in enumerate(fashion_mnist(fmnist, 8)):
+        img = Image.fromarray(255 - pixels).convert("RGB")  # dark items on white, as photos
+        w, h = sizes[n % len(sizes)]
+        img = img.resize((w, h), Image.BICUBIC)
+        kind = ["jpg", "png", "webp"][n % 3]
+        name = f"{CLASSES[label]}_{n:02d}.{kind}"
+        if kind == "jpg" and n % 4 == 0:
+            # Stored rotated; EXIF orientation 6 turns it back upright.
+            img.transpose(Image.Transpose.ROTATE_90).save(root / name, quality=95,
+                                                           exif=exif_with_orientation(6))
+        elif kind == "jpg":
+            img.save(root / name, quality=95)
+        elif kind == "png":
+            img.save(root / name)
+        else:
+            img.save(root / name, lossless=True)
+        rows.append({"file_name": name, "text": f"a photo of a {CLASSES[label]}",
+                     "label": CLASSES[label]})
+    (root / "broken.jpg").write_bytes((root / rows[0]["file_name"]).read_bytes()[:200])
+    with open(root / "metadata.jsonl", "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+
+
+def write_pipeline(root: pathlib.Path, golden: pathlib.Path):
+    from diffusers import (AutoencoderKL, DDIMScheduler, StableDiffusionPipeline,
+                           UNet2DConditionModel)
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+    torch.manual_seed(0)
+    text_encoder = CLIPTextModel(CLIPTextConfig(
+        vocab_size=49408, max_position_embeddings=77, bos_token_id=49406, eos_token_id=49407,
+        pad_token_id=1, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+        num_attention_heads=4, projection_dim=32, hidden_act="quick_gelu")).eval()
+    tokenizer = CLIPTokenizer.from_pretrained(str(golden / "clip_tokenizer" / "sd15"))
+    vae = AutoencoderKL(block_out_channels=[8, 16], in_channels=3, out_channels=3,
+                        down_block_types=["DownEncoderBlock2D"] * 2,
+                        up_block_types=["UpDecoderBlock2D"] * 2, latent_channels=4,
+                        norm_num_groups=4, sample_size=32)
+    unet = UNet2DConditionModel(block_out_channels=(16, 32), layers_per_block=1, sample_size=16,
+                                in_channels=4, out_channels=4,
+                                down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                                up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+                                cross_attention_dim=32, attention_head_dim=4, norm_num_groups=8)
+    scheduler = DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                              clip_sample=False, set_alpha_to_one=False, steps_offset=1)
+    pipe = StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                                   unet=unet, scheduler=scheduler, safety_checker=None,
+                                   feature_extractor=None, requires_safety_checker=False)
+    pipe.save_pretrained(root)
+
+
+def main():
+    out, golden, fmnist = map(pathlib.Path, sys.argv[1:4])
+    from diffusers.utils import logging as dlogging
+    from transformers.utils import logging
+    logging.set_verbosity_error()
+    dlogging.set_verbosity_error()
+    write_pipeline(out / "sd15", golden)
+    write_images(out / "images", fmnist)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# train_text_to_image end to end on a tiny SD 1.x pipeline and a captioned image folder that
+# make_text_to_image_data.py writes (diffusers' and transformers' save_pretrained, Fashion-MNIST
+# items as JPEG/PNG/WebP with EXIF orientations, a damaged file): mistakes are refused before any
+# work; LoRA on the UNet and the text encoder with cached latents trains, its loss falls, a run
+# stopped half way and resumed ends with the same weights as one that was not; full fine-tuning
+# with EMA and min-SNR writes a pipeline folder; diffusers loads both (load_lora_weights with
+# peft, StableDiffusionPipeline.from_pretrained) and generates with them.
+#
+#   train_text_to_image.sh PROGRAM PYTHON GOLDEN_DIR WORKDIR [FASHION_MNIST_DIR]
+set -uo pipefail
+bin=$1 py=$2 golden=$3 work=$4 fmnist=${5:-/usr/share/datasets/fashion-mnist}
+rm -rf "$work" && mkdir -p "$work"
+# shellcheck source=common.sh
+source "$(dirname "$0")/common.sh"
+here=$(dirname "$0")
+"$py" "$here/make_text_to_image_data.py" "$work/data" "$golden" "$fmnist" >"$work/make.out" 2>&1 ||
+  { cat "$work/make.out"; echo "FAIL: making the test data"; exit 1; }
+sd=$work/data/sd15 images=$work/data/images
+base=(--pretrained_model_name_or_path "$sd" --train_data_dir "$images" --resolution 32
+      --train_batch_size 4 --seed 3 --num_inference_steps 3 --num_validation_images 2
+      --dataloader_num_workers 2)
+
+# Mistakes, each refused with a typed error naming it, before training.
+expect_rc 0 help -- "$bin" --help
+grep_in "$work/help.out" "--pretrained_model_name_or_path"
+expect_rc 2 no-pipeline -- "$bin" "${base[@]}" --pretrained_model_name_or_path "$images" --output_dir "$work/bad"
+grep_in "$work/no-pipeline.err" "model_index.json"
+expect_rc 2 caption-column -- "$bin" "${base[@]}" --caption_column prompt --output_dir "$work/bad"
+grep_in "$work/caption-column.err" "prompt"
+mkdir -p "$work/empty"
+expect_rc 2 empty-folder -- "$bin" "${base[@]}" --train_data_dir "$work/empty" --output_dir "$work/bad"
+expect_rc 2 cache-random-crop -- "$bin" "${base[@]}" --cache_latents --output_dir "$work/bad"
+grep_in "$work/cache-random-crop.err" "--center_crop"
+expect_rc 2 te-without-lora -- "$bin" "${base[@]}" --train_text_encoder --output_dir "$work/bad"
+grep_in "$work/te-without-lora.err" "--use_lora"
+expect_rc 2 prediction -- "$bin" "${base[@]}" --prediction_type flow --output_dir "$work/bad"
+grep_in "$work/prediction.err" "prediction_type"
+[ -e "$work/bad/checkpoints" ] && fail "a refused run left checkpoints"
+
+# LoRA on the UNet and the text encoder, cached latents and flips: once straight through, once
+# stopped at step 20 and resumed.
+lora=("${base[@]}" --use_lora --train_text_encoder --rank 4 --cache_latents --center_crop
+      --random_flip --learning_rate 2e-3 --max_train_steps 40 --checkpointing_steps 10
+      --validation_prompt "a photo of a sneaker")
+expect_rc 0 lora -- "$bin" "${lora[@]}" --output_dir "$work/lora"
+grep_in "$work/lora.err" "skipped .*broken.jpg"
+expect_rc 130 lora-stopped -- "$bin" "${lora[@]}" --output_dir "$work/lora-resumed" --stop_at 20
+expect_rc 2 lora-again -- "$bin" "${lora[@]}" --output_dir "$work/lora-resumed"
+grep_in "$work/lora-again.err" "--resume_from_checkpoint"
+expect_rc 0 lora-resumed -- "$bin" "${lora[@]}" --output_dir "$work/lora-resumed" --resume_from_checkpoint latest
+grep_in "$work/lora-resumed.err" "continuing from .*checkpoint-20.pt"
+grep_in "$work/lora-resumed/results.json" '"reused": 48'
+# A second run on the same cache folder encodes nothing.
+expect_rc 0 lora-cached -- "$bin" "${lora[@]}" --max_train_steps 2 --output_dir "$work/lora-cached" --cache_dir "$work/lora/cache"
+grep_in "$work/lora-cached/results.json" '"encoded": 0'
+
+# Full fine-tuning with EMA, min-SNR and offset noise, latents encoded every step, buckets.
+expect_rc 0 full -- "$bin" "${base[@]}" --use_ema --ema_decay 0.9 --snr_gamma 5 --noise_offset 0.05 \
+  --enable_bucket --min_bucket_reso 16 --max_bucket_reso 64 --bucket_reso_steps 16 \
+  --learning_rate 5e-4 --max_train_steps 30 --validation_prompt "a photo of a bag" --output_dir "$work/full"
+grep_in "$work/full.err" "number of buckets"
+
+"$py" - "$work" "$sd" >"$work/python.out" 2>&1 <<'PY' || { fail "Python check"; }
+import json, math, pathlib, sys
+import numpy as np
+import torch
+from safetensors.torch import load_file
+from diffusers import StableDiffusionPipeline
+from diffusers.utils import logging as dlogging
+dlogging.set_verbosity_error()
+work, sd = pathlib.Path(sys.argv[1]), sys.argv[2]
+for run in ("lora", "lora-resumed", "full"):
+    r = json.loads((work / run / "results.json").read_text())
+    assert r["finished"] and math.isfinite(r["last_loss"]), (run, r)
+    print(f"{run}: loss {r['first_loss']:.4f} -> {r['last_loss']:.4f}, data {100 * r['data_share']:.1f}%")
+    assert r["last_loss"] < r["first_loss"], f"{run}: the loss did not fall"
+# Stopped and resumed equals straight through, to the bit.
+a = load_file(work / "lora" / "pytorch_lora_weights.safetensors")
+b = load_file(work / "lora-resumed" / "pytorch_lora_weights.safetensors")
+assert a.keys() == b.keys()
+assert all(torch.equal(a[k], b[k]) for k in a), "the resumed run's LoRA differs"
+assert any(k.startswith("text_encoder.") for k in a) and any(k.startswith("unet.") for k in a)
+
+def generate(pipe):
+    out = pipe("a photo of a sneaker", num_inference_steps=2, height=32, width=32,
+               output_type="np", generator=torch.Generator().manual_seed(0)).images
+    assert out.shape == (1, 32, 32, 3) and np.isfinite(out).all(), out.shape
+    return out
+
+base = StableDiffusionPipeline.from_pretrained(sd, safety_checker=None)
+plain = generate(base)
+base.load_lora_weights(str(work / "lora"))
+adapted = generate(base)
+assert not np.allclose(plain, adapted), "the LoRA changed nothing"
+print("load_lora_weights: generates, and differently from the base")
+kohya = load_file(work / "lora" / "lora_kohya.safetensors")
+assert any(k.startswith("lora_unet_") for k in kohya) and any(k.startswith("lora_te_") for k in kohya)
+full = StableDiffusionPipeline.from_pretrained(str(work / "full"), safety_checker=None)
+trained = dict(full.unet.named_parameters())
+moved = sum(not torch.equal(p, trained[n]) for n, p in base.unet.named_parameters() if n in trained)
+assert moved > 0, "the full fine-tuning changed no UNet weight"
+generate(full)
+print(f"full fine-tuning: the pipeline folder loads and generates ({moved} tensors changed)")
+PY
+cat "$work/python.out"
+[ "$failures" -eq 0 ] && echo "train_text_to_image end to end: ok" || exit 1
