@@ -112,8 +112,10 @@ struct Settings : examples::RunFlags {
 /// The components of a Stable Diffusion pipeline folder, read and checked before any work.
 struct Pipeline {
   fs::path root;
-  std::optional<text::CLIPTokenizer> tokenizer;  // read after model_index.json is checked
-  TextEncoder text_encoder{nullptr};
+  bool xl = false;  // StableDiffusionXLPipeline: two text encoders, pooled text and time ids
+  bool force_zeros_for_empty_prompt = true;  // SDXL's null conditioning for validation
+  std::optional<text::CLIPTokenizer> tokenizer, tokenizer_2;  // read once model_index is checked
+  TextEncoder text_encoder{nullptr}, text_encoder_2{nullptr};
   Vae vae{nullptr};
   Unet unet{nullptr};
   examples::SchedulerConfig scheduler;
@@ -151,14 +153,23 @@ Pipeline load_pipeline(const Settings& s) {
   }
   if (!index.is_object()) throw dt::FormatError("is not a JSON object", index_file.string());
   const std::string cls = index.value("_class_name", std::string());
-  if (cls == "StableDiffusionXLPipeline")
-    throw ConfigError(
-        "is an SDXL pipeline; this program trains SD 1.x/2.x pipelines (one text encoder)",
-        index_file.string());
+  if (cls != "StableDiffusionPipeline" && cls != "StableDiffusionXLPipeline")
+    throw ConfigError("is a " + (cls.empty() ? std::string("pipeline without _class_name") : cls) +
+                          "; this program trains StableDiffusionPipeline (SD 1.x/2.x) and "
+                          "StableDiffusionXLPipeline folders",
+                      index_file.string() + ": _class_name");
+  p.xl = cls == "StableDiffusionXLPipeline";
+  if (p.xl && index.contains("force_zeros_for_empty_prompt") &&
+      index["force_zeros_for_empty_prompt"].is_boolean())
+    p.force_zeros_for_empty_prompt = index["force_zeros_for_empty_prompt"].get<bool>();
   check_component(index, "unet", {"UNet2DConditionModel"}, index_file);
   check_component(index, "vae", {"AutoencoderKL"}, index_file);
   check_component(index, "text_encoder", {"CLIPTextModel"}, index_file);
   check_component(index, "tokenizer", {"CLIPTokenizer", "CLIPTokenizerFast"}, index_file);
+  if (p.xl) {
+    check_component(index, "text_encoder_2", {"CLIPTextModelWithProjection"}, index_file);
+    check_component(index, "tokenizer_2", {"CLIPTokenizer", "CLIPTokenizerFast"}, index_file);
+  }
   check_component(index, "scheduler",
                   {"DDPMScheduler", "DDIMScheduler", "PNDMScheduler", "EulerDiscreteScheduler",
                    "EulerAncestralDiscreteScheduler", "DPMSolverMultistepScheduler",
@@ -168,6 +179,10 @@ Pipeline load_pipeline(const Settings& s) {
                                                 s.prediction_type);
   p.tokenizer.emplace(text::CLIPTokenizer::from_folder(p.root / "tokenizer"));
   p.text_encoder = models::from_pretrained<TextEncoder>(p.root / "text_encoder");
+  if (p.xl) {
+    p.tokenizer_2.emplace(text::CLIPTokenizer::from_folder(p.root / "tokenizer_2"));
+    p.text_encoder_2 = models::from_pretrained<TextEncoder>(p.root / "text_encoder_2");
+  }
   p.vae = models::from_pretrained<Vae>(p.root / "vae");
   p.unet = models::from_pretrained<Unet>(p.root / "unet");
   const auto& uc = p.unet->config();
@@ -177,56 +192,98 @@ Pipeline load_pipeline(const Settings& s) {
                           " channels but the VAE's latents have " +
                           std::to_string(p.vae->config().latent_channels),
                       unet_where);
-  if (uc.cross_attention_dim.front() != p.text_encoder->config().hidden_size)
+  const std::int64_t text_width = p.text_encoder->config().hidden_size +
+                                  (p.xl ? p.text_encoder_2->config().hidden_size : std::int64_t{0});
+  if (uc.cross_attention_dim.front() != text_width)
     throw ConfigError("attends to " + std::to_string(uc.cross_attention_dim.front()) +
-                          "-wide text but the text encoder gives " +
-                          std::to_string(p.text_encoder->config().hidden_size),
+                          "-wide text but the text encoder" + (p.xl ? "s give " : " gives ") +
+                          std::to_string(text_width),
                       unet_where);
-  if (uc.class_embed_type || uc.num_class_embeds || uc.addition_embed_type)
-    throw ConfigError("takes class or added conditions; an SD 1.x/2.x UNet takes text only",
+  if (uc.class_embed_type || uc.num_class_embeds)
+    throw ConfigError("takes class labels; a Stable Diffusion UNet takes text", unet_where);
+  if (p.xl != (uc.addition_embed_type == std::optional<std::string>("text_time")))
+    throw ConfigError(p.xl ? "has no SDXL added conditions (addition_embed_type \"text_time\")"
+                           : "takes added conditions; an SD 1.x/2.x UNet takes text only",
                       unet_where);
   // What the caches are keyed by: the weights as stored, so no model is needed to read them.
   p.vae_fingerprint = data::tensors_fingerprint(models::read_model_weights(p.root / "vae"));
-  p.text_fingerprint =
-      data::tensors_fingerprint(models::read_model_weights(p.root / "text_encoder", std::nullopt,
-                                                           models::kTransformersWeights)) +
-      "|" + dt::io::sha256_hex(c10::str(p.tokenizer->size(), "|", p.tokenizer->model_max_length()));
+  for (const std::string part : {"text_encoder", "text_encoder_2"}) {
+    if (!p.xl && part == "text_encoder_2") continue;
+    p.text_fingerprint += data::tensors_fingerprint(models::read_model_weights(
+                              p.root / part, std::nullopt, models::kTransformersWeights)) +
+                          "|";
+  }
+  for (const auto* tok : {&p.tokenizer, &p.tokenizer_2})
+    if (*tok) p.text_fingerprint += c10::str((*tok)->size(), "|", (*tok)->model_max_length(), "|");
+  p.text_fingerprint = dt::io::sha256_hex(p.text_fingerprint + (p.xl ? "sdxl" : "sd"));
   return p;
+}
+
+/// The captions' conditioning as the pipelines' encode_prompt gives it: the last hidden state
+/// (SD), or both encoders' penultimate ones side by side and the second's pooled projection (SDXL).
+struct TextConditioning {
+  at::Tensor hidden, pooled;
+};
+TextConditioning encode_captions(Pipeline& p, const std::vector<std::string>& captions) {
+  text::EncodePromptOptions eo;
+  eo.do_classifier_free_guidance = false;
+  if (p.xl) {
+    const auto e = text::encode_prompt_sdxl(*p.tokenizer, p.text_encoder, *p.tokenizer_2,
+                                            p.text_encoder_2, captions, eo);
+    return {e.prompt_embeds, e.pooled_prompt_embeds};
+  }
+  return {text::encode_prompt(*p.tokenizer, p.text_encoder, captions, eo).prompt_embeds, {}};
 }
 
 // ---- the trainee --------------------------------------------------------------------------------
 
-/// The UNet (and the text encoder when it trains) with diffusers' denoising loss on latents.
+/// The UNet (and the text encoders when they train) with diffusers' denoising loss on latents.
 struct TextToImageImpl : torch::nn::Module {
   struct Batch {
-    at::Tensor latents;  ///< scaled by the VAE's scaling factor
-    at::Tensor ids;      ///< token ids (B, L) when the text encoder trains
-    at::Tensor embeds;   ///< (B, L, D) from the frozen encoder otherwise
+    at::Tensor latents;                 ///< scaled by the VAE's scaling factor
+    std::vector<std::string> captions;  ///< when the text encoders train
+    at::Tensor embeds, pooled;          ///< from the frozen encoders otherwise (pooled: SDXL)
+    at::Tensor time_ids;                ///< SDXL: original size, crop corner, target size
     [[nodiscard]] std::int64_t size() const { return latents.size(0); }
     [[nodiscard]] Batch slice(std::int64_t start, std::int64_t length) const {
-      return {latents.narrow(0, start, length), ids.defined() ? ids.narrow(0, start, length) : ids,
-              embeds.defined() ? embeds.narrow(0, start, length) : embeds};
+      auto part = [&](const at::Tensor& t) { return t.defined() ? t.narrow(0, start, length) : t; };
+      std::vector<std::string> c;
+      if (!captions.empty()) c.assign(captions.begin() + start, captions.begin() + start + length);
+      return {part(latents), std::move(c), part(embeds), part(pooled), part(time_ids)};
     }
   };
-  TextToImageImpl(Unet u, TextEncoder te, const df::NoiseSchedule& schedule, const Settings& s,
-                  df::Prediction prediction)
-      : unet(register_module("unet", u)),
+  /// `p`'s text encoders train (and are registered here) when `encoders_train`.
+  TextToImageImpl(Pipeline& p, bool encoders_train, const df::NoiseSchedule& schedule,
+                  const Settings& s)
+      : unet(register_module("unet", p.unet)),
+        pipeline_(&p),
         schedule_(schedule),
-        prediction_(prediction),
+        prediction_(p.scheduler.prediction),
         snr_gamma_(s.snr_gamma),
         noise_offset_(s.noise_offset) {
-    if (te) text_encoder = register_module("text_encoder", te);
+    if (encoders_train) {
+      register_module("text_encoder", p.text_encoder);
+      if (p.xl) register_module("text_encoder_2", p.text_encoder_2);
+    }
   }
   at::Tensor loss(const Batch& b) {
     const std::int64_t n = b.latents.size(0);
-    const at::Tensor embeds =
-        b.embeds.defined() ? b.embeds : text_encoder->forward(b.ids).last_hidden_state;
+    models::UNetConditions cond;
+    at::Tensor embeds = b.embeds;
+    cond.text_embeds = b.pooled;
+    cond.time_ids = b.time_ids;
+    if (!embeds.defined()) {
+      const TextConditioning text = encode_captions(*pipeline_, b.captions);
+      embeds = text.hidden;
+      cond.text_embeds = text.pooled;
+    }
     at::Tensor noise = at::randn_like(b.latents);
     if (noise_offset_ > 0)  // diffusers' --noise_offset: one shift per sample and channel
       noise = noise + noise_offset_ * at::randn({n, b.latents.size(1), 1, 1}, b.latents.options());
     const at::Tensor t =
         at::randint(schedule_.num_train_timesteps(), {n}, b.latents.options().dtype(at::kLong));
-    const at::Tensor pred = unet->forward(schedule_.add_noise(b.latents, noise, t), t, embeds);
+    const at::Tensor pred =
+        unet->forward(schedule_.add_noise(b.latents, noise, t), t, embeds, cond);
     const at::Tensor target = schedule_.target(prediction_, b.latents, noise, t);
     if (snr_gamma_ <= 0) return at::mse_loss(pred.to(at::kFloat), target.to(at::kFloat));
     // diffusers' min-SNR: per-sample MSE weighted by min(SNR, γ)/SNR (ε) or /(SNR + 1) (v).
@@ -238,7 +295,7 @@ struct TextToImageImpl : torch::nn::Module {
     return (per_sample * w).mean();
   }
   Unet unet{nullptr};
-  TextEncoder text_encoder{nullptr};
+  Pipeline* pipeline_;
   df::NoiseSchedule schedule_;
   df::Prediction prediction_;
   double snr_gamma_, noise_offset_;
@@ -276,29 +333,46 @@ struct LossRecord {
 struct Validation {
   const Settings* s;
   Pipeline* p;
-  TextEncoder encoder;  // the trained one (with its LoRA) or the pipeline's
-  Unet unet;
   const df::NoiseSchedule* schedule;
   at::Device device;
   at::Tensor images() {
-    const bool unet_training = unet->is_training(), te_training = encoder->is_training();
-    unet->eval();
-    encoder->eval();
+    std::vector<torch::nn::Module*> parts{p->unet.get(), p->text_encoder.get()};
+    if (p->xl) parts.push_back(p->text_encoder_2.get());
+    std::vector<bool> training;
+    for (auto* m : parts) {
+      training.push_back(m->is_training());
+      m->eval();
+    }
     at::NoGradGuard no_grad;
     text::EncodePromptOptions eo;
     eo.num_images_per_prompt = s->num_validation_images;
     eo.do_classifier_free_guidance = s->guidance_scale != 1.0;
+    eo.force_zeros_for_empty_prompt = p->force_zeros_for_empty_prompt;
     const text::EncodedPrompt e =
-        text::encode_prompt(*p->tokenizer, encoder, s->validation_prompts, eo);
+        p->xl ? text::encode_prompt_sdxl(*p->tokenizer, p->text_encoder, *p->tokenizer_2,
+                                         p->text_encoder_2, s->validation_prompts, eo)
+              : text::encode_prompt(*p->tokenizer, p->text_encoder, s->validation_prompts, eo);
     const std::int64_t n = e.prompt_embeds.size(0);
     const std::int64_t h = s->resolution / p->vae->downscale();
     auto gen = at::make_generator<at::CPUGeneratorImpl>(s->seed + 4);
-    const at::Tensor noise = at::randn({n, unet->config().in_channels, h, h}, gen).to(device);
+    const at::Tensor noise = at::randn({n, p->unet->config().in_channels, h, h}, gen).to(device);
+    // SDXL's added conditions: the pooled text (the guided call's halves: prompts, then the null
+    // prompts) and the time ids of an uncropped square image of the resolution.
+    models::UNetConditions cond;
+    if (p->xl) {
+      cond.text_embeds = eo.do_classifier_free_guidance
+                             ? at::cat({e.pooled_prompt_embeds, e.negative_pooled_prompt_embeds})
+                             : e.pooled_prompt_embeds;
+      const double r = static_cast<double>(s->resolution);
+      cond.time_ids = at::tensor({r, r, 0.0, 0.0, r, r}, at::kFloat)
+                          .repeat({cond.text_embeds.size(0), 1})
+                          .to(device);
+    }
     df::Ddim ddim(*schedule, p->scheduler.ddim);
     const at::Tensor z = df::sample(
         ddim,
         [&](const at::Tensor& x, const at::Tensor& t, const at::Tensor& c) {
-          return unet->forward(x, t, c);
+          return p->unet->forward(x, t, c, cond);
         },
         noise,
         {.num_inference_steps = s->num_inference_steps,
@@ -308,8 +382,7 @@ struct Validation {
         eo.do_classifier_free_guidance ? std::optional<at::Tensor>(e.negative_prompt_embeds)
                                        : std::nullopt);
     at::Tensor decoded = p->vae->decode_latents(z).clamp(-1, 1);
-    if (unet_training) unet->train();
-    if (te_training) encoder->train();
+    for (std::size_t i = 0; i < parts.size(); ++i) parts[i]->train(training[i]);
     return decoded.cpu();
   }
   at::Tensor operator()(auto& /*trainer*/) { return images(); }
@@ -346,7 +419,8 @@ class BatchStream {
     per_epoch_ = probe.size();
     if (!encoder_trains) {
       text_cache_.emplace(cache_root(s) / "text", p.text_fingerprint,
-                          "CLIP text encoder outputs (last_hidden_state)");
+                          p.xl ? "SDXL text conditioning (hidden states, pooled)"
+                               : "CLIP text encoder outputs (last_hidden_state)");
     }
   }
   [[nodiscard]] std::size_t batches_per_epoch() const { return per_epoch_; }
@@ -358,6 +432,7 @@ class BatchStream {
     const auto pos = static_cast<std::size_t>(static_cast<std::uint64_t>(place) % per_epoch_);
     TextToImageImpl::Batch b;
     std::vector<std::string> captions;
+    std::vector<std::array<std::int64_t, 2>> sizes, corners;
     if (cache_ != nullptr) {
       if (!latents_ || epoch != epoch_ || latents_->position() != pos) {
         latents_.emplace(*cache_, folder_, static_cast<std::size_t>(s_.train_batch_size),
@@ -367,6 +442,8 @@ class BatchStream {
       data::LatentBatch l = *latents_->next();
       b.latents = scale(l.latents.to(device_));
       captions = std::move(l.captions);
+      sizes = std::move(l.original_sizes);
+      corners = std::move(l.crop_top_left);
     } else {
       if (!pixels_ || epoch != epoch_ || pixels_->position() != pos)
         pixels_.emplace(folder_, buckets_, image_options(), epoch, pos);
@@ -374,19 +451,37 @@ class BatchStream {
       at::NoGradGuard no_grad;
       b.latents = p_.vae->encode_latents(i.pixels.to(device_, /*non_blocking=*/true));
       captions = std::move(i.captions);
+      sizes = std::move(i.original_sizes);
+      corners = std::move(i.crop_top_left);
     }
     epoch_ = epoch;
+    if (p_.xl) {  // SDXL's add_time_ids: original (h, w), crop (top, left), target (h, w)
+      const std::int64_t down = p_.vae->downscale();
+      std::vector<float> ids;
+      for (std::size_t k = 0; k < sizes.size(); ++k)
+        for (const std::int64_t v : {sizes[k][0], sizes[k][1], corners[k][0], corners[k][1],
+                                     b.latents.size(2) * down, b.latents.size(3) * down})
+          ids.push_back(static_cast<float>(v));
+      b.time_ids = at::tensor(ids, at::kFloat)
+                       .view({static_cast<std::int64_t>(sizes.size()), 6})
+                       .to(device_);
+    }
     if (encoder_trains_) {
-      b.ids = ids(captions).to(device_);
+      b.captions = std::move(captions);
     } else {
-      std::vector<at::Tensor> rows;
+      std::vector<at::Tensor> hidden, pooled;
       for (const auto& e : text_cache_->entries_for_texts(captions, [&](const auto& texts) {
              at::NoGradGuard no_grad;
-             return data::TensorCache::Entry{
-                 {"hidden", p_.text_encoder->forward(ids(texts).to(device_)).last_hidden_state}};
-           }))
-        rows.push_back(e.at("hidden"));
-      b.embeds = at::stack(rows).to(device_);
+             const TextConditioning t = encode_captions(p_, texts);
+             data::TensorCache::Entry entry{{"hidden", t.hidden}};
+             if (t.pooled.defined()) entry.emplace("pooled", t.pooled);
+             return entry;
+           })) {
+        hidden.push_back(e.at("hidden"));
+        if (p_.xl) pooled.push_back(e.at("pooled"));
+      }
+      b.embeds = at::stack(hidden).to(device_);
+      if (p_.xl) b.pooled = at::stack(pooled).to(device_);
     }
     data_seconds_ += examples::seconds_since(t0);
     return b;
@@ -410,12 +505,6 @@ class BatchStream {
   at::Tensor scale(const at::Tensor& z) const {
     const auto& c = p_.vae->config();
     return (c.shift_factor ? z - *c.shift_factor : z) * c.scaling_factor;
-  }
-  at::Tensor ids(const std::vector<std::string>& captions) const {
-    const text::BatchEncoding enc = (*p_.tokenizer)(captions);
-    std::vector<std::int64_t> flat;
-    for (const auto& row : enc.input_ids) flat.insert(flat.end(), row.begin(), row.end());
-    return at::tensor(flat, at::kLong).view({static_cast<std::int64_t>(captions.size()), -1});
   }
 
   const Settings& s_;
@@ -533,24 +622,30 @@ int train(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
   }
 
   // LoRA: frozen base, new branches; full: the UNet trains.
-  freeze(*p.text_encoder);
+  std::vector<TextEncoder> encoders{p.text_encoder};
+  if (p.xl) encoders.push_back(p.text_encoder_2);
+  for (auto& e : encoders) freeze(*e);
   freeze(*p.vae);
   std::vector<std::string> unet_lora, te_lora;
   if (s.use_lora) {
     const double alpha = s.lora_alpha > 0 ? s.lora_alpha : static_cast<double>(s.rank);
     unet_lora = ad::inject_lora(*p.unet, ad::unet_lora_targets(), {.rank = s.rank, .alpha = alpha});
     if (s.train_text_encoder)
-      te_lora = ad::inject_lora(*p.text_encoder, ad::text_encoder_lora_targets(),
-                                {.rank = s.rank, .alpha = alpha});
+      for (auto& e : encoders) {
+        const auto added =
+            ad::inject_lora(*e, ad::text_encoder_lora_targets(), {.rank = s.rank, .alpha = alpha});
+        te_lora.insert(te_lora.end(), added.begin(), added.end());
+      }
   }
   p.unet->to(device);
-  p.text_encoder->to(device);
+  for (auto& e : encoders) {
+    e->to(device);
+    e->eval();  // trained ones are put in training mode with the trainee
+  }
   p.vae->to(device);
   p.vae->eval();
-  if (!s.train_text_encoder) p.text_encoder->eval();
 
-  TextToImageImpl trainee(p.unet, s.train_text_encoder ? p.text_encoder : TextEncoder{nullptr},
-                          schedule, s, p.scheduler.prediction);
+  TextToImageImpl trainee(p, s.train_text_encoder, schedule, s);
   trainee.train();
   typename Trainer::Options o;
   o.optimizer.lr = s.learning_rate;
@@ -595,7 +690,7 @@ int train(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
       {"cache_latents", s.cache_latents},
       {"seed", s.seed}};
   std::vector<double> losses;
-  Validation validation{&s, &p, p.text_encoder, p.unet, &schedule, device};
+  Validation validation{&s, &p, &schedule, device};
   Trainer trainer(
       trainee, o,
       typename Config::Callbacks{
@@ -666,8 +761,15 @@ int train(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
                                               {"base_model", s.model}};
       for (const auto layout : {ad::LoraLayout::peft, ad::LoraLayout::kohya}) {
         auto tensors = ad::lora_state_dict(*p.unet, ad::unet_lora_keys(layout));
-        if (s.train_text_encoder)
-          tensors.merge(ad::lora_state_dict(*p.text_encoder, ad::text_encoder_lora_keys(layout)));
+        if (s.train_text_encoder) {
+          using Slot = ad::TextEncoderSlot;
+          tensors.merge(ad::lora_state_dict(
+              *p.text_encoder,
+              ad::text_encoder_lora_keys(layout, p.xl ? Slot::first : Slot::single)));
+          if (p.xl)
+            tensors.merge(ad::lora_state_dict(*p.text_encoder_2,
+                                              ad::text_encoder_lora_keys(layout, Slot::second)));
+        }
         const std::string name = layout == ad::LoraLayout::peft ? "pytorch_lora_weights.safetensors"
                                                                 : "lora_kohya.safetensors";
         dt::io::save_safetensors(out / name, tensors, meta);

@@ -1,5 +1,5 @@
 """Test data for the text-to-image programs, made here, never downloaded: a tiny Stable Diffusion
-1.x pipeline with random weights, saved by diffusers and transformers (save_pretrained, the SD
+1.x and a tiny SDXL pipeline with random weights, saved by diffusers and transformers (save_pretrained, the SD
 vocabulary from the tokenizer folder ref_clip_tokenizer.py writes), and a captioned image folder
 of Fashion-MNIST items as JPEG, PNG and WebP at assorted sizes and EXIF orientations, captions in
 metadata.jsonl ("a photo of a sneaker"), plus one damaged file the programs must skip.
@@ -91,6 +91,41 @@ def write_pipeline(root: pathlib.Path, golden: pathlib.Path):
     pipe.save_pretrained(root)
 
 
+def write_pipeline_xl(root: pathlib.Path, golden: pathlib.Path):
+    from diffusers import (AutoencoderKL, EulerDiscreteScheduler, StableDiffusionXLPipeline,
+                           UNet2DConditionModel)
+    from transformers import (CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection,
+                              CLIPTokenizer)
+    torch.manual_seed(1)
+    common = dict(vocab_size=49408, max_position_embeddings=77, bos_token_id=49406,
+                  eos_token_id=49407, pad_token_id=1, num_hidden_layers=2)
+    te1 = CLIPTextModel(CLIPTextConfig(hidden_size=32, intermediate_size=37, num_attention_heads=4,
+                                       projection_dim=32, hidden_act="quick_gelu", **common))
+    te2 = CLIPTextModelWithProjection(CLIPTextConfig(hidden_size=40, intermediate_size=48,
+                                                     num_attention_heads=5, projection_dim=24,
+                                                     hidden_act="gelu", **common))
+    tok = CLIPTokenizer.from_pretrained(str(golden / "clip_tokenizer" / "sd15"))
+    tok2 = CLIPTokenizer.from_pretrained(str(golden / "clip_tokenizer" / "sd2"))  # pads with "!"
+    vae = AutoencoderKL(block_out_channels=[8, 16], in_channels=3, out_channels=3,
+                        down_block_types=["DownEncoderBlock2D"] * 2,
+                        up_block_types=["UpDecoderBlock2D"] * 2, latent_channels=4,
+                        norm_num_groups=4, sample_size=32, scaling_factor=0.13025)
+    unet = UNet2DConditionModel(block_out_channels=(16, 32), layers_per_block=1, sample_size=16,
+                                in_channels=4, out_channels=4,
+                                down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+                                up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+                                cross_attention_dim=72, attention_head_dim=4, norm_num_groups=8,
+                                addition_embed_type="text_time", addition_time_embed_dim=8,
+                                projection_class_embeddings_input_dim=6 * 8 + 24)
+    scheduler = EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012,
+                                       beta_schedule="scaled_linear", steps_offset=1,
+                                       timestep_spacing="leading")
+    pipe = StableDiffusionXLPipeline(vae=vae, text_encoder=te1, text_encoder_2=te2, tokenizer=tok,
+                                     tokenizer_2=tok2, unet=unet, scheduler=scheduler,
+                                     force_zeros_for_empty_prompt=True)
+    pipe.save_pretrained(root)
+
+
 def main():
     out, golden, fmnist = map(pathlib.Path, sys.argv[1:4])
     from diffusers.utils import logging as dlogging
@@ -98,6 +133,7 @@ def main():
     logging.set_verbosity_error()
     dlogging.set_verbosity_error()
     write_pipeline(out / "sd15", golden)
+    write_pipeline_xl(out / "sdxl", golden)
     write_images(out / "images", fmnist)
 
 

@@ -5,7 +5,8 @@
 # work; LoRA on the UNet and the text encoder with cached latents trains, its loss falls, a run
 # stopped half way and resumed ends with the same weights as one that was not; full fine-tuning
 # with EMA and min-SNR writes a pipeline folder; diffusers loads both (load_lora_weights with
-# peft, StableDiffusionPipeline.from_pretrained) and generates with them.
+# peft, StableDiffusionPipeline.from_pretrained) and generates with them. The same for SDXL: LoRA
+# on the UNet and both text encoders over aspect-ratio buckets, loaded by StableDiffusionXLPipeline.
 #
 #   train_text_to_image.sh PROGRAM PYTHON GOLDEN_DIR WORKDIR [FASHION_MNIST_DIR]
 set -uo pipefail
@@ -16,7 +17,9 @@ source "$(dirname "$0")/common.sh"
 here=$(dirname "$0")
 "$py" "$here/make_text_to_image_data.py" "$work/data" "$golden" "$fmnist" >"$work/make.out" 2>&1 ||
   { cat "$work/make.out"; echo "FAIL: making the test data"; exit 1; }
-sd=$work/data/sd15 images=$work/data/images
+sd=$work/data/sd15 xl=$work/data/sdxl images=$work/data/images
+# An SDXL pipeline whose UNet is SD 1.x's: refused by name.
+mkdir -p "$work/mixed" && cp -r "$xl"/. "$work/mixed/" && rm -rf "$work/mixed/unet" && cp -r "$sd/unet" "$work/mixed/unet"
 base=(--pretrained_model_name_or_path "$sd" --train_data_dir "$images" --resolution 32
       --train_batch_size 4 --seed 3 --num_inference_steps 3 --num_validation_images 2
       --dataloader_num_workers 2)
@@ -61,7 +64,14 @@ expect_rc 0 full -- "$bin" "${base[@]}" --use_ema --ema_decay 0.9 --snr_gamma 5 
   --learning_rate 5e-4 --max_train_steps 30 --validation_prompt "a photo of a bag" --output_dir "$work/full"
 grep_in "$work/full.err" "number of buckets"
 
-"$py" - "$work" "$sd" >"$work/python.out" 2>&1 <<'PY' || { fail "Python check"; }
+# SDXL: LoRA on the UNet and both text encoders, buckets, cached latents (time ids from each
+# image's size and crop).
+expect_rc 2 xl-wrong-unet -- "$bin" "${base[@]}" --pretrained_model_name_or_path "$work/mixed" --output_dir "$work/bad"
+expect_rc 0 xl -- "$bin" "${base[@]}" --pretrained_model_name_or_path "$xl" --use_lora --train_text_encoder \
+  --cache_latents --enable_bucket --min_bucket_reso 16 --max_bucket_reso 64 --bucket_reso_steps 16 \
+  --learning_rate 2e-3 --max_train_steps 30 --validation_prompt "a photo of a trouser" --output_dir "$work/xl"
+
+"$py" - "$work" "$sd" "$xl" >"$work/python.out" 2>&1 <<'PY' || { fail "Python check"; }
 import json, math, pathlib, sys
 import numpy as np
 import torch
@@ -70,7 +80,7 @@ from diffusers import StableDiffusionPipeline
 from diffusers.utils import logging as dlogging
 dlogging.set_verbosity_error()
 work, sd = pathlib.Path(sys.argv[1]), sys.argv[2]
-for run in ("lora", "lora-resumed", "full"):
+for run in ("lora", "lora-resumed", "full", "xl"):
     r = json.loads((work / run / "results.json").read_text())
     assert r["finished"] and math.isfinite(r["last_loss"]), (run, r)
     print(f"{run}: loss {r['first_loss']:.4f} -> {r['last_loss']:.4f}, data {100 * r['data_share']:.1f}%")
@@ -102,6 +112,17 @@ moved = sum(not torch.equal(p, trained[n]) for n, p in base.unet.named_parameter
 assert moved > 0, "the full fine-tuning changed no UNet weight"
 generate(full)
 print(f"full fine-tuning: the pipeline folder loads and generates ({moved} tensors changed)")
+
+from diffusers import StableDiffusionXLPipeline
+xl = StableDiffusionXLPipeline.from_pretrained(sys.argv[3])
+keys = load_file(work / "xl" / "pytorch_lora_weights.safetensors").keys()
+assert {k.split(".")[0] for k in keys} == {"unet", "text_encoder", "text_encoder_2"}, keys
+plain = generate(xl)
+xl.load_lora_weights(str(work / "xl"))
+assert not np.allclose(plain, generate(xl)), "the SDXL LoRA changed nothing"
+kohya = load_file(work / "xl" / "lora_kohya.safetensors")
+assert {k.split("_")[1] for k in kohya} == {"unet", "te1", "te2"}, sorted(kohya)[:4]
+print("SDXL: load_lora_weights reads the UNet's and both text encoders' LoRA and generates")
 PY
 cat "$work/python.out"
 [ "$failures" -eq 0 ] && echo "train_text_to_image end to end: ok" || exit 1
