@@ -59,6 +59,7 @@
 #include "../common/cli_checks.hpp"
 #include "../common/run_skeleton.hpp"
 #include "../common/scheduler_config.hpp"
+#include "../common/sd_pipeline.hpp"
 
 namespace {
 namespace dt = difftrain;
@@ -71,9 +72,7 @@ namespace tr = difftrain::train;
 namespace fs = std::filesystem;
 using dt::ConfigError;
 
-using Unet = models::UNet2DConditionModel<>;
-using Vae = models::AutoencoderKL<>;
-using TextEncoder = models::CLIPTextModel<>;
+using namespace examples::sd;  // the pipeline folder, validation, callbacks
 
 struct Settings : examples::RunFlags {
   std::string model;  // --pretrained_model_name_or_path
@@ -106,134 +105,6 @@ struct Settings : examples::RunFlags {
   std::int64_t stop_at = 0;  // stop (with a checkpoint) after this step, as Ctrl-C does; 0: never
   Settings() { out = "runs/train_text_to_image"; }
 };
-
-// ---- the pipeline folder ------------------------------------------------------------------------
-
-/// The components of a Stable Diffusion pipeline folder, read and checked before any work.
-struct Pipeline {
-  fs::path root;
-  bool xl = false;  // StableDiffusionXLPipeline: two text encoders, pooled text and time ids
-  bool force_zeros_for_empty_prompt = true;  // SDXL's null conditioning for validation
-  std::optional<text::CLIPTokenizer> tokenizer, tokenizer_2;  // read once model_index is checked
-  TextEncoder text_encoder{nullptr}, text_encoder_2{nullptr};
-  Vae vae{nullptr};
-  Unet unet{nullptr};
-  examples::SchedulerConfig scheduler;
-  std::string vae_fingerprint, text_fingerprint;
-};
-
-/// model_index.json's entry `name` must be [library, class] with one of `classes`.
-void check_component(const nlohmann::json& index, const std::string& name,
-                     const std::vector<std::string>& classes, const fs::path& file) {
-  const std::string where = file.string() + ": " + name;
-  if (!index.contains(name) || !index[name].is_array() || index[name].size() != 2 ||
-      !index[name][1].is_string())
-    throw ConfigError("must name the pipeline's " + name + " as [library, class]", where);
-  const std::string cls = index[name][1].get<std::string>();
-  if (std::find(classes.begin(), classes.end(), cls) == classes.end()) {
-    std::string want;
-    for (const auto& c : classes) want += (want.empty() ? "" : " or ") + c;
-    throw ConfigError("is a " + cls + "; this program trains with a " + want, where);
-  }
-}
-
-Pipeline load_pipeline(const Settings& s) {
-  Pipeline p;
-  p.root = s.model;
-  const fs::path index_file = p.root / "model_index.json";
-  if (!fs::is_directory(p.root))
-    throw dt::IoError("is not a folder (name a diffusers pipeline folder)",
-                      "--pretrained_model_name_or_path " + s.model);
-  const std::vector<char> bytes = dt::io::read_file(index_file);
-  nlohmann::json index;
-  try {
-    index = nlohmann::json::parse(bytes.begin(), bytes.end());
-  } catch (const nlohmann::json::parse_error& e) {
-    throw dt::FormatError(std::string("is not valid JSON: ") + e.what(), index_file.string());
-  }
-  if (!index.is_object()) throw dt::FormatError("is not a JSON object", index_file.string());
-  const std::string cls = index.value("_class_name", std::string());
-  if (cls != "StableDiffusionPipeline" && cls != "StableDiffusionXLPipeline")
-    throw ConfigError("is a " + (cls.empty() ? std::string("pipeline without _class_name") : cls) +
-                          "; this program trains StableDiffusionPipeline (SD 1.x/2.x) and "
-                          "StableDiffusionXLPipeline folders",
-                      index_file.string() + ": _class_name");
-  p.xl = cls == "StableDiffusionXLPipeline";
-  if (p.xl && index.contains("force_zeros_for_empty_prompt") &&
-      index["force_zeros_for_empty_prompt"].is_boolean())
-    p.force_zeros_for_empty_prompt = index["force_zeros_for_empty_prompt"].get<bool>();
-  check_component(index, "unet", {"UNet2DConditionModel"}, index_file);
-  check_component(index, "vae", {"AutoencoderKL"}, index_file);
-  check_component(index, "text_encoder", {"CLIPTextModel"}, index_file);
-  check_component(index, "tokenizer", {"CLIPTokenizer", "CLIPTokenizerFast"}, index_file);
-  if (p.xl) {
-    check_component(index, "text_encoder_2", {"CLIPTextModelWithProjection"}, index_file);
-    check_component(index, "tokenizer_2", {"CLIPTokenizer", "CLIPTokenizerFast"}, index_file);
-  }
-  check_component(index, "scheduler",
-                  {"DDPMScheduler", "DDIMScheduler", "PNDMScheduler", "EulerDiscreteScheduler",
-                   "EulerAncestralDiscreteScheduler", "DPMSolverMultistepScheduler",
-                   "LMSDiscreteScheduler", "HeunDiscreteScheduler", "UniPCMultistepScheduler"},
-                  index_file);
-  p.scheduler = examples::read_scheduler_config(p.root / "scheduler" / "scheduler_config.json",
-                                                s.prediction_type);
-  p.tokenizer.emplace(text::CLIPTokenizer::from_folder(p.root / "tokenizer"));
-  p.text_encoder = models::from_pretrained<TextEncoder>(p.root / "text_encoder");
-  if (p.xl) {
-    p.tokenizer_2.emplace(text::CLIPTokenizer::from_folder(p.root / "tokenizer_2"));
-    p.text_encoder_2 = models::from_pretrained<TextEncoder>(p.root / "text_encoder_2");
-  }
-  p.vae = models::from_pretrained<Vae>(p.root / "vae");
-  p.unet = models::from_pretrained<Unet>(p.root / "unet");
-  const auto& uc = p.unet->config();
-  const std::string unet_where = (p.root / "unet").string();
-  if (uc.in_channels != p.vae->config().latent_channels)
-    throw ConfigError("takes " + std::to_string(uc.in_channels) +
-                          " channels but the VAE's latents have " +
-                          std::to_string(p.vae->config().latent_channels),
-                      unet_where);
-  const std::int64_t text_width = p.text_encoder->config().hidden_size +
-                                  (p.xl ? p.text_encoder_2->config().hidden_size : std::int64_t{0});
-  if (uc.cross_attention_dim.front() != text_width)
-    throw ConfigError("attends to " + std::to_string(uc.cross_attention_dim.front()) +
-                          "-wide text but the text encoder" + (p.xl ? "s give " : " gives ") +
-                          std::to_string(text_width),
-                      unet_where);
-  if (uc.class_embed_type || uc.num_class_embeds)
-    throw ConfigError("takes class labels; a Stable Diffusion UNet takes text", unet_where);
-  if (p.xl != (uc.addition_embed_type == std::optional<std::string>("text_time")))
-    throw ConfigError(p.xl ? "has no SDXL added conditions (addition_embed_type \"text_time\")"
-                           : "takes added conditions; an SD 1.x/2.x UNet takes text only",
-                      unet_where);
-  // What the caches are keyed by: the weights as stored, so no model is needed to read them.
-  p.vae_fingerprint = data::tensors_fingerprint(models::read_model_weights(p.root / "vae"));
-  for (const std::string part : {"text_encoder", "text_encoder_2"}) {
-    if (!p.xl && part == "text_encoder_2") continue;
-    p.text_fingerprint += data::tensors_fingerprint(models::read_model_weights(
-                              p.root / part, std::nullopt, models::kTransformersWeights)) +
-                          "|";
-  }
-  for (const auto* tok : {&p.tokenizer, &p.tokenizer_2})
-    if (*tok) p.text_fingerprint += c10::str((*tok)->size(), "|", (*tok)->model_max_length(), "|");
-  p.text_fingerprint = dt::io::sha256_hex(p.text_fingerprint + (p.xl ? "sdxl" : "sd"));
-  return p;
-}
-
-/// The captions' conditioning as the pipelines' encode_prompt gives it: the last hidden state
-/// (SD), or both encoders' penultimate ones side by side and the second's pooled projection (SDXL).
-struct TextConditioning {
-  at::Tensor hidden, pooled;
-};
-TextConditioning encode_captions(Pipeline& p, const std::vector<std::string>& captions) {
-  text::EncodePromptOptions eo;
-  eo.do_classifier_free_guidance = false;
-  if (p.xl) {
-    const auto e = text::encode_prompt_sdxl(*p.tokenizer, p.text_encoder, *p.tokenizer_2,
-                                            p.text_encoder_2, captions, eo);
-    return {e.prompt_embeds, e.pooled_prompt_embeds};
-  }
-  return {text::encode_prompt(*p.tokenizer, p.text_encoder, captions, eo).prompt_embeds, {}};
-}
 
 // ---- the trainee --------------------------------------------------------------------------------
 
@@ -299,93 +170,6 @@ struct TextToImageImpl : torch::nn::Module {
   df::NoiseSchedule schedule_;
   df::Prediction prediction_;
   double snr_gamma_, noise_offset_;
-};
-
-// ---- callbacks ----------------------------------------------------------------------------------
-
-std::atomic<bool> g_interrupted{false};
-extern "C" void on_sigint(int /*sig*/) {
-  g_interrupted.store(true);
-  std::signal(SIGINT, SIG_DFL);  // a second Ctrl-C ends the program at once
-}
-
-/// Stops after the step in which Ctrl-C arrived, or at `stop_at` (0: never); the run then saves a
-/// checkpoint.
-struct StopOnInterrupt {
-  std::int64_t stop_at = 0;
-  template <class T>
-  void on_step_end(T& t, const tr::StepInfo& s) {
-    if (g_interrupted.load() || (stop_at > 0 && s.step >= stop_at)) t.request_stop();
-  }
-};
-
-/// Every step's loss, for the report.
-struct LossRecord {
-  std::vector<double>* losses;
-  template <class T>
-  void on_step_end(T& /*trainer*/, const tr::StepInfo& s) {
-    losses->push_back(s.loss);
-  }
-};
-
-/// Images of the validation prompts with the current (EMA) weights: DDIM with classifier-free
-/// guidance, decoded by the VAE; (N, 3, H, W) in [-1, 1].
-struct Validation {
-  const Settings* s;
-  Pipeline* p;
-  const df::NoiseSchedule* schedule;
-  at::Device device;
-  at::Tensor images() {
-    std::vector<torch::nn::Module*> parts{p->unet.get(), p->text_encoder.get()};
-    if (p->xl) parts.push_back(p->text_encoder_2.get());
-    std::vector<bool> training;
-    for (auto* m : parts) {
-      training.push_back(m->is_training());
-      m->eval();
-    }
-    at::NoGradGuard no_grad;
-    text::EncodePromptOptions eo;
-    eo.num_images_per_prompt = s->num_validation_images;
-    eo.do_classifier_free_guidance = s->guidance_scale != 1.0;
-    eo.force_zeros_for_empty_prompt = p->force_zeros_for_empty_prompt;
-    const text::EncodedPrompt e =
-        p->xl ? text::encode_prompt_sdxl(*p->tokenizer, p->text_encoder, *p->tokenizer_2,
-                                         p->text_encoder_2, s->validation_prompts, eo)
-              : text::encode_prompt(*p->tokenizer, p->text_encoder, s->validation_prompts, eo);
-    const std::int64_t n = e.prompt_embeds.size(0);
-    const std::int64_t h = s->resolution / p->vae->downscale();
-    auto gen = at::make_generator<at::CPUGeneratorImpl>(s->seed + 4);
-    const at::Tensor noise = at::randn({n, p->unet->config().in_channels, h, h}, gen).to(device);
-    // SDXL's added conditions: the pooled text (the guided call's halves: prompts, then the null
-    // prompts) and the time ids of an uncropped square image of the resolution.
-    models::UNetConditions cond;
-    if (p->xl) {
-      cond.text_embeds = eo.do_classifier_free_guidance
-                             ? at::cat({e.pooled_prompt_embeds, e.negative_pooled_prompt_embeds})
-                             : e.pooled_prompt_embeds;
-      const double r = static_cast<double>(s->resolution);
-      cond.time_ids = at::tensor({r, r, 0.0, 0.0, r, r}, at::kFloat)
-                          .repeat({cond.text_embeds.size(0), 1})
-                          .to(device);
-    }
-    df::Ddim ddim(*schedule, p->scheduler.ddim);
-    const at::Tensor z = df::sample(
-        ddim,
-        [&](const at::Tensor& x, const at::Tensor& t, const at::Tensor& c) {
-          return p->unet->forward(x, t, c, cond);
-        },
-        noise,
-        {.num_inference_steps = s->num_inference_steps,
-         .guidance_scale = s->guidance_scale,
-         .chunk_size = n},
-        e.prompt_embeds,
-        eo.do_classifier_free_guidance ? std::optional<at::Tensor>(e.negative_prompt_embeds)
-                                       : std::nullopt);
-    at::Tensor decoded = p->vae->decode_latents(z).clamp(-1, 1);
-    for (std::size_t i = 0; i < parts.size(); ++i) parts[i]->train(training[i]);
-    return decoded.cpu();
-  }
-  at::Tensor operator()(auto& /*trainer*/) { return images(); }
 };
 
 struct NoEmaConfig : tr::DefaultConfig {
@@ -558,34 +342,6 @@ data::BucketOptions bucket_options(const Settings& s) {
 
 /// Copies the base pipeline's files other than the UNet's into `out` (the trained UNet goes to
 /// out/unet), so `out` is a pipeline folder of its own.
-void copy_pipeline_except_unet(const fs::path& base, const fs::path& out) {
-  for (const auto& e : fs::directory_iterator(base)) {
-    const auto name = e.path().filename();
-    if (name == "unet") continue;
-    if (e.is_directory()) {
-      for (const auto& f : fs::recursive_directory_iterator(e.path())) {
-        if (!f.is_regular_file()) continue;
-        const auto rel = fs::relative(f.path(), base);
-        fs::create_directories((out / rel).parent_path());
-        fs::copy_file(f.path(), out / rel, fs::copy_options::overwrite_existing);
-      }
-    } else if (e.is_regular_file()) {
-      fs::copy_file(e.path(), out / name, fs::copy_options::overwrite_existing);
-    }
-  }
-}
-
-void freeze(torch::nn::Module& m) {
-  for (auto& param : m.parameters()) param.set_requires_grad(false);
-}
-
-double mean_of(const std::vector<double>& v, std::size_t n, bool back) {
-  n = std::min(n, v.size());
-  double sum = 0;
-  for (std::size_t i = 0; i < n; ++i) sum += back ? v[v.size() - 1 - i] : v[i];
-  return n == 0 ? 0.0 : sum / static_cast<double>(n);
-}
-
 template <class Config>
 int train(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
           const data::BucketManager& buckets, std::chrono::steady_clock::time_point t0) {
@@ -690,7 +446,13 @@ int train(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
       {"cache_latents", s.cache_latents},
       {"seed", s.seed}};
   std::vector<double> losses;
-  Validation validation{&s, &p, &schedule, device};
+  const ValidationOptions vo{.prompts = s.validation_prompts,
+                             .images_per_prompt = s.num_validation_images,
+                             .resolution = s.resolution,
+                             .num_inference_steps = s.num_inference_steps,
+                             .guidance_scale = s.guidance_scale,
+                             .seed = s.seed};
+  Validation validation{&vo, &p, &schedule, device};
   Trainer trainer(
       trainee, o,
       typename Config::Callbacks{
@@ -852,7 +614,7 @@ int run(const Settings& s) {
                static_cast<long long>(folder.epoch_size()), folder.skipped.size());
   dt::io::ensure_writable_folder(s.out);
   tr::set_seed(s.seed);
-  Pipeline p = load_pipeline(s);
+  Pipeline p = load_pipeline(s.model, s.prediction_type);
   if (!s.enable_bucket && s.resolution % p.vae->downscale() != 0)
     throw ConfigError(
         "must be a multiple of the VAE's downscale " + std::to_string(p.vae->downscale()),

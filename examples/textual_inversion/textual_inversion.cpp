@@ -1,0 +1,606 @@
+// Textual inversion as diffusers' examples/textual_inversion/textual_inversion.py does it, with its
+// flag names: a new word (--placeholder_token, with --num_vectors vectors, each starting as the
+// embedding of --initializer_token) is added to an SD 1.x/2.x pipeline's tokenizer and text
+// encoder, and only its rows of the token table train, on a folder of images of the concept under
+// prompts made from diffusers' "object" or "style" templates. Everything else stays as it was, to
+// the bit (the other rows are put back after every step, as the script's index_no_updates does).
+//
+//   textual_inversion --pretrained_model_name_or_path SD --train_data_dir IMAGES
+//                     --placeholder_token "<my-thing>" --initializer_token thing --output_dir OUT
+//
+// What it writes to --output_dir:
+//   learned_embeds.safetensors   {placeholder_token: (num_vectors, width)}, what diffusers'
+//                                load_textual_inversion reads (and learned_embeds-steps-N
+//                                copies every --save_steps);
+//   NAME.pt                      the web UI's embedding file (string_to_param, name, step), NAME
+//                                the placeholder without its angle brackets;
+//   checkpoints/, tensorboard/, validation/ and results.json, as train_text_to_image.
+
+#include <CLI/CLI.hpp>
+#include <difftrain/adapters/embedding.hpp>
+#include <difftrain/data/data.hpp>
+#include <difftrain/io/atomic_file.hpp>
+#include <difftrain/io/image_grid.hpp>
+#include <difftrain/io/png.hpp>
+#include <difftrain/io/remove_tree.hpp>
+#include <difftrain/io/safetensors.hpp>
+#include <difftrain/schedule/by_name.hpp>
+#include <difftrain/text/textual_inversion.hpp>
+#include <difftrain/train/callbacks.hpp>
+#include <difftrain/train/seeding.hpp>
+#include <difftrain/train/tensorboard.hpp>
+#include <difftrain/train/trainer.hpp>
+
+#include <array>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <limits>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "../common/cli_checks.hpp"
+#include "../common/run_skeleton.hpp"
+#include "../common/sd_pipeline.hpp"
+
+namespace {
+namespace ad = difftrain::adapters;
+using namespace examples::sd;  // the pipeline folder, validation, callbacks
+
+/// diffusers' imagenet_templates_small and imagenet_style_templates_small ("{}" is the word).
+const std::vector<std::string>& templates(bool style) {
+  static const std::vector<std::string> object = {
+      "a photo of a {}",           "a rendering of a {}",
+      "a cropped photo of the {}", "the photo of a {}",
+      "a photo of a clean {}",     "a photo of a dirty {}",
+      "a dark photo of the {}",    "a photo of my {}",
+      "a photo of the cool {}",    "a close-up photo of a {}",
+      "a bright photo of the {}",  "a cropped photo of a {}",
+      "a photo of the {}",         "a good photo of the {}",
+      "a photo of one {}",         "a close-up photo of the {}",
+      "a rendition of the {}",     "a photo of the clean {}",
+      "a rendition of a {}",       "a photo of a nice {}",
+      "a good photo of a {}",      "a photo of the nice {}",
+      "a photo of the small {}",   "a photo of the weird {}",
+      "a photo of the large {}",   "a photo of a cool {}",
+      "a photo of a small {}"};
+  static const std::vector<std::string> styles = {
+      "a painting in the style of {}",         "a rendering in the style of {}",
+      "a cropped painting in the style of {}", "the painting in the style of {}",
+      "a clean painting in the style of {}",   "a dirty painting in the style of {}",
+      "a dark painting in the style of {}",    "a picture in the style of {}",
+      "a cool painting in the style of {}",    "a close-up painting in the style of {}",
+      "a bright painting in the style of {}",  "a cropped painting in the style of {}",
+      "a good painting in the style of {}",    "a close-up painting in the style of {}",
+      "a rendition in the style of {}",        "a nice painting in the style of {}",
+      "a small painting in the style of {}",   "a weird painting in the style of {}",
+      "a large painting in the style of {}"};
+  return style ? styles : object;
+}
+
+std::string fill(const std::string& pattern, const std::string& word) {
+  const auto at = pattern.find("{}");
+  return pattern.substr(0, at) + word + pattern.substr(at + 2);
+}
+
+struct Settings : examples::RunFlags {
+  std::string model, placeholder_token, initializer_token, learnable_property = "object";
+  std::int64_t num_vectors = 1, repeats = 100, resolution = 512;
+  bool center_crop = false;
+  double flip_p = 0.5;
+  std::int64_t train_batch_size = 16, max_train_steps = 5000, gradient_accumulation_steps = 1;
+  double learning_rate = 1e-4;
+  bool scale_lr = false;
+  std::string lr_scheduler = "constant";
+  std::int64_t lr_warmup_steps = 500, lr_num_cycles = 1;
+  double adam_beta1 = 0.9, adam_beta2 = 0.999, adam_weight_decay = 1e-2, adam_epsilon = 1e-8;
+  std::int64_t save_steps = 500, checkpointing_steps = 500, checkpoints_total_limit = 3;
+  std::string resume_from_checkpoint;
+  std::int64_t dataloader_num_workers = 2;
+  std::vector<std::string> validation_prompts;
+  std::int64_t num_validation_images = 4, validation_steps = 100, num_inference_steps = 25;
+  double guidance_scale = 7.5;
+  std::int64_t stop_at = 0;
+  Settings() { out = "text-inversion-model"; }
+};
+
+/// Only the text encoder's token table trains; the UNet and the VAE are used frozen.
+struct InversionImpl : torch::nn::Module {
+  struct Batch {
+    at::Tensor latents, ids;
+    [[nodiscard]] std::int64_t size() const { return latents.size(0); }
+    [[nodiscard]] Batch slice(std::int64_t start, std::int64_t length) const {
+      return {latents.narrow(0, start, length), ids.narrow(0, start, length)};
+    }
+  };
+  InversionImpl(Pipeline& p, const df::NoiseSchedule& schedule)
+      : text_encoder(register_module("text_encoder", p.text_encoder)),
+        unet_(p.unet),
+        schedule_(schedule),
+        prediction_(p.scheduler.prediction) {}
+  at::Tensor loss(const Batch& b) {
+    const at::Tensor embeds = text_encoder->forward(b.ids).last_hidden_state;
+    const at::Tensor noise = at::randn_like(b.latents);
+    const at::Tensor t = at::randint(schedule_.num_train_timesteps(), {b.latents.size(0)},
+                                     b.latents.options().dtype(at::kLong));
+    const at::Tensor pred = unet_->forward(schedule_.add_noise(b.latents, noise, t), t, embeds);
+    return at::mse_loss(pred.to(at::kFloat),
+                        schedule_.target(prediction_, b.latents, noise, t).to(at::kFloat));
+  }
+  TextEncoder text_encoder{nullptr};
+  Unet unet_;
+  df::NoiseSchedule schedule_;
+  df::Prediction prediction_;
+};
+
+/// After every optimizer step: every row of the token table but the new word's is put back.
+struct KeepOtherRows {
+  text::TokenRowsKeeper* keeper;
+  template <class T>
+  void on_step_end(T& /*trainer*/, const tr::StepInfo& s) {
+    if (s.stepped) keeper->restore();
+  }
+};
+
+/// The learned vectors as diffusers' save_progress writes them.
+struct LearnedEmbeds {
+  TextEncoder encoder;
+  std::vector<std::int64_t> ids;
+  std::string token;
+  [[nodiscard]] at::Tensor vectors() const {
+    return encoder->token_embedding->weight.detach()
+        .slice(0, ids.front(), ids.back() + 1)
+        .to(at::kCPU)
+        .clone();
+  }
+  void save(const fs::path& path) const {
+    dt::io::save_safetensors(path, {{token, vectors()}}, {{"format", "pt"}});
+  }
+};
+
+/// diffusers' --save_steps: learned_embeds-steps-N.safetensors.
+struct SaveEvery {
+  std::int64_t every;
+  const LearnedEmbeds* embeds;
+  fs::path dir;
+  template <class T>
+  void on_step_end(T& /*trainer*/, const tr::StepInfo& s) {
+    if (s.stepped && every > 0 && s.step % every == 0)
+      embeds->save(dir / ("learned_embeds-steps-" + std::to_string(s.step) + ".safetensors"));
+  }
+};
+
+struct InversionConfig : tr::DefaultConfig {
+  using Optimizer = tr::AdamW;
+  using Schedule = dt::schedule::ByName;
+  using Callbacks =
+      std::tuple<KeepOtherRows, SaveEvery, tr::ProgressBar, tr::CheckpointEvery, tr::TensorBoard,
+                 tr::SampleEvery<Validation>, StopOnInterrupt, LossRecord>;
+};
+using InversionTrainer = tr::Trainer<InversionImpl, InversionConfig>;
+
+/// diffusers' TextualInversionDataset: every image `repeats` times per epoch, shuffled per epoch;
+/// each sample center-cropped to a square when asked, resized (bicubic) to the resolution,
+/// mirrored with probability flip_p, and given a template filled with the word's tokens.
+class Samples {
+ public:
+  Samples(const Settings& s, const data::ImageFolder& folder, std::string word, Pipeline& p,
+          at::Device device)
+      : s_(s), folder_(folder), word_(std::move(word)), p_(p), device_(device) {
+    per_epoch_ = static_cast<std::int64_t>(folder.images.size()) * s.repeats / s.train_batch_size;
+    if (per_epoch_ < 1)
+      throw ConfigError("leave no full batch of " + std::to_string(s.train_batch_size) + " (" +
+                            std::to_string(folder.images.size()) + " images × " +
+                            std::to_string(s.repeats) + " repeats)",
+                        "--train_batch_size / --repeats");
+  }
+  [[nodiscard]] double data_seconds() const { return data_seconds_; }
+
+  InversionImpl::Batch at_place(std::int64_t place) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::int64_t epoch = place / per_epoch_, pos = place % per_epoch_;
+    if (!loader_ || epoch != epoch_ || pos != next_) {
+      const auto order = epoch_order(epoch);
+      const std::size_t bs = static_cast<std::size_t>(s_.train_batch_size);
+      loader_.emplace(
+          static_cast<std::size_t>(per_epoch_ - pos),
+          [this, order, bs, epoch, pos](std::size_t b) {
+            return make(order, bs, static_cast<std::uint64_t>(epoch),
+                        static_cast<std::size_t>(pos) + b);
+          },
+          static_cast<std::size_t>(s_.dataloader_num_workers), 2);
+      epoch_ = epoch;
+      next_ = pos;
+    }
+    Made m = *loader_->next();
+    ++next_;
+    InversionImpl::Batch b;
+    {
+      at::NoGradGuard no_grad;
+      b.latents = p_.vae->encode_latents(m.pixels.to(device_));
+    }
+    const text::BatchEncoding enc = (*p_.tokenizer)(m.prompts);
+    std::vector<std::int64_t> flat;
+    for (const auto& row : enc.input_ids) flat.insert(flat.end(), row.begin(), row.end());
+    b.ids = at::tensor(flat, at::kLong)
+                .view({static_cast<std::int64_t>(m.prompts.size()), -1})
+                .to(device_);
+    data_seconds_ += examples::seconds_since(t0);
+    return b;
+  }
+
+ private:
+  struct Made {
+    at::Tensor pixels;
+    std::vector<std::string> prompts;
+  };
+  [[nodiscard]] std::vector<std::size_t> epoch_order(std::int64_t epoch) const {
+    std::vector<std::size_t> order;
+    for (std::int64_t r = 0; r < s_.repeats; ++r)
+      for (std::size_t i = 0; i < folder_.images.size(); ++i) order.push_back(i);
+    std::mt19937_64 rng(s_.seed * 0x9E3779B97F4A7C15ULL + static_cast<std::uint64_t>(epoch));
+    std::shuffle(order.begin(), order.end(), rng);
+    return order;
+  }
+  Made make(const std::vector<std::size_t>& order, std::size_t bs, std::uint64_t epoch,
+            std::size_t b) const {
+    Made m;
+    std::vector<at::Tensor> pixels;
+    const auto& tpl = templates(s_.learnable_property == "style");
+    for (std::size_t k = 0; k < bs; ++k) {
+      const std::size_t i = order[b * bs + k];
+      at::Generator gen = data::sample_generator(s_.seed, epoch, b, k);
+      const data::DecodedImage img = data::read_image(folder_.images[i].path);
+      at::Tensor x = img.pixels.permute({2, 0, 1});
+      if (s_.center_crop) {  // the script's crop: the centered square of the shorter side
+        const std::int64_t h = x.size(1), w = x.size(2), c = std::min(h, w);
+        x = x.narrow(1, (h - c) / 2, c).narrow(2, (w - c) / 2, c);
+      }
+      x = data::resize(x, std::vector<std::int64_t>{s_.resolution, s_.resolution},
+                       data::Interpolation::bicubic);
+      if (data::draw_flip(s_.flip_p, gen)) x = data::horizontal_flip(x);
+      pixels.push_back(data::to_unit_range(x.contiguous()));
+      const auto pick = at::randint(static_cast<std::int64_t>(tpl.size()), {1}, gen, at::kLong)
+                            .item<std::int64_t>();
+      m.prompts.push_back(fill(tpl[static_cast<std::size_t>(pick)], word_));
+    }
+    m.pixels = at::stack(pixels);
+    return m;
+  }
+
+  const Settings& s_;
+  const data::ImageFolder& folder_;
+  std::string word_;
+  Pipeline& p_;
+  at::Device device_;
+  std::int64_t per_epoch_ = 1, epoch_ = -1, next_ = 0;
+  std::optional<data::ParallelLoader<Made>> loader_;
+  double data_seconds_ = 0;
+};
+
+void check_flags(const Settings& s) {
+  if (s.learnable_property != "object" && s.learnable_property != "style")
+    throw ConfigError("is '" + s.learnable_property + "'; choose object or style",
+                      "--learnable_property");
+  if (s.placeholder_token.empty()) throw ConfigError("must not be empty", "--placeholder_token");
+  if (s.placeholder_token.find_first_of(" \t\n") != std::string::npos)
+    throw ConfigError("'" + s.placeholder_token + "' must be one word (no spaces)",
+                      "--placeholder_token");
+  if (s.resolution % 8 != 0) throw ConfigError("must be a multiple of 8", "--resolution");
+}
+
+/// The web UI names an embedding by its file; brackets are not allowed in many file systems'
+/// habits and are no part of the name people type.
+std::string webui_name(const std::string& token) {
+  std::string out;
+  for (const char c : token)
+    if (c != '<' && c != '>' && c != '/' && c != '\\') out += c;
+  return out.empty() ? "embedding" : out;
+}
+
+int run(const Settings& s) {
+  const auto t0 = std::chrono::steady_clock::now();
+  check_flags(s);
+  examples::apply_threads(s);
+  data::ImageFolderOptions fo;
+  data::ImageFolder folder = data::scan_image_folder(s.data_dir, fo);
+  for (const auto& skipped : folder.skipped)
+    std::fprintf(stderr, "skipped %s: %s\n", skipped.path.string().c_str(), skipped.reason.c_str());
+  const fs::path out(s.out);
+  dt::io::ensure_writable_folder(out);
+  tr::set_seed(s.seed);
+  Pipeline p = load_pipeline(s.model, "");
+  if (p.xl)
+    throw ConfigError(
+        "is an SDXL pipeline; this program trains SD 1.x/2.x pipelines (one text encoder)",
+        s.model);
+  const at::Device device(s.device);
+
+  // The new word: tokens and rows, each row the initializer's embedding.
+  const auto init = (*p.tokenizer)({s.initializer_token}, {.add_special_tokens = false,
+                                                           .truncation = false,
+                                                           .padding = text::Padding::none})
+                        .input_ids.front();
+  if (init.size() != 1)
+    throw ConfigError("'" + s.initializer_token + "' is " + std::to_string(init.size()) +
+                          " tokens; the initializer must be a single token",
+                      "--initializer_token");
+  const at::Tensor start =
+      p.text_encoder->token_embedding->weight.detach()[init.front()].clone().repeat(
+          {s.num_vectors, 1});
+  if (p.tokenizer->token_to_id(s.placeholder_token))
+    throw ConfigError("the tokenizer already contains '" + s.placeholder_token +
+                          "'; pass a different placeholder_token",
+                      "--placeholder_token");
+  const std::vector<std::int64_t> ids =
+      text::load_textual_inversion(*p.tokenizer, p.text_encoder, s.placeholder_token, start);
+  std::string word;
+  for (const auto id : ids) word += (word.empty() ? "" : " ") + p.tokenizer->id_to_token(id);
+
+  // Everything frozen but the token table; the other rows are restored after every step.
+  freeze(*p.unet);
+  freeze(*p.vae);
+  freeze(*p.text_encoder);
+  p.text_encoder->token_embedding->weight.set_requires_grad(true);
+  p.unet->to(device);
+  p.vae->to(device);
+  p.text_encoder->to(device);
+  p.unet->eval();
+  p.vae->eval();
+  text::TokenRowsKeeper keeper(p.text_encoder->token_embedding->weight, ids);
+  const df::NoiseSchedule schedule(p.scheduler.schedule);
+  InversionImpl trainee(p, schedule);
+  trainee.train();
+
+  InversionTrainer::Options o;
+  o.optimizer.lr = s.scale_lr
+                       ? s.learning_rate *
+                             static_cast<double>(s.gradient_accumulation_steps * s.train_batch_size)
+                       : s.learning_rate;
+  o.optimizer.beta1 = s.adam_beta1;
+  o.optimizer.beta2 = s.adam_beta2;
+  o.optimizer.eps = s.adam_epsilon;
+  o.optimizer.weight_decay = s.adam_weight_decay;
+  o.schedule.lr_scheduler = s.lr_scheduler;
+  o.schedule.args.num_warmup_steps = std::min(s.lr_warmup_steps, s.max_train_steps);
+  o.schedule.args.num_training_steps = s.max_train_steps;
+  // diffusers' get_scheduler passes num_cycles to cosine_with_restarts only ("cosine" keeps half a
+  // period).
+  if (s.lr_scheduler == "cosine_with_restarts") o.schedule.args.num_cycles = s.lr_num_cycles;
+  o.accumulation_steps = s.gradient_accumulation_steps;
+
+  const fs::path ckpt_dir = out / "checkpoints";
+  const bool resume = !s.resume_from_checkpoint.empty();
+  if (!resume && !tr::CheckpointEvery::list(ckpt_dir).empty())
+    throw ConfigError(
+        "holds checkpoints of an earlier run; pass --resume_from_checkpoint latest to continue "
+        "it, or choose another --output_dir",
+        ckpt_dir.string());
+  const fs::path tb_dir = s.tensorboard_folder();
+  if (!resume && !tb_dir.empty() && s.tensorboard.empty()) dt::io::remove_tree(tb_dir);
+  const nlohmann::json run_settings = {{"pretrained_model_name_or_path", s.model},
+                                       {"train_data_dir", s.data_dir},
+                                       {"images", folder.images.size()},
+                                       {"placeholder_token", s.placeholder_token},
+                                       {"initializer_token", s.initializer_token},
+                                       {"num_vectors", s.num_vectors},
+                                       {"learnable_property", s.learnable_property},
+                                       {"repeats", s.repeats},
+                                       {"resolution", s.resolution},
+                                       {"train_batch_size", s.train_batch_size},
+                                       {"max_train_steps", s.max_train_steps},
+                                       {"learning_rate", o.optimizer.lr},
+                                       {"lr_scheduler", s.lr_scheduler},
+                                       {"seed", s.seed}};
+  const LearnedEmbeds embeds{p.text_encoder, ids, s.placeholder_token};
+  const ValidationOptions vo{.prompts = s.validation_prompts,
+                             .images_per_prompt = s.num_validation_images,
+                             .resolution = s.resolution,
+                             .num_inference_steps = s.num_inference_steps,
+                             .guidance_scale = s.guidance_scale,
+                             .seed = s.seed};
+  Validation validation{&vo, &p, &schedule, device};
+  std::vector<double> losses;
+  InversionTrainer trainer(
+      trainee, o,
+      InversionConfig::Callbacks{
+          KeepOtherRows{&keeper}, SaveEvery{s.save_steps, &embeds, out},
+          tr::ProgressBar({.total_steps = s.max_train_steps,
+                           .every = 10,
+                           .lines_every = std::max<std::int64_t>(1, s.max_train_steps / 10)}),
+          tr::CheckpointEvery({.dir = ckpt_dir,
+                               .every = s.checkpointing_steps,
+                               .keep_last = static_cast<std::size_t>(s.checkpoints_total_limit)}),
+          tr::TensorBoard({.dir = tb_dir, .config = run_settings}),
+          tr::SampleEvery<Validation>(s.validation_steps > 0 && !s.validation_prompts.empty()
+                                          ? s.validation_steps
+                                          : std::numeric_limits<std::int64_t>::max(),
+                                      validation, "validation",
+                                      {.columns = s.num_validation_images}),
+          StopOnInterrupt{s.stop_at}, LossRecord{&losses}});
+  std::int64_t resumed_from = 0;
+  if (resume) {
+    std::optional<fs::path> from;
+    std::vector<std::string> skipped;
+    if (s.resume_from_checkpoint != "latest") {
+      trainer.load_checkpoint(s.resume_from_checkpoint);
+      from = fs::path(s.resume_from_checkpoint);
+    } else {
+      from = tr::resume_latest(trainer, ckpt_dir, &skipped);
+    }
+    for (const auto& why : skipped) std::fprintf(stderr, "resume: skipped %s\n", why.c_str());
+    if (!from) throw ConfigError("holds no readable checkpoint to resume from", ckpt_dir.string());
+    resumed_from = trainer.global_step();
+    std::fprintf(stderr, "resume: continuing from %s (step %lld)\n", from->string().c_str(),
+                 static_cast<long long>(resumed_from));
+  }
+
+  Samples samples(s, folder, word, p, device);
+  std::signal(SIGINT, on_sigint);
+  const auto t_train = std::chrono::steady_clock::now();
+  trainer.fit(
+      [&](std::int64_t step, std::int64_t micro) {
+        return samples.at_place(step * s.gradient_accumulation_steps + micro);
+      },
+      s.max_train_steps);
+  const double train_seconds = examples::seconds_since(t_train);
+  std::signal(SIGINT, SIG_DFL);
+  const bool finished = trainer.global_step() >= s.max_train_steps;
+  nlohmann::json files;
+  if (!finished) {
+    std::get<tr::CheckpointEvery>(trainer.callbacks()).save(trainer);
+    std::fprintf(stderr,
+                 "stopped at step %lld; checkpoint saved, rerun with "
+                 "--resume_from_checkpoint latest to continue\n",
+                 static_cast<long long>(trainer.global_step()));
+  } else {
+    embeds.save(out / "learned_embeds.safetensors");
+    files["diffusers"] = "learned_embeds.safetensors";
+    ad::Embedding e;
+    e.vec = embeds.vectors();
+    e.name = webui_name(s.placeholder_token);
+    e.step = trainer.global_step();
+    e.sd_checkpoint_name = fs::path(s.model).filename().string();
+    e.save(out / (e.name + ".pt"));
+    files["webui"] = e.name + ".pt";
+    if (!s.validation_prompts.empty()) {
+      const at::Tensor images = validation.images();
+      dt::io::write_png(
+          out / "validation.png",
+          dt::io::image_grid(images, {.columns = s.num_validation_images, .padding = 2}),
+          {{"Description", "one row per validation prompt"}});
+      files["validation"] = "validation.png";
+    }
+  }
+  const std::size_t tenth = std::max<std::size_t>(1, losses.size() / 10);
+  nlohmann::json results = run_settings;
+  results["files"] = files;
+  results["steps"] = trainer.global_step();
+  results["resumed_from"] = resumed_from;
+  results["finished"] = finished;
+  results["placeholder_ids"] = ids;
+  results["first_loss"] = mean_of(losses, tenth, false);
+  results["last_loss"] = mean_of(losses, tenth, true);
+  results["train_seconds"] = train_seconds;
+  results["data_share"] = train_seconds > 0 ? samples.data_seconds() / train_seconds : 0.0;
+  results["total_seconds"] = examples::seconds_since(t0);
+  const std::string text = results.dump(2) + "\n";
+  dt::io::write_file_atomic(out / "results.json", std::span<const char>(text.data(), text.size()));
+  std::printf("textual inversion of %s (%lld vectors): %lld steps (loss %.4f → %.4f); wrote %s\n",
+              s.placeholder_token.c_str(), static_cast<long long>(s.num_vectors),
+              static_cast<long long>(trainer.global_step()), results["first_loss"].get<double>(),
+              results["last_loss"].get<double>(), s.out.c_str());
+  return finished ? 0 : 130;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Settings s;
+  CLI::App app{
+      "Teach an SD 1.x/2.x pipeline a new word from a folder of images (textual inversion)."};
+  app.get_formatter()->column_width(44);
+  using examples::count_in;
+  using examples::number_in;
+  auto* io = app.add_option_group("data and run");
+  io->add_option("--pretrained_model_name_or_path", s.model, "diffusers pipeline folder")
+      ->required();
+  io->add_option("--train_data_dir", s.data_dir, "folder of images of the concept")->required();
+  io->add_option("--output_dir", s.out, "output folder")->capture_default_str();
+  io->add_option("--device", s.device, "cpu, cuda or cuda:N")->capture_default_str();
+  io->add_option("--seed", s.seed, "seeds batches, templates, noise and samples")
+      ->capture_default_str();
+  io->add_option("--logging_dir", s.tensorboard,
+                 "TensorBoard folder (default OUTPUT_DIR/tensorboard)");
+  io->add_flag("--no_tensorboard", s.no_tensorboard, "write no TensorBoard event files");
+  io->add_option("--threads", s.threads, "intra-op CPU threads (0: the free cores)")
+      ->check(count_in(0, 4096));
+  io->add_option("--dataloader_num_workers", s.dataloader_num_workers, "decoding threads")
+      ->check(count_in(0, 256))
+      ->capture_default_str();
+  auto* w = app.add_option_group("the word");
+  w->add_option("--placeholder_token", s.placeholder_token, "the new word, e.g. \"<cat-toy>\"")
+      ->required();
+  w->add_option("--initializer_token", s.initializer_token, "a single-token word it starts from")
+      ->required();
+  w->add_option("--num_vectors", s.num_vectors, "vectors (tokens) of the word")
+      ->check(count_in(1, 75))
+      ->capture_default_str();
+  w->add_option("--learnable_property", s.learnable_property, "object or style (the templates)")
+      ->capture_default_str();
+  auto* img = app.add_option_group("images");
+  img->add_option("--repeats", s.repeats, "times each image is seen per epoch")
+      ->check(count_in(1, 100'000))
+      ->capture_default_str();
+  img->add_option("--resolution", s.resolution)->check(count_in(8, 8192))->capture_default_str();
+  img->add_flag("--center_crop", s.center_crop, "crop the centered square before resizing");
+  img->add_option("--flip_p", s.flip_p, "probability of mirroring")
+      ->check(number_in(0, 1))
+      ->capture_default_str();
+  auto* tg = app.add_option_group("training");
+  tg->add_option("--train_batch_size", s.train_batch_size)
+      ->check(count_in(1, 100'000))
+      ->capture_default_str();
+  tg->add_option("--max_train_steps", s.max_train_steps)
+      ->check(count_in(1, 100'000'000))
+      ->capture_default_str();
+  tg->add_option("--gradient_accumulation_steps", s.gradient_accumulation_steps)
+      ->check(count_in(1, 10'000))
+      ->capture_default_str();
+  tg->add_option("--learning_rate", s.learning_rate)
+      ->check(number_in(0, 1e4, true))
+      ->capture_default_str();
+  tg->add_flag("--scale_lr", s.scale_lr, "multiply the LR by batch size × accumulation");
+  tg->add_option("--lr_scheduler", s.lr_scheduler, "diffusers' get_scheduler names")
+      ->capture_default_str();
+  tg->add_option("--lr_warmup_steps", s.lr_warmup_steps)
+      ->check(count_in(0, 100'000'000))
+      ->capture_default_str();
+  tg->add_option("--lr_num_cycles", s.lr_num_cycles)
+      ->check(count_in(1, 1000))
+      ->capture_default_str();
+  tg->add_option("--adam_beta1", s.adam_beta1)->check(number_in(0, 1))->capture_default_str();
+  tg->add_option("--adam_beta2", s.adam_beta2)->check(number_in(0, 1))->capture_default_str();
+  tg->add_option("--adam_weight_decay", s.adam_weight_decay)
+      ->check(number_in(0, 1e3))
+      ->capture_default_str();
+  tg->add_option("--adam_epsilon", s.adam_epsilon)
+      ->check(number_in(0, 1, true))
+      ->capture_default_str();
+  auto* ck = app.add_option_group("saving and validation");
+  ck->add_option("--save_steps", s.save_steps, "learned_embeds-steps-N every N steps (0: none)")
+      ->check(count_in(0, 100'000'000))
+      ->capture_default_str();
+  ck->add_option("--checkpointing_steps", s.checkpointing_steps)
+      ->check(count_in(1, 100'000'000))
+      ->capture_default_str();
+  ck->add_option("--checkpoints_total_limit", s.checkpoints_total_limit)
+      ->check(count_in(1, 100'000))
+      ->capture_default_str();
+  ck->add_option("--resume_from_checkpoint", s.resume_from_checkpoint,
+                 "a checkpoint file or \"latest\"");
+  ck->add_option("--validation_prompt", s.validation_prompts,
+                 "prompt of the validation images (repeatable)");
+  ck->add_option("--num_validation_images", s.num_validation_images)
+      ->check(count_in(1, 64))
+      ->capture_default_str();
+  ck->add_option("--validation_steps", s.validation_steps)
+      ->check(count_in(0, 100'000'000))
+      ->capture_default_str();
+  ck->add_option("--num_inference_steps", s.num_inference_steps)
+      ->check(count_in(1, 1000))
+      ->capture_default_str();
+  ck->add_option("--guidance_scale", s.guidance_scale)
+      ->check(number_in(0, 100))
+      ->capture_default_str();
+  ck->add_option("--stop_at", s.stop_at, "stop with a checkpoint after this step (0: never)")
+      ->check(count_in(0, 100'000'000));
+  for (auto* group : {io, w, img, tg, ck})
+    for (auto* opt : group->get_options())
+      if (opt->get_name() != "--validation_prompt")
+        opt->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  CLI11_PARSE(app, argc, argv);
+  return examples::run_reporting_errors([&] { return run(s); });
+}

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# textual_inversion end to end on the tiny SD 1.x pipeline and the sneakers of the captioned image
+# folder (make_text_to_image_data.py): mistakes refused by name before any work; a two-vector word
+# trains; only its rows of the token table move (the checkpoint's table equals the base's
+# elsewhere, to the bit); a run stopped half way and resumed ends with the same vectors; diffusers'
+# load_textual_inversion reads learned_embeds.safetensors and generates with the word, and the
+# web UI's .pt holds the same vectors.
+#
+#   textual_inversion.sh PROGRAM PYTHON GOLDEN_DIR WORKDIR [FASHION_MNIST_DIR]
+set -uo pipefail
+bin=$1 py=$2 golden=$3 work=$4 fmnist=${5:-/usr/share/datasets/fashion-mnist}
+rm -rf "$work" && mkdir -p "$work"
+# shellcheck source=common.sh
+source "$(dirname "$0")/common.sh"
+here=$(dirname "$0")
+"$py" "$here/make_text_to_image_data.py" "$work/data" "$golden" "$fmnist" >"$work/make.out" 2>&1 ||
+  { cat "$work/make.out"; echo "FAIL: making the test data"; exit 1; }
+sd=$work/data/sd15
+mkdir -p "$work/sneakers" && cp "$work"/data/images/sneaker_* "$work/sneakers/"
+base=(--pretrained_model_name_or_path "$sd" --train_data_dir "$work/sneakers" --resolution 32
+      --repeats 4 --train_batch_size 4 --learning_rate 5e-3 --lr_warmup_steps 0 --seed 2
+      --placeholder_token "<fm-sneaker>" --initializer_token shoe --num_vectors 2
+      --num_inference_steps 3 --num_validation_images 2)
+
+expect_rc 0 help -- "$bin" --help
+grep_in "$work/help.out" "--placeholder_token"
+expect_rc 2 long-initializer -- "$bin" "${base[@]}" --initializer_token "running shoes" --output_dir "$work/bad"
+grep_in "$work/long-initializer.err" "single token"
+expect_rc 2 known-word -- "$bin" "${base[@]}" --placeholder_token "shoe</w>" --output_dir "$work/bad"
+grep_in "$work/known-word.err" "already contains"
+expect_rc 2 property -- "$bin" "${base[@]}" --learnable_property colour --output_dir "$work/bad"
+grep_in "$work/property.err" "--learnable_property"
+expect_rc 2 xl -- "$bin" "${base[@]}" --pretrained_model_name_or_path "$work/data/sdxl" --output_dir "$work/bad"
+grep_in "$work/xl.err" "SDXL"
+
+expect_rc 0 run -- "$bin" "${base[@]}" --max_train_steps 20 --save_steps 10 --checkpointing_steps 10 \
+  --validation_prompt "a photo of <fm-sneaker>" --output_dir "$work/run"
+for f in learned_embeds.safetensors learned_embeds-steps-10.safetensors fm-sneaker.pt validation.png; do
+  [ -s "$work/run/$f" ] || fail "the run did not write $f"
+done
+expect_rc 130 stopped -- "$bin" "${base[@]}" --max_train_steps 20 --checkpointing_steps 10 --stop_at 10 \
+  --output_dir "$work/resumed"
+expect_rc 0 resumed -- "$bin" "${base[@]}" --max_train_steps 20 --checkpointing_steps 10 \
+  --resume_from_checkpoint latest --output_dir "$work/resumed"
+
+"$py" - "$work" "$sd" >"$work/python.out" 2>&1 <<'PY' || { fail "Python check"; }
+import pathlib, sys
+import numpy as np
+import torch
+from safetensors.torch import load_file
+from diffusers import StableDiffusionPipeline
+from diffusers.utils import logging as dlogging
+dlogging.set_verbosity_error()
+work, sd = pathlib.Path(sys.argv[1]), sys.argv[2]
+learned = load_file(work / "run" / "learned_embeds.safetensors")
+assert list(learned) == ["<fm-sneaker>"] and learned["<fm-sneaker>"].shape == (2, 32), learned
+resumed = load_file(work / "resumed" / "learned_embeds.safetensors")
+assert torch.equal(learned["<fm-sneaker>"], resumed["<fm-sneaker>"]), "the resumed run's vectors differ"
+pipe = StableDiffusionPipeline.from_pretrained(sd, safety_checker=None)
+table = pipe.text_encoder.get_input_embeddings().weight.detach().clone()
+shoe = pipe.tokenizer.encode("shoe", add_special_tokens=False)
+assert len(shoe) == 1
+assert not torch.allclose(learned["<fm-sneaker>"][0], table[shoe[0]]), "the vectors did not train"
+# Only the new rows moved: the checkpoint's token table equals the base's everywhere else.
+ckpt = torch.load(work / "run" / "checkpoints" / "checkpoint-20.pt", weights_only=False)
+trained = ckpt["model"]["text_encoder.text_model.embeddings.token_embedding.weight"]
+assert trained.shape[0] == table.shape[0] + 2
+assert torch.equal(trained[: table.shape[0]], table), "rows other than the word's changed"
+assert torch.equal(trained[table.shape[0]:], learned["<fm-sneaker>"])
+webui = torch.load(work / "run" / "fm-sneaker.pt", weights_only=False)
+assert torch.equal(webui["string_to_param"]["*"], learned["<fm-sneaker>"]) and webui["step"] == 20
+plain = pipe("a photo of a shoe", num_inference_steps=2, height=32, width=32, output_type="np",
+             generator=torch.Generator().manual_seed(0)).images
+pipe.load_textual_inversion(str(work / "run"))
+assert pipe.tokenizer.convert_tokens_to_ids(["<fm-sneaker>", "<fm-sneaker>_1"]) == [49408, 49409]
+out = pipe("a photo of <fm-sneaker>", num_inference_steps=2, height=32, width=32, output_type="np",
+           generator=torch.Generator().manual_seed(0)).images
+assert out.shape == (1, 32, 32, 3) and np.isfinite(out).all() and not np.allclose(out, plain)
+print("load_textual_inversion reads the word (2 vectors) and generates with it; the web UI file "
+      "holds the same vectors; no other row moved; resumed = uninterrupted")
+PY
+cat "$work/python.out"
+[ "$failures" -eq 0 ] && echo "textual_inversion end to end: ok" || exit 1
