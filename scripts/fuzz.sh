@@ -24,7 +24,9 @@ cmake --build --preset fuzz
 export ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 mkdir -p build/fuzz/crashes
-for target in safetensors torch_file embedded_png; do
+for target in safetensors torch_file embedded_png image; do
+  # image: built where the data layer's decoders are installed
+  [ -x "build/fuzz/tests/fuzz/fuzz_$target" ] || continue
   found=build/fuzz/found/$target
   mkdir -p "$found"
   if ((merge)); then

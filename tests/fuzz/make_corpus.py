@@ -248,12 +248,25 @@ def many_entries_safetensors(n=200_000):
     return {"many_entries": st(header)}
 
 
+def image_cases():
+    """The image decoders' inputs: every good and hostile file ref_images.py writes (JPEG, PNG and
+    WebP of each kind, EXIF orientations, truncated files, bombs, CMYK, wrong magic), by name."""
+    import tempfile
+    import ref_images
+    with tempfile.TemporaryDirectory() as tmp:
+        ref_images.generate(pathlib.Path(tmp))
+        root = pathlib.Path(tmp) / "images"
+        return {f"{kind}_{f.name}": f.read_bytes() for kind in ("good", "bad")
+                for f in sorted((root / kind).iterdir()) if f.stat().st_size <= 65536}
+
+
 def main(out):
     out = pathlib.Path(out)
     for folder, cases in [("safetensors", safetensors_cases() | adapter_safetensors_cases()
                            | many_entries_safetensors()),
                           ("torch_file", torch_file_cases() | adapter_torch_cases()),
-                          ("embedded_png", png_cases())]:
+                          ("embedded_png", png_cases()),
+                          ("image", image_cases())]:
         (out / folder).mkdir(parents=True, exist_ok=True)
         for name, data in cases.items():
             (out / folder / name).write_bytes(data)

@@ -22,6 +22,7 @@
 #include <string>
 #include <thread>
 
+#include "../fuzz/image_target.hpp"
 #include "golden.hpp"
 
 namespace dt = difftrain;
@@ -857,4 +858,31 @@ TEST(TensorCache, TextEntriesAreComputedOnceAndReadBack) {
                dt::ShapeError);
   EXPECT_THROW((void)cache.get("absent"), dt::ConfigError);
   EXPECT_THROW(cache.put("a/b", {{"x", at::zeros({1})}}), dt::ConfigError);
+}
+
+// ---- the image readers' kept fuzz corpus --------------------------------------------------------
+
+// Every kept input runs through the fuzz target's entry point (typed errors only, nothing escapes),
+// and the hostile ones are refused with errors that say what is wrong.
+TEST(ImageFuzzCorpus, EveryKeptInputRunsCleanlyAndHostileOnesSayWhy) {
+  const fs::path corpus = fs::path(DIFFTRAIN_FUZZ_CORPUS_DIR) / "image";
+  std::size_t files = 0, refused = 0;
+  for (const auto& f : fs::directory_iterator(corpus)) {
+    const std::vector<char> b = dt::io::read_file(f.path());
+    dt::fuzz::image_input(reinterpret_cast<const std::uint8_t*>(b.data()), b.size());
+    ++files;
+    const std::string name = f.path().filename().string();
+    if (name.rfind("bad_", 0) != 0) continue;
+    data::ImageLimits limits;
+    limits.max_pixels = 1 << 22;
+    try {
+      (void)data::decode_image(b, name, limits);
+      ADD_FAILURE() << name << " was decoded";
+    } catch (const dt::Error& e) {
+      ++refused;
+      EXPECT_NE(std::string(e.what()).find(name), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_GE(files, 40U);
+  EXPECT_GE(refused, 10U);
 }
