@@ -11,7 +11,9 @@
 #include <difftrain/core/error.hpp>
 #include <difftrain/train/threads.hpp>
 
+#include <atomic>
 #include <chrono>
+#include <csignal>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -21,6 +23,24 @@
 #include "cli_checks.hpp"
 
 namespace examples {
+
+/// Set by Ctrl-C (on_sigint, installed by the program while it trains).
+inline std::atomic<bool> g_interrupted{false};
+
+extern "C" inline void on_sigint(int /*sig*/) {
+  g_interrupted.store(true);
+  std::signal(SIGINT, SIG_DFL);  // a second Ctrl-C ends the program at once
+}
+
+/// A trainer callback: asks the trainer to stop after the step in which Ctrl-C arrived, or at
+/// `stop_at` (0: never); the program then saves a checkpoint.
+struct StopOnInterrupt {
+  std::int64_t stop_at = 0;
+  template <class Trainer, class StepInfo>
+  void on_step_end(Trainer& t, const StepInfo& s) {
+    if (g_interrupted.load() || (stop_at > 0 && s.step >= stop_at)) t.request_stop();
+  }
+};
 
 /// Seconds since `t`.
 inline double seconds_since(std::chrono::steady_clock::time_point t) {

@@ -22,9 +22,12 @@
 #include <string>
 #include <vector>
 
+#include "run_skeleton.hpp"
 #include "scheduler_config.hpp"
 
 namespace examples::sd {
+using examples::on_sigint;
+using examples::StopOnInterrupt;
 namespace dt = difftrain;
 namespace df = difftrain::diffusion;
 namespace data = difftrain::data;
@@ -169,22 +172,6 @@ inline TextConditioning encode_captions(Pipeline& p, const std::vector<std::stri
 }
 
 // ---- callbacks ----------------------------------------------------------------------------------
-
-inline std::atomic<bool> g_interrupted{false};
-extern "C" inline void on_sigint(int /*sig*/) {
-  g_interrupted.store(true);
-  std::signal(SIGINT, SIG_DFL);  // a second Ctrl-C ends the program at once
-}
-
-/// Stops after the step in which Ctrl-C arrived, or at `stop_at` (0: never); the run then saves a
-/// checkpoint.
-struct StopOnInterrupt {
-  std::int64_t stop_at = 0;
-  template <class T>
-  void on_step_end(T& t, const tr::StepInfo& s) {
-    if (g_interrupted.load() || (stop_at > 0 && s.step >= stop_at)) t.request_stop();
-  }
-};
 
 /// Every step's loss, for the report.
 struct LossRecord {

@@ -59,21 +59,9 @@ using fmnist::dt::ConfigError;
 
 namespace {
 
-std::atomic<bool> g_interrupted{false};
-
-extern "C" void on_sigint(int /*sig*/) {
-  g_interrupted.store(true);
-  std::signal(SIGINT, SIG_DFL);  // a second Ctrl-C ends the program at once
-}
-
-/// Asks the trainer to stop after the step in which Ctrl-C arrived, or at `stop_at` (0: never).
-struct StopOnInterrupt {
-  std::int64_t stop_at = 0;
-  template <class T>
-  void on_step_end(T& t, const tr::StepInfo& s) {
-    if (g_interrupted.load() || (stop_at > 0 && s.step >= stop_at)) t.request_stop();
-  }
-};
+using examples::g_interrupted;
+using examples::on_sigint;
+using examples::StopOnInterrupt;
 
 struct Settings : examples::RunFlags, examples::JudgeFlags {
   Settings() {

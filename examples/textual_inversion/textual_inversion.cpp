@@ -44,6 +44,7 @@
 #include "../common/cli_checks.hpp"
 #include "../common/run_skeleton.hpp"
 #include "../common/sd_pipeline.hpp"
+#include "../common/sd_run.hpp"
 
 namespace {
 namespace ad = difftrain::adapters;
@@ -85,25 +86,19 @@ std::string fill(const std::string& pattern, const std::string& word) {
   return pattern.substr(0, at) + word + pattern.substr(at + 2);
 }
 
-struct Settings : examples::RunFlags {
-  std::string model, placeholder_token, initializer_token, learnable_property = "object";
+struct Settings : SdRunFlags {
+  std::string placeholder_token, initializer_token, learnable_property = "object";
   std::int64_t num_vectors = 1, repeats = 100, resolution = 512;
-  bool center_crop = false;
+  bool center_crop = false, scale_lr = false;
   double flip_p = 0.5;
-  std::int64_t train_batch_size = 16, max_train_steps = 5000, gradient_accumulation_steps = 1;
-  double learning_rate = 1e-4;
-  bool scale_lr = false;
-  std::string lr_scheduler = "constant";
-  std::int64_t lr_warmup_steps = 500, lr_num_cycles = 1;
-  double adam_beta1 = 0.9, adam_beta2 = 0.999, adam_weight_decay = 1e-2, adam_epsilon = 1e-8;
-  std::int64_t save_steps = 500, checkpointing_steps = 500, checkpoints_total_limit = 3;
-  std::string resume_from_checkpoint;
-  std::int64_t dataloader_num_workers = 2;
-  std::vector<std::string> validation_prompts;
-  std::int64_t num_validation_images = 4, validation_steps = 100, num_inference_steps = 25;
-  double guidance_scale = 7.5;
-  std::int64_t stop_at = 0;
-  Settings() { out = "text-inversion-model"; }
+  std::int64_t save_steps = 500;
+  Settings() {  // diffusers' textual_inversion.py defaults
+    out = "text-inversion-model";
+    max_train_steps = 5000;
+    lr_warmup_steps = 500;
+    num_validation_images = 4;
+    validation_steps = 100;
+  }
 };
 
 /// Only the text encoder's token table trains; the UNet and the VAE are used frozen.
@@ -355,31 +350,13 @@ int run(const Settings& s) {
   trainee.train();
 
   InversionTrainer::Options o;
-  o.optimizer.lr = s.scale_lr
-                       ? s.learning_rate *
-                             static_cast<double>(s.gradient_accumulation_steps * s.train_batch_size)
-                       : s.learning_rate;
-  o.optimizer.beta1 = s.adam_beta1;
-  o.optimizer.beta2 = s.adam_beta2;
-  o.optimizer.eps = s.adam_epsilon;
-  o.optimizer.weight_decay = s.adam_weight_decay;
-  o.schedule.lr_scheduler = s.lr_scheduler;
-  o.schedule.args.num_warmup_steps = std::min(s.lr_warmup_steps, s.max_train_steps);
-  o.schedule.args.num_training_steps = s.max_train_steps;
-  // diffusers' get_scheduler passes num_cycles to cosine_with_restarts only ("cosine" keeps half a
-  // period).
-  if (s.lr_scheduler == "cosine_with_restarts") o.schedule.args.num_cycles = s.lr_num_cycles;
-  o.accumulation_steps = s.gradient_accumulation_steps;
+  set_optimizer_and_schedule(
+      o, s,
+      s.scale_lr ? s.learning_rate *
+                       static_cast<double>(s.gradient_accumulation_steps * s.train_batch_size)
+                 : s.learning_rate);
 
-  const fs::path ckpt_dir = out / "checkpoints";
-  const bool resume = !s.resume_from_checkpoint.empty();
-  if (!resume && !tr::CheckpointEvery::list(ckpt_dir).empty())
-    throw ConfigError(
-        "holds checkpoints of an earlier run; pass --resume_from_checkpoint latest to continue "
-        "it, or choose another --output_dir",
-        ckpt_dir.string());
-  const fs::path tb_dir = s.tensorboard_folder();
-  if (!resume && !tb_dir.empty() && s.tensorboard.empty()) dt::io::remove_tree(tb_dir);
+  const RunFolders folders = prepare_run_folders(s);
   const nlohmann::json run_settings = {{"pretrained_model_name_or_path", s.model},
                                        {"train_data_dir", s.data_dir},
                                        {"images", folder.images.size()},
@@ -395,67 +372,23 @@ int run(const Settings& s) {
                                        {"lr_scheduler", s.lr_scheduler},
                                        {"seed", s.seed}};
   const LearnedEmbeds embeds{p.text_encoder, ids, s.placeholder_token};
-  const ValidationOptions vo{.prompts = s.validation_prompts,
-                             .images_per_prompt = s.num_validation_images,
-                             .resolution = s.resolution,
-                             .num_inference_steps = s.num_inference_steps,
-                             .guidance_scale = s.guidance_scale,
-                             .seed = s.seed};
+  const ValidationOptions vo = validation_options(s, s.resolution);
   Validation validation{&vo, &p, &schedule, device};
   std::vector<double> losses;
   InversionTrainer trainer(
       trainee, o,
       InversionConfig::Callbacks{
-          KeepOtherRows{&keeper}, SaveEvery{s.save_steps, &embeds, out},
-          tr::ProgressBar({.total_steps = s.max_train_steps,
-                           .every = 10,
-                           .lines_every = std::max<std::int64_t>(1, s.max_train_steps / 10)}),
-          tr::CheckpointEvery({.dir = ckpt_dir,
-                               .every = s.checkpointing_steps,
-                               .keep_last = static_cast<std::size_t>(s.checkpoints_total_limit)}),
-          tr::TensorBoard({.dir = tb_dir, .config = run_settings}),
-          tr::SampleEvery<Validation>(s.validation_steps > 0 && !s.validation_prompts.empty()
-                                          ? s.validation_steps
-                                          : std::numeric_limits<std::int64_t>::max(),
-                                      validation, "validation",
-                                      {.columns = s.num_validation_images}),
-          StopOnInterrupt{s.stop_at}, LossRecord{&losses}});
-  std::int64_t resumed_from = 0;
-  if (resume) {
-    std::optional<fs::path> from;
-    std::vector<std::string> skipped;
-    if (s.resume_from_checkpoint != "latest") {
-      trainer.load_checkpoint(s.resume_from_checkpoint);
-      from = fs::path(s.resume_from_checkpoint);
-    } else {
-      from = tr::resume_latest(trainer, ckpt_dir, &skipped);
-    }
-    for (const auto& why : skipped) std::fprintf(stderr, "resume: skipped %s\n", why.c_str());
-    if (!from) throw ConfigError("holds no readable checkpoint to resume from", ckpt_dir.string());
-    resumed_from = trainer.global_step();
-    std::fprintf(stderr, "resume: continuing from %s (step %lld)\n", from->string().c_str(),
-                 static_cast<long long>(resumed_from));
-  }
+          KeepOtherRows{&keeper}, SaveEvery{s.save_steps, &embeds, out}, progress_bar(s),
+          checkpoint_every(s, folders),
+          tr::TensorBoard({.dir = folders.tensorboard, .config = run_settings}),
+          validation_every(s, validation), StopOnInterrupt{s.stop_at}, LossRecord{&losses}});
+  const std::int64_t resumed_from = resume_if_asked(trainer, s, folders);
 
   Samples samples(s, folder, word, p, device);
-  std::signal(SIGINT, on_sigint);
-  const auto t_train = std::chrono::steady_clock::now();
-  trainer.fit(
-      [&](std::int64_t step, std::int64_t micro) {
-        return samples.at_place(step * s.gradient_accumulation_steps + micro);
-      },
-      s.max_train_steps);
-  const double train_seconds = examples::seconds_since(t_train);
-  std::signal(SIGINT, SIG_DFL);
-  const bool finished = trainer.global_step() >= s.max_train_steps;
+  const FitResult fit = fit_until_done_or_stopped(
+      trainer, s, [&](std::int64_t place) { return samples.at_place(place); });
   nlohmann::json files;
-  if (!finished) {
-    std::get<tr::CheckpointEvery>(trainer.callbacks()).save(trainer);
-    std::fprintf(stderr,
-                 "stopped at step %lld; checkpoint saved, rerun with "
-                 "--resume_from_checkpoint latest to continue\n",
-                 static_cast<long long>(trainer.global_step()));
-  } else {
+  if (fit.finished) {
     embeds.save(out / "learned_embeds.safetensors");
     files["diffusers"] = "learned_embeds.safetensors";
     ad::Embedding e;
@@ -466,11 +399,7 @@ int run(const Settings& s) {
     e.save(out / (e.name + ".pt"));
     files["webui"] = e.name + ".pt";
     if (!s.validation_prompts.empty()) {
-      const at::Tensor images = validation.images();
-      dt::io::write_png(
-          out / "validation.png",
-          dt::io::image_grid(images, {.columns = s.num_validation_images, .padding = 2}),
-          {{"Description", "one row per validation prompt"}});
+      write_validation_images(validation.images(), vo, out);
       files["validation"] = "validation.png";
     }
   }
@@ -479,20 +408,19 @@ int run(const Settings& s) {
   results["files"] = files;
   results["steps"] = trainer.global_step();
   results["resumed_from"] = resumed_from;
-  results["finished"] = finished;
+  results["finished"] = fit.finished;
   results["placeholder_ids"] = ids;
   results["first_loss"] = mean_of(losses, tenth, false);
   results["last_loss"] = mean_of(losses, tenth, true);
-  results["train_seconds"] = train_seconds;
-  results["data_share"] = train_seconds > 0 ? samples.data_seconds() / train_seconds : 0.0;
+  results["train_seconds"] = fit.seconds;
+  results["data_share"] = fit.seconds > 0 ? samples.data_seconds() / fit.seconds : 0.0;
   results["total_seconds"] = examples::seconds_since(t0);
-  const std::string text = results.dump(2) + "\n";
-  dt::io::write_file_atomic(out / "results.json", std::span<const char>(text.data(), text.size()));
+  write_results(out, results);
   std::printf("textual inversion of %s (%lld vectors): %lld steps (loss %.4f → %.4f); wrote %s\n",
               s.placeholder_token.c_str(), static_cast<long long>(s.num_vectors),
               static_cast<long long>(trainer.global_step()), results["first_loss"].get<double>(),
               results["last_loss"].get<double>(), s.out.c_str());
-  return finished ? 0 : 130;
+  return fit.finished ? 0 : 130;
 }
 
 }  // namespace
@@ -504,22 +432,7 @@ int main(int argc, char** argv) {
   app.get_formatter()->column_width(44);
   using examples::count_in;
   using examples::number_in;
-  auto* io = app.add_option_group("data and run");
-  io->add_option("--pretrained_model_name_or_path", s.model, "diffusers pipeline folder")
-      ->required();
-  io->add_option("--train_data_dir", s.data_dir, "folder of images of the concept")->required();
-  io->add_option("--output_dir", s.out, "output folder")->capture_default_str();
-  io->add_option("--device", s.device, "cpu, cuda or cuda:N")->capture_default_str();
-  io->add_option("--seed", s.seed, "seeds batches, templates, noise and samples")
-      ->capture_default_str();
-  io->add_option("--logging_dir", s.tensorboard,
-                 "TensorBoard folder (default OUTPUT_DIR/tensorboard)");
-  io->add_flag("--no_tensorboard", s.no_tensorboard, "write no TensorBoard event files");
-  io->add_option("--threads", s.threads, "intra-op CPU threads (0: the free cores)")
-      ->check(count_in(0, 4096));
-  io->add_option("--dataloader_num_workers", s.dataloader_num_workers, "decoding threads")
-      ->check(count_in(0, 256))
-      ->capture_default_str();
+  const SdFlagGroups g = add_sd_run_flags(app, s, "folder of images of the concept");
   auto* w = app.add_option_group("the word");
   w->add_option("--placeholder_token", s.placeholder_token, "the new word, e.g. \"<cat-toy>\"")
       ->required();
@@ -539,68 +452,12 @@ int main(int argc, char** argv) {
   img->add_option("--flip_p", s.flip_p, "probability of mirroring")
       ->check(number_in(0, 1))
       ->capture_default_str();
-  auto* tg = app.add_option_group("training");
-  tg->add_option("--train_batch_size", s.train_batch_size)
-      ->check(count_in(1, 100'000))
-      ->capture_default_str();
-  tg->add_option("--max_train_steps", s.max_train_steps)
-      ->check(count_in(1, 100'000'000))
-      ->capture_default_str();
-  tg->add_option("--gradient_accumulation_steps", s.gradient_accumulation_steps)
-      ->check(count_in(1, 10'000))
-      ->capture_default_str();
-  tg->add_option("--learning_rate", s.learning_rate)
-      ->check(number_in(0, 1e4, true))
-      ->capture_default_str();
-  tg->add_flag("--scale_lr", s.scale_lr, "multiply the LR by batch size × accumulation");
-  tg->add_option("--lr_scheduler", s.lr_scheduler, "diffusers' get_scheduler names")
-      ->capture_default_str();
-  tg->add_option("--lr_warmup_steps", s.lr_warmup_steps)
+  g.training->add_flag("--scale_lr", s.scale_lr, "multiply the LR by batch size × accumulation");
+  g.saving
+      ->add_option("--save_steps", s.save_steps, "learned_embeds-steps-N every N steps (0: none)")
       ->check(count_in(0, 100'000'000))
       ->capture_default_str();
-  tg->add_option("--lr_num_cycles", s.lr_num_cycles)
-      ->check(count_in(1, 1000))
-      ->capture_default_str();
-  tg->add_option("--adam_beta1", s.adam_beta1)->check(number_in(0, 1))->capture_default_str();
-  tg->add_option("--adam_beta2", s.adam_beta2)->check(number_in(0, 1))->capture_default_str();
-  tg->add_option("--adam_weight_decay", s.adam_weight_decay)
-      ->check(number_in(0, 1e3))
-      ->capture_default_str();
-  tg->add_option("--adam_epsilon", s.adam_epsilon)
-      ->check(number_in(0, 1, true))
-      ->capture_default_str();
-  auto* ck = app.add_option_group("saving and validation");
-  ck->add_option("--save_steps", s.save_steps, "learned_embeds-steps-N every N steps (0: none)")
-      ->check(count_in(0, 100'000'000))
-      ->capture_default_str();
-  ck->add_option("--checkpointing_steps", s.checkpointing_steps)
-      ->check(count_in(1, 100'000'000))
-      ->capture_default_str();
-  ck->add_option("--checkpoints_total_limit", s.checkpoints_total_limit)
-      ->check(count_in(1, 100'000))
-      ->capture_default_str();
-  ck->add_option("--resume_from_checkpoint", s.resume_from_checkpoint,
-                 "a checkpoint file or \"latest\"");
-  ck->add_option("--validation_prompt", s.validation_prompts,
-                 "prompt of the validation images (repeatable)");
-  ck->add_option("--num_validation_images", s.num_validation_images)
-      ->check(count_in(1, 64))
-      ->capture_default_str();
-  ck->add_option("--validation_steps", s.validation_steps)
-      ->check(count_in(0, 100'000'000))
-      ->capture_default_str();
-  ck->add_option("--num_inference_steps", s.num_inference_steps)
-      ->check(count_in(1, 1000))
-      ->capture_default_str();
-  ck->add_option("--guidance_scale", s.guidance_scale)
-      ->check(number_in(0, 100))
-      ->capture_default_str();
-  ck->add_option("--stop_at", s.stop_at, "stop with a checkpoint after this step (0: never)")
-      ->check(count_in(0, 100'000'000));
-  for (auto* group : {io, w, img, tg, ck})
-    for (auto* opt : group->get_options())
-      if (opt->get_name() != "--validation_prompt")
-        opt->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  last_value_wins({g.run, g.training, g.saving, w, img});
   CLI11_PARSE(app, argc, argv);
   return examples::run_reporting_errors([&] { return run(s); });
 }

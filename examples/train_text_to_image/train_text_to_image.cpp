@@ -60,6 +60,7 @@
 #include "../common/run_skeleton.hpp"
 #include "../common/scheduler_config.hpp"
 #include "../common/sd_pipeline.hpp"
+#include "../common/sd_run.hpp"
 
 namespace {
 namespace dt = difftrain;
@@ -74,18 +75,12 @@ using dt::ConfigError;
 
 using namespace examples::sd;  // the pipeline folder, validation, callbacks
 
-struct Settings : examples::RunFlags {
-  std::string model;  // --pretrained_model_name_or_path
+struct Settings : SdRunFlags {
   std::string image_column = "file_name", caption_column = "text";
   std::int64_t resolution = 512;
   bool center_crop = false, random_flip = false;
   bool enable_bucket = false, bucket_no_upscale = false;
   std::int64_t min_bucket_reso = 256, max_bucket_reso = 1024, bucket_reso_steps = 64;
-  std::int64_t train_batch_size = 16, max_train_steps = 100, gradient_accumulation_steps = 1;
-  double learning_rate = 1e-4;
-  std::string lr_scheduler = "constant";
-  std::int64_t lr_warmup_steps = 0;
-  double adam_beta1 = 0.9, adam_beta2 = 0.999, adam_weight_decay = 1e-2, adam_epsilon = 1e-8;
   double max_grad_norm = 1.0;
   double snr_gamma = 0.0, noise_offset = 0.0;
   std::string prediction_type;  // empty: the scheduler's
@@ -96,13 +91,6 @@ struct Settings : examples::RunFlags {
   double lora_alpha = 0.0;  // 0: the rank (diffusers' default)
   bool cache_latents = false;
   std::string cache_dir;  // default OUT/cache
-  std::int64_t dataloader_num_workers = 2;
-  std::int64_t checkpointing_steps = 500, checkpoints_total_limit = 3;
-  std::string resume_from_checkpoint;  // a checkpoint file or "latest"
-  std::vector<std::string> validation_prompts;
-  std::int64_t num_validation_images = 2, validation_steps = 0, num_inference_steps = 25;
-  double guidance_scale = 7.5;
-  std::int64_t stop_at = 0;  // stop (with a checkpoint) after this step, as Ctrl-C does; 0: never
   Settings() { out = "runs/train_text_to_image"; }
 };
 
@@ -404,27 +392,11 @@ int train(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
   TextToImageImpl trainee(p, s.train_text_encoder, schedule, s);
   trainee.train();
   typename Trainer::Options o;
-  o.optimizer.lr = s.learning_rate;
-  o.optimizer.beta1 = s.adam_beta1;
-  o.optimizer.beta2 = s.adam_beta2;
-  o.optimizer.eps = s.adam_epsilon;
-  o.optimizer.weight_decay = s.adam_weight_decay;
-  o.schedule.lr_scheduler = s.lr_scheduler;
-  o.schedule.args.num_warmup_steps = std::min(s.lr_warmup_steps, s.max_train_steps);
-  o.schedule.args.num_training_steps = s.max_train_steps;
+  set_optimizer_and_schedule(o, s, s.learning_rate);
   o.clipping.max_norm = s.max_grad_norm;
-  o.accumulation_steps = s.gradient_accumulation_steps;
   if constexpr (Trainer::has_ema) o.ema.rule.decay = s.ema_decay;
 
-  const fs::path ckpt_dir = out / "checkpoints";
-  const bool resume = !s.resume_from_checkpoint.empty();
-  if (!resume && !tr::CheckpointEvery::list(ckpt_dir).empty())
-    throw ConfigError(
-        "holds checkpoints of an earlier run; pass --resume_from_checkpoint latest to continue "
-        "it, or choose another --output_dir",
-        ckpt_dir.string());
-  const fs::path tb_dir = s.tensorboard_folder();
-  if (!resume && !tb_dir.empty() && s.tensorboard.empty()) dt::io::remove_tree(tb_dir);
+  const RunFolders folders = prepare_run_folders(s);
   const nlohmann::json run_settings = {
       {"pretrained_model_name_or_path", s.model},
       {"train_data_dir", s.data_dir},
@@ -446,45 +418,15 @@ int train(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
       {"cache_latents", s.cache_latents},
       {"seed", s.seed}};
   std::vector<double> losses;
-  const ValidationOptions vo{.prompts = s.validation_prompts,
-                             .images_per_prompt = s.num_validation_images,
-                             .resolution = s.resolution,
-                             .num_inference_steps = s.num_inference_steps,
-                             .guidance_scale = s.guidance_scale,
-                             .seed = s.seed};
+  const ValidationOptions vo = validation_options(s, s.resolution);
   Validation validation{&vo, &p, &schedule, device};
   Trainer trainer(
       trainee, o,
       typename Config::Callbacks{
-          tr::ProgressBar({.total_steps = s.max_train_steps,
-                           .every = 10,
-                           .lines_every = std::max<std::int64_t>(1, s.max_train_steps / 10)}),
-          tr::CheckpointEvery({.dir = ckpt_dir,
-                               .every = s.checkpointing_steps,
-                               .keep_last = static_cast<std::size_t>(s.checkpoints_total_limit)}),
-          tr::TensorBoard({.dir = tb_dir, .config = run_settings}),
-          tr::SampleEvery<Validation>(s.validation_steps > 0 && !s.validation_prompts.empty()
-                                          ? s.validation_steps
-                                          : std::numeric_limits<std::int64_t>::max(),
-                                      validation, "validation",
-                                      {.columns = s.num_validation_images}),
-          StopOnInterrupt{s.stop_at}, LossRecord{&losses}});
-  std::int64_t resumed_from = 0;
-  if (resume) {
-    std::optional<fs::path> from;
-    std::vector<std::string> skipped;
-    if (s.resume_from_checkpoint != "latest") {
-      trainer.load_checkpoint(s.resume_from_checkpoint);  // a file named on purpose: no fallback
-      from = fs::path(s.resume_from_checkpoint);
-    } else {
-      from = tr::resume_latest(trainer, ckpt_dir, &skipped);
-    }
-    for (const auto& why : skipped) std::fprintf(stderr, "resume: skipped %s\n", why.c_str());
-    if (!from) throw ConfigError("holds no readable checkpoint to resume from", ckpt_dir.string());
-    resumed_from = trainer.global_step();
-    std::fprintf(stderr, "resume: continuing from %s (step %lld)\n", from->string().c_str(),
-                 static_cast<long long>(resumed_from));
-  }
+          progress_bar(s), checkpoint_every(s, folders),
+          tr::TensorBoard({.dir = folders.tensorboard, .config = run_settings}),
+          validation_every(s, validation), StopOnInterrupt{s.stop_at}, LossRecord{&losses}});
+  const std::int64_t resumed_from = resume_if_asked(trainer, s, folders);
 
   BatchStream stream(s, p, folder, buckets, cache ? &*cache : nullptr, s.train_text_encoder,
                      device);
@@ -497,23 +439,8 @@ int train(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
     for (const auto& r : folder.images) b.push_back(buckets.select(r.width, r.height).bucket);
     return b;
   }()).c_str());
-  std::signal(SIGINT, on_sigint);
-  const auto t_train = std::chrono::steady_clock::now();
-  trainer.fit(
-      [&](std::int64_t step, std::int64_t micro) {
-        return stream.at_place(step * s.gradient_accumulation_steps + micro);
-      },
-      s.max_train_steps);
-  const double train_seconds = examples::seconds_since(t_train);
-  std::signal(SIGINT, SIG_DFL);
-  const bool finished = trainer.global_step() >= s.max_train_steps;
-  if (!finished) {
-    std::get<tr::CheckpointEvery>(trainer.callbacks()).save(trainer);
-    std::fprintf(stderr,
-                 "stopped at step %lld; checkpoint saved, rerun with "
-                 "--resume_from_checkpoint latest to continue\n",
-                 static_cast<long long>(trainer.global_step()));
-  }
+  const FitResult fit = fit_until_done_or_stopped(
+      trainer, s, [&](std::int64_t place) { return stream.at_place(place); });
 
   // What the run leaves: weights (EMA when kept), validation images, results.
   nlohmann::json files;
@@ -543,22 +470,11 @@ int train(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
       files["pipeline"] = ".";
     }
     if (!s.validation_prompts.empty()) {
-      const at::Tensor images = validation.images();
-      fs::create_directories(out / "validation");
-      for (std::int64_t i = 0; i < images.size(0); ++i)
-        dt::io::write_png(
-            out / "validation" / ("image-" + std::to_string(i) + ".png"),
-            dt::io::image_grid(images.narrow(0, i, 1), {.columns = 1}),
-            {{"Description",
-              s.validation_prompts[static_cast<std::size_t>(i / s.num_validation_images)]}});
-      dt::io::write_png(
-          out / "validation.png",
-          dt::io::image_grid(images, {.columns = s.num_validation_images, .padding = 2}),
-          {{"Description", "one row per validation prompt"}});
+      write_validation_images(validation.images(), vo, out);
       files["validation"] = "validation.png";
     }
   };
-  if (finished) {
+  if (fit.finished) {
     if constexpr (Trainer::has_ema) {
       dt::ema::EmaScope scope(trainer.ema());
       write_outputs();
@@ -571,14 +487,14 @@ int train(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
   results["files"] = files;
   results["steps"] = trainer.global_step();
   results["resumed_from"] = resumed_from;
-  results["finished"] = finished;
+  results["finished"] = fit.finished;
   results["first_loss"] = mean_of(losses, tenth, false);
   results["last_loss"] = mean_of(losses, tenth, true);
   results["lora_layers"] = {{"unet", unet_lora.size()}, {"text_encoder", te_lora.size()}};
   results["batches_per_epoch"] = stream.batches_per_epoch();
-  results["train_seconds"] = train_seconds;
+  results["train_seconds"] = fit.seconds;
   results["data_seconds"] = stream.data_seconds();
-  results["data_share"] = train_seconds > 0 ? stream.data_seconds() / train_seconds : 0.0;
+  results["data_share"] = fit.seconds > 0 ? stream.data_seconds() / fit.seconds : 0.0;
   results["skipped_images"] = folder.skipped.size();
   if (cache)
     results["latent_cache"] = {{"entries", cache_report.entries},
@@ -586,14 +502,13 @@ int train(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
                                {"encoded", cache_report.encoded},
                                {"seconds", cache_report.seconds}};
   results["total_seconds"] = examples::seconds_since(t0);
-  const std::string text = results.dump(2) + "\n";
-  dt::io::write_file_atomic(out / "results.json", std::span<const char>(text.data(), text.size()));
+  write_results(out, results);
   std::printf("%s %lld steps (loss %.4f → %.4f, data %.1f%% of the time); wrote %s\n",
               s.use_lora ? "LoRA" : "full fine-tuning",
               static_cast<long long>(trainer.global_step()), results["first_loss"].get<double>(),
               results["last_loss"].get<double>(), 100.0 * results["data_share"].get<double>(),
               s.out.c_str());
-  return finished ? 0 : 130;
+  return fit.finished ? 0 : 130;
 }
 
 int run(const Settings& s) {
@@ -632,27 +547,13 @@ int main(int argc, char** argv) {
   app.get_formatter()->column_width(44);
   using examples::count_in;
   using examples::number_in;
-  auto* io = app.add_option_group("data and run");
-  io->add_option("--pretrained_model_name_or_path", s.model, "diffusers pipeline folder")
-      ->required();
-  io->add_option("--train_data_dir", s.data_dir, "folder of images with captions")->required();
-  io->add_option("--image_column", s.image_column, "metadata file's image column")
+  const SdFlagGroups g = add_sd_run_flags(app, s, "folder of images with captions");
+  g.run->add_option("--image_column", s.image_column, "metadata file's image column")
       ->capture_default_str();
-  io->add_option("--caption_column", s.caption_column, "metadata file's caption column")
+  g.run->add_option("--caption_column", s.caption_column, "metadata file's caption column")
       ->capture_default_str();
-  io->add_option("--output_dir", s.out, "output folder")->capture_default_str();
-  io->add_option("--device", s.device, "cpu, cuda or cuda:N")->capture_default_str();
-  io->add_option("--seed", s.seed, "seeds batches, noise and samples")->capture_default_str();
-  io->add_option("--max_train_samples", s.limit, "use only the first N images (0: all)")
+  g.run->add_option("--max_train_samples", s.limit, "use only the first N images (0: all)")
       ->check(count_in(0, 100'000'000));
-  io->add_option("--logging_dir", s.tensorboard,
-                 "TensorBoard folder (default OUTPUT_DIR/tensorboard)");
-  io->add_flag("--no_tensorboard", s.no_tensorboard, "write no TensorBoard event files");
-  io->add_option("--threads", s.threads, "intra-op CPU threads (0: the free cores)")
-      ->check(count_in(0, 4096));
-  io->add_option("--dataloader_num_workers", s.dataloader_num_workers, "decoding threads")
-      ->check(count_in(0, 256))
-      ->capture_default_str();
   auto* img = app.add_option_group("images");
   img->add_option("--resolution", s.resolution, "training size (bucket area with --enable_bucket)")
       ->check(count_in(8, 8192))
@@ -672,81 +573,25 @@ int main(int argc, char** argv) {
   img->add_flag("--bucket_no_upscale", s.bucket_no_upscale, "only shrink images into buckets");
   img->add_flag("--cache_latents", s.cache_latents, "encode each image once (a cache on disk)");
   img->add_option("--cache_dir", s.cache_dir, "latent and text cache (default OUTPUT_DIR/cache)");
-  auto* tg = app.add_option_group("training");
-  tg->add_option("--train_batch_size", s.train_batch_size)
-      ->check(count_in(1, 100'000))
-      ->capture_default_str();
-  tg->add_option("--max_train_steps", s.max_train_steps)
-      ->check(count_in(1, 100'000'000))
-      ->capture_default_str();
-  tg->add_option("--gradient_accumulation_steps", s.gradient_accumulation_steps)
-      ->check(count_in(1, 10'000))
-      ->capture_default_str();
-  tg->add_option("--learning_rate", s.learning_rate)
-      ->check(number_in(0, 1e4, true))
-      ->capture_default_str();
-  tg->add_option("--lr_scheduler", s.lr_scheduler, "diffusers' get_scheduler names")
-      ->capture_default_str();
-  tg->add_option("--lr_warmup_steps", s.lr_warmup_steps)
-      ->check(count_in(0, 100'000'000))
-      ->capture_default_str();
-  tg->add_option("--adam_beta1", s.adam_beta1)->check(number_in(0, 1))->capture_default_str();
-  tg->add_option("--adam_beta2", s.adam_beta2)->check(number_in(0, 1))->capture_default_str();
-  tg->add_option("--adam_weight_decay", s.adam_weight_decay)
-      ->check(number_in(0, 1e3))
-      ->capture_default_str();
-  tg->add_option("--adam_epsilon", s.adam_epsilon)
-      ->check(number_in(0, 1, true))
-      ->capture_default_str();
-  tg->add_option("--max_grad_norm", s.max_grad_norm)
+  auto* t = g.training;
+  t->add_option("--max_grad_norm", s.max_grad_norm)
       ->check(number_in(0, 1e9, true))
       ->capture_default_str();
-  tg->add_option("--snr_gamma", s.snr_gamma, "min-SNR γ (0: plain MSE)")
+  t->add_option("--snr_gamma", s.snr_gamma, "min-SNR γ (0: plain MSE)")
       ->check(number_in(0, 1e6))
       ->capture_default_str();
-  tg->add_option("--noise_offset", s.noise_offset)->check(number_in(0, 10))->capture_default_str();
-  tg->add_option("--prediction_type", s.prediction_type,
-                 "epsilon or v_prediction (default: the scheduler's)");
-  tg->add_flag("--use_ema", s.use_ema, "keep an EMA of the trained weights and save it");
-  tg->add_option("--ema_decay", s.ema_decay)->check(number_in(0, 1))->capture_default_str();
-  tg->add_flag("--use_lora", s.use_lora, "train LoRA branches, not the UNet");
-  tg->add_option("--rank", s.rank, "LoRA rank")->check(count_in(1, 4096))->capture_default_str();
-  tg->add_option("--lora_alpha", s.lora_alpha, "LoRA alpha (0: the rank)")
+  t->add_option("--noise_offset", s.noise_offset)->check(number_in(0, 10))->capture_default_str();
+  t->add_option("--prediction_type", s.prediction_type,
+                "epsilon or v_prediction (default: the scheduler's)");
+  t->add_flag("--use_ema", s.use_ema, "keep an EMA of the trained weights and save it");
+  t->add_option("--ema_decay", s.ema_decay)->check(number_in(0, 1))->capture_default_str();
+  t->add_flag("--use_lora", s.use_lora, "train LoRA branches, not the UNet");
+  t->add_option("--rank", s.rank, "LoRA rank")->check(count_in(1, 4096))->capture_default_str();
+  t->add_option("--lora_alpha", s.lora_alpha, "LoRA alpha (0: the rank)")
       ->check(number_in(0, 1e6))
       ->capture_default_str();
-  tg->add_flag("--train_text_encoder", s.train_text_encoder, "LoRA on the text encoder too");
-  auto* ck = app.add_option_group("checkpoints and validation");
-  ck->add_option("--checkpointing_steps", s.checkpointing_steps)
-      ->check(count_in(1, 100'000'000))
-      ->capture_default_str();
-  ck->add_option("--checkpoints_total_limit", s.checkpoints_total_limit)
-      ->check(count_in(1, 100'000))
-      ->capture_default_str();
-  ck->add_option("--resume_from_checkpoint", s.resume_from_checkpoint,
-                 "a checkpoint file or \"latest\"");
-  ck->add_option("--validation_prompt", s.validation_prompts,
-                 "prompt of the validation images (repeatable)");
-  ck->add_option("--num_validation_images", s.num_validation_images)
-      ->check(count_in(1, 64))
-      ->capture_default_str();
-  ck->add_option("--validation_steps", s.validation_steps,
-                 "validation images to TensorBoard every N steps (0: at the end only)")
-      ->check(count_in(0, 100'000'000))
-      ->capture_default_str();
-  ck->add_option("--num_inference_steps", s.num_inference_steps)
-      ->check(count_in(1, 1000))
-      ->capture_default_str();
-  ck->add_option("--guidance_scale", s.guidance_scale)
-      ->check(number_in(0, 100))
-      ->capture_default_str();
-  ck->add_option("--stop_at", s.stop_at,
-                 "stop with a checkpoint after this step, as Ctrl-C does (0: never)")
-      ->check(count_in(0, 100'000'000));
-  // As argparse: a flag given twice takes its last value (a command line extended by a script).
-  for (auto* group : {io, img, tg, ck})
-    for (auto* opt : group->get_options())
-      if (opt->get_name() != "--validation_prompt")
-        opt->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  t->add_flag("--train_text_encoder", s.train_text_encoder, "LoRA on the text encoders too");
+  last_value_wins({g.run, g.training, g.saving, img});
   CLI11_PARSE(app, argc, argv);
   return examples::run_reporting_errors([&] { return run(s); });
 }

@@ -1,0 +1,276 @@
+#pragma once
+// The run around a Stable Diffusion training program: diffusers' shared flags (pipeline, batch,
+// steps, optimizer, schedule, checkpoints, validation), the output folder's guard against
+// overwriting an earlier run, resuming, Ctrl-C, validation images and results.json. A program
+// adds what is its own (the trainee, its data, its outputs).
+
+#include <CLI/CLI.hpp>
+#include <difftrain/io/atomic_file.hpp>
+#include <difftrain/io/image_grid.hpp>
+#include <difftrain/io/png.hpp>
+#include <difftrain/io/remove_tree.hpp>
+#include <difftrain/train/callbacks.hpp>
+
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <filesystem>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "cli_checks.hpp"
+#include "run_skeleton.hpp"
+#include "sd_pipeline.hpp"
+
+namespace examples::sd {
+
+/// What every SD training program takes, under diffusers' names.
+struct SdRunFlags : RunFlags {
+  std::string model;  // --pretrained_model_name_or_path
+  std::int64_t train_batch_size = 16, max_train_steps = 100, gradient_accumulation_steps = 1;
+  double learning_rate = 1e-4;
+  std::string lr_scheduler = "constant";
+  std::int64_t lr_warmup_steps = 0, lr_num_cycles = 1;
+  double adam_beta1 = 0.9, adam_beta2 = 0.999, adam_weight_decay = 1e-2, adam_epsilon = 1e-8;
+  std::int64_t dataloader_num_workers = 2;
+  std::int64_t checkpointing_steps = 500, checkpoints_total_limit = 3;
+  std::string resume_from_checkpoint;  // a checkpoint file or "latest"
+  std::vector<std::string> validation_prompts;
+  std::int64_t num_validation_images = 2, validation_steps = 0, num_inference_steps = 25;
+  double guidance_scale = 7.5;
+  std::int64_t stop_at = 0;  // stop (with a checkpoint) after this step, as Ctrl-C does; 0: never
+};
+
+struct SdFlagGroups {
+  CLI::Option_group *run, *training, *saving;
+};
+
+/// Adds SdRunFlags' options in three groups, which the program extends with its own.
+inline SdFlagGroups add_sd_run_flags(CLI::App& app, SdRunFlags& f, const std::string& data_help) {
+  SdFlagGroups g{app.add_option_group("data and run"), app.add_option_group("training"),
+                 app.add_option_group("checkpoints and validation")};
+  g.run->add_option("--pretrained_model_name_or_path", f.model, "diffusers pipeline folder")
+      ->required();
+  g.run->add_option("--train_data_dir", f.data_dir, data_help)->required();
+  g.run->add_option("--output_dir", f.out, "output folder")->capture_default_str();
+  g.run->add_option("--device", f.device, "cpu, cuda or cuda:N")->capture_default_str();
+  g.run->add_option("--seed", f.seed, "seeds batches, noise and samples")->capture_default_str();
+  g.run->add_option("--logging_dir", f.tensorboard,
+                    "TensorBoard folder (default OUTPUT_DIR/tensorboard)");
+  g.run->add_flag("--no_tensorboard", f.no_tensorboard, "write no TensorBoard event files");
+  g.run->add_option("--threads", f.threads, "intra-op CPU threads (0: the free cores)")
+      ->check(count_in(0, 4096));
+  g.run->add_option("--dataloader_num_workers", f.dataloader_num_workers, "decoding threads")
+      ->check(count_in(0, 256))
+      ->capture_default_str();
+  auto* t = g.training;
+  t->add_option("--train_batch_size", f.train_batch_size)
+      ->check(count_in(1, 100'000))
+      ->capture_default_str();
+  t->add_option("--max_train_steps", f.max_train_steps)
+      ->check(count_in(1, 100'000'000))
+      ->capture_default_str();
+  t->add_option("--gradient_accumulation_steps", f.gradient_accumulation_steps)
+      ->check(count_in(1, 10'000))
+      ->capture_default_str();
+  t->add_option("--learning_rate", f.learning_rate)
+      ->check(number_in(0, 1e4, true))
+      ->capture_default_str();
+  t->add_option("--lr_scheduler", f.lr_scheduler, "diffusers' get_scheduler names")
+      ->capture_default_str();
+  t->add_option("--lr_warmup_steps", f.lr_warmup_steps)
+      ->check(count_in(0, 100'000'000))
+      ->capture_default_str();
+  t->add_option("--lr_num_cycles", f.lr_num_cycles, "cosine_with_restarts' cycles")
+      ->check(count_in(1, 1000))
+      ->capture_default_str();
+  t->add_option("--adam_beta1", f.adam_beta1)->check(number_in(0, 1))->capture_default_str();
+  t->add_option("--adam_beta2", f.adam_beta2)->check(number_in(0, 1))->capture_default_str();
+  t->add_option("--adam_weight_decay", f.adam_weight_decay)
+      ->check(number_in(0, 1e3))
+      ->capture_default_str();
+  t->add_option("--adam_epsilon", f.adam_epsilon)
+      ->check(number_in(0, 1, true))
+      ->capture_default_str();
+  auto* c = g.saving;
+  c->add_option("--checkpointing_steps", f.checkpointing_steps)
+      ->check(count_in(1, 100'000'000))
+      ->capture_default_str();
+  c->add_option("--checkpoints_total_limit", f.checkpoints_total_limit)
+      ->check(count_in(1, 100'000))
+      ->capture_default_str();
+  c->add_option("--resume_from_checkpoint", f.resume_from_checkpoint,
+                "a checkpoint file or \"latest\"");
+  c->add_option("--validation_prompt", f.validation_prompts,
+                "prompt of the validation images (repeatable)");
+  c->add_option("--num_validation_images", f.num_validation_images, "images per prompt")
+      ->check(count_in(1, 64))
+      ->capture_default_str();
+  c->add_option("--validation_steps", f.validation_steps,
+                "validation images to TensorBoard every N steps (0: at the end only)")
+      ->check(count_in(0, 100'000'000))
+      ->capture_default_str();
+  c->add_option("--num_inference_steps", f.num_inference_steps)
+      ->check(count_in(1, 1000))
+      ->capture_default_str();
+  c->add_option("--guidance_scale", f.guidance_scale)
+      ->check(number_in(0, 100))
+      ->capture_default_str();
+  c->add_option("--stop_at", f.stop_at,
+                "stop with a checkpoint after this step, as Ctrl-C does (0: never)")
+      ->check(count_in(0, 100'000'000));
+  return g;
+}
+
+/// As argparse: a flag given twice takes its last value (a command line a script extends); the
+/// repeatable --validation_prompt keeps all.
+inline void last_value_wins(const std::vector<CLI::App*>& groups) {
+  for (auto* group : groups)
+    for (auto* opt : group->get_options())
+      if (opt->get_name() != "--validation_prompt")
+        opt->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+}
+
+/// The trainer's AdamW and learning-rate schedule from the flags, `lr` the (scaled) rate.
+template <class Options>
+void set_optimizer_and_schedule(Options& o, const SdRunFlags& f, double lr) {
+  o.optimizer.lr = lr;
+  o.optimizer.beta1 = f.adam_beta1;
+  o.optimizer.beta2 = f.adam_beta2;
+  o.optimizer.eps = f.adam_epsilon;
+  o.optimizer.weight_decay = f.adam_weight_decay;
+  o.schedule.lr_scheduler = f.lr_scheduler;
+  o.schedule.args.num_warmup_steps = std::min(f.lr_warmup_steps, f.max_train_steps);
+  o.schedule.args.num_training_steps = f.max_train_steps;
+  // diffusers' get_scheduler passes num_cycles to cosine_with_restarts only ("cosine" keeps half
+  // a period).
+  if (f.lr_scheduler == "cosine_with_restarts") o.schedule.args.num_cycles = f.lr_num_cycles;
+  o.accumulation_steps = f.gradient_accumulation_steps;
+}
+
+inline ValidationOptions validation_options(const SdRunFlags& f, std::int64_t resolution) {
+  return {.prompts = f.validation_prompts,
+          .images_per_prompt = f.num_validation_images,
+          .resolution = resolution,
+          .num_inference_steps = f.num_inference_steps,
+          .guidance_scale = f.guidance_scale,
+          .seed = f.seed};
+}
+
+struct RunFolders {
+  fs::path checkpoints, tensorboard;
+  bool resume = false;
+};
+
+/// The run's folders. A fresh run into a folder with checkpoints is refused (they would be
+/// replaced); a fresh run starts a fresh TensorBoard folder (one named with --logging_dir is left
+/// as it is: it may hold other runs).
+inline RunFolders prepare_run_folders(const SdRunFlags& f) {
+  RunFolders r{fs::path(f.out) / "checkpoints", f.tensorboard_folder(),
+               !f.resume_from_checkpoint.empty()};
+  if (!r.resume && !tr::CheckpointEvery::list(r.checkpoints).empty())
+    throw ConfigError(
+        "holds checkpoints of an earlier run; pass --resume_from_checkpoint latest to continue "
+        "it, or choose another --output_dir",
+        r.checkpoints.string());
+  if (!r.resume && !r.tensorboard.empty() && f.tensorboard.empty())
+    difftrain::io::remove_tree(r.tensorboard);
+  return r;
+}
+
+inline tr::ProgressBar progress_bar(const SdRunFlags& f) {
+  return tr::ProgressBar({.total_steps = f.max_train_steps,
+                          .every = 10,
+                          .lines_every = std::max<std::int64_t>(1, f.max_train_steps / 10)});
+}
+
+inline tr::CheckpointEvery checkpoint_every(const SdRunFlags& f, const RunFolders& r) {
+  return tr::CheckpointEvery({.dir = r.checkpoints,
+                              .every = f.checkpointing_steps,
+                              .keep_last = static_cast<std::size_t>(f.checkpoints_total_limit)});
+}
+
+/// Validation images into TensorBoard every --validation_steps (never without prompts).
+inline tr::SampleEvery<Validation> validation_every(const SdRunFlags& f, Validation v) {
+  return tr::SampleEvery<Validation>(f.validation_steps > 0 && !f.validation_prompts.empty()
+                                         ? f.validation_steps
+                                         : std::numeric_limits<std::int64_t>::max(),
+                                     v, "validation", {.columns = f.num_validation_images});
+}
+
+/// With --resume_from_checkpoint: loads the named file (no fallback: it was named on purpose) or
+/// the newest checkpoint that loads ("latest"; torn or unreadable ones are skipped with a note).
+/// Returns the step the run continues from (0 for a fresh run).
+template <class Trainer>
+std::int64_t resume_if_asked(Trainer& trainer, const SdRunFlags& f, const RunFolders& r) {
+  if (!r.resume) return 0;
+  std::optional<fs::path> from;
+  std::vector<std::string> skipped;
+  if (f.resume_from_checkpoint != "latest") {
+    trainer.load_checkpoint(f.resume_from_checkpoint);
+    from = fs::path(f.resume_from_checkpoint);
+  } else {
+    from = tr::resume_latest(trainer, r.checkpoints, &skipped);
+  }
+  for (const auto& why : skipped) std::fprintf(stderr, "resume: skipped %s\n", why.c_str());
+  if (!from)
+    throw ConfigError("holds no readable checkpoint to resume from", r.checkpoints.string());
+  std::fprintf(stderr, "resume: continuing from %s (step %lld)\n", from->string().c_str(),
+               static_cast<long long>(trainer.global_step()));
+  return trainer.global_step();
+}
+
+struct FitResult {
+  bool finished = false;
+  double seconds = 0;
+};
+
+/// Trains to --max_train_steps with `source(place)` giving micro-batch number `place` of the run;
+/// Ctrl-C (or --stop_at) stops after the step, with a checkpoint.
+template <class Trainer, class Source>
+FitResult fit_until_done_or_stopped(Trainer& trainer, const SdRunFlags& f, Source&& source) {
+  std::signal(SIGINT, on_sigint);
+  const auto t0 = std::chrono::steady_clock::now();
+  trainer.fit(
+      [&](std::int64_t step, std::int64_t micro) {
+        return source(step * f.gradient_accumulation_steps + micro);
+      },
+      f.max_train_steps);
+  FitResult r{trainer.global_step() >= f.max_train_steps, seconds_since(t0)};
+  std::signal(SIGINT, SIG_DFL);
+  if (!r.finished) {
+    std::get<tr::CheckpointEvery>(trainer.callbacks()).save(trainer);
+    std::fprintf(stderr,
+                 "stopped at step %lld; checkpoint saved, rerun with "
+                 "--resume_from_checkpoint latest to continue\n",
+                 static_cast<long long>(trainer.global_step()));
+  }
+  return r;
+}
+
+/// validation.png (a row per prompt) and validation/image-N.png (each with its prompt).
+inline void write_validation_images(const at::Tensor& images, const ValidationOptions& v,
+                                    const fs::path& out) {
+  fs::create_directories(out / "validation");
+  for (std::int64_t i = 0; i < images.size(0); ++i)
+    difftrain::io::write_png(
+        out / "validation" / ("image-" + std::to_string(i) + ".png"),
+        difftrain::io::image_grid(images.narrow(0, i, 1), {.columns = 1}),
+        {{"Description", v.prompts[static_cast<std::size_t>(i / v.images_per_prompt)]}});
+  difftrain::io::write_png(
+      out / "validation.png",
+      difftrain::io::image_grid(images, {.columns = v.images_per_prompt, .padding = 2}),
+      {{"Description", "one row per validation prompt"}});
+}
+
+/// results.json: the run's settings and `extra`, written atomically.
+inline void write_results(const fs::path& out, const nlohmann::json& results) {
+  const std::string text = results.dump(2) + "\n";
+  difftrain::io::write_file_atomic(out / "results.json",
+                                   std::span<const char>(text.data(), text.size()));
+}
+
+}  // namespace examples::sd
