@@ -30,7 +30,12 @@ namespace examples::sd {
 /// What every SD training program takes, under diffusers' names.
 struct SdRunFlags : RunFlags {
   std::string model;  // --pretrained_model_name_or_path
-  std::int64_t train_batch_size = 16, max_train_steps = 100, gradient_accumulation_steps = 1;
+  std::int64_t train_batch_size = 16, gradient_accumulation_steps = 1;
+  std::int64_t max_train_steps = 0;  // 0: from --num_train_epochs (diffusers: it overrides them)
+  std::int64_t num_train_epochs = 100;
+  std::string mixed_precision = "no";  // no, bf16, fp16 (autocast; fp16 with loss scaling)
+  bool gradient_checkpointing = false;
+  std::string report_to = "tensorboard";
   double learning_rate = 1e-4;
   std::string lr_scheduler = "constant";
   std::int64_t lr_warmup_steps = 0, lr_num_cycles = 1;
@@ -61,6 +66,7 @@ inline SdFlagGroups add_sd_run_flags(CLI::App& app, SdRunFlags& f, const std::st
   g.run->add_option("--logging_dir", f.tensorboard,
                     "TensorBoard folder (default OUTPUT_DIR/tensorboard)");
   g.run->add_flag("--no_tensorboard", f.no_tensorboard, "write no TensorBoard event files");
+  g.run->add_option("--report_to", f.report_to, "tensorboard or none")->capture_default_str();
   g.run->add_option("--threads", f.threads, "intra-op CPU threads (0: the free cores)")
       ->check(count_in(0, 4096));
   g.run->add_option("--dataloader_num_workers", f.dataloader_num_workers, "decoding threads")
@@ -70,9 +76,16 @@ inline SdFlagGroups add_sd_run_flags(CLI::App& app, SdRunFlags& f, const std::st
   t->add_option("--train_batch_size", f.train_batch_size)
       ->check(count_in(1, 100'000))
       ->capture_default_str();
-  t->add_option("--max_train_steps", f.max_train_steps)
-      ->check(count_in(1, 100'000'000))
+  t->add_option("--max_train_steps", f.max_train_steps,
+                "optimizer steps (0: --num_train_epochs epochs)")
+      ->check(count_in(0, 100'000'000))
       ->capture_default_str();
+  t->add_option("--num_train_epochs", f.num_train_epochs, "epochs when --max_train_steps is 0")
+      ->check(count_in(1, 1'000'000))
+      ->capture_default_str();
+  t->add_option("--mixed_precision", f.mixed_precision, "no, bf16 or fp16")->capture_default_str();
+  t->add_flag("--gradient_checkpointing", f.gradient_checkpointing,
+              "recompute activations in backward (less memory, more time)");
   t->add_option("--gradient_accumulation_steps", f.gradient_accumulation_steps)
       ->check(count_in(1, 10'000))
       ->capture_default_str();
@@ -125,6 +138,36 @@ inline SdFlagGroups add_sd_run_flags(CLI::App& app, SdRunFlags& f, const std::st
   return g;
 }
 
+/// Refuses what these programs cannot do, naming the flag, before anything is loaded.
+inline void check_sd_run_flags(SdRunFlags& f) {
+  if (f.report_to == "none")
+    f.no_tensorboard = true;
+  else if (f.report_to != "tensorboard")
+    throw ConfigError("is '" + f.report_to + "'; this program reports to tensorboard or none",
+                      "--report_to");
+  if (f.mixed_precision != "no" && f.mixed_precision != "bf16" && f.mixed_precision != "fp16")
+    throw ConfigError("is '" + f.mixed_precision + "'; choose no, bf16 or fp16",
+                      "--mixed_precision");
+  if (!f.validation_prompts.empty())
+    for (const auto& prompt : f.validation_prompts)
+      if (prompt.empty()) throw ConfigError("is empty", "--validation_prompt");
+}
+
+/// diffusers' rule: --max_train_steps when given, else epochs × optimizer steps per epoch
+/// (micro-batches per epoch ÷ accumulation, rounded up). Says what it chose.
+inline void resolve_max_train_steps(SdRunFlags& f, std::int64_t micro_batches_per_epoch) {
+  if (micro_batches_per_epoch < 1)
+    throw ConfigError(
+        "leave no batch of " + std::to_string(f.train_batch_size) + " in an epoch (too few images)",
+        "--train_data_dir / --train_batch_size");
+  const std::int64_t per_epoch =
+      (micro_batches_per_epoch + f.gradient_accumulation_steps - 1) / f.gradient_accumulation_steps;
+  if (f.max_train_steps == 0) f.max_train_steps = f.num_train_epochs * per_epoch;
+  std::fprintf(stderr, "%lld optimizer steps (%lld per epoch, %.2f epochs)\n",
+               static_cast<long long>(f.max_train_steps), static_cast<long long>(per_epoch),
+               static_cast<double>(f.max_train_steps) / static_cast<double>(per_epoch));
+}
+
 /// As argparse: a flag given twice takes its last value (a command line a script extends); the
 /// repeatable --validation_prompt keeps all.
 inline void last_value_wins(const std::vector<CLI::App*>& groups) {
@@ -149,6 +192,8 @@ void set_optimizer_and_schedule(Options& o, const SdRunFlags& f, double lr) {
   // a period).
   if (f.lr_scheduler == "cosine_with_restarts") o.schedule.args.num_cycles = f.lr_num_cycles;
   o.accumulation_steps = f.gradient_accumulation_steps;
+  if constexpr (requires { o.precision.mixed_precision; })
+    o.precision.mixed_precision = f.mixed_precision;
 }
 
 inline ValidationOptions validation_options(const SdRunFlags& f, std::int64_t resolution) {

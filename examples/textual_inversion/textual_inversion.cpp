@@ -169,6 +169,7 @@ struct SaveEvery {
 
 struct InversionConfig : tr::DefaultConfig {
   using Optimizer = tr::AdamW;
+  using Precision = tr::PrecisionByName;  // --mixed_precision
   using Schedule = dt::schedule::ByName;
   using Callbacks =
       std::tuple<KeepOtherRows, SaveEvery, tr::ProgressBar, tr::CheckpointEvery, tr::TensorBoard,
@@ -295,14 +296,18 @@ std::string webui_name(const std::string& token) {
   return out.empty() ? "embedding" : out;
 }
 
-int run(const Settings& s) {
+int run(Settings s) {
   const auto t0 = std::chrono::steady_clock::now();
+  check_sd_run_flags(s);
   check_flags(s);
   examples::apply_threads(s);
   data::ImageFolderOptions fo;
   data::ImageFolder folder = data::scan_image_folder(s.data_dir, fo);
   for (const auto& skipped : folder.skipped)
     std::fprintf(stderr, "skipped %s: %s\n", skipped.path.string().c_str(), skipped.reason.c_str());
+  if (folder.images.empty()) throw ConfigError("holds no image", s.data_dir);
+  resolve_max_train_steps(
+      s, static_cast<std::int64_t>(folder.images.size()) * s.repeats / s.train_batch_size);
   const fs::path out(s.out);
   dt::io::ensure_writable_folder(out);
   tr::set_seed(s.seed);
@@ -344,6 +349,11 @@ int run(const Settings& s) {
   p.text_encoder->to(device);
   p.unet->eval();
   p.vae->eval();
+  if (s.gradient_checkpointing) {  // as the script: the UNet in training mode to recompute
+    p.unet->train();
+    p.unet->set_gradient_checkpointing(true);
+    p.text_encoder->set_gradient_checkpointing(true);
+  }
   text::TokenRowsKeeper keeper(p.text_encoder->token_embedding->weight, ids);
   const df::NoiseSchedule schedule(p.scheduler.schedule);
   InversionImpl trainee(p, schedule);

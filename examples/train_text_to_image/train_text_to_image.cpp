@@ -162,6 +162,7 @@ struct TextToImageImpl : torch::nn::Module {
 
 struct NoEmaConfig : tr::DefaultConfig {
   using Optimizer = tr::AdamW;
+  using Precision = tr::PrecisionByName;  // --mixed_precision
   using Schedule = dt::schedule::ByName;  // --lr_scheduler, diffusers' names
   using Clipping = tr::ClipByNorm;
   using Callbacks = std::tuple<tr::ProgressBar, tr::CheckpointEvery, tr::TensorBoard,
@@ -388,6 +389,11 @@ int train(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
   }
   p.vae->to(device);
   p.vae->eval();
+  if (s.gradient_checkpointing) {
+    p.unet->set_gradient_checkpointing(true);
+    if (s.train_text_encoder)
+      for (auto& e : encoders) e->set_gradient_checkpointing(true);
+  }
 
   TextToImageImpl trainee(p, s.train_text_encoder, schedule, s);
   trainee.train();
@@ -416,6 +422,8 @@ int train(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
       {"noise_offset", s.noise_offset},
       {"prediction_type", std::string(df::to_string(p.scheduler.prediction))},
       {"cache_latents", s.cache_latents},
+      {"mixed_precision", s.mixed_precision},
+      {"gradient_checkpointing", s.gradient_checkpointing},
       {"seed", s.seed}};
   std::vector<double> losses;
   const ValidationOptions vo = validation_options(s, s.resolution);
@@ -511,8 +519,9 @@ int train(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
   return fit.finished ? 0 : 130;
 }
 
-int run(const Settings& s) {
+int run(Settings s) {
   const auto t0 = std::chrono::steady_clock::now();
+  check_sd_run_flags(s);
   check_flags(s);
   examples::apply_threads(s);
   const data::BucketManager buckets(bucket_options(s));
@@ -527,6 +536,19 @@ int run(const Settings& s) {
     folder.images.resize(static_cast<std::size_t>(s.limit));
   std::fprintf(stderr, "%zu images (%lld with repeats), %zu skipped\n", folder.images.size(),
                static_cast<long long>(folder.epoch_size()), folder.skipped.size());
+  {  // the epoch's batches (one bucket each) decide the steps of --num_train_epochs
+    std::vector<data::Bucket> assigned;
+    std::vector<std::int64_t> repeats;
+    for (const auto& r : folder.images) {
+      assigned.push_back(buckets.select(r.width, r.height).bucket);
+      repeats.push_back(r.repeats);
+    }
+    resolve_max_train_steps(
+        s, static_cast<std::int64_t>(
+               data::bucket_batches(assigned, repeats, static_cast<std::size_t>(s.train_batch_size),
+                                    s.seed, 0)
+                   .size()));
+  }
   dt::io::ensure_writable_folder(s.out);
   tr::set_seed(s.seed);
   Pipeline p = load_pipeline(s.model, s.prediction_type);

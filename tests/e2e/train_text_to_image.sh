@@ -57,6 +57,14 @@ grep_in "$work/lora-resumed/results.json" '"reused": 48'
 # A second run on the same cache folder encodes nothing.
 expect_rc 0 lora-cached -- "$bin" "${lora[@]}" --max_train_steps 2 --output_dir "$work/lora-cached" --cache_dir "$work/lora/cache"
 grep_in "$work/lora-cached/results.json" '"encoded": 0'
+# diffusers' other run flags: epochs instead of steps (24 images, batches of 4: 6 steps an epoch),
+# bf16 autocast, gradient checkpointing; an unknown reporter is refused.
+expect_rc 0 epochs -- "$bin" "${lora[@]}" --max_train_steps 0 --num_train_epochs 1 --mixed_precision bf16 \
+  --gradient_checkpointing --output_dir "$work/epochs" --cache_dir "$work/lora/cache"
+grep_in "$work/epochs/results.json" '"steps": 6,'
+grep_in "$work/epochs/results.json" '"mixed_precision": "bf16"'
+expect_rc 2 report-to -- "$bin" "${lora[@]}" --report_to wandb --output_dir "$work/bad"
+grep_in "$work/report-to.err" "--report_to"
 
 # Full fine-tuning with EMA, min-SNR and offset noise, latents encoded every step, buckets.
 expect_rc 0 full -- "$bin" "${base[@]}" --use_ema --ema_decay 0.9 --snr_gamma 5 --noise_offset 0.05 \
