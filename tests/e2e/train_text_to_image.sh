@@ -22,7 +22,9 @@ sd=$work/data/sd15 xl=$work/data/sdxl images=$work/data/images
 mkdir -p "$work/mixed" && cp -r "$xl"/. "$work/mixed/" && rm -rf "$work/mixed/unet" && cp -r "$sd/unet" "$work/mixed/unet"
 base=(--pretrained_model_name_or_path "$sd" --train_data_dir "$images" --resolution 32
       --train_batch_size 4 --seed 3 --num_inference_steps 3 --num_validation_images 2
-      --dataloader_num_workers 2)
+      --dataloader_num_workers 2 --threads 1)
+# One intra-op thread: runs compared to the bit must sum in the same order (with --threads 0 the
+# count follows the machine's load, which differs between the runs of a loaded test machine).
 
 # Mistakes, each refused with a typed error naming it, before training.
 expect_rc 0 help -- "$bin" --help

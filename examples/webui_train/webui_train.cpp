@@ -1,0 +1,391 @@
+// The Stable Diffusion web UI's "Train" tab on a real SD 1.x/2.x pipeline: an embedding
+// (textual inversion as the web UI does it: vectors placed into the prompt's sequence, the token
+// table never touched) or a hypernetwork (residual MLPs on the cross-attention's keys and values),
+// trained by the web UI's loops (adapters/webui_training.hpp: step-string learning rates, gradient
+// accumulation, clipping, the CSV loss log, periodic copies with .optim sidecars, resuming from
+// the sidecar) on an image folder with the web UI's prompt templates ([name], [filewords]) and its
+// latent sampling methods.
+//
+//   webui_train --pretrained_model_name_or_path SD --train_data_dir IMAGES --embedding NAME
+//               --init_text "*" --num_vectors_per_token 2 --template_file subject.txt ...
+//   webui_train ... --hypernetwork NAME --layer_structure 1,2,1 --activation_func relu ...
+//
+// What it writes to --output_dir: embeddings/NAME.pt or hypernetworks/NAME.pt (the files the web
+// UI's folders take) with NAME.pt.optim, the periodic copies and the loss log under
+// --log_directory, and results.json. Running it again continues the file's steps (to --steps)
+// with the optimizer state of its sidecar.
+
+#include <CLI/CLI.hpp>
+#include <difftrain/adapters/embedding_database.hpp>
+#include <difftrain/adapters/unet_adapters.hpp>
+#include <difftrain/adapters/webui_training.hpp>
+#include <difftrain/data/data.hpp>
+#include <difftrain/io/read_file.hpp>
+#include <difftrain/text/webui_conditioning.hpp>
+#include <difftrain/train/seeding.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "../common/cli_checks.hpp"
+#include "../common/run_skeleton.hpp"
+#include "../common/sd_pipeline.hpp"
+#include "../common/sd_run.hpp"
+
+namespace {
+namespace ad = difftrain::adapters;
+using namespace examples::sd;
+
+struct Settings : examples::RunFlags {
+  std::string model, embedding, hypernetwork;
+  std::string init_text = "*";
+  std::int64_t num_vectors_per_token = 1;
+  std::string layer_structure = "1,2,1", activation_func = "linear", weight_init = "Normal";
+  bool add_layer_norm = false, use_dropout = false;
+  std::string optimizer = "AdamW";
+  std::string learn_rate = "0.005", clip_grad_mode = "disabled", clip_grad_value = "0.1";
+  std::int64_t batch_size = 1, gradient_step = 1, steps = 100000, width = 512, height = 512;
+  std::string template_file;  // default: "[name], [filewords]"
+  std::string latent_sampling_method = "once";
+  bool shuffle_tags = false;
+  double tag_drop_out = 0.0;
+  std::int64_t save_every = 500, write_csv_every = 500;
+  std::string log_directory;  // default OUT/log
+  Settings() { out = "runs/webui_train"; }
+};
+
+std::vector<double> parse_numbers(const std::string& text, const std::string& flag) {
+  std::vector<double> out;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    try {
+      std::size_t used = 0;
+      out.push_back(std::stod(item, &used));
+      if (item.find_first_not_of(" \t", used) != std::string::npos)
+        throw std::invalid_argument(item);
+    } catch (const std::exception&) {
+      throw ConfigError("'" + text + "' is not a comma-separated list of numbers", flag);
+    }
+  }
+  return out;
+}
+
+/// The web UI's template file: one prompt pattern per line ([name], [filewords]).
+std::vector<std::string> read_templates(const std::string& file) {
+  if (file.empty()) return {"[name], [filewords]"};
+  const std::vector<char> bytes = dt::io::read_file(file);
+  std::vector<std::string> lines;
+  std::stringstream in(std::string(bytes.begin(), bytes.end()));
+  for (std::string line; std::getline(in, line);) {
+    while (!line.empty() && (line.back() == '\r' || line.back() == ' ')) line.pop_back();
+    if (!line.empty()) lines.push_back(line);
+  }
+  if (lines.empty()) throw ConfigError("holds no prompt template", file);
+  return lines;
+}
+
+void replace_all(std::string& s, const std::string& what, const std::string& with) {
+  for (auto at = s.find(what); at != std::string::npos; at = s.find(what, at + with.size()))
+    s.replace(at, what.size(), with);
+}
+
+/// The web UI's PersonalizedBase, made once: each image squashed to width × height (bicubic,
+/// as its PIL resize), encoded by the VAE; "once" keeps one latent drawn then, "deterministic"
+/// the posterior's mean, "random" the posterior to draw from each time.
+struct Dataset {
+  std::vector<at::Tensor> mean, std, fixed;
+  std::vector<std::string> captions;
+  std::string method;
+  [[nodiscard]] at::Tensor latent(std::size_t i, at::Generator& gen) const {
+    if (method == "once") return fixed[i];
+    if (method == "deterministic") return mean[i];
+    return mean[i] + std[i] * at::randn(mean[i].sizes(), gen);
+  }
+};
+
+Dataset make_dataset(const Settings& s, const data::ImageFolder& folder, Pipeline& p) {
+  Dataset d;
+  d.method = s.latent_sampling_method;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(s.seed + 1);
+  const auto& vc = p.vae->config();
+  at::NoGradGuard no_grad;
+  for (const auto& r : folder.images) {
+    const data::DecodedImage img = data::read_image(r.path);
+    const at::Tensor x =
+        data::to_unit_range(data::resize(img.pixels.permute({2, 0, 1}), {s.height, s.width},
+                                         data::Interpolation::bicubic)
+                                .contiguous());
+    const auto posterior = p.vae->encode(x.unsqueeze(0));
+    auto scaled = [&](const at::Tensor& z) {
+      return ((vc.shift_factor ? z - *vc.shift_factor : z) * vc.scaling_factor)[0];
+    };
+    d.mean.push_back(scaled(posterior.mean));
+    d.std.push_back(posterior.std[0] * vc.scaling_factor);
+    d.fixed.push_back(scaled(posterior.sample(gen)));
+    d.captions.push_back(r.caption);
+  }
+  return d;
+}
+
+struct Batch {
+  at::Tensor latents;
+  std::vector<std::string> prompts;
+};
+
+int run(Settings s) {
+  const auto t0 = std::chrono::steady_clock::now();
+  if (s.embedding.empty() == s.hypernetwork.empty())
+    throw ConfigError("name what to train: --embedding NAME or --hypernetwork NAME (one of them)",
+                      "flags");
+  if (s.latent_sampling_method != "once" && s.latent_sampling_method != "deterministic" &&
+      s.latent_sampling_method != "random")
+    throw ConfigError("is '" + s.latent_sampling_method + "'; choose once, deterministic or random",
+                      "--latent_sampling_method");
+  if (s.width % 8 != 0 || s.height % 8 != 0)
+    throw ConfigError("must be multiples of 8", "--width / --height");
+  const std::vector<std::string> templates = read_templates(s.template_file);
+  examples::apply_threads(s);
+  data::ImageFolder folder = data::scan_image_folder(s.data_dir);
+  for (const auto& skipped : folder.skipped)
+    std::fprintf(stderr, "skipped %s: %s\n", skipped.path.string().c_str(), skipped.reason.c_str());
+  const fs::path out(s.out);
+  dt::io::ensure_writable_folder(out);
+  const fs::path log = s.log_directory.empty() ? out / "log" : fs::path(s.log_directory);
+  tr::set_seed(s.seed);
+  Pipeline p = load_pipeline(s.model, "");
+  if (p.xl)
+    throw ConfigError("is an SDXL pipeline; this program trains SD 1.x/2.x pipelines", s.model);
+  for (auto* m : std::vector<torch::nn::Module*>{p.unet.get(), p.vae.get(), p.text_encoder.get()}) {
+    freeze(*m);
+    m->eval();
+  }
+  const Dataset d = make_dataset(s, folder, p);
+  const df::NoiseSchedule schedule(p.scheduler.schedule);
+  const std::string name = s.embedding.empty() ? s.hypernetwork : s.embedding;
+
+  // One micro-batch: the web UI's order (shuffled per epoch), its templates and tag options.
+  auto batch = [&](std::int64_t epoch, std::int64_t index) {
+    std::vector<std::size_t> order(d.captions.size());
+    for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::mt19937_64 rng(s.seed * 0x9E3779B97F4A7C15ULL + static_cast<std::uint64_t>(epoch));
+    std::shuffle(order.begin(), order.end(), rng);
+    Batch b;
+    std::vector<at::Tensor> latents;
+    for (std::int64_t k = 0; k < s.batch_size; ++k) {
+      const auto pos = static_cast<std::size_t>(index * s.batch_size + k);
+      const std::size_t i = order[pos];
+      at::Generator gen =
+          data::sample_generator(s.seed, static_cast<std::uint64_t>(epoch),
+                                 static_cast<std::size_t>(index), static_cast<std::size_t>(k));
+      latents.push_back(d.latent(i, gen));
+      // [filewords]: the caption's comma-separated tags, dropped and shuffled when asked.
+      std::vector<std::string> tags;
+      std::stringstream in(d.captions[i]);
+      for (std::string tag; std::getline(in, tag, ',');) {
+        const auto a = tag.find_first_not_of(' '), e = tag.find_last_not_of(' ');
+        if (a == std::string::npos) continue;
+        if (s.tag_drop_out > 0 && at::rand({1}, gen, at::kDouble).item<double>() < s.tag_drop_out)
+          continue;
+        tags.push_back(tag.substr(a, e - a + 1));
+      }
+      if (s.shuffle_tags)
+        for (std::size_t t = tags.size(); t > 1; --t)
+          std::swap(tags[t - 1],
+                    tags[static_cast<std::size_t>(
+                        at::randint(static_cast<std::int64_t>(t), {1}, gen).item<std::int64_t>())]);
+      std::string filewords;
+      for (const auto& t : tags) filewords += (filewords.empty() ? "" : ", ") + t;
+      std::string prompt = templates[static_cast<std::size_t>(
+          at::randint(static_cast<std::int64_t>(templates.size()), {1}, gen).item<std::int64_t>())];
+      replace_all(prompt, "[name]", name);
+      replace_all(prompt, "[filewords]", filewords);
+      b.prompts.push_back(prompt);
+    }
+    b.latents = at::stack(latents);
+    return b;
+  };
+  auto denoising_loss = [&](const at::Tensor& latents, const at::Tensor& cond) {
+    const at::Tensor noise = at::randn_like(latents);
+    const at::Tensor t = at::randint(schedule.num_train_timesteps(), {latents.size(0)}, at::kLong);
+    const at::Tensor pred = p.unet->forward(schedule.add_noise(latents, noise, t), t, cond);
+    return at::mse_loss(pred, schedule.target(p.scheduler.prediction, latents, noise, t));
+  };
+
+  ad::AdapterTrainOptions o;
+  o.learn_rate = s.learn_rate;
+  o.batch_size = s.batch_size;
+  o.gradient_step = s.gradient_step;
+  o.steps = s.steps;
+  o.clip_grad_mode = s.clip_grad_mode;
+  o.clip_grad_value = s.clip_grad_value;
+  o.save_every = s.save_every;
+  o.write_csv_every = s.write_csv_every;
+  const auto dataset_size = static_cast<std::int64_t>(d.captions.size());
+  std::vector<double> losses;
+  const ad::AdapterHooks hooks{.on_step =
+                                   [&](const ad::AdapterStepInfo& i) {
+                                     losses.push_back(i.loss);
+                                     if (i.step % 10 == 0)
+                                       std::fprintf(stderr, "%s\n", i.description.c_str());
+                                   },
+                               .interrupted = [] { return examples::g_interrupted.load(); }};
+  std::signal(SIGINT, examples::on_sigint);
+  ad::AdapterTrainResult r;
+  nlohmann::json results;
+  const auto tokenize = [&](const std::string& text) { return p.tokenizer->encode(text, false); };
+  if (!s.embedding.empty()) {
+    o.log_directory = log / "embedding";
+    o.output = out / "embeddings" / (name + ".pt");
+    fs::create_directories(o.output.parent_path());
+    ad::EmbeddingDatabase db(tokenize, p.text_encoder->config().hidden_size);
+    ad::Embedding e;
+    if (fs::exists(o.output)) {  // the web UI trains on from the file (and its sidecar)
+      e = *ad::load_embedding(o.output);
+      e.name = name;
+    } else {  // the web UI's create_embedding: the init text's token vectors, repeated
+      const auto ids = tokenize(s.init_text);
+      if (ids.empty()) throw ConfigError("gives no token", "--init_text");
+      const at::Tensor table = p.text_encoder->token_embedding->weight.detach();
+      e.vec = at::zeros({s.num_vectors_per_token, table.size(1)});
+      for (std::int64_t v = 0; v < s.num_vectors_per_token; ++v)
+        e.vec[v].copy_(table[ids[static_cast<std::size_t>(v) % ids.size()]]);
+      e.name = name;
+      e.step = 0;
+    }
+    db.register_embedding(e);  // shares e's vectors, which train in place
+    const auto finder = db.prompt_finder();
+    const auto vectors = db.prompt_vectors();
+    r = ad::train_embedding(
+        e, o,
+        ad::AdapterData<Batch>{
+            dataset_size, batch,
+            [&](const Batch& b) {
+              std::vector<text::TokenizedPrompt> tp;
+              for (const auto& prompt : b.prompts)
+                tp.push_back(text::tokenize_prompt(*p.tokenizer, prompt, {}, finder));
+              return denoising_loss(b.latents,
+                                    text::encode_webui_prompts(p.text_encoder, tp, {}, vectors));
+            }},
+        hooks);
+    results["vectors"] = e.vectors();
+    results["checksum"] = e.checksum();
+  } else {
+    o.log_directory = log / "hypernetwork";
+    o.output = out / "hypernetworks" / (name + ".pt");
+    fs::create_directories(o.output.parent_path());
+    ad::Hypernetwork hn =
+        fs::exists(o.output)
+            ? ad::Hypernetwork::load(o.output)
+            : ad::Hypernetwork(
+                  name, {p.text_encoder->config().hidden_size},
+                  {.layer_structure = parse_numbers(s.layer_structure, "--layer_structure"),
+                   .activation_func = s.activation_func,
+                   .weight_init = s.weight_init,
+                   .add_layer_norm = s.add_layer_norm},
+                  s.use_dropout);
+    const std::size_t hooked = ad::attach_hypernetwork(*p.unet, hn);
+    r = ad::train_hypernetwork(
+        hn, o,
+        ad::AdapterData<Batch>{dataset_size, batch,
+                               [&](const Batch& b) {
+                                 std::vector<text::TokenizedPrompt> tp;
+                                 for (const auto& prompt : b.prompts)
+                                   tp.push_back(text::tokenize_prompt(*p.tokenizer, prompt));
+                                 return denoising_loss(
+                                     b.latents, text::encode_webui_prompts(p.text_encoder, tp));
+                               }},
+        hooks, s.optimizer);
+    ad::detach_hypernetwork(*p.unet);
+    results["attention_layers"] = hooked;
+  }
+  std::signal(SIGINT, SIG_DFL);
+  results["file"] = fs::relative(o.output, out).string();
+  results["steps_done"] = r.steps_done;
+  results["final_step"] = r.final_step;
+  results["already_trained"] = r.already_trained;
+  results["interrupted"] = r.interrupted;
+  results["resumed_optimizer"] = r.resumed_optimizer == ad::SidecarStatus::loaded;
+  results["statistics"] = r.recent_statistics;
+  results["first_loss"] = mean_of(losses, std::max<std::size_t>(1, losses.size() / 10), false);
+  results["last_loss"] = mean_of(losses, std::max<std::size_t>(1, losses.size() / 10), true);
+  results["images"] = dataset_size;
+  results["latent_sampling_method"] = s.latent_sampling_method;
+  results["total_seconds"] = examples::seconds_since(t0);
+  write_results(out, results);
+  std::printf("%s '%s': %lld steps this run, %lld in all; wrote %s\n",
+              s.embedding.empty() ? "hypernetwork" : "embedding", name.c_str(),
+              static_cast<long long>(r.steps_done), static_cast<long long>(r.final_step),
+              o.output.string().c_str());
+  return r.interrupted ? 130 : 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Settings s;
+  CLI::App app{"Train a web UI embedding or hypernetwork on a Stable Diffusion pipeline."};
+  app.get_formatter()->column_width(44);
+  using examples::count_in;
+  using examples::number_in;
+  auto* g = app.add_option_group("run");
+  g->add_option("--pretrained_model_name_or_path", s.model, "diffusers pipeline folder")
+      ->required();
+  g->add_option("--train_data_dir", s.data_dir, "dataset directory (captions: [filewords])")
+      ->required();
+  g->add_option("--output_dir", s.out, "output folder")->capture_default_str();
+  g->add_option("--log_directory", s.log_directory, "copies and loss log (default OUT/log)");
+  g->add_option("--seed", s.seed)->capture_default_str();
+  g->add_option("--threads", s.threads)->check(count_in(0, 4096));
+  auto* w = app.add_option_group("what to train");
+  w->add_option("--embedding", s.embedding, "train (or create) this embedding");
+  w->add_option("--init_text", s.init_text, "a new embedding's initial text")
+      ->capture_default_str();
+  w->add_option("--num_vectors_per_token", s.num_vectors_per_token)
+      ->check(count_in(1, 75))
+      ->capture_default_str();
+  w->add_option("--hypernetwork", s.hypernetwork, "train (or create) this hypernetwork");
+  w->add_option("--layer_structure", s.layer_structure)->capture_default_str();
+  w->add_option("--activation_func", s.activation_func)->capture_default_str();
+  w->add_option("--weight_init", s.weight_init)->capture_default_str();
+  w->add_flag("--add_layer_norm", s.add_layer_norm);
+  w->add_flag("--use_dropout", s.use_dropout);
+  w->add_option("--optimizer", s.optimizer, "the hypernetwork's: AdamW, Adam or SGD")
+      ->capture_default_str();
+  auto* t = app.add_option_group("training");
+  t->add_option("--learn_rate", s.learn_rate, "step string, e.g. 0.005:100, 1e-3:1000, 1e-5")
+      ->capture_default_str();
+  t->add_option("--batch_size", s.batch_size)->check(count_in(1, 10'000))->capture_default_str();
+  t->add_option("--gradient_step", s.gradient_step)
+      ->check(count_in(1, 10'000))
+      ->capture_default_str();
+  t->add_option("--steps", s.steps, "train until the file has this many steps")
+      ->check(count_in(1, 100'000'000))
+      ->capture_default_str();
+  t->add_option("--clip_grad_mode", s.clip_grad_mode, "disabled, value or norm")
+      ->capture_default_str();
+  t->add_option("--clip_grad_value", s.clip_grad_value)->capture_default_str();
+  t->add_option("--width", s.width)->check(count_in(8, 8192))->capture_default_str();
+  t->add_option("--height", s.height)->check(count_in(8, 8192))->capture_default_str();
+  t->add_option("--template_file", s.template_file, "prompt templates ([name], [filewords])");
+  t->add_option("--latent_sampling_method", s.latent_sampling_method,
+                "once, deterministic or random")
+      ->capture_default_str();
+  t->add_flag("--shuffle_tags", s.shuffle_tags, "shuffle the caption's comma-separated tags");
+  t->add_option("--tag_drop_out", s.tag_drop_out)->check(number_in(0, 1))->capture_default_str();
+  t->add_option("--save_every", s.save_every, "a copy every N steps (0: none)")
+      ->check(count_in(0, 100'000'000))
+      ->capture_default_str();
+  t->add_option("--write_csv_every", s.write_csv_every)
+      ->check(count_in(0, 100'000'000))
+      ->capture_default_str();
+  last_value_wins({g, w, t});
+  CLI11_PARSE(app, argc, argv);
+  return examples::run_reporting_errors([&] { return run(s); });
+}

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# webui_train end to end on the tiny SD 1.x pipeline and the captioned image folder
+# (make_text_to_image_data.py): an embedding and a hypernetwork trained by the web UI's loops with
+# its prompt templates ([name], [filewords]) and each latent sampling method; the files, their
+# .optim sidecars, the periodic copies and the loss log are written; a second run continues the
+# file's steps with the sidecar's optimizer state; mistakes are refused by name; the files load as
+# the web UI's (torch.load: string_to_param, the hypernetwork's layer keys).
+#
+#   webui_train.sh PROGRAM PYTHON GOLDEN_DIR WORKDIR [FASHION_MNIST_DIR]
+set -uo pipefail
+bin=$1 py=$2 golden=$3 work=$4 fmnist=${5:-/usr/share/datasets/fashion-mnist}
+rm -rf "$work" && mkdir -p "$work"
+# shellcheck source=common.sh
+source "$(dirname "$0")/common.sh"
+here=$(dirname "$0")
+"$py" "$here/make_text_to_image_data.py" "$work/data" "$golden" "$fmnist" >"$work/make.out" 2>&1 ||
+  { cat "$work/make.out"; echo "FAIL: making the test data"; exit 1; }
+sd=$work/data/sd15
+# The web UI's captions: a .txt beside each image ([filewords]), tags separated by commas.
+mkdir -p "$work/images"
+for f in "$work"/data/images/sneaker_0*; do
+  cp "$f" "$work/images/"
+  stem=$(basename "${f%.*}")
+  echo "sneaker, shoe, white background" >"$work/images/$stem.txt"
+done
+printf 'a photo of [name], [filewords]\na picture of a [name]\n' >"$work/templates.txt"
+base=(--pretrained_model_name_or_path "$sd" --train_data_dir "$work/images" --width 32 --height 32
+      --template_file "$work/templates.txt" --batch_size 2 --gradient_step 2 --save_every 5
+      --write_csv_every 1 --seed 4 --threads 1)
+
+expect_rc 0 help -- "$bin" --help
+grep_in "$work/help.out" "--latent_sampling_method"
+expect_rc 2 neither -- "$bin" "${base[@]}" --output_dir "$work/bad"
+grep_in "$work/neither.err" "--embedding NAME or --hypernetwork NAME"
+expect_rc 2 method -- "$bin" "${base[@]}" --embedding fm --latent_sampling_method sometimes --output_dir "$work/bad"
+grep_in "$work/method.err" "--latent_sampling_method"
+expect_rc 2 learn-rate -- "$bin" "${base[@]}" --embedding fm --learn_rate "0.005:abc" --output_dir "$work/bad"
+expect_rc 2 no-templates -- "$bin" "${base[@]}" --embedding fm --template_file "$work/nowhere.txt" --output_dir "$work/bad"
+
+expect_rc 0 embedding -- "$bin" "${base[@]}" --embedding fm-sneaker --init_text "shoe" \
+  --num_vectors_per_token 2 --learn_rate "0.01:5, 0.005" --steps 10 --latent_sampling_method once \
+  --output_dir "$work/run"
+expect_rc 0 embedding-more -- "$bin" "${base[@]}" --embedding fm-sneaker --learn_rate "0.01:5, 0.005" \
+  --steps 14 --latent_sampling_method random --output_dir "$work/run"
+grep_in "$work/run/results.json" '"resumed_optimizer": true'
+grep_in "$work/run/results.json" '"final_step": 14'
+expect_rc 0 hypernetwork -- "$bin" "${base[@]}" --hypernetwork fm-hn --layer_structure 1,2,1 \
+  --activation_func relu --learn_rate 0.0005 --steps 10 --latent_sampling_method deterministic \
+  --shuffle_tags --tag_drop_out 0.2 --output_dir "$work/hn"
+for f in run/embeddings/fm-sneaker.pt run/embeddings/fm-sneaker.pt.optim hn/hypernetworks/fm-hn.pt \
+         hn/hypernetworks/fm-hn.pt.optim run/log/embedding/textual_inversion_loss.csv \
+         hn/log/hypernetwork/hypernetwork_loss.csv; do
+  [ -s "$work/$f" ] || fail "no $f"
+done
+ls "$work"/run/log/embedding/embeddings/fm-sneaker-5.pt >/dev/null 2>&1 || fail "no periodic copy"
+
+"$py" - "$work" >"$work/python.out" 2>&1 <<'PY' || { fail "Python check"; }
+import json, pathlib, sys
+import torch
+work = pathlib.Path(sys.argv[1])
+e = torch.load(work / "run" / "embeddings" / "fm-sneaker.pt", weights_only=False)
+vec = e["string_to_param"]["*"]
+assert vec.shape == (2, 32) and e["step"] == 14 and e["name"] == "fm-sneaker", e
+first = torch.load(work / "run" / "log" / "embedding" / "embeddings" / "fm-sneaker-5.pt", weights_only=False)
+assert not torch.equal(first["string_to_param"]["*"], vec), "the vectors did not move"
+hn = torch.load(work / "hn" / "hypernetworks" / "fm-hn.pt", weights_only=False)
+assert 32 in hn and hn["layer_structure"] == [1, 2, 1] and hn["activation_func"] == "relu", list(hn)
+assert hn["step"] == 10 and len(hn[32]) == 2, hn["step"]
+print(f"embedding: 2 vectors at step {e['step']}; hypernetwork: {sum(p.numel() for m in hn[32] for p in m.values())} weights at step {hn['step']}")
+PY
+cat "$work/python.out"
+[ "$failures" -eq 0 ] && echo "webui_train end to end: ok" || exit 1
