@@ -5,12 +5,22 @@
 //     threads against torch's DataLoader with 2 worker processes doing the same with PIL and
 //     torchvision, as diffusers' train_text_to_image.py does; difftrain's time per pass / the
 //     baseline's (goal <= 0.5, i.e. at least twice the images per second).
+//   cached_latents_vs_vae_encode: a batch of 4 latents for training at 256 px, read from the
+//     latent cache (mapped shards, one posterior draw each) against encoding the batch's pixels
+//     with a VAE of Stable Diffusion's shape at a quarter of its width (four levels, 8x down),
+//     which is what a run without --cache_latents does every step; the ratio is the share of the
+//     encoding a cached run still pays.
 #include <benchmark/benchmark.h>
 
 #include <ATen/Parallel.h>
 #include <difftrain/data/image.hpp>
+#include <difftrain/data/image_folder.hpp>
+#include <difftrain/data/latent_cache.hpp>
 #include <difftrain/data/loader.hpp>
 #include <difftrain/data/transforms.hpp>
+#include <difftrain/io/png.hpp>
+#include <difftrain/io/remove_tree.hpp>
+#include <difftrain/models/autoencoder_kl.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -84,7 +94,78 @@ void difftrain_loader(benchmark::State& state) {
   at::set_num_threads(threads);
 }
 
+/// 16 images, a VAE of SD's shape at a quarter of its width, and the latent cache of the images.
+struct LatentScene {
+  std::filesystem::path dir = std::filesystem::temp_directory_path() / "difftrain-bench-latents";
+  difftrain::data::ImageFolder folder;
+  difftrain::data::BucketManager buckets{[] {
+    difftrain::data::BucketOptions o;
+    o.max_width = o.max_height = o.min_size = o.max_size = 256;
+    o.steps = 8;
+    return o;
+  }()};
+  difftrain::models::AutoencoderKL<> vae{nullptr};
+  std::optional<difftrain::data::LatentCache> cache;
+  LatentScene() {
+    namespace data = difftrain::data;
+    difftrain::io::remove_tree(dir);
+    std::filesystem::create_directories(dir / "images");
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(7);
+    for (int i = 0; i < 16; ++i) {
+      difftrain::io::RgbImage img;
+      img.width = img.height = 256;
+      const at::Tensor px = at::randint(256, {256 * 256 * 3}, gen, at::kByte);
+      img.pixels.assign(px.data_ptr<std::uint8_t>(), px.data_ptr<std::uint8_t>() + px.numel());
+      difftrain::io::write_png(dir / "images" / ("img" + std::to_string(i) + ".png"), img);
+    }
+    folder = data::scan_image_folder(dir / "images");
+    difftrain::models::AutoencoderKLConfig c;
+    c.block_out_channels = {32, 64, 128, 128};
+    c.down_block_types = std::vector<std::string>(4, "DownEncoderBlock2D");
+    c.up_block_types = std::vector<std::string>(4, "UpDecoderBlock2D");
+    c.layers_per_block = 2;
+    vae = difftrain::models::AutoencoderKL<>(c);
+    vae->eval();
+    cache.emplace(dir / "cache", "bench-vae-0123456789abcdef", folder, buckets);
+    (void)cache->build([&](const at::Tensor& px) {
+      at::NoGradGuard no_grad;
+      const auto posterior = vae->encode(px);
+      return std::make_pair(posterior.mean, posterior.std);
+    });
+  }
+  ~LatentScene() { difftrain::io::remove_tree(dir); }
+};
+
+LatentScene& latent_scene() {
+  static LatentScene scene;
+  return scene;
+}
+
+void vae_encode(benchmark::State& state) {
+  LatentScene& s = latent_scene();
+  difftrain::data::ImageBatchOptions o;
+  o.batch_size = 4;
+  o.workers = 0;
+  difftrain::data::ImageBatches batches(s.folder, s.buckets, o, 0);
+  const at::Tensor pixels = batches.next()->pixels;
+  at::NoGradGuard no_grad;
+  for (auto _ : state) benchmark::DoNotOptimize(s.vae->encode_latents(pixels));
+}
+
+void cached_latents(benchmark::State& state) {
+  LatentScene& s = latent_scene();
+  std::uint64_t epoch = 0;
+  for (auto _ : state) {
+    difftrain::data::CachedLatentBatches batches(*s.cache, s.folder, 4, 0.0, 0, epoch++);
+    benchmark::DoNotOptimize(batches.next()->latents);
+  }
+}
+
 }  // namespace
 
+BENCHMARK(vae_encode)->Name("cached_latents_vs_vae_encode/baseline")->Unit(benchmark::kMillisecond);
+BENCHMARK(cached_latents)
+    ->Name("cached_latents_vs_vae_encode/difftrain")
+    ->Unit(benchmark::kMillisecond);
 BENCHMARK(torch_dataloader)->Name("image_loader_vs_torch_dataloader/baseline")->UseManualTime();
 BENCHMARK(difftrain_loader)->Name("image_loader_vs_torch_dataloader/difftrain")->UseManualTime();
