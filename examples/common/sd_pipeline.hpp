@@ -53,7 +53,6 @@ struct Pipeline {
   Vae vae{nullptr};
   Unet unet{nullptr};
   examples::SchedulerConfig scheduler;
-  std::string vae_fingerprint, text_fingerprint;
 };
 
 /// model_index.json's entry `name` must be [library, class] with one of `classes`.
@@ -141,18 +140,29 @@ inline Pipeline load_pipeline(const std::string& model, const std::string& predi
     throw ConfigError(p.xl ? "has no SDXL added conditions (addition_embed_type \"text_time\")"
                            : "takes added conditions; an SD 1.x/2.x UNet takes text only",
                       unet_where);
-  // What the caches are keyed by: the weights as stored, so no model is needed to read them.
-  p.vae_fingerprint = data::tensors_fingerprint(models::read_model_weights(p.root / "vae"));
+  return p;
+}
+
+// What the caches are keyed by: the weights as stored, so no model is needed to read them. Hashed
+// only by the runs that use a cache (a real pipeline's weights take seconds to hash).
+
+/// The fingerprint of the pipeline's VAE weights.
+inline std::string vae_fingerprint(const Pipeline& p) {
+  return data::tensors_fingerprint(models::read_model_weights(p.root / "vae"));
+}
+
+/// The fingerprint of the pipeline's text encoders and tokenizers.
+inline std::string text_fingerprint(const Pipeline& p) {
+  std::string fp;
   for (const std::string part : {"text_encoder", "text_encoder_2"}) {
     if (!p.xl && part == "text_encoder_2") continue;
-    p.text_fingerprint += data::tensors_fingerprint(models::read_model_weights(
-                              p.root / part, std::nullopt, models::kTransformersWeights)) +
-                          "|";
+    fp += data::tensors_fingerprint(models::read_model_weights(p.root / part, std::nullopt,
+                                                               models::kTransformersWeights)) +
+          "|";
   }
   for (const auto* tok : {&p.tokenizer, &p.tokenizer_2})
-    if (*tok) p.text_fingerprint += c10::str((*tok)->size(), "|", (*tok)->model_max_length(), "|");
-  p.text_fingerprint = dt::io::sha256_hex(p.text_fingerprint + (p.xl ? "sdxl" : "sd"));
-  return p;
+    if (*tok) fp += c10::str((*tok)->size(), "|", (*tok)->model_max_length(), "|");
+  return dt::io::sha256_hex(fp + (p.xl ? "sdxl" : "sd"));
 }
 
 /// The captions' conditioning as the pipelines' encode_prompt gives it: the last hidden state

@@ -174,6 +174,26 @@ struct EmaConfig : NoEmaConfig {
 
 // ---- batches ------------------------------------------------------------------------------------
 
+/// Each image's bucket and repeat count (the same choice the loaders and the cache make).
+std::pair<std::vector<data::Bucket>, std::vector<std::int64_t>> assigned_buckets(
+    const data::ImageFolder& folder, const data::BucketManager& buckets) {
+  std::pair<std::vector<data::Bucket>, std::vector<std::int64_t>> out;
+  for (const auto& r : folder.images) {
+    out.first.push_back(buckets.select(r.width, r.height).bucket);
+    out.second.push_back(r.repeats);
+  }
+  return out;
+}
+
+/// Batches in an epoch: each bucket's images cut into batches, counted without making one.
+std::size_t epoch_batch_count(const data::ImageFolder& folder, const data::BucketManager& buckets,
+                              const Settings& s) {
+  const auto [assigned, repeats] = assigned_buckets(folder, buckets);
+  return data::bucket_batches(assigned, repeats, static_cast<std::size_t>(s.train_batch_size),
+                              s.seed, 0)
+      .size();
+}
+
 /// The run's batches as a function of the micro-batch's place in the run, so a resumed run sees
 /// the batches the uninterrupted one would have: epoch = place / batches per epoch.
 class BatchStream {
@@ -188,10 +208,9 @@ class BatchStream {
         cache_(cache),
         encoder_trains_(encoder_trains),
         device_(device) {
-    const data::ImageBatches probe(folder, buckets, image_options(), 0);
-    per_epoch_ = probe.size();
+    per_epoch_ = epoch_batch_count(folder, buckets, s);
     if (!encoder_trains) {
-      text_cache_.emplace(cache_root(s) / "text", p.text_fingerprint,
+      text_cache_.emplace(cache_root(s) / "text", text_fingerprint(p),
                           p.xl ? "SDXL text conditioning (hidden states, pooled)"
                                : "CLIP text encoder outputs (last_hidden_state)");
     }
@@ -351,7 +370,7 @@ int train(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
       std::fprintf(stderr, "\rcaching latents: %zu/%zu", done, total);
       if (done == total) std::fprintf(stderr, "\n");
     };
-    cache.emplace(BatchStream::cache_root(s) / "latents", p.vae_fingerprint, folder, buckets, co);
+    cache.emplace(BatchStream::cache_root(s) / "latents", vae_fingerprint(p), folder, buckets, co);
     for (const auto& d : cache->store().damaged())
       std::fprintf(stderr, "latent cache: %s was damaged (%s); its entries are encoded again\n",
                    d.path.string().c_str(), d.reason.c_str());
@@ -438,15 +457,10 @@ int train(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
 
   BatchStream stream(s, p, folder, buckets, cache ? &*cache : nullptr, s.train_text_encoder,
                      device);
-  std::fprintf(stderr, "%s", data::describe_buckets(cache ? [&] {
-    std::vector<data::Bucket> b;
-    for (const auto& c : cache->choices()) b.push_back(c.bucket);
-    return b;
-  }() : [&] {
-    std::vector<data::Bucket> b;
-    for (const auto& r : folder.images) b.push_back(buckets.select(r.width, r.height).bucket);
-    return b;
-  }()).c_str());
+  {
+    const auto [assigned, repeats] = assigned_buckets(folder, buckets);
+    std::fprintf(stderr, "%s", data::describe_buckets(assigned, repeats).c_str());
+  }
   const FitResult fit = fit_until_done_or_stopped(
       trainer, s, [&](std::int64_t place) { return stream.at_place(place); });
 
@@ -536,19 +550,8 @@ int run(Settings s) {
     folder.images.resize(static_cast<std::size_t>(s.limit));
   std::fprintf(stderr, "%zu images (%lld with repeats), %zu skipped\n", folder.images.size(),
                static_cast<long long>(folder.epoch_size()), folder.skipped.size());
-  {  // the epoch's batches (one bucket each) decide the steps of --num_train_epochs
-    std::vector<data::Bucket> assigned;
-    std::vector<std::int64_t> repeats;
-    for (const auto& r : folder.images) {
-      assigned.push_back(buckets.select(r.width, r.height).bucket);
-      repeats.push_back(r.repeats);
-    }
-    resolve_max_train_steps(
-        s, static_cast<std::int64_t>(
-               data::bucket_batches(assigned, repeats, static_cast<std::size_t>(s.train_batch_size),
-                                    s.seed, 0)
-                   .size()));
-  }
+  // The epoch's batches (one bucket each) decide the steps of --num_train_epochs.
+  resolve_max_train_steps(s, static_cast<std::int64_t>(epoch_batch_count(folder, buckets, s)));
   dt::io::ensure_writable_folder(s.out);
   tr::set_seed(s.seed);
   Pipeline p = load_pipeline(s.model, s.prediction_type);
