@@ -14,6 +14,10 @@ checks:
                  DistributedError within the timeout
   nan            a NaN loss on one rank skips the step on both (or stops both)
   world_size     a 2-rank checkpoint resumed by 1 process is a ConfigError unless allowed
+  multi          two models in turn under one MultiTrainer: N ranks equal one process (float64,
+                 1e-10; accumulation, chunks, 2 and 4 ranks); stopped and resumed from one multi
+                 checkpoint, bit-identical; a rank that steps another model is a ConfigError on
+                 every rank
 """
 
 import json
@@ -240,6 +244,34 @@ def check_world_size(worker, tmp):
                     "--resume", "--allow-world-size-change")
     no_errors(one, "allowed world-size change")
     ok(one[0]["step"] == 8, "the allowed resume went on from step 4 to 8")
+
+
+def check_multi(worker, tmp):
+    for acc, chunk, world in [(1, 0, 2), (2, 3, 2), (3, 0, 4)]:
+        what = f"MultiTrainer, accumulation {acc}, chunk {chunk or 'none'}, {world} ranks"
+        args = ["--steps", 20, "--accumulation", acc, "--chunk", chunk, "--dtype", "float64",
+                "--multi"]
+        one, many = one_equals_many(worker, tmp, what, world, f"multi-{acc}-{chunk}-{world}", args)
+        half = len(one[0]["weights"]) // 2
+        ok(max_diff(one[0]["weights"][:half], one[0]["weights"][half:]) > 1e-3,
+           f"{what}: the two models differ")
+    common = ["--multi", "--noise", "--save-every", 4, "--accumulation", 2]
+    full, _ = launch(worker, 2, f"{tmp}/mfull", "--steps", 12, "--checkpoint-dir", f"{tmp}/ma", *common)
+    part, _ = launch(worker, 2, f"{tmp}/mpart", "--steps", 5, "--checkpoint-dir", f"{tmp}/mb", *common)
+    rest, _ = launch(worker, 2, f"{tmp}/mrest", "--steps", 12, "--checkpoint-dir", f"{tmp}/mb",
+                     "--resume", *common)
+    no_errors(full + part + rest, "MultiTrainer resume")
+    for r in range(2):
+        ok(rest[r]["weights"] == full[r]["weights"],
+           f"MultiTrainer, rank {r}: resumed from step 4, weights bit-identical to the uninterrupted run")
+        ok(rest[r]["losses"] == full[r]["losses"][4:],
+           f"MultiTrainer, rank {r}: resumed losses bit-identical (each rank's noise continues)")
+    res, _ = launch(worker, 2, f"{tmp}/mdis", "--steps", 6, "--multi", "--disagree-at", 3)
+    for r in range(2):
+        e = res[r]["error"]
+        ok(e is not None and e["type"] == "difftrain::ConfigError"
+           and "every rank must step the same model" in e["message"],
+           f"rank {r}: a rank stepping another model is a ConfigError on every rank ({e})")
 
 
 def main():

@@ -5,6 +5,8 @@
 //   {"rank", "world_size", "step", "weights": [...], "losses": [...], "skipped_nonfinite",
 //    "error": {"type", "message"} | null, "seconds"}
 // Faults are injected on request: a rank that exits, one that hangs, a NaN loss on one rank.
+// With --multi, two such networks train in turn under one MultiTrainer (model step % 2), saved in
+// one multi-model checkpoint; --disagree-at makes rank 1 pick the other model at that step.
 
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
@@ -24,6 +26,7 @@
 #include "difftrain/core/error.hpp"
 #include "difftrain/distributed/data_parallel.hpp"
 #include "difftrain/train/callbacks.hpp"
+#include "difftrain/train/multi_trainer.hpp"
 #include "difftrain/train/trainer.hpp"
 
 namespace dt = difftrain;
@@ -51,6 +54,8 @@ struct Settings {
   std::int64_t timeout_ms = 60000;
   bool allow_world_size_change = false;
   bool unused = false;  // a branch used on even steps only, and one frozen layer
+  bool multi = false;
+  std::int64_t disagree_at = -1;  // --multi: rank 1 steps the other model at this step
 };
 
 struct Batch {
@@ -124,7 +129,92 @@ struct Config : dt::train::DefaultConfig {
 };
 using Trainer = dt::train::Trainer<Net, Config>;
 
+struct MultiConfig : dt::train::DefaultConfig {
+  using Parallel = dt::distributed::DataParallel;
+};
+using Multi = dt::train::MultiTrainer<Net, MultiConfig>;
+
+// The per-rank rows of the global micro-batches of `step`.
+std::vector<Batch> rank_batches(const Settings& s, std::int64_t step, std::int64_t rank,
+                                std::int64_t world_size, at::ScalarType dtype) {
+  const std::int64_t rows = kGlobalBatch / world_size;
+  std::vector<Batch> micro;
+  for (std::int64_t m = 0; m < s.accumulation; ++m) {
+    auto [x, y] = global_batch(step, m);
+    micro.push_back(
+        {x.narrow(0, rank * rows, rows).to(dtype), y.narrow(0, rank * rows, rows).to(dtype)});
+  }
+  return micro;
+}
+
+void append_weights(nlohmann::json& weights, torch::nn::Module& net) {
+  for (const auto& p : net.parameters()) {
+    const at::Tensor flat = p.detach().to(at::kDouble).reshape({-1}).contiguous();
+    for (std::int64_t i = 0; i < flat.numel(); ++i) weights.push_back(flat[i].item<double>());
+  }
+}
+
+// --multi: two networks (the second starts from other weights) trained in turn.
+nlohmann::json run_multi(const Settings& s, std::int64_t& rank_out) {
+  const at::ScalarType dtype = s.dtype == "float32" ? at::kFloat : at::kDouble;
+  Net a(dtype, s.noise), b(dtype, s.noise);
+  {
+    at::NoGradGuard no_grad;
+    for (auto& p : b.parameters()) p.mul_(-0.5);
+  }
+  Multi::Options o;
+  o.optimizer.lr = 1e-2;
+  o.groups.decay_groups = false;
+  o.clipping.max_norm = 0.5;
+  o.accumulation_steps = s.accumulation;
+  if (s.chunk > 0) o.max_batch_size = s.chunk;
+  o.parallel.world_options.timeout = std::chrono::milliseconds(s.timeout_ms);
+  const auto world = dt::distributed::World::from_environment(o.parallel.world_options);
+  o.parallel.world = world;
+  rank_out = world->rank();
+  at::manual_seed(1234 + static_cast<std::uint64_t>(world->rank()));
+  Multi::Options o2 = o;
+  o2.optimizer.lr = 5e-3;  // each model its own options
+  Multi multi({&a, &b}, {o, o2});
+  const std::filesystem::path dir(s.checkpoint_dir.empty() ? "unused" : s.checkpoint_dir);
+  const auto file = [&](std::int64_t step) {
+    return dir / ("multi-" + std::to_string(step) + ".pt");
+  };
+  std::int64_t step = 0;
+  if (s.resume) {
+    std::int64_t last = -1;
+    if (std::filesystem::exists(dir))
+      for (const auto& e : std::filesystem::directory_iterator(dir)) {
+        const std::string n = e.path().stem().string();
+        if (n.starts_with("multi-")) last = std::max<std::int64_t>(last, std::stoll(n.substr(6)));
+      }
+    if (last < 0) throw dt::IoError("no checkpoint to resume from", dir.string());
+    multi.load_checkpoint(file(last));
+    step = multi.steps_taken(0) + multi.steps_taken(1);
+  }
+  nlohmann::json losses = nlohmann::json::array();
+  for (; step < s.steps;) {
+    std::size_t model = static_cast<std::size_t>(step % 2);
+    if (world->rank() == 1 && step == s.disagree_at) model = 1 - model;
+    a.step_ = b.step_ = step;
+    losses.push_back(
+        multi.step(model, rank_batches(s, step, world->rank(), world->size(), dtype)).loss);
+    ++step;
+    if (s.save_every > 0 && step % s.save_every == 0) {
+      std::filesystem::create_directories(dir);
+      multi.save_checkpoint(file(step));
+    }
+  }
+  nlohmann::json weights = nlohmann::json::array();
+  append_weights(weights, a);
+  append_weights(weights, b);
+  return {{"step", step},       {"world_size", multi.world_size()},
+          {"weights", weights}, {"scale", a.scale[0].item<double>()},
+          {"losses", losses},   {"skipped_nonfinite", 0}};
+}
+
 nlohmann::json run(const Settings& s, std::int64_t& rank_out) {
+  if (s.multi) return run_multi(s, rank_out);
   const at::ScalarType dtype = s.dtype == "float32" ? at::kFloat : at::kDouble;
   Net net(dtype, s.noise, s.unused);
   Trainer::Options o;
@@ -158,7 +248,6 @@ nlohmann::json run(const Settings& s, std::int64_t& rank_out) {
     trainer.load_checkpoint(all.back().second);
   }
   const std::int64_t world_size = world->size();
-  const std::int64_t rows = kGlobalBatch / world_size;
   nlohmann::json losses = nlohmann::json::array();
   bool poisoned = false;
   while (trainer.global_step() < s.steps) {
@@ -169,20 +258,11 @@ nlohmann::json run(const Settings& s, std::int64_t& rank_out) {
     net.step_ = step;
     net.poison_ = world->rank() == 1 && step == s.nan_at && !poisoned;
     poisoned = poisoned || net.poison_;
-    std::vector<Batch> micro;
-    for (std::int64_t m = 0; m < s.accumulation; ++m) {
-      auto [x, y] = global_batch(step, m);
-      micro.push_back({x.narrow(0, world->rank() * rows, rows).to(dtype),
-                       y.narrow(0, world->rank() * rows, rows).to(dtype)});
-    }
-    const auto info = trainer.step(micro);
+    const auto info = trainer.step(rank_batches(s, step, world->rank(), world_size, dtype));
     losses.push_back(info.loss);
   }
   nlohmann::json weights = nlohmann::json::array();
-  for (const auto& p : net.parameters()) {
-    const at::Tensor flat = p.detach().to(at::kDouble).reshape({-1}).contiguous();
-    for (std::int64_t i = 0; i < flat.numel(); ++i) weights.push_back(flat[i].item<double>());
-  }
+  append_weights(weights, net);
   return {{"step", trainer.global_step()},
           {"world_size", world_size},
           {"weights", weights},
@@ -212,6 +292,8 @@ int main(int argc, char** argv) {
   app.add_option("--timeout-ms", s.timeout_ms);
   app.add_flag("--allow-world-size-change", s.allow_world_size_change);
   app.add_flag("--unused", s.unused);
+  app.add_flag("--multi", s.multi);
+  app.add_option("--disagree-at", s.disagree_at);
   CLI11_PARSE(app, argc, argv);
   const auto start = std::chrono::steady_clock::now();
   std::int64_t rank = std::getenv("RANK") != nullptr ? std::atoll(std::getenv("RANK")) : 0;

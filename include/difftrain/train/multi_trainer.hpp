@@ -3,8 +3,14 @@
 // counter (DALLE2's DecoderTrainer, one per U-Net of a cascade): each step trains the model chosen
 // for it; sampling swaps in every model's EMA weights at once; one checkpoint holds them all and is
 // checked whole before any model changes.
+//
+// Under a distributed Config::Parallel (DataParallel) every rank holds every model and its own
+// reducer; a step trains the same model on every rank (checked: a rank that picks another is a
+// ConfigError on all of them, not a hang), a checkpoint is written by rank 0 with every rank's
+// generators, and a resume goes on only when every rank could read the file.
 
 #include <cstddef>
+#include <exception>
 #include <filesystem>
 #include <functional>
 #include <memory>
@@ -48,10 +54,26 @@ class MultiTrainer {
     return *trainers_[index];
   }
 
-  /// One optimizer step of model `index`.
+  /// One optimizer step of model `index`. In a distributed run every rank must name the same
+  /// model (one gather of the index per step); otherwise every rank throws the same ConfigError.
   StepInfo step(std::size_t index, const std::vector<Batch>& micro_batches) {
+    auto& parallel = *trainers_.front()->parallel_;
+    if (parallel.world_size() > 1) {
+      const std::vector<at::Tensor> all =
+          parallel.gather(at::tensor({static_cast<std::int64_t>(index)}, at::kLong));
+      const auto picked = [&](std::size_t r) { return std::to_string(all[r].item().toLong()); };
+      for (std::size_t r = 1; r < all.size(); ++r)
+        if (!at::equal(all[r], all[0]))
+          throw ConfigError("rank 0 steps model " + picked(0) + ", rank " + std::to_string(r) +
+                                " model " + picked(r) + "; every rank must step the same model",
+                            "MultiTrainer" + trainers_.front()->rank_suffix());
+    }
     return at(index).step(micro_batches);
   }
+
+  /// This process's rank and the number of ranks (0 and 1 outside a distributed run).
+  [[nodiscard]] std::int64_t rank() const { return trainers_.front()->rank(); }
+  [[nodiscard]] std::int64_t world_size() const { return trainers_.front()->world_size(); }
 
   /// Steps taken by model `index`.
   [[nodiscard]] std::int64_t steps_taken(std::size_t index) { return at(index).global_step(); }
@@ -88,16 +110,47 @@ class MultiTrainer {
     return root;
   }
 
+  /// Writes every model's state atomically. In a distributed run every rank calls it (each
+  /// state gathers the ranks' generators); rank 0 writes, and every rank learns whether it could.
   void save_checkpoint(const std::filesystem::path& path) {
     for (std::size_t i = 0; i < trainers_.size(); ++i)
       if (!trainers_[i]->all_finite())
         throw NumericError("model " + std::to_string(i) + " holds non-finite weights; not saving",
                            path.string());
-    io::save_torch_file(path, state());
+    const c10::IValue st = state();
+    std::exception_ptr failed;
+    if (rank() == 0) {
+      try {
+        io::save_torch_file(path, st);
+      } catch (...) {
+        failed = std::current_exception();
+      }
+    }
+    if (!trainers_.front()->parallel_->decide(!failed)) {
+      if (failed) std::rethrow_exception(failed);
+      throw IoError("rank 0 could not write the checkpoint (its error says why)", path.string());
+    }
   }
 
-  /// Checks every model's state first, then applies them all.
+  /// Checks every model's state first, then applies them all; in a distributed run only when
+  /// every rank could read and check the file (the others' error says another rank refused).
   void load_checkpoint(const std::filesystem::path& path) {
+    std::vector<typename TrainerT::CheckedState> checked;
+    std::exception_ptr failed;
+    try {
+      checked = check_file(path);
+    } catch (...) {
+      failed = std::current_exception();
+    }
+    if (!trainers_.front()->parallel_->all_ok(!failed)) {
+      if (failed) std::rethrow_exception(failed);
+      throw FormatError("could not be used by another rank (its error says why)", path.string());
+    }
+    for (std::size_t i = 0; i < checked.size(); ++i) trainers_[i]->resume_from(checked[i]);
+  }
+
+ private:
+  std::vector<typename TrainerT::CheckedState> check_file(const std::filesystem::path& path) {
     const io::TorchValue root = io::load_torch_file(path);
     if (root.at("format").string() != "difftrain.multi_checkpoint")
       throw FormatError(
@@ -114,11 +167,10 @@ class MultiTrainer {
                         root.where());
     std::vector<typename TrainerT::CheckedState> checked;
     for (std::size_t i = 0; i < models.size(); ++i)
-      checked.push_back(trainers_[i]->check_state(models[i]));
-    for (std::size_t i = 0; i < models.size(); ++i) trainers_[i]->apply_state(checked[i]);
+      checked.push_back(trainers_[i]->checked_naming_file(models[i]));
+    return checked;
   }
 
- private:
   std::vector<std::unique_ptr<TrainerT>> trainers_;
 };
 

@@ -766,6 +766,9 @@ class Trainer {
   }
 
  private:
+  // MultiTrainer saves and resumes its trainers together, agreeing across ranks as one.
+  template <class, class>
+  friend class MultiTrainer;
   // The schedule's LR (for a base LR of 1) at steps from the first to far past any horizon: two
   // schedules with different options differ somewhere here.
   [[nodiscard]] nlohmann::json schedule_curve() const {
@@ -928,7 +931,12 @@ class Trainer {
       if (failed) std::rethrow_exception(failed);
       throw FormatError("could not be used by another rank (its error says why)", where);
     }
-    apply_state(*checked);
+    resume_from(*checked);
+  }
+
+  // Applies a state every rank agreed on, then rank 0's weights everywhere and on_resume.
+  void resume_from(const CheckedState& checked) {
+    apply_state(checked);
     parallel_->start();
     call([&](auto& cb) {
       if constexpr (requires { cb.on_resume(*this); }) cb.on_resume(*this);
