@@ -11,9 +11,10 @@
 //   webui_train ... --hypernetwork NAME --layer_structure 1,2,1 --activation_func relu ...
 //
 // What it writes to --output_dir: embeddings/NAME.pt or hypernetworks/NAME.pt (the files the web
-// UI's folders take) with NAME.pt.optim, the periodic copies and the loss log under
-// --log_directory, and results.json. Running it again continues the file's steps (to --steps)
-// with the optimizer state of its sidecar.
+// UI's folders take) with NAME.pt.optim, the periodic copies, the loss log and the previews
+// (images/NAME-STEP.png; for embeddings also image_embeddings/NAME-STEP.png, a PNG the web UI
+// loads as the embedding) under --log_directory, and results.json. Running it again continues the
+// file's steps (to --steps) with the optimizer state of its sidecar.
 
 #include <CLI/CLI.hpp>
 #include <difftrain/adapters/embedding_database.hpp>
@@ -57,6 +58,13 @@ struct Settings : examples::RunFlags {
   double tag_drop_out = 0.0;
   std::int64_t save_every = 500, write_csv_every = 500;
   std::string log_directory;  // default OUT/log
+  // Previews, as the web UI's: every N steps (0: none), prompted with the current batch's first
+  // caption unless a preview prompt is given.
+  std::int64_t create_image_every = 500;
+  bool save_image_with_stored_embedding = true;
+  std::string preview_prompt, preview_negative_prompt;
+  std::int64_t preview_steps = 20, preview_seed = -1, preview_width = 0, preview_height = 0;
+  double preview_cfg_scale = 7.0;
   Settings() { out = "runs/webui_train"; }
 };
 
@@ -227,15 +235,65 @@ int run(Settings s) {
   o.clip_grad_value = s.clip_grad_value;
   o.save_every = s.save_every;
   o.write_csv_every = s.write_csv_every;
+  o.create_image_every = s.create_image_every;
+  o.save_image_with_stored_embedding = s.save_image_with_stored_embedding;
   const auto dataset_size = static_cast<std::int64_t>(d.captions.size());
   std::vector<double> losses;
-  const ad::AdapterHooks hooks{.on_step =
-                                   [&](const ad::AdapterStepInfo& i) {
-                                     losses.push_back(i.loss);
-                                     if (i.step % 10 == 0)
-                                       std::fprintf(stderr, "%s\n", i.description.c_str());
-                                   },
-                               .interrupted = [] { return examples::g_interrupted.load(); }};
+  // The preview: the web UI's txt2img with the adapter as it is at that step (DDIM here, the
+  // pipeline's scheduler settings), from a seed (-1: the run's seed + the step).
+  std::string last_prompt;  // the current batch's first caption
+  auto preview_with = [&](const text::EmbeddingFinder& finder,
+                          const text::EmbeddingVectors& vectors) {
+    return [&, finder, vectors](std::int64_t step) {
+      const std::string prompt = s.preview_prompt.empty() ? last_prompt : s.preview_prompt;
+      const std::int64_t w = s.preview_width > 0 ? s.preview_width : s.width;
+      const std::int64_t h = s.preview_height > 0 ? s.preview_height : s.height;
+      const std::int64_t seed = s.preview_seed >= 0 ? s.preview_seed : s.seed + step;
+      at::NoGradGuard no_grad;
+      // Both sides in one call, so a long prompt's chunks pad the other side to its count.
+      const at::Tensor both = text::encode_webui_prompts(
+          p.text_encoder,
+          {text::tokenize_prompt(*p.tokenizer, prompt, {}, finder),
+           text::tokenize_prompt(*p.tokenizer, s.preview_negative_prompt, {}, finder)},
+          {}, vectors);
+      const std::int64_t f = p.vae->downscale();
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<std::uint64_t>(seed));
+      const at::Device device = p.unet->parameters().front().device();
+      const at::Tensor noise =
+          at::randn({1, p.unet->config().in_channels, h / f, w / f}, gen).to(device);
+      df::Ddim ddim(schedule, p.scheduler.ddim);
+      const at::Tensor z = df::sample(
+          ddim,
+          [&](const at::Tensor& x, const at::Tensor& t, const at::Tensor& c) {
+            return p.unet->forward(x, t, c);
+          },
+          noise,
+          {.num_inference_steps = s.preview_steps,
+           .guidance_scale = s.preview_cfg_scale,
+           .chunk_size = 2},
+          both.narrow(0, 0, 1), std::optional<at::Tensor>(both.narrow(0, 1, 1)));
+      const at::Tensor image = p.vae->decode_latents(z).clamp(-1, 1).cpu();
+      char info[256];
+      std::snprintf(info, sizeof info,
+                    "Steps: %lld, Sampler: DDIM, CFG scale: %g, Seed: %lld, Size: %lldx%lld",
+                    static_cast<long long>(s.preview_steps), s.preview_cfg_scale,
+                    static_cast<long long>(seed), static_cast<long long>(w),
+                    static_cast<long long>(h));
+      return ad::AdapterPreview{dt::io::image_grid(image, {.columns = 1}),
+                                prompt +
+                                    (s.preview_negative_prompt.empty()
+                                         ? ""
+                                         : "\nNegative prompt: " + s.preview_negative_prompt) +
+                                    "\n" + info};
+    };
+  };
+  ad::AdapterHooks hooks{.on_step =
+                             [&](const ad::AdapterStepInfo& i) {
+                               losses.push_back(i.loss);
+                               if (i.step % 10 == 0)
+                                 std::fprintf(stderr, "%s\n", i.description.c_str());
+                             },
+                         .interrupted = [] { return examples::g_interrupted.load(); }};
   std::signal(SIGINT, examples::on_sigint);
   ad::AdapterTrainResult r;
   nlohmann::json results;
@@ -262,11 +320,13 @@ int run(Settings s) {
     db.register_embedding(e);  // shares e's vectors, which train in place
     const auto finder = db.prompt_finder();
     const auto vectors = db.prompt_vectors();
+    hooks.preview = preview_with(finder, vectors);
     r = ad::train_embedding(
         e, o,
         ad::AdapterData<Batch>{
             dataset_size, batch,
             [&](const Batch& b) {
+              last_prompt = b.prompts.front();
               std::vector<text::TokenizedPrompt> tp;
               for (const auto& prompt : b.prompts)
                 tp.push_back(text::tokenize_prompt(*p.tokenizer, prompt, {}, finder));
@@ -291,10 +351,12 @@ int run(Settings s) {
                    .add_layer_norm = s.add_layer_norm},
                   s.use_dropout);
     const std::size_t hooked = ad::attach_hypernetwork(*p.unet, hn);
+    hooks.preview = preview_with({}, {});
     r = ad::train_hypernetwork(
         hn, o,
         ad::AdapterData<Batch>{dataset_size, batch,
                                [&](const Batch& b) {
+                                 last_prompt = b.prompts.front();
                                  std::vector<text::TokenizedPrompt> tp;
                                  for (const auto& prompt : b.prompts)
                                    tp.push_back(text::tokenize_prompt(*p.tokenizer, prompt));
@@ -313,6 +375,11 @@ int run(Settings s) {
   results["interrupted"] = r.interrupted;
   results["resumed_optimizer"] = r.resumed_optimizer == ad::SidecarStatus::loaded;
   results["statistics"] = r.recent_statistics;
+  for (const auto& [key, files] :
+       {std::pair{"previews", &r.previews}, std::pair{"embedded_previews", &r.embedded_previews}}) {
+    results[key] = nlohmann::json::array();
+    for (const auto& f : *files) results[key].push_back(fs::relative(f, out).string());
+  }
   results["first_loss"] = mean_of(losses, std::max<std::size_t>(1, losses.size() / 10), false);
   results["last_loss"] = mean_of(losses, std::max<std::size_t>(1, losses.size() / 10), true);
   results["images"] = dataset_size;
@@ -385,7 +452,27 @@ int main(int argc, char** argv) {
   t->add_option("--write_csv_every", s.write_csv_every)
       ->check(count_in(0, 100'000'000))
       ->capture_default_str();
-  last_value_wins({g, w, t});
+  auto* v = app.add_option_group("previews");
+  v->add_option("--create_image_every", s.create_image_every, "a preview every N steps (0: none)")
+      ->check(count_in(0, 100'000'000))
+      ->capture_default_str();
+  v->add_option("--save_image_with_stored_embedding", s.save_image_with_stored_embedding,
+                "also write the preview after each copy with the copy inside (PNG)")
+      ->capture_default_str();
+  v->add_option("--preview_prompt", s.preview_prompt, "default: the batch's first caption");
+  v->add_option("--preview_negative_prompt", s.preview_negative_prompt);
+  v->add_option("--preview_steps", s.preview_steps)
+      ->check(count_in(1, 1000))
+      ->capture_default_str();
+  v->add_option("--preview_cfg_scale", s.preview_cfg_scale)
+      ->check(number_in(0, 1e4))
+      ->capture_default_str();
+  v->add_option("--preview_seed", s.preview_seed, "-1: the run's seed + the step")
+      ->check(CLI::Range(std::int64_t{-1}, std::int64_t{1} << 62))
+      ->capture_default_str();
+  v->add_option("--preview_width", s.preview_width, "0: --width")->check(count_in(0, 8192));
+  v->add_option("--preview_height", s.preview_height, "0: --height")->check(count_in(0, 8192));
+  last_value_wins({g, w, t, v});
   CLI11_PARSE(app, argc, argv);
   return examples::run_reporting_errors([&] { return run(s); });
 }

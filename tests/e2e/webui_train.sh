@@ -4,7 +4,9 @@
 # its prompt templates ([name], [filewords]) and each latent sampling method; the files, their
 # .optim sidecars, the periodic copies and the loss log are written; a second run continues the
 # file's steps with the sidecar's optimizer state; mistakes are refused by name; the files load as
-# the web UI's (torch.load: string_to_param, the hypernetwork's layer keys).
+# the web UI's (torch.load: string_to_param, the hypernetwork's layer keys); the previews are
+# written every N steps, and the embedding's PNG after each copy carries that copy as the web UI
+# reads it back (its text chunk and its image-data border).
 #
 #   webui_train.sh PROGRAM PYTHON GOLDEN_DIR WORKDIR [FASHION_MNIST_DIR]
 set -uo pipefail
@@ -39,22 +41,29 @@ expect_rc 2 no-templates -- "$bin" "${base[@]}" --embedding fm --template_file "
 
 expect_rc 0 embedding -- "$bin" "${base[@]}" --embedding fm-sneaker --init_text "shoe" \
   --num_vectors_per_token 2 --learn_rate "0.01:5, 0.005" --steps 10 --latent_sampling_method once \
-  --output_dir "$work/run"
+  --create_image_every 5 --preview_steps 2 --output_dir "$work/run"
 expect_rc 0 embedding-more -- "$bin" "${base[@]}" --embedding fm-sneaker --learn_rate "0.01:5, 0.005" \
   --steps 14 --latent_sampling_method random --output_dir "$work/run"
 grep_in "$work/run/results.json" '"resumed_optimizer": true'
 grep_in "$work/run/results.json" '"final_step": 14'
 expect_rc 0 hypernetwork -- "$bin" "${base[@]}" --hypernetwork fm-hn --layer_structure 1,2,1 \
   --activation_func relu --learn_rate 0.0005 --steps 10 --latent_sampling_method deterministic \
-  --shuffle_tags --tag_drop_out 0.2 --output_dir "$work/hn"
+  --shuffle_tags --tag_drop_out 0.2 --create_image_every 10 --preview_steps 2 \
+  --preview_prompt "a photo of a shoe" --preview_seed 7 --output_dir "$work/hn"
 for f in run/embeddings/fm-sneaker.pt run/embeddings/fm-sneaker.pt.optim hn/hypernetworks/fm-hn.pt \
          hn/hypernetworks/fm-hn.pt.optim run/log/embedding/textual_inversion_loss.csv \
          hn/log/hypernetwork/hypernetwork_loss.csv; do
   [ -s "$work/$f" ] || fail "no $f"
 done
 ls "$work"/run/log/embedding/embeddings/fm-sneaker-5.pt >/dev/null 2>&1 || fail "no periodic copy"
+for f in run/log/embedding/images/fm-sneaker-5.png run/log/embedding/images/fm-sneaker-10.png \
+         run/log/embedding/image_embeddings/fm-sneaker-5.png \
+         run/log/embedding/image_embeddings/fm-sneaker-10.png hn/log/hypernetwork/images/fm-hn-10.png; do
+  [ -s "$work/$f" ] || fail "no preview $f"
+done
+[ ! -e "$work/hn/log/hypernetwork/image_embeddings" ] || fail "a hypernetwork embedded a preview"
 
-"$py" - "$work" >"$work/python.out" 2>&1 <<'PY' || { fail "Python check"; }
+"$py" - "$work" "$here/../reference" >"$work/python.out" 2>&1 <<'PY' || { fail "Python check"; }
 import json, pathlib, sys
 import torch
 work = pathlib.Path(sys.argv[1])
@@ -66,6 +75,21 @@ assert not torch.equal(first["string_to_param"]["*"], vec), "the vectors did not
 hn = torch.load(work / "hn" / "hypernetworks" / "fm-hn.pt", weights_only=False)
 assert 32 in hn and hn["layer_structure"] == [1, 2, 1] and hn["activation_func"] == "relu", list(hn)
 assert hn["step"] == 10 and len(hn[32]) == 2, hn["step"]
+# The previews: the prompt in the PNG's parameters; the embedding's PNG is the copy of its step,
+# read both ways the web UI reads it.
+sys.path.insert(0, str(pathlib.Path(sys.argv[2])))
+from PIL import Image
+from webui_embedding_image import extract_image_data, from_b64
+hn_png = Image.open(work / "hn" / "log" / "hypernetwork" / "images" / "fm-hn-10.png")
+assert hn_png.text["parameters"].startswith("a photo of a shoe\nSteps: 2, Sampler: DDIM"), hn_png.text
+for step in (5, 10):
+    png = Image.open(work / "run" / "log" / "embedding" / "image_embeddings" / f"fm-sneaker-{step}.png")
+    copy = torch.load(work / "run" / "log" / "embedding" / "embeddings" / f"fm-sneaker-{step}.pt", weights_only=False)
+    want = copy["string_to_param"]["*"]
+    for data in (from_b64(png.text["sd-ti-embedding"]), extract_image_data(png)):
+        got = data["string_to_param"]["*"]
+        assert data["name"] == f"fm-sneaker-{step}" and data["step"] == step, (data["name"], data["step"])
+        assert torch.equal(got.to(want.dtype), want), (got, want)
 print(f"embedding: 2 vectors at step {e['step']}; hypernetwork: {sum(p.numel() for m in hn[32] for p in m.values())} weights at step {hn['step']}")
 PY
 cat "$work/python.out"

@@ -368,6 +368,51 @@ TEST(WebUiTraining, WritesCopiesLogAndSidecarsAndResumesBitIdentically) {
             ad::SidecarStatus::hash_mismatch);
 }
 
+TEST(WebUiTraining, PreviewsEveryNStepsAndEmbedsTheLastCopyOnce) {
+  const Problem p = webui_problem();
+  const auto& c = dt::test::golden("webui_training.json")["cases"]["norm"];
+  const fs::path dir = scratch("previews");
+  ad::AdapterTrainOptions o = options_of(c);
+  o.steps = 6;
+  o.save_every = 4;
+  o.create_image_every = 2;
+  o.log_directory = dir / "log";
+  ad::Embedding e;
+  e.name = "toy";
+  e.vec = p.vec.clone();
+  std::vector<std::int64_t> asked;
+  const auto r = ad::train_embedding(e, o, webui_data(p, e, 2), {.preview = [&](std::int64_t step) {
+                                       asked.push_back(step);
+                                       ad::AdapterPreview pv{dt::io::RgbImage(8, 6, 40), ""};
+                                       pv.infotext =
+                                           "toy, Steps: 20, Seed: " + std::to_string(step);
+                                       return pv;
+                                     }});
+  EXPECT_EQ(asked, (std::vector<std::int64_t>{2, 4, 6}));
+  EXPECT_EQ(r.previews,
+            (std::vector<fs::path>{dir / "log/images/toy-2.png", dir / "log/images/toy-4.png",
+                                   dir / "log/images/toy-6.png"}));
+  const auto png = dt::io::read_png(dir / "log/images/toy-4.png");
+  EXPECT_EQ(png.text.at("parameters"), "toy, Steps: 20, Seed: 4");
+  // Only the first preview after the copy at step 4 carries it, as the web UI writes it.
+  ASSERT_EQ(r.embedded_previews, (std::vector<fs::path>{dir / "log/image_embeddings/toy-4.png"}));
+  const auto embedded = ad::load_embedding(r.embedded_previews[0]);
+  ASSERT_TRUE(embedded.has_value());
+  const auto copy = ad::load_embedding(dir / "log/embeddings/toy-4.pt");
+  EXPECT_EQ(embedded->name, "toy-4");
+  EXPECT_EQ(embedded->step, 4);
+  EXPECT_TRUE(at::equal(embedded->vec, copy->vec));
+  EXPECT_EQ(embedded->checksum(), copy->checksum());
+
+  // A negative interval is refused, as the web UI refuses it.
+  ad::AdapterTrainOptions bad = o;
+  bad.create_image_every = -1;
+  ad::Embedding e2;
+  e2.name = "toy";
+  e2.vec = p.vec.clone();
+  EXPECT_THROW((void)ad::train_embedding(e2, bad, webui_data(p, e2, 2)), dt::ConfigError);
+}
+
 TEST(WebUiTraining, InputsAreCheckedWithTheWebUiSentences) {
   const Problem p = webui_problem();
   ad::Embedding e = embedding("x", 3, 4, 0.1);

@@ -29,6 +29,7 @@
 #include <deque>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <memory>
 #include <numeric>
 #include <optional>
@@ -40,6 +41,8 @@
 #include "difftrain/adapters/optimizer_sidecar.hpp"
 #include "difftrain/core/error.hpp"
 #include "difftrain/io/csv_log.hpp"
+#include "difftrain/io/embedded_data.hpp"
+#include "difftrain/io/png.hpp"
 #include "difftrain/schedule/step_string.hpp"
 #include "difftrain/train/clipping.hpp"
 
@@ -55,8 +58,15 @@ struct AdapterTrainOptions {
   std::int64_t save_every = 500;            ///< 0: only the final file
   std::int64_t write_csv_every = 500;       ///< 0: no loss log
   bool save_optimizer_state = true;         ///< write `.optim` sidecars
-  std::filesystem::path log_directory;      ///< CSV log and the periodic copies
-  std::filesystem::path output;             ///< the final adapter file (`<name>.pt`)
+  /// A preview image every this many steps (0: none), from AdapterHooks::preview, written to
+  /// `log_directory/images/<name>-<step>.png` with its infotext as the PNG's "parameters".
+  std::int64_t create_image_every = 0;
+  /// Embeddings: the first preview after each periodic copy is also written to
+  /// `log_directory/image_embeddings/<name>-<step>.png` with that copy inside (its text chunk and
+  /// the image-data border), the file the web UI loads as an embedding.
+  bool save_image_with_stored_embedding = true;
+  std::filesystem::path log_directory;  ///< CSV log and the periodic copies
+  std::filesystem::path output;         ///< the final adapter file (`<name>.pt`)
 };
 
 /// What a step reports to the caller (progress display, interruption).
@@ -76,6 +86,7 @@ struct AdapterTrainResult {
   std::string statistics, recent_statistics;
   SidecarStatus resumed_optimizer = SidecarStatus::missing;
   std::vector<std::filesystem::path> saved;  ///< periodic copies, then the final file
+  std::vector<std::filesystem::path> previews, embedded_previews;
 };
 
 /// The web UI's validate_train_inputs for what a C++ caller can get wrong; `what` is "embedding"
@@ -130,9 +141,18 @@ struct AdapterData {
   std::function<at::Tensor(const Batch&)> loss;
 };
 
+/// A preview picture and its infotext (the web UI's "parameters": prompt, steps, seed...).
+struct AdapterPreview {
+  io::RgbImage image;
+  std::string infotext;
+};
+
 struct AdapterHooks {
   std::function<void(const AdapterStepInfo&)> on_step{};  ///< after every optimizer step
   std::function<bool()> interrupted{};                    ///< checked before every micro-batch
+  /// Makes the preview of step `step` (every create_image_every steps), with the adapter as it
+  /// is then; the web UI prompts it with the current batch's first caption.
+  std::function<AdapterPreview(std::int64_t step)> preview{};
 };
 
 namespace webui_detail {
@@ -140,12 +160,12 @@ namespace webui_detail {
 /// The loop shared by both adapters. `step` is the adapter's step counter; `save(path)` writes
 /// the adapter and its sidecar.
 template <class Batch>
-AdapterTrainResult run(const std::vector<at::Tensor>& weights, torch::optim::Optimizer& optimizer,
-                       std::int64_t& step, const AdapterTrainOptions& o,
-                       const AdapterData<Batch>& data, const AdapterHooks& hooks,
-                       const std::string& name, const std::string& what,
-                       const std::string& csv_name,
-                       const std::function<void(const std::filesystem::path&)>& save) {
+AdapterTrainResult run(
+    const std::vector<at::Tensor>& weights, torch::optim::Optimizer& optimizer, std::int64_t& step,
+    const AdapterTrainOptions& o, const AdapterData<Batch>& data, const AdapterHooks& hooks,
+    const std::string& name, const std::string& what, const std::string& csv_name,
+    const std::function<void(const std::filesystem::path&)>& save,
+    const std::function<c10::IValue(const std::filesystem::path&)>& stored_state = {}) {
   AdapterTrainResult r;
   const std::int64_t initial_step = step;
   r.final_step = step;
@@ -164,6 +184,11 @@ AdapterTrainResult run(const std::vector<at::Tensor>& weights, torch::optim::Opt
     csv.emplace(o.log_directory / csv_name,
                 std::vector<std::string>{"step", "epoch", "epoch_step", "loss", "learn_rate"});
   const std::filesystem::path copies = o.log_directory / (what + "s");
+  if (o.create_image_every < 0)
+    throw ConfigError("Create image must be positive or 0", "create_image_every");
+  // The web UI embeds the last periodic copy into the first preview made after it.
+  std::filesystem::path last_copy;
+  bool yet_to_be_embedded = false;
   std::deque<double> loss_log;
   const std::size_t loss_log_max = static_cast<std::size_t>(data.dataset_size * 3);
   double accumulated = 0;
@@ -230,11 +255,28 @@ AdapterTrainResult run(const std::vector<at::Tensor>& weights, torch::optim::Opt
         const auto file = copies / (name + "-" + std::to_string(step) + ".pt");
         save(file);  // the atomic writer creates the folder (an IoError if it cannot)
         r.saved.push_back(file);
+        last_copy = file;
+        yet_to_be_embedded = true;
       }
       if (csv && step % o.write_csv_every == 0) {
         char loss_text[32];
         std::snprintf(loss_text, sizeof loss_text, "%.7f", r.last_loss);
         csv->row(step, info.epoch, info.epoch_step, std::string(loss_text), lr);
+      }
+      if (hooks.preview && o.create_image_every > 0 && step % o.create_image_every == 0) {
+        const std::string stem = name + "-" + std::to_string(step);
+        const AdapterPreview preview = hooks.preview(step);
+        const auto file = o.log_directory / "images" / (stem + ".png");
+        std::map<std::string, std::string> text;
+        if (!preview.infotext.empty()) text["parameters"] = preview.infotext;
+        io::write_png(file, preview.image, text);
+        r.previews.push_back(file);
+        if (stored_state && o.save_image_with_stored_embedding && yet_to_be_embedded) {
+          const auto embedded = o.log_directory / "image_embeddings" / (stem + ".png");
+          io::write_embedded_data(embedded, preview.image, stored_state(last_copy));
+          r.embedded_previews.push_back(embedded);
+          yet_to_be_embedded = false;
+        }
       }
       if (hooks.on_step) hooks.on_step(info);
     }
@@ -298,8 +340,12 @@ AdapterTrainResult train_embedding(Embedding& embedding, const AdapterTrainOptio
   };
   AdapterTrainResult r;
   try {
+    // The picture carries the copy as the web UI reads it back from its file.
+    const auto stored = [](const std::filesystem::path& file) {
+      return load_embedding(file)->state();
+    };
     r = webui_detail::run(weights, optimizer, step, o, data, hooks, name, "embedding",
-                          "textual_inversion_loss.csv", save);
+                          "textual_inversion_loss.csv", save, stored);
   } catch (...) {
     embedding.vec.requires_grad_(false);
     embedding.step = step;
