@@ -5,15 +5,23 @@
 // prompts made from diffusers' "object" or "style" templates. Everything else stays as it was, to
 // the bit (the other rows are put back after every step, as the script's index_no_updates does).
 //
+// On an SDXL pipeline (textual_inversion_sdxl.py's conditioning: both encoders' penultimate
+// states side by side, the second's pooled projection and the time ids as added conditions) the
+// word is added to both tokenizers and both tables learn it, so the result is the web UI's SDXL
+// embedding (clip_l and clip_g); diffusers' script adds it to the first only (docs/parity.md).
+//
 //   textual_inversion --pretrained_model_name_or_path SD --train_data_dir IMAGES
 //                     --placeholder_token "<my-thing>" --initializer_token thing --output_dir OUT
 //
 // What it writes to --output_dir:
 //   learned_embeds.safetensors   {placeholder_token: (num_vectors, width)}, what diffusers'
 //                                load_textual_inversion reads (and learned_embeds-steps-N
-//                                copies every --save_steps);
+//                                copies every --save_steps); for SDXL also
+//                                learned_embeds_2.safetensors, the second encoder's, which
+//                                load_textual_inversion reads with text_encoder_2 and tokenizer_2;
 //   NAME.pt                      the web UI's embedding file (string_to_param, name, step), NAME
-//                                the placeholder without its angle brackets;
+//                                the placeholder without its angle brackets; for SDXL
+//                                NAME.safetensors with clip_l and clip_g;
 //   checkpoints/, tensorboard/, validation/ and results.json, as train_text_to_image.
 
 #include <CLI/CLI.hpp>
@@ -105,37 +113,57 @@ struct Settings : SdRunFlags {
 struct InversionImpl : torch::nn::Module {
   struct Batch {
     at::Tensor latents, ids;
+    at::Tensor ids_2, time_ids;  // SDXL: the second tokenizer's ids, the time ids
     [[nodiscard]] std::int64_t size() const { return latents.size(0); }
     [[nodiscard]] Batch slice(std::int64_t start, std::int64_t length) const {
-      return {latents.narrow(0, start, length), ids.narrow(0, start, length)};
+      const auto part = [&](const at::Tensor& x) {
+        return x.defined() ? x.narrow(0, start, length) : x;
+      };
+      return {part(latents), part(ids), part(ids_2), part(time_ids)};
     }
   };
   InversionImpl(Pipeline& p, const df::NoiseSchedule& schedule)
       : text_encoder(register_module("text_encoder", p.text_encoder)),
         unet_(p.unet),
         schedule_(schedule),
-        prediction_(p.scheduler.prediction) {}
+        prediction_(p.scheduler.prediction) {
+    if (p.xl) text_encoder_2 = register_module("text_encoder_2", p.text_encoder_2);
+  }
   at::Tensor loss(const Batch& b) {
-    const at::Tensor embeds = text_encoder->forward(b.ids).last_hidden_state;
+    at::Tensor embeds;
+    models::UNetConditions cond;
+    if (text_encoder_2) {  // textual_inversion_sdxl.py: the penultimate layers, side by side
+      const auto one = text_encoder->forward(b.ids, std::nullopt, true);
+      const auto two = text_encoder_2->forward(b.ids_2, std::nullopt, true);
+      embeds = at::cat({one.hidden_states[one.hidden_states.size() - 2],
+                        two.hidden_states[two.hidden_states.size() - 2]},
+                       -1);
+      cond.text_embeds = two.text_embeds;
+      cond.time_ids = b.time_ids;
+    } else {
+      embeds = text_encoder->forward(b.ids).last_hidden_state;
+    }
     const at::Tensor noise = at::randn_like(b.latents);
     const at::Tensor t = at::randint(schedule_.num_train_timesteps(), {b.latents.size(0)},
                                      b.latents.options().dtype(at::kLong));
-    const at::Tensor pred = unet_->forward(schedule_.add_noise(b.latents, noise, t), t, embeds);
+    const at::Tensor pred =
+        unet_->forward(schedule_.add_noise(b.latents, noise, t), t, embeds, cond);
     return at::mse_loss(pred.to(at::kFloat),
                         schedule_.target(prediction_, b.latents, noise, t).to(at::kFloat));
   }
-  TextEncoder text_encoder{nullptr};
+  TextEncoder text_encoder{nullptr}, text_encoder_2{nullptr};
   Unet unet_;
   df::NoiseSchedule schedule_;
   df::Prediction prediction_;
 };
 
-/// After every optimizer step: every row of the token table but the new word's is put back.
+/// After every optimizer step: every row of the token tables but the new word's is put back.
 struct KeepOtherRows {
-  text::TokenRowsKeeper* keeper;
+  std::vector<text::TokenRowsKeeper*> keepers;
   template <class T>
   void on_step_end(T& /*trainer*/, const tr::StepInfo& s) {
-    if (s.stepped) keeper->restore();
+    if (s.stepped)
+      for (auto* k : keepers) k->restore();
   }
 };
 
@@ -155,15 +183,17 @@ struct LearnedEmbeds {
   }
 };
 
-/// diffusers' --save_steps: learned_embeds-steps-N.safetensors.
+/// diffusers' --save_steps: learned_embeds-steps-N.safetensors (and, for SDXL's second encoder,
+/// learned_embeds_2-steps-N).
 struct SaveEvery {
   std::int64_t every;
-  const LearnedEmbeds* embeds;
+  std::vector<std::pair<const LearnedEmbeds*, std::string>> embeds;  // and their file stems
   fs::path dir;
   template <class T>
   void on_step_end(T& /*trainer*/, const tr::StepInfo& s) {
     if (s.stepped && every > 0 && s.step % every == 0)
-      embeds->save(dir / ("learned_embeds-steps-" + std::to_string(s.step) + ".safetensors"));
+      for (const auto& [e, stem] : embeds)
+        e->save(dir / (stem + "-steps-" + std::to_string(s.step) + ".safetensors"));
   }
 };
 
@@ -217,12 +247,19 @@ class Samples {
       at::NoGradGuard no_grad;
       b.latents = p_.vae->encode_latents(m.pixels.to(device_));
     }
-    const text::BatchEncoding enc = (*p_.tokenizer)(m.prompts);
-    std::vector<std::int64_t> flat;
-    for (const auto& row : enc.input_ids) flat.insert(flat.end(), row.begin(), row.end());
-    b.ids = at::tensor(flat, at::kLong)
-                .view({static_cast<std::int64_t>(m.prompts.size()), -1})
-                .to(device_);
+    const auto ids_of = [&](const text::CLIPTokenizer& tok) {
+      const text::BatchEncoding enc = tok(m.prompts);
+      std::vector<std::int64_t> flat;
+      for (const auto& row : enc.input_ids) flat.insert(flat.end(), row.begin(), row.end());
+      return at::tensor(flat, at::kLong)
+          .view({static_cast<std::int64_t>(m.prompts.size()), -1})
+          .to(device_);
+    };
+    b.ids = ids_of(*p_.tokenizer);
+    if (p_.xl) {
+      b.ids_2 = ids_of(*p_.tokenizer_2);
+      b.time_ids = m.time_ids.to(device_);
+    }
     data_seconds_ += examples::seconds_since(t0);
     return b;
   }
@@ -231,6 +268,7 @@ class Samples {
   struct Made {
     at::Tensor pixels;
     std::vector<std::string> prompts;
+    at::Tensor time_ids;  // (B, 6): original size (after the square crop), crop (0, 0), target
   };
   [[nodiscard]] std::vector<std::size_t> epoch_order(std::int64_t epoch) const {
     std::vector<std::size_t> order;
@@ -244,6 +282,7 @@ class Samples {
             std::size_t b) const {
     Made m;
     std::vector<at::Tensor> pixels;
+    std::vector<float> time_ids;
     const auto& tpl = templates(s_.learnable_property == "style");
     for (std::size_t k = 0; k < bs; ++k) {
       const std::size_t i = order[b * bs + k];
@@ -254,6 +293,11 @@ class Samples {
         const std::int64_t h = x.size(1), w = x.size(2), c = std::min(h, w);
         x = x.narrow(1, (h - c) / 2, c).narrow(2, (w - c) / 2, c);
       }
+      // SDXL's time ids, as textual_inversion_sdxl.py: the size before the resize, no crop
+      // (the resize makes the square), the resolution.
+      const auto r = static_cast<float>(s_.resolution);
+      time_ids.insert(time_ids.end(), {static_cast<float>(x.size(1)), static_cast<float>(x.size(2)),
+                                       0.0F, 0.0F, r, r});
       x = data::resize(x, std::vector<std::int64_t>{s_.resolution, s_.resolution},
                        data::Interpolation::bicubic);
       if (data::draw_flip(s_.flip_p, gen)) x = data::horizontal_flip(x);
@@ -263,6 +307,7 @@ class Samples {
       m.prompts.push_back(fill(tpl[static_cast<std::size_t>(pick)], word_));
     }
     m.pixels = at::stack(pixels);
+    m.time_ids = at::tensor(time_ids, at::kFloat).view({static_cast<std::int64_t>(bs), 6});
     return m;
   }
 
@@ -312,49 +357,62 @@ int run(Settings s) {
   dt::io::ensure_writable_folder(out);
   tr::set_seed(s.seed);
   Pipeline p = load_pipeline(s.model, "");
-  if (p.xl)
-    throw ConfigError(
-        "is an SDXL pipeline; this program trains SD 1.x/2.x pipelines (one text encoder)",
-        s.model);
   const at::Device device(s.device);
 
-  // The new word: tokens and rows, each row the initializer's embedding.
-  const auto init = (*p.tokenizer)({s.initializer_token}, {.add_special_tokens = false,
-                                                           .truncation = false,
-                                                           .padding = text::Padding::none})
-                        .input_ids.front();
-  if (init.size() != 1)
-    throw ConfigError("'" + s.initializer_token + "' is " + std::to_string(init.size()) +
-                          " tokens; the initializer must be a single token",
-                      "--initializer_token");
-  const at::Tensor start =
-      p.text_encoder->token_embedding->weight.detach()[init.front()].clone().repeat(
-          {s.num_vectors, 1});
-  if (p.tokenizer->token_to_id(s.placeholder_token))
-    throw ConfigError("the tokenizer already contains '" + s.placeholder_token +
-                          "'; pass a different placeholder_token",
-                      "--placeholder_token");
-  const std::vector<std::int64_t> ids =
-      text::load_textual_inversion(*p.tokenizer, p.text_encoder, s.placeholder_token, start);
+  // The new word: tokens and rows, each row the initializer's embedding (in both tokenizers and
+  // tables of an SDXL pipeline). Every check comes before the first table grows.
+  std::vector<std::pair<text::CLIPTokenizer*, TextEncoder*>> sides{
+      {&*p.tokenizer, &p.text_encoder}};
+  if (p.xl) sides.emplace_back(&*p.tokenizer_2, &p.text_encoder_2);
+  std::vector<at::Tensor> starts;
+  for (std::size_t k = 0; k < sides.size(); ++k) {
+    const std::string which = k == 0 ? "the tokenizer" : "tokenizer_2";
+    const auto init = (*sides[k].first)({s.initializer_token}, {.add_special_tokens = false,
+                                                                .truncation = false,
+                                                                .padding = text::Padding::none})
+                          .input_ids.front();
+    if (init.size() != 1)
+      throw ConfigError("'" + s.initializer_token + "' is " + std::to_string(init.size()) +
+                            " tokens in " + which + "; the initializer must be a single token",
+                        "--initializer_token");
+    if (sides[k].first->token_to_id(s.placeholder_token))
+      throw ConfigError(which + " already contains '" + s.placeholder_token +
+                            "'; pass a different placeholder_token",
+                        "--placeholder_token");
+    starts.push_back((*sides[k].second)
+                         ->token_embedding->weight.detach()[init.front()]
+                         .clone()
+                         .repeat({s.num_vectors, 1}));
+  }
+  std::vector<std::vector<std::int64_t>> side_ids;
+  for (std::size_t k = 0; k < sides.size(); ++k)
+    side_ids.push_back(text::load_textual_inversion(*sides[k].first, *sides[k].second,
+                                                    s.placeholder_token, starts[k]));
+  const std::vector<std::int64_t>& ids = side_ids.front();
   std::string word;
   for (const auto id : ids) word += (word.empty() ? "" : " ") + p.tokenizer->id_to_token(id);
 
-  // Everything frozen but the token table; the other rows are restored after every step.
+  // Everything frozen but the token tables; the other rows are restored after every step.
   freeze(*p.unet);
   freeze(*p.vae);
-  freeze(*p.text_encoder);
-  p.text_encoder->token_embedding->weight.set_requires_grad(true);
   p.unet->to(device);
   p.vae->to(device);
-  p.text_encoder->to(device);
   p.unet->eval();
   p.vae->eval();
+  std::vector<std::unique_ptr<text::TokenRowsKeeper>> keepers;
+  for (std::size_t k = 0; k < sides.size(); ++k) {
+    TextEncoder& encoder = *sides[k].second;
+    freeze(*encoder);
+    encoder->token_embedding->weight.set_requires_grad(true);
+    encoder->to(device);
+    if (s.gradient_checkpointing) encoder->set_gradient_checkpointing(true);
+    keepers.push_back(
+        std::make_unique<text::TokenRowsKeeper>(encoder->token_embedding->weight, side_ids[k]));
+  }
   if (s.gradient_checkpointing) {  // as the script: the UNet in training mode to recompute
     p.unet->train();
     p.unet->set_gradient_checkpointing(true);
-    p.text_encoder->set_gradient_checkpointing(true);
   }
-  text::TokenRowsKeeper keeper(p.text_encoder->token_embedding->weight, ids);
   const df::NoiseSchedule schedule(p.scheduler.schedule);
   InversionImpl trainee(p, schedule);
   trainee.train();
@@ -382,14 +440,19 @@ int run(Settings s) {
                                        {"lr_scheduler", s.lr_scheduler},
                                        {"seed", s.seed}};
   const LearnedEmbeds embeds{p.text_encoder, ids, s.placeholder_token};
+  std::optional<LearnedEmbeds> embeds_2;
+  if (p.xl) embeds_2.emplace(LearnedEmbeds{p.text_encoder_2, side_ids[1], s.placeholder_token});
+  SaveEvery save_every{s.save_steps, {{&embeds, "learned_embeds"}}, out};
+  if (embeds_2) save_every.embeds.emplace_back(&*embeds_2, "learned_embeds_2");
+  std::vector<text::TokenRowsKeeper*> keeper_list;
+  for (const auto& k : keepers) keeper_list.push_back(k.get());
   const ValidationOptions vo = validation_options(s, s.resolution);
   Validation validation{&vo, &p, &schedule, device};
   std::vector<double> losses;
   InversionTrainer trainer(
       trainee, o,
       InversionConfig::Callbacks{
-          KeepOtherRows{&keeper}, SaveEvery{s.save_steps, &embeds, out}, progress_bar(s),
-          checkpoint_every(s, folders),
+          KeepOtherRows{keeper_list}, save_every, progress_bar(s), checkpoint_every(s, folders),
           tr::TensorBoard({.dir = folders.tensorboard, .config = run_settings}),
           validation_every(s, validation), StopOnInterrupt{s.stop_at}, LossRecord{&losses}});
   const std::int64_t resumed_from = resume_if_asked(trainer, s, folders);
@@ -402,12 +465,20 @@ int run(Settings s) {
     embeds.save(out / "learned_embeds.safetensors");
     files["diffusers"] = "learned_embeds.safetensors";
     ad::Embedding e;
-    e.vec = embeds.vectors();
     e.name = webui_name(s.placeholder_token);
     e.step = trainer.global_step();
     e.sd_checkpoint_name = fs::path(s.model).filename().string();
-    e.save(out / (e.name + ".pt"));
-    files["webui"] = e.name + ".pt";
+    if (embeds_2) {  // the web UI's SDXL embedding: both sides in one safetensors file
+      embeds_2->save(out / "learned_embeds_2.safetensors");
+      files["diffusers_2"] = "learned_embeds_2.safetensors";
+      e.pair = {{"clip_l", embeds.vectors()}, {"clip_g", embeds_2->vectors()}};
+      e.save(out / (e.name + ".safetensors"));
+      files["webui"] = e.name + ".safetensors";
+    } else {
+      e.vec = embeds.vectors();
+      e.save(out / (e.name + ".pt"));
+      files["webui"] = e.name + ".pt";
+    }
     if (!s.validation_prompts.empty()) {
       write_validation_images(validation.images(), vo, out);
       files["validation"] = "validation.png";
@@ -438,7 +509,8 @@ int run(Settings s) {
 int main(int argc, char** argv) {
   Settings s;
   CLI::App app{
-      "Teach an SD 1.x/2.x pipeline a new word from a folder of images (textual inversion)."};
+      "Teach an SD 1.x/2.x or SDXL pipeline a new word from a folder of images (textual "
+      "inversion)."};
   app.get_formatter()->column_width(44);
   using examples::count_in;
   using examples::number_in;

@@ -4,7 +4,9 @@
 # trains; only its rows of the token table move (the checkpoint's table equals the base's
 # elsewhere, to the bit); a run stopped half way and resumed ends with the same vectors; diffusers'
 # load_textual_inversion reads learned_embeds.safetensors and generates with the word, and the
-# web UI's .pt holds the same vectors.
+# web UI's .pt holds the same vectors. On the tiny SDXL pipeline both encoders learn the word:
+# diffusers loads learned_embeds.safetensors and learned_embeds_2.safetensors into its two
+# tokenizers and encoders and generates, and the web UI's file holds clip_l and clip_g.
 #
 #   textual_inversion.sh PROGRAM PYTHON GOLDEN_DIR WORKDIR [FASHION_MNIST_DIR]
 set -uo pipefail
@@ -30,8 +32,12 @@ expect_rc 2 known-word -- "$bin" "${base[@]}" --placeholder_token "shoe</w>" --o
 grep_in "$work/known-word.err" "already contains"
 expect_rc 2 property -- "$bin" "${base[@]}" --learnable_property colour --output_dir "$work/bad"
 grep_in "$work/property.err" "--learnable_property"
-expect_rc 2 xl -- "$bin" "${base[@]}" --pretrained_model_name_or_path "$work/data/sdxl" --output_dir "$work/bad"
-grep_in "$work/xl.err" "SDXL"
+expect_rc 0 xl -- "$bin" "${base[@]}" --pretrained_model_name_or_path "$work/data/sdxl" \
+  --max_train_steps 6 --save_steps 3 --output_dir "$work/xl"
+for f in learned_embeds.safetensors learned_embeds_2.safetensors learned_embeds-steps-3.safetensors \
+         learned_embeds_2-steps-3.safetensors fm-sneaker.safetensors; do
+  [ -s "$work/xl/$f" ] || fail "the SDXL run did not write $f"
+done
 
 expect_rc 0 run -- "$bin" "${base[@]}" --max_train_steps 20 --save_steps 10 --checkpointing_steps 10 \
   --validation_prompt "a photo of <fm-sneaker>" --output_dir "$work/run"
@@ -76,8 +82,26 @@ assert pipe.tokenizer.convert_tokens_to_ids(["<fm-sneaker>", "<fm-sneaker>_1"]) 
 out = pipe("a photo of <fm-sneaker>", num_inference_steps=2, height=32, width=32, output_type="np",
            generator=torch.Generator().manual_seed(0)).images
 assert out.shape == (1, 32, 32, 3) and np.isfinite(out).all() and not np.allclose(out, plain)
+from diffusers import StableDiffusionXLPipeline
+xl = StableDiffusionXLPipeline.from_pretrained(work / "data" / "sdxl")
+one = load_file(work / "xl" / "learned_embeds.safetensors")["<fm-sneaker>"]
+two = load_file(work / "xl" / "learned_embeds_2.safetensors")["<fm-sneaker>"]
+shoe1 = xl.text_encoder.get_input_embeddings().weight[xl.tokenizer.encode("shoe", add_special_tokens=False)[0]]
+shoe2 = xl.text_encoder_2.get_input_embeddings().weight[xl.tokenizer_2.encode("shoe", add_special_tokens=False)[0]]
+assert one.shape[0] == two.shape[0] == 2 and one.shape[1] == shoe1.shape[0] and two.shape[1] == shoe2.shape[0]
+assert not torch.allclose(one[0], shoe1) and not torch.allclose(two[0], shoe2), "an SDXL side did not train"
+webui_xl = load_file(work / "xl" / "fm-sneaker.safetensors")
+assert torch.equal(webui_xl["clip_l"], one) and torch.equal(webui_xl["clip_g"], two), list(webui_xl)
+xl.load_textual_inversion(str(work / "xl" / "learned_embeds.safetensors"), token="<fm-sneaker>",
+                          text_encoder=xl.text_encoder, tokenizer=xl.tokenizer)
+xl.load_textual_inversion(str(work / "xl" / "learned_embeds_2.safetensors"), token="<fm-sneaker>",
+                          text_encoder=xl.text_encoder_2, tokenizer=xl.tokenizer_2)
+img = xl("a photo of <fm-sneaker>", num_inference_steps=2, height=32, width=32, output_type="np",
+         generator=torch.Generator().manual_seed(0)).images
+assert img.shape == (1, 32, 32, 3) and np.isfinite(img).all()
 print("load_textual_inversion reads the word (2 vectors) and generates with it; the web UI file "
-      "holds the same vectors; no other row moved; resumed = uninterrupted")
+      "holds the same vectors; no other row moved; resumed = uninterrupted; SDXL: both encoders "
+      "learned the word, diffusers loads both files and generates, the web UI file holds both")
 PY
 cat "$work/python.out"
 [ "$failures" -eq 0 ] && echo "textual_inversion end to end: ok" || exit 1
