@@ -1,25 +1,29 @@
-// Teaches a Fashion-MNIST diffusion model a class it never saw, three ways, and scores each:
+// Teaches a text-conditioned Fashion-MNIST diffusion model a class it never saw, three ways, and
+// scores each:
 //
-//   1. trains the main job's UNet on nine classes (every condition through its context-token
-//      table, `pooled_context`), or loads it from OUT/base.safetensors;
-//   2. textual inversion: a new embedding "ankle-boot" (4 vectors, one per context token) trained
-//      with the web UI's loop while the model stays frozen, looked up through an
-//      EmbeddingDatabase when prompts are encoded;
-//   3. a web UI hypernetwork on every attention layer's context, trained with the web UI's loop,
-//      prompted with the new class's never-trained token;
-//   4. LoRA on the attention projections and the ResBlocks' condition projections, trained with
-//      difftrain's Trainer on the same prompt, merged for sampling;
-//   then samples the new class with classifier-free guidance under each (and under the base model
-//   alone) and reports the share the main job's classifier calls the new class, and each adapter
-//   file's size. `fashion_mnist_adapters --help` lists the flags.
+//   1. trains a small model conditioned as Stable Diffusion is (text_model.hpp: captions through a
+//      CLIP tokenizer and CLIPTextModel, read by the UNet only through cross-attention at 14×14
+//      and 7×7) on captions of nine classes ("a photo of a sneaker"), or loads it from
+//      OUT/base.safetensors;
+//   2. textual inversion: a new embedding "ankle-boot" (4 token vectors) trained with the web UI's
+//      loop while the model stays frozen, placed into prompts through an EmbeddingDatabase;
+//   3. a web UI hypernetwork on the text's width in every attention layer, trained with the web
+//      UI's loop, prompted with the new class's words ("a photo of a ankle boot"), which the UNet
+//      never saw in a caption;
+//   4. LoRA on the UNet's attention projections, trained with difftrain's Trainer on the same
+//      captions, merged for sampling;
+//   then samples the new class with classifier-free guidance (the empty prompt as the other side)
+//   under each and under the base model alone, and reports the share the main job's classifier
+//   calls the new class, each adapter file's size and the times. `--help` lists the flags.
 //
-// Writes to --out: base.safetensors (cached base model), adapters/ (ankle-boot.pt and .optim,
-// ankle-boot-hn.pt and .optim, ankle-boot-lora.safetensors), log/ (the adapters' loss logs and
-// periodic copies), samples.png (rows: real images, base, embedding, hypernetwork, LoRA) and
-// results.json.
+// Writes to --out: tokenizer/ (the caption tokenizer, a transformers folder), base.safetensors
+// (cached base model), adapters/ (ankle-boot.pt and .optim, ankle-boot-hn.pt and .optim,
+// ankle-boot-lora.safetensors), log/ (the adapters' loss logs and periodic copies), samples.png
+// (rows: real images, base, embedding, hypernetwork, LoRA) and results.json.
 
 #include <CLI/CLI.hpp>
 #include <difftrain/adapters/adapters.hpp>
+#include <difftrain/adapters/unet_adapters.hpp>
 #include <difftrain/diffusion/dpm_solver.hpp>
 #include <difftrain/diffusion/sample.hpp>
 #include <difftrain/ema/ema.hpp>
@@ -46,12 +50,13 @@
 #include "../common/run_skeleton.hpp"
 #include "../fashion_mnist/classifier.hpp"
 #include "../fashion_mnist/data.hpp"
-#include "../fashion_mnist/unet.hpp"
+#include "text_model.hpp"
 
 namespace fs = std::filesystem;
 namespace tr = difftrain::train;
 namespace df = difftrain::diffusion;
 namespace ad = difftrain::adapters;
+namespace tx = difftrain::text;
 using difftrain::ConfigError;
 
 namespace {
@@ -65,6 +70,8 @@ struct Settings : examples::RunFlags, examples::JudgeFlags {
   std::string init_word = "sneaker";
   // base model
   std::int64_t channels = 16;
+  std::int64_t text_width = 64;
+  std::int64_t text_layers = 2;
   std::int64_t base_steps = 1200;
   std::int64_t batch_size = 64;
   double lr = 2e-3;
@@ -78,7 +85,9 @@ struct Settings : examples::RunFlags, examples::JudgeFlags {
   double lora_lr = 1e-2;
   std::int64_t lora_rank = 4;
   double lora_alpha = 4.0;
-  std::string lora_targets = "to_q,to_k,to_v,to_out.0,time_emb_proj";
+  std::string lora_targets = "to_q,to_k,to_v,to_out.0";
+  std::int64_t num_vectors = 4;
+  std::string methods = "embedding,hypernetwork,lora";
   std::int64_t save_every = 100;
   // sampling and scoring
   std::int64_t samples = 100;
@@ -109,90 +118,12 @@ struct AdapterLog {
 
 using examples::seconds_since;
 
-/// "Ankle boot" → "ankle-boot": the word a prompt uses for a class.
+/// "Ankle boot" → "ankle-boot": the embedding's name and the adapter files' stem.
 std::string word_of(std::int64_t c) {
-  std::string w = fmnist::kClassNames[static_cast<std::size_t>(c)];
-  for (char& ch : w)
-    ch = ch == ' ' || ch == '/' ? '-'
-                                : static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  std::string w = fmtext::class_words(c);
+  std::replace(w.begin(), w.end(), ' ', '-');
   return w;
 }
-
-/// The model's "text encoder": words → tokens (a class word is one token, read from the UNet's
-/// context table as `context_tokens` vectors); an embedding's name in a prompt is replaced by its
-/// vectors through the database, as the web UI does for CLIP.
-class TextEncoder {
- public:
-  static constexpr std::int64_t kPlaceholder = 0, kFirstClassToken = 1000;
-  explicit TextEncoder(fmnist::UNet net) : net_(std::move(net)) {}
-
-  /// Token ids: class words are kFirstClassToken + class; other words get ids from 100 up.
-  std::vector<std::int64_t> tokenize(const std::string& text) {
-    std::vector<std::int64_t> out;
-    std::size_t i = 0;
-    while (i < text.size()) {
-      const std::size_t j = std::min(text.find(' ', i), text.size());
-      const std::string w = text.substr(i, j - i);
-      if (!w.empty()) out.push_back(id_of(w));
-      i = j + 1;
-    }
-    return out;
-  }
-  ad::EmbeddingDatabase::Tokenize tokenizer() {
-    return [this](const std::string& s) { return tokenize(s); };
-  }
-
-  /// (B, context_tokens, 2C) for the prompts; a prompt must give exactly the model's tokens.
-  at::Tensor encode(const std::vector<std::string>& prompts, const ad::EmbeddingDatabase& db) {
-    const std::int64_t n = net_->options().context_tokens, width = 2 * net_->options().channels;
-    std::vector<at::Tensor> rows;
-    std::vector<std::vector<std::pair<std::int64_t, ad::EmbeddingDatabase::Ptr>>> fixes;
-    for (const auto& p : prompts) {
-      const auto x = db.expand(tokenize(p));
-      std::vector<at::Tensor> parts;
-      std::vector<std::pair<std::int64_t, ad::EmbeddingDatabase::Ptr>> f;
-      std::int64_t pos = 0;
-      std::size_t next_fix = 0;
-      for (std::size_t i = 0; i < x.tokens.size(); ++i) {
-        if (next_fix < x.fixes.size() && x.fixes[next_fix].first == static_cast<std::int64_t>(i))
-          f.emplace_back(pos, x.fixes[next_fix++].second);
-        const std::int64_t tok = x.tokens[i];
-        if (tok == kPlaceholder) {
-          parts.push_back(at::zeros({1, width}, device()));
-          pos += 1;
-        } else if (tok >= kFirstClassToken && tok <= kFirstClassToken + fmnist::kClasses) {
-          parts.push_back(
-              net_->context(at::tensor({tok - kFirstClassToken}, at::kLong).to(device()))[0]);
-          pos += n;
-        } else {
-          throw ConfigError("names no class and no embedding of the database",
-                            "prompt '" + p + "'");
-        }
-      }
-      if (pos != n)
-        throw difftrain::ShapeError("gives " + std::to_string(pos) +
-                                        " context vectors, the model reads " + std::to_string(n),
-                                    "prompt '" + p + "'");
-      rows.push_back(at::cat(parts));
-      fixes.push_back(std::move(f));
-    }
-    return ad::apply_embeddings(at::stack(rows), fixes, /*first_position=*/0);
-  }
-
- private:
-  [[nodiscard]] at::TensorOptions device() const {
-    return at::TensorOptions().device(net_->parameters().front().device());
-  }
-  std::int64_t id_of(const std::string& w) {
-    for (std::int64_t c = 0; c < fmnist::kClasses; ++c)
-      if (w == word_of(c)) return kFirstClassToken + c;
-    if (w == "<null>") return kFirstClassToken + fmnist::kClasses;
-    auto [it, _] = others_.emplace(w, 100 + static_cast<std::int64_t>(others_.size()));
-    return it->second;
-  }
-  fmnist::UNet net_;
-  std::map<std::string, std::int64_t> others_;
-};
 
 struct BaseConfig : tr::DefaultConfig {
   using Schedule = difftrain::schedule::Cosine;
@@ -203,21 +134,37 @@ struct LoraConfig : tr::DefaultConfig {
   using Callbacks = std::tuple<tr::ProgressBar, tr::TensorBoard>;
 };
 
-fmnist::UNetOptions unet_options(const Settings& s) {
-  return {.channels = s.channels, .classes = fmnist::kClasses, .pooled_context = true};
+fmtext::TextModelOptions model_options(const Settings& s, const tx::CLIPTokenizer& tok) {
+  return {.channels = s.channels,
+          .text_width = s.text_width,
+          .text_layers = s.text_layers,
+          .text_heads = std::max<std::int64_t>(1, s.text_width / 32),
+          .vocab_size = tok.vocab_size()};
 }
 
 std::string base_key(const Settings& s) {
-  return "unet=pooled,C=" + std::to_string(s.channels) + ",steps=" + std::to_string(s.base_steps) +
+  return "unet=text,v,snr=5,templates=" + std::to_string(fmtext::caption_templates().size()) +
+         ",C=" + std::to_string(s.channels) + ",text=" + std::to_string(s.text_width) + "x" +
+         std::to_string(s.text_layers) + ",steps=" + std::to_string(s.base_steps) +
          ",batch=" + std::to_string(s.batch_size) + ",lr=" + std::to_string(s.lr) +
          ",seed=" + std::to_string(s.seed) + ",limit=" + std::to_string(s.limit) +
          ",without=" + std::to_string(s.new_class);
 }
 
-/// The base model's EMA weights: from the cache when it was made with these settings, else
-/// trained on every class but the new one.
+/// Every caption's token ids: row c · templates + k is class c under template k.
+at::Tensor caption_table(const fmtext::TextUNet& net) {
+  std::vector<at::Tensor> rows;
+  for (std::int64_t c = 0; c < fmnist::kClasses; ++c)
+    for (const auto& t : fmtext::caption_templates())
+      rows.push_back(net->tokens(fmtext::fill_template(t, fmtext::class_words(c))));
+  return at::stack(rows);
+}
+
+/// The base model's EMA weights (text encoder and UNet): from the cache when it was made with
+/// these settings, else trained on the captions of every class but the new one.
 void base_model(const Settings& s, const fmnist::Dataset& data, const df::NoiseSchedule& schedule,
-                const fs::path& path, bool& from_cache, double& seconds) {
+                const tx::CLIPTokenizer& tok, const fs::path& path, bool& from_cache,
+                double& seconds) {
   const auto t = std::chrono::steady_clock::now();
   from_cache = false;
   if (fs::exists(path)) {
@@ -236,29 +183,36 @@ void base_model(const Settings& s, const fmnist::Dataset& data, const df::NoiseS
   }
   tr::set_seed(s.seed);
   const at::Device device(s.device);
-  fmnist::UNet net(unet_options(s), schedule);
+  fmtext::TextUNet net(model_options(s, tok), schedule, tok);
   net->to(device);
   const at::Tensor keep = data.train.labels.ne(s.new_class).nonzero().flatten();
   const at::Tensor images = data.train.images.index_select(0, keep).to(device);
   const at::Tensor labels = data.train.labels.index_select(0, keep).to(device);
+  const at::Tensor captions = caption_table(net).to(device);
+  const auto templates = static_cast<std::int64_t>(fmtext::caption_templates().size());
   const std::int64_t n = images.size(0);
-  tr::Trainer<fmnist::UNetImpl, BaseConfig>::Options o;
+  tr::Trainer<fmtext::TextUNetImpl, BaseConfig>::Options o;
   o.optimizer.lr = s.lr;
   o.schedule.num_warmup_steps = std::min<std::int64_t>(100, s.base_steps);
   o.schedule.num_training_steps = s.base_steps;
   o.ema.rule.decay = 0.995;
-  tr::Trainer<fmnist::UNetImpl, BaseConfig> trainer(
+  tr::Trainer<fmtext::TextUNetImpl, BaseConfig> trainer(
       *net, o,
       {tr::ProgressBar({.total_steps = s.base_steps, .every = 10}),
        tr::TensorBoard({.dir = tensorboard_run(s, "base")})});
   fmnist::EpochBatches batches(n, s.batch_size, s.seed, device);
-  std::fprintf(stderr, "base: %lld steps on %lld images of nine classes (without %s)\n",
+  std::fprintf(stderr, "base: %lld steps on %lld captioned images of nine classes (without %s)\n",
                static_cast<long long>(s.base_steps), static_cast<long long>(n),
                fmnist::kClassNames[static_cast<std::size_t>(s.new_class)]);
   trainer.fit(
       [&](std::int64_t step, std::int64_t) {
         const at::Tensor idx = batches.indices(step);
-        return fmnist::UNetImpl::Batch{images.index_select(0, idx), labels.index_select(0, idx)};
+        // Each image's caption template is drawn per step, the same for a seed.
+        at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(s.seed * 7919 + step);
+        const at::Tensor k = at::randint(templates, {idx.size(0)}, gen, at::kLong).to(device);
+        const at::Tensor rows = labels.index_select(0, idx) * templates + k;
+        return fmtext::TextUNetImpl::Batch{images.index_select(0, idx),
+                                           captions.index_select(0, rows)};
       },
       s.base_steps);
   difftrain::ema::EmaScope scope(trainer.ema());
@@ -267,8 +221,9 @@ void base_model(const Settings& s, const fmnist::Dataset& data, const df::NoiseS
   seconds = seconds_since(t);
 }
 
-fmnist::UNet load_base(const Settings& s, const df::NoiseSchedule& schedule, const fs::path& path) {
-  fmnist::UNet net(unet_options(s), schedule);
+fmtext::TextUNet load_base(const Settings& s, const df::NoiseSchedule& schedule,
+                           const tx::CLIPTokenizer& tok, const fs::path& path) {
+  fmtext::TextUNet net(model_options(s, tok), schedule, tok);
   net->to(at::Device(s.device));  // loading copies the file's tensors onto the device
   difftrain::nn::load_module_tensors(*net, difftrain::io::load_safetensors(path, true).tensors,
                                      path.string(), /*buffers=*/false);
@@ -287,18 +242,39 @@ at::Tensor new_class_images(const Settings& s, const fmnist::Dataset& data) {
                                         idx.narrow(0, 0, std::min(s.adapter_images, idx.size(0))));
 }
 
-/// Micro-batch j of an epoch: a fixed permutation per epoch.
-ad::AdapterData<at::Tensor> adapter_data(const Settings& s, const at::Tensor& images,
-                                         std::function<at::Tensor(const at::Tensor&)> loss) {
-  ad::AdapterData<at::Tensor> d;
+/// One adapter micro-batch: which images, and the epoch (it turns the caption templates).
+struct AdapterBatch {
+  at::Tensor idx;
+  std::int64_t epoch = 0;
+};
+
+/// The captions of a micro-batch: the templates with `words`, image i of epoch e under template
+/// (i + e) mod templates, so every image meets every template.
+std::vector<std::string> adapter_prompts(const AdapterBatch& b, const std::string& words) {
+  const auto& t = fmtext::caption_templates();
+  std::vector<std::string> out;
+  const at::Tensor idx = b.idx.cpu();
+  for (std::int64_t i = 0; i < idx.size(0); ++i)
+    out.push_back(
+        fmtext::fill_template(t[static_cast<std::size_t>((idx[i].item<std::int64_t>() + b.epoch) %
+                                                         static_cast<std::int64_t>(t.size()))],
+                              words));
+  return out;
+}
+
+/// Micro-batch j of an epoch: a fixed permutation per epoch; `loss` gets the images and captions.
+ad::AdapterData<AdapterBatch> adapter_data(
+    const Settings& s, const at::Tensor& images, const std::string& words,
+    std::function<at::Tensor(const at::Tensor&, const std::vector<std::string>&)> loss) {
+  ad::AdapterData<AdapterBatch> d;
   d.dataset_size = images.size(0);
   d.batch = [&s, n = images.size(0)](std::int64_t epoch, std::int64_t j) {
     at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(s.seed * 7919 + epoch);
     const at::Tensor perm = at::randperm(n, gen, at::TensorOptions().dtype(at::kLong));
-    return perm.narrow(0, j * s.adapter_batch, s.adapter_batch);
+    return AdapterBatch{perm.narrow(0, j * s.adapter_batch, s.adapter_batch), epoch};
   };
-  d.loss = [images, loss = std::move(loss)](const at::Tensor& idx) {
-    return loss(images.index_select(0, idx.to(images.device())));
+  d.loss = [images, words, loss = std::move(loss)](const AdapterBatch& b) {
+    return loss(images.index_select(0, b.idx.to(images.device())), adapter_prompts(b, words));
   };
   return d;
 }
@@ -344,9 +320,9 @@ std::vector<std::string> split_words(const std::string& text) {
   return out;
 }
 
-/// Samples `cond` contexts with guidance against the null context, from fixed noise.
-at::Tensor sample(const Settings& s, const df::NoiseSchedule& schedule, fmnist::UNet& net,
-                  const at::Tensor& cond, const at::Tensor& uncond, bool by_label) {
+/// Samples under text states `cond` with guidance against `uncond`, from fixed noise.
+at::Tensor sample(const Settings& s, const df::NoiseSchedule& schedule, fmtext::TextUNet& net,
+                  const at::Tensor& cond, const at::Tensor& uncond) {
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(s.seed + 1);
   const at::Tensor noise = at::randn({cond.size(0), 1, 28, 28}, gen).to(cond.device());
   df::DpmSolverPP2M dpm(schedule, {.prediction_type = net->options().prediction,
@@ -355,9 +331,20 @@ at::Tensor sample(const Settings& s, const df::NoiseSchedule& schedule, fmnist::
       .num_inference_steps = s.sample_steps, .guidance_scale = s.guidance, .chunk_size = 250};
   at::NoGradGuard no_grad;
   auto model = [&](const at::Tensor& x, const at::Tensor& t, const at::Tensor& c) {
-    return by_label ? net->forward(x, t, c) : net->forward_context(x, t, c);
+    return net->forward(x, t, c);
   };
   return df::sample(dpm, model, noise, opts, cond, uncond).clamp(-1, 1);
+}
+
+/// The text states of `count` copies of a prompt, and of the empty prompt (guidance's other side).
+std::pair<at::Tensor, at::Tensor> prompt_states(fmtext::TextUNet& net, const std::string& prompt,
+                                                std::int64_t count,
+                                                const tx::EmbeddingFinder& finder = {},
+                                                const tx::EmbeddingVectors& vectors = {}) {
+  at::NoGradGuard no_grad;
+  const at::Tensor cond = net->encode({prompt}, finder, vectors);
+  const at::Tensor uncond = net->encode({""});
+  return {cond.expand({count, -1, -1}).contiguous(), uncond.expand({count, -1, -1}).contiguous()};
 }
 
 /// The hypernetwork's modules onto `device` (its files are read onto the CPU).
@@ -372,13 +359,19 @@ int run(const Settings& s) {
   const auto t_start = std::chrono::steady_clock::now();
   if (s.new_class < 0 || s.new_class >= fmnist::kClasses)
     throw ConfigError("must be a class 0-9, got " + std::to_string(s.new_class), "--new-class");
-  std::int64_t init_class = -1;
-  for (std::int64_t c = 0; c < fmnist::kClasses; ++c)
-    if (word_of(c) == s.init_word) init_class = c;
-  if (init_class < 0 || init_class == s.new_class)
-    throw ConfigError("must name one of the nine known classes, got '" + s.init_word + "'",
+  if (s.init_word.empty() || s.init_word == fmtext::class_words(s.new_class))
+    throw ConfigError("must be words other than the new class's, got '" + s.init_word + "'",
                       "--init-word");
   if (s.out.empty()) throw ConfigError("is empty; name the output folder", "--out");
+  const std::vector<std::string> methods = split_words(s.methods);
+  for (const auto& m : methods)
+    if (m != "embedding" && m != "hypernetwork" && m != "lora")
+      throw ConfigError("names '" + m + "'; choose from embedding, hypernetwork, lora",
+                        "--methods");
+  if (methods.empty()) throw ConfigError("names no adapter", "--methods");
+  const auto wanted = [&](const char* m) {
+    return std::find(methods.begin(), methods.end(), m) != methods.end();
+  };
   const at::Device device = examples::device_from(s.device);
   examples::apply_threads(s);
   // The step strings are read before any work, so a bad one costs no classifier or base model.
@@ -393,7 +386,13 @@ int run(const Settings& s) {
   const fs::path out(s.out), adapters = out / "adapters", log = out / "log";
   difftrain::io::ensure_writable_folder(out);
   difftrain::io::ensure_writable_folder(adapters);
-  const std::string word = word_of(s.new_class);
+  const std::string name = word_of(s.new_class), words = fmtext::class_words(s.new_class);
+
+  // The tokenizer: every class's words are in its vocabulary (the held-out class's too).
+  std::vector<std::string> texts = fmtext::caption_templates();
+  for (std::int64_t c = 0; c < fmnist::kClasses; ++c) texts.push_back(fmtext::class_words(c));
+  fmtext::write_caption_tokenizer(out / "tokenizer", texts);
+  const tx::CLIPTokenizer tok = tx::CLIPTokenizer::from_folder(out / "tokenizer");
 
   const fmnist::Dataset data = fmnist::load(s.data_dir, s.limit);
   const fs::path classifier_path = s.classifier_file(s.out);
@@ -404,159 +403,187 @@ int run(const Settings& s) {
   const fs::path base_path = out / "base.safetensors";
   bool base_cached = false;
   double base_seconds = 0;
-  base_model(s, data, schedule, base_path, base_cached, base_seconds);
+  base_model(s, data, schedule, tok, base_path, base_cached, base_seconds);
   std::fprintf(stderr, "base: %s (%.1f s)\n", base_cached ? "cached" : "trained", base_seconds);
 
   const at::Tensor images = new_class_images(s, data).to(device);
-  const std::vector<std::string> prompts(static_cast<std::size_t>(s.samples), word);
-  nlohmann::json results, files, sizes, timing;
+  const std::string prompt = fmtext::fill_template("a photo of a {}", words);
+  const std::string ti_prompt = fmtext::fill_template("a photo of a {}", name);
+  nlohmann::json results, files, sizes, timing, prompts;
   std::vector<at::Tensor> rows;
   rows.push_back(data.test.images.index_select(
       0, data.test.labels.eq(s.new_class).nonzero().flatten().narrow(0, 0, 10)));
-  auto score = [&](const std::string& method, const at::Tensor& samples) {
+  const auto classify = [&](const at::Tensor& samples) {
     auto& cls = judge.net;
     cls->eval();
-    const at::Tensor pred = fmnist::batched(
-        samples, 500, [&](const at::Tensor& x) { return cls->forward(x).argmax(1); });
-    const double acc = pred.eq(s.new_class).to(at::kDouble).mean().item<double>();
+    return fmnist::batched(samples, 500,
+                           [&](const at::Tensor& x) { return cls->forward(x).argmax(1); });
+  };
+  auto score = [&](const std::string& method, const at::Tensor& samples) {
+    const double acc = classify(samples).eq(s.new_class).to(at::kDouble).mean().item<double>();
     results["new_class_accuracy"][method] = acc;
     rows.push_back(samples.narrow(0, 0, std::min<std::int64_t>(10, samples.size(0))).cpu());
     std::printf("%-13s %5.1f %% of %lld samples classified as %s\n", method.c_str(), 100 * acc,
                 static_cast<long long>(samples.size(0)),
                 fmnist::kClassNames[static_cast<std::size_t>(s.new_class)]);
   };
-  const auto on_device = at::TensorOptions().dtype(at::kLong).device(device);
-  const at::Tensor null_labels = at::full({s.samples}, fmnist::kClasses, on_device);
-  const at::Tensor new_labels = at::full({s.samples}, s.new_class, on_device);
 
-  // The base model alone, prompted with the new class's (never trained) token.
   {
-    fmnist::UNet net = load_base(s, schedule, base_path);
-    score("base", sample(s, schedule, net, new_labels, null_labels, true));
+    fmtext::TextUNet net = load_base(s, schedule, tok, base_path);
+    // What the base model learned: each known class prompted by its words.
+    const std::int64_t per_class = std::max<std::int64_t>(1, s.samples / 10);
+    std::vector<at::Tensor> conds, unconds, want;
+    for (std::int64_t c = 0; c < fmnist::kClasses; ++c) {
+      if (c == s.new_class) continue;
+      const auto [cond, uncond] = prompt_states(
+          net, fmtext::fill_template("a photo of a {}", fmtext::class_words(c)), per_class);
+      conds.push_back(cond);
+      unconds.push_back(uncond);
+      want.push_back(at::full({per_class}, c, at::kLong));
+    }
+    const at::Tensor known = sample(s, schedule, net, at::cat(conds), at::cat(unconds));
+    const double acc =
+        classify(known).cpu().eq(at::cat(want)).to(at::kDouble).mean().item<double>();
+    results["base_known_class_accuracy"] = acc;
+    std::printf("%-13s %5.1f %% of %lld samples of the nine known classes classified as prompted\n",
+                "base (known)", 100 * acc, static_cast<long long>(known.size(0)));
+    // The base model alone, prompted with the new class's (never trained) words.
+    const auto [cond, uncond] = prompt_states(net, prompt, s.samples);
+    score("base", sample(s, schedule, net, cond, uncond));
+    for (const auto& p : {prompt, ti_prompt, std::string()}) prompts[p] = tok.encode(p, false);
   }
 
   // 1. Textual inversion: only the embedding's vectors train; prompts find it in the database.
-  {
+  if (wanted("embedding")) {
     auto t = std::chrono::steady_clock::now();
     tr::set_seed(s.seed + 10);
-    fmnist::UNet net = load_base(s, schedule, base_path);
-    TextEncoder text(net);
-    ad::EmbeddingDatabase db(text.tokenizer(), 2 * s.channels);
+    fmtext::TextUNet net = load_base(s, schedule, tok, base_path);
+    const auto tokenize = [&tok](const std::string& text) { return tok.encode(text, false); };
+    ad::EmbeddingDatabase db(tokenize, s.text_width);
+    // The web UI's create_embedding: the init words' token vectors, repeated.
+    const auto ids = tokenize(s.init_word);
+    if (ids.empty()) throw ConfigError("gives no token", "--init-word");
+    const at::Tensor table = net->text_encoder->token_embedding->weight.detach();
     ad::Embedding e;
-    e.name = word;
-    e.vec = net->context(at::tensor({init_class}, at::kLong).to(device))[0].detach().clone();
+    e.name = name;
+    e.vec = at::zeros({s.num_vectors, s.text_width}, table.options());
+    for (std::int64_t v = 0; v < s.num_vectors; ++v)
+      e.vec[v].copy_(table[ids[static_cast<std::size_t>(v) % ids.size()]]);
     e.step = 0;
     db.register_embedding(e);  // shares e's vectors, which train in place
-    const std::vector<std::string> batch_prompts(static_cast<std::size_t>(s.adapter_batch), word);
-    const fs::path file = adapters / (word + ".pt");
-    const auto r = ad::train_embedding(e, adapter_options(s, s.ti_lr, log / "embedding", file),
-                                       adapter_data(s, images,
-                                                    [&](const at::Tensor& x0) {
-                                                      return net->context_loss(
-                                                          x0, text.encode(batch_prompts, db));
-                                                    }),
-                                       {.on_step = AdapterLog(tensorboard_run(s, "embedding"))});
+    const auto finder = db.prompt_finder();
+    const auto vectors = db.prompt_vectors();
+    const fs::path file = adapters / (name + ".pt");
+    const auto r = ad::train_embedding(
+        e, adapter_options(s, s.ti_lr, log / "embedding", file),
+        adapter_data(s, images, name,
+                     [&](const at::Tensor& x0, const std::vector<std::string>& p) {
+                       return net->context_loss(x0, net->encode(p, finder, vectors));
+                     }),
+        {.on_step = AdapterLog(tensorboard_run(s, "embedding"))});
     timing["embedding_train_seconds"] = seconds_since(t);
     // Sampling reads the file back, as a user of the embedding would.
-    ad::EmbeddingDatabase fresh(text.tokenizer(), 2 * s.channels);
+    ad::EmbeddingDatabase fresh(tokenize, s.text_width);
     fresh.load_from_file(file);
-    at::Tensor cond, uncond;
-    {
-      at::NoGradGuard g;
-      cond = text.encode(prompts, fresh);
-      uncond = text.encode(std::vector<std::string>(prompts.size(), "<null>"), fresh);
-    }
-    score("embedding", sample(s, schedule, net, cond, uncond, false));
+    const auto [cond, uncond] =
+        prompt_states(net, ti_prompt, s.samples, fresh.prompt_finder(), fresh.prompt_vectors());
+    score("embedding", sample(s, schedule, net, cond, uncond));
     files["embedding"] = fs::relative(file, out).string();
     results["embedding_vectors"] = e.vectors();
     results["embedding_statistics"] = r.recent_statistics;
   }
 
-  // 2. Hypernetwork: a (k, v) pair for the context width, on every attention layer.
-  {
+  // 2. Hypernetwork: a (k, v) pair for the text's width on every attention layer (the web UI's
+  // hook; self-attention contexts of other widths pass unchanged), prompted with the new words.
+  if (wanted("hypernetwork")) {
     auto t = std::chrono::steady_clock::now();
     tr::set_seed(s.seed + 20);
-    fmnist::UNet net = load_base(s, schedule, base_path);
-    ad::Hypernetwork hn(word + "-hn", {2 * s.channels},
+    fmtext::TextUNet net = load_base(s, schedule, tok, base_path);
+    ad::Hypernetwork hn(name + "-hn", {s.text_width},
                         {.layer_structure = parse_numbers(s.hn_structure, "--hn-structure"),
                          .activation_func = "relu",
                          .weight_init = "Normal"});
     hypernetwork_to(hn, device);
-    for (const auto& item : net->named_modules()) {
-      if (auto attn = std::dynamic_pointer_cast<
-              difftrain::nn::blocks::CrossAttentionImpl<fmnist::AttentionBackend>>(item.value()))
-        attn->set_context_hook([&hn](const at::Tensor& c) { return hn.apply(c, c); });
-    }
-    const fs::path file = adapters / (word + "-hn.pt");
+    const std::size_t hooked = ad::attach_hypernetwork(*net->unet, hn);
+    const fs::path file = adapters / (name + "-hn.pt");
     const auto r = ad::train_hypernetwork(
         hn, adapter_options(s, s.hn_lr, log / "hypernetwork", file),
-        adapter_data(s, images,
-                     [&](const at::Tensor& x0) {
-                       return net->context_loss(
-                           x0, net->context(at::full({x0.size(0)}, s.new_class, on_device)));
+        adapter_data(s, images, words,
+                     [&](const at::Tensor& x0, const std::vector<std::string>& p) {
+                       return net->context_loss(x0, net->encode(p));
                      }),
         {.on_step = AdapterLog(tensorboard_run(s, "hypernetwork"))});
     timing["hypernetwork_train_seconds"] = seconds_since(t);
     hn = ad::Hypernetwork::load(file);  // the hooks read `hn`: sample with the saved file
     hypernetwork_to(hn, device);
-    score("hypernetwork", sample(s, schedule, net, new_labels, null_labels, true));
+    const auto [cond, uncond] = prompt_states(net, prompt, s.samples);
+    score("hypernetwork", sample(s, schedule, net, cond, uncond));
+    ad::detach_hypernetwork(*net->unet);
     files["hypernetwork"] = fs::relative(file, out).string();
     results["hypernetwork_statistics"] = r.recent_statistics;
+    results["hypernetwork_attention_layers"] = hooked;
   }
 
-  // 3. LoRA: branches on the named layers, everything else frozen, trained with the Trainer.
-  {
+  // 3. LoRA: branches on the UNet's named layers, everything else frozen, trained with the
+  // Trainer on the same captions.
+  if (wanted("lora")) {
     auto t = std::chrono::steady_clock::now();
     tr::set_seed(s.seed + 30);
-    fmnist::UNet net = load_base(s, schedule, base_path);
+    fmtext::TextUNet net = load_base(s, schedule, tok, base_path);
     net->set_p_uncond(0.0);
-    const auto injected = ad::inject_lora(*net, {.target_modules = split_words(s.lora_targets)},
-                                          {.rank = s.lora_rank, .alpha = s.lora_alpha});
+    const auto injected =
+        ad::inject_lora(*net->unet, {.target_modules = split_words(s.lora_targets)},
+                        {.rank = s.lora_rank, .alpha = s.lora_alpha});
     net->train();
-    tr::Trainer<fmnist::UNetImpl, LoraConfig>::Options o;
+    tr::Trainer<fmtext::TextUNetImpl, LoraConfig>::Options o;
     o.optimizer.lr = s.lora_lr;
     o.optimizer.weight_decay = 0.0;
-    tr::Trainer<fmnist::UNetImpl, LoraConfig> trainer(
+    tr::Trainer<fmtext::TextUNetImpl, LoraConfig> trainer(
         *net, o,
         {tr::ProgressBar({.total_steps = s.adapter_steps, .every = 25}),
          tr::TensorBoard({.dir = tensorboard_run(s, "lora")})});
-    const auto data_ = adapter_data(s, images, {});
-    const std::int64_t per_epoch = images.size(0) / s.adapter_batch;
+    const auto data_ = adapter_data(s, images, words, {});
+    const std::int64_t per_epoch = std::max<std::int64_t>(1, images.size(0) / s.adapter_batch);
     trainer.fit(
         [&](std::int64_t step, std::int64_t) {
-          const at::Tensor idx = data_.batch(step / per_epoch, step % per_epoch);
-          return fmnist::UNetImpl::Batch{images.index_select(0, idx.to(device)),
-                                         at::full({idx.size(0)}, s.new_class, on_device)};
+          const AdapterBatch b = data_.batch(step / per_epoch, step % per_epoch);
+          std::vector<at::Tensor> ids;
+          for (const auto& p : adapter_prompts(b, words)) ids.push_back(net->tokens(p));
+          return fmtext::TextUNetImpl::Batch{images.index_select(0, b.idx.to(device)),
+                                             at::stack(ids).to(device)};
         },
         s.adapter_steps);
     timing["lora_train_seconds"] = seconds_since(t);
-    const fs::path file = adapters / (word + "-lora.safetensors");
+    const fs::path file = adapters / (name + "-lora.safetensors");
     difftrain::io::save_safetensors(
-        file, ad::lora_state_dict(*net, {.layout = ad::LoraLayout::peft, .prefix = "unet."}),
+        file, ad::lora_state_dict(*net->unet, {.layout = ad::LoraLayout::peft, .prefix = "unet."}),
         {{"lora_rank", std::to_string(s.lora_rank)},
          {"lora_alpha", std::to_string(s.lora_alpha)},
          {"target_modules", s.lora_targets},
          {"base_model", base_key(s)}});
     // A fresh base with the file loaded, merged: sampling costs what the base model costs.
-    fmnist::UNet fresh = load_base(s, schedule, base_path);
-    (void)ad::load_lora_state_dict(*fresh, difftrain::io::load_safetensors(file, true).tensors,
+    fmtext::TextUNet fresh = load_base(s, schedule, tok, base_path);
+    (void)ad::load_lora_state_dict(*fresh->unet,
+                                   difftrain::io::load_safetensors(file, true).tensors,
                                    {.layout = ad::LoraLayout::peft, .prefix = "unet."},
                                    {.rank = s.lora_rank, .alpha = s.lora_alpha});
-    for (const auto& [name, layer] : ad::lora_layers(*fresh)) layer->merge();
+    for (const auto& [layer_name, layer] : ad::lora_layers(*fresh->unet)) layer->merge();
     fresh->eval();
-    score("lora", sample(s, schedule, fresh, new_labels, null_labels, true));
+    const auto [cond, uncond] = prompt_states(fresh, prompt, s.samples);
+    score("lora", sample(s, schedule, fresh, cond, uncond));
     files["lora"] = fs::relative(file, out).string();
     results["lora_layers"] = injected.size();
   }
 
-  for (const auto& [name, f] : files.items())
-    sizes[name] = fs::file_size(out / f.get<std::string>());
+  for (const auto& [key, f] : files.items()) sizes[key] = fs::file_size(out / f.get<std::string>());
   difftrain::io::write_png(
       out / "samples.png", difftrain::io::image_grid(at::cat(rows), {.columns = 10, .padding = 2}),
       {{"Description",
-        "rows: real " + word + " images, base model, embedding, hypernetwork, LoRA"}});
+        "rows: real " + words + " images, base model, embedding, hypernetwork, LoRA"}});
   results["files"] = files;
   results["file_bytes"] = sizes;
+  results["tokenizer"] = "tokenizer";
+  results["prompt_ids"] = prompts;
   results["lora_rank"] = s.lora_rank;
   results["lora_alpha"] = std::to_string(s.lora_alpha);
   results["new_class"] = fmnist::kClassNames[static_cast<std::size_t>(s.new_class)];
@@ -571,8 +598,8 @@ int run(const Settings& s) {
   const std::string text = results.dump(2) + "\n";
   difftrain::io::write_file_atomic(out / "results.json",
                                    std::span<const char>(text.data(), text.size()));
-  for (const auto& [name, bytes] : sizes.items())
-    std::printf("%-13s file %s: %lld bytes\n", name.c_str(), files[name].get<std::string>().c_str(),
+  for (const auto& [key, bytes] : sizes.items())
+    std::printf("%-13s file %s: %lld bytes\n", key.c_str(), files[key].get<std::string>().c_str(),
                 static_cast<long long>(bytes.get<std::int64_t>()));
   std::printf("wrote %s/{samples.png,results.json} in %.0f s\n", s.out.c_str(),
               seconds_since(t_start));
@@ -584,7 +611,8 @@ int run(const Settings& s) {
 int main(int argc, char** argv) {
   Settings s;
   CLI::App app{
-      "Teach a nine-class Fashion-MNIST diffusion model the tenth class with a textual-inversion "
+      "Teach a text-conditioned Fashion-MNIST diffusion model (trained on nine classes' captions) "
+      "the tenth class with a textual-inversion "
       "embedding, a hypernetwork and a LoRA, and score each with a classifier."};
   app.get_formatter()->column_width(34);
   auto* g = app.add_option_group("data and run");
@@ -596,6 +624,12 @@ int main(int argc, char** argv) {
   auto* b = app.add_option_group("base model");
   b->add_option("--channels", s.channels, "UNet width C")
       ->check(examples::count_in(16, 4096))
+      ->capture_default_str();
+  b->add_option("--text-width", s.text_width, "text encoder width (= cross_attention_dim)")
+      ->check(examples::count_in(32, 4096))
+      ->capture_default_str();
+  b->add_option("--text-layers", s.text_layers, "text encoder layers")
+      ->check(examples::count_in(1, 48))
       ->capture_default_str();
   b->add_option("--base-steps", s.base_steps, "steps on the nine classes")
       ->check(examples::count_in(1, 100'000'000))
@@ -616,7 +650,10 @@ int main(int argc, char** argv) {
   a->add_option("--adapter-batch,--train_batch_size", s.adapter_batch, "images per adapter step")
       ->check(examples::count_in(1, 1'000'000))
       ->capture_default_str();
-  a->add_option("--init-word", s.init_word, "class whose vectors start the embedding")
+  a->add_option("--init-word", s.init_word, "known class's word whose vectors start the embedding")
+      ->capture_default_str();
+  a->add_option("--num-vectors,--num_vectors", s.num_vectors, "embedding vectors")
+      ->check(examples::count_in(1, 75))
       ->capture_default_str();
   a->add_option("--embedding-lr", s.ti_lr, "embedding learning rates (step string)")
       ->capture_default_str();
@@ -634,6 +671,8 @@ int main(int argc, char** argv) {
       ->check(examples::number_in(0, 1e6, true))
       ->capture_default_str();
   a->add_option("--lora-targets", s.lora_targets, "LoRA target modules (PEFT rule)")
+      ->capture_default_str();
+  a->add_option("--methods", s.methods, "which adapters to train (comma-separated)")
       ->capture_default_str();
   a->add_option("--save-every", s.save_every, "periodic adapter copies (0: none)")
       ->check(examples::count_in(0, 100'000'000))

@@ -19,8 +19,10 @@ expect_rc 0 help -- "$bin" --help
 grep_in "$work/help.out" "--lora-rank"
 expect_rc 105 bad-class -- "$bin" "${tiny[@]}" --new-class 12 --out "$work/bad"
 grep_in "$work/bad-class.err" "--new-class: must lie in \[0, 9\]"
-expect_rc 2 bad-init -- "$bin" "${tiny[@]}" --init-word ankle-boot --out "$work/bad"
+expect_rc 2 bad-init -- "$bin" "${tiny[@]}" --init-word "ankle boot" --out "$work/bad"
 grep_in "$work/bad-init.err" "--init-word"
+expect_rc 2 bad-method -- "$bin" "${tiny[@]}" --methods embedding,dreambooth --out "$work/bad"
+grep_in "$work/bad-method.err" "--methods"
 expect_rc 2 bad-lr -- "$bin" "${tiny[@]}" --embedding-lr "0.1:x" --out "$work/bad"
 grep_in "$work/bad-lr.err" "step string"
 # Refused before any work: no classifier was trained for it.

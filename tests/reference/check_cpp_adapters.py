@@ -5,7 +5,8 @@
       a hypernetwork and its sidecar (the web UI's module loads its state dicts strictly; the hash
       is the file's SHA-256), LoRA files in the PEFT and kohya layouts;
   check_cpp_adapters.py --example OUT_DIR      the adapters example's files (names, shapes and
-      metadata of the embedding, hypernetwork and LoRA it wrote).
+      metadata of the embedding, hypernetwork and LoRA it wrote; its caption tokenizer folder, read
+      by transformers' CLIPTokenizer, splits the prompts into the ids the example used).
 """
 import hashlib
 import json
@@ -126,6 +127,13 @@ def example(out):
     check_hypernetwork(out / files["hypernetwork"])
     keys, meta = check_lora_peft(out / files["lora"], int(results["lora_rank"]))
     assert meta.get("lora_alpha") == str(results["lora_alpha"]) or "lora_alpha" in meta, meta
+    # The caption tokenizer the example wrote is a transformers folder: CLIPTokenizer reads it and
+    # splits the prompts into the ids difftrain used.
+    from transformers import CLIPTokenizer
+    tok = CLIPTokenizer.from_pretrained(str(out / results["tokenizer"]))
+    for prompt, ids in results["prompt_ids"].items():
+        got = tok(prompt, add_special_tokens=False).input_ids
+        assert got == ids, (prompt, got, ids)
     for name in ("embedding", "hypernetwork", "lora"):
         size = (out / files[name]).stat().st_size
         assert size == results["file_bytes"][name], (name, size, results["file_bytes"][name])
