@@ -23,11 +23,6 @@
 // drops labels to it with probability `p_uncond`, so one network gives both halves of
 // classifier-free guidance.
 //
-// With `pooled_context` the class embedding is diffusers' "simple_projection" of the flattened
-// context tokens instead of a table row, so every condition enters through the token table: what
-// textual inversion needs (a new token's vectors then steer the whole network), used by the
-// adapters example.
-//
 // Residual branches (each resnet's conv2, each transformer's proj_out) and conv_out start at zero,
 // so the untrained network predicts zero and each block starts as the identity (faster early
 // training, as in ADM); everything else keeps diffusers' initialisation.
@@ -59,8 +54,7 @@ struct UNetOptions {
   std::int64_t classes = 10;        ///< real classes; label `classes` is the null class
   double p_uncond = 0.1;            ///< chance a training label becomes the null class
   dt::diffusion::Prediction prediction = dt::diffusion::Prediction::epsilon;
-  bool pooled_context = false;  ///< the class embedding is a projection of the context tokens
-  double snr_gamma = 0.0;       ///< > 0: min-SNR-γ loss weighting (diffusers' --snr_gamma)
+  double snr_gamma = 0.0;  ///< > 0: min-SNR-γ loss weighting (diffusers' --snr_gamma)
 };
 
 /// Stores every 4-D parameter channels-last: the classifier's convolutions run ~1.5× faster so
@@ -106,12 +100,7 @@ inline dt::models::UNet2DConditionConfig unet_config(const UNetOptions& o) {
   }
   u.use_linear_projection = true;
   u.time_embedding_dim = 4 * c;
-  if (o.pooled_context) {
-    u.class_embed_type = "simple_projection";
-    u.projection_class_embeddings_input_dim = o.context_tokens * 2 * c;
-  } else {
-    u.num_class_embeds = o.classes + 1;
-  }
+  u.num_class_embeds = o.classes + 1;
   return u;
 }
 
@@ -152,36 +141,13 @@ class UNetImpl : public torch::nn::Module {
   /// The prediction (ε, v or x₀ per options) for noisy images x at timesteps t (B,) and labels.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& t, const at::Tensor& labels) {
     const at::Tensor lab = labels.to(x.device(), at::kLong);
-    const at::Tensor ctx = context(lab);
-    return predict(x, t, ctx, o_.pooled_context ? at::Tensor() : lab);
-  }
-
-  /// The prediction for context tokens (B, context_tokens, 2C) given directly (a prompt whose
-  /// tokens were replaced by an embedding's vectors); needs `pooled_context`.
-  at::Tensor forward_context(const at::Tensor& x, const at::Tensor& t, const at::Tensor& ctx) {
-    if (!o_.pooled_context)
-      throw dt::ConfigError("needs pooled_context: otherwise labels also condition the network",
-                            "UNet::forward_context");
-    return predict(x, t, ctx, {});
+    return predict(x, t, context(lab), lab);
   }
 
   /// The context tokens of labels: rows of the token table, (B, context_tokens, 2C).
   [[nodiscard]] at::Tensor context(const at::Tensor& labels) {
     return context_emb(labels.to(at::kLong))
         .view({labels.size(0), o_.context_tokens, 2 * o_.channels});
-  }
-
-  void set_p_uncond(double p) { o_.p_uncond = p; }
-
-  /// The denoising loss for clean images x0 under context tokens ctx (no label dropping).
-  at::Tensor context_loss(const at::Tensor& x0, const at::Tensor& ctx) {
-    const std::int64_t b = x0.size(0);
-    const auto dev = at::TensorOptions().device(x0.device());
-    const at::Tensor t = schedule_->sample_timesteps(b, dev);
-    const at::Tensor noise = at::randn_like(x0);
-    const at::Tensor xt = schedule_->add_noise(x0, noise, t);
-    return at::mse_loss(forward_context(xt, t, ctx),
-                        schedule_->target(o_.prediction, x0, noise, t));
   }
 
   /// The denoising loss: uniform timesteps, Gaussian noise, labels dropped to the null class with
@@ -210,8 +176,7 @@ class UNetImpl : public torch::nn::Module {
   torch::nn::Embedding context_emb{nullptr};
 
  private:
-  /// The UNet on x with context tokens ctx; `labels` feed the class embedding, or (undefined)
-  /// the flattened context does (pooled_context).
+  /// The UNet on x with context tokens ctx and the labels for the class embedding.
   at::Tensor predict(const at::Tensor& x, const at::Tensor& t, const at::Tensor& ctx,
                      const at::Tensor& labels) {
     if (x.dim() != 4 || x.size(1) != 1 || x.size(2) != 28 || x.size(3) != 28)
@@ -224,7 +189,7 @@ class UNetImpl : public torch::nn::Module {
                                std::to_string(2 * o_.channels) + "), got " + c10::str(ctx.sizes()),
                            "UNet");
     dt::models::UNetConditions cond;
-    cond.class_labels = labels.defined() ? labels : ctx.flatten(1);
+    cond.class_labels = labels;
     return unet->forward(x, t.to(x.device()), ctx, cond);
   }
 

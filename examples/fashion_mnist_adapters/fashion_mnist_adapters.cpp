@@ -77,7 +77,7 @@ struct Settings : examples::RunFlags, examples::JudgeFlags {
   double lr = 2e-3;
   // adapters
   std::int64_t adapter_images = 300;
-  std::int64_t adapter_steps = 300;
+  std::int64_t adapter_steps = 500;
   std::int64_t adapter_batch = 32;
   std::string ti_lr = "0.05:150, 0.02";
   std::string hn_lr = "0.02:150, 0.01";

@@ -27,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "../common/prompt_templates.hpp"
 #include "../fashion_mnist/data.hpp"
 #include "../fashion_mnist/unet.hpp"
 
@@ -47,22 +48,7 @@ inline std::string class_words(std::int64_t c) {
 /// textual-inversion script's "object" prompts. Training draws one per image; the adjectives give
 /// the encoder more words than the class names, as a pretrained encoder has.
 inline const std::vector<std::string>& caption_templates() {
-  static const std::vector<std::string> t = {
-      "a photo of a {}",           "a rendering of a {}",
-      "a cropped photo of the {}", "the photo of a {}",
-      "a photo of a clean {}",     "a photo of a dirty {}",
-      "a dark photo of the {}",    "a photo of my {}",
-      "a photo of the cool {}",    "a close-up photo of a {}",
-      "a bright photo of the {}",  "a cropped photo of a {}",
-      "a photo of the {}",         "a good photo of the {}",
-      "a photo of one {}",         "a close-up photo of the {}",
-      "a rendition of the {}",     "a photo of the clean {}",
-      "a rendition of a {}",       "a photo of a nice {}",
-      "a good photo of a {}",      "a photo of the nice {}",
-      "a photo of the small {}",   "a photo of the weird {}",
-      "a photo of the large {}",   "a photo of a cool {}",
-      "a photo of a small {}"};
-  return t;
+  return examples::textual_inversion_templates(false);
 }
 
 inline std::string fill_template(const std::string& t, const std::string& words) {

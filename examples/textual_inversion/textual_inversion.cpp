@@ -50,6 +50,7 @@
 #include <vector>
 
 #include "../common/cli_checks.hpp"
+#include "../common/prompt_templates.hpp"
 #include "../common/run_skeleton.hpp"
 #include "../common/sd_pipeline.hpp"
 #include "../common/sd_run.hpp"
@@ -57,37 +58,6 @@
 namespace {
 namespace ad = difftrain::adapters;
 using namespace examples::sd;  // the pipeline folder, validation, callbacks
-
-/// diffusers' imagenet_templates_small and imagenet_style_templates_small ("{}" is the word).
-const std::vector<std::string>& templates(bool style) {
-  static const std::vector<std::string> object = {
-      "a photo of a {}",           "a rendering of a {}",
-      "a cropped photo of the {}", "the photo of a {}",
-      "a photo of a clean {}",     "a photo of a dirty {}",
-      "a dark photo of the {}",    "a photo of my {}",
-      "a photo of the cool {}",    "a close-up photo of a {}",
-      "a bright photo of the {}",  "a cropped photo of a {}",
-      "a photo of the {}",         "a good photo of the {}",
-      "a photo of one {}",         "a close-up photo of the {}",
-      "a rendition of the {}",     "a photo of the clean {}",
-      "a rendition of a {}",       "a photo of a nice {}",
-      "a good photo of a {}",      "a photo of the nice {}",
-      "a photo of the small {}",   "a photo of the weird {}",
-      "a photo of the large {}",   "a photo of a cool {}",
-      "a photo of a small {}"};
-  static const std::vector<std::string> styles = {
-      "a painting in the style of {}",         "a rendering in the style of {}",
-      "a cropped painting in the style of {}", "the painting in the style of {}",
-      "a clean painting in the style of {}",   "a dirty painting in the style of {}",
-      "a dark painting in the style of {}",    "a picture in the style of {}",
-      "a cool painting in the style of {}",    "a close-up painting in the style of {}",
-      "a bright painting in the style of {}",  "a cropped painting in the style of {}",
-      "a good painting in the style of {}",    "a close-up painting in the style of {}",
-      "a rendition in the style of {}",        "a nice painting in the style of {}",
-      "a small painting in the style of {}",   "a weird painting in the style of {}",
-      "a large painting in the style of {}"};
-  return style ? styles : object;
-}
 
 std::string fill(const std::string& pattern, const std::string& word) {
   const auto at = pattern.find("{}");
@@ -283,7 +253,7 @@ class Samples {
     Made m;
     std::vector<at::Tensor> pixels;
     std::vector<float> time_ids;
-    const auto& tpl = templates(s_.learnable_property == "style");
+    const auto& tpl = examples::textual_inversion_templates(s_.learnable_property == "style");
     for (std::size_t k = 0; k < bs; ++k) {
       const std::size_t i = order[b * bs + k];
       at::Generator gen = data::sample_generator(s_.seed, epoch, b, k);
