@@ -1,5 +1,5 @@
-"""A UNet and a VAE folder written by difftrain load in diffusers' from_pretrained and give the
-outputs difftrain computed. Usage: check_cpp_models.py TEST_BINARY GOLDEN_DIR"""
+"""A UNet, a VAE and a DiT folder written by difftrain load in diffusers' from_pretrained and give
+the outputs difftrain computed. Usage: check_cpp_models.py TEST_BINARY GOLDEN_DIR"""
 import os
 import pathlib
 import subprocess
@@ -7,7 +7,7 @@ import sys
 import tempfile
 
 import torch
-from diffusers import AutoencoderKL, UNet2DConditionModel
+from diffusers import AutoencoderKL, DiTTransformer2DModel, UNet2DConditionModel
 from diffusers.utils import logging as diffusers_logging
 from safetensors.torch import load_file
 
@@ -16,7 +16,7 @@ def main(binary, golden_dir):
     diffusers_logging.set_verbosity_error()
     out = pathlib.Path(tempfile.mkdtemp())
     env = dict(os.environ, DIFFTRAIN_MODELS_OUT=str(out), DIFFTRAIN_GOLDEN_DIR=golden_dir)
-    subprocess.run([binary, "--gtest_filter=Models.SavedFoldersRoundTrip:Models.UNetLora*"],
+    subprocess.run([binary, "--gtest_filter=Models.SavedFoldersRoundTrip:Models.UNetLora*:Transformers.SavedDiT*"],
                    check=True, env=env)
     t = load_file(out / "outputs.safetensors")
     unet = UNet2DConditionModel.from_pretrained(out / "unet").eval()
@@ -32,6 +32,18 @@ def main(binary, golden_dir):
         print(f"{name}: diffusers on difftrain's folder, max scaled error {err:.2e}")
     check_sdxl(out, pathlib.Path(golden_dir))
     check_lora(out, pathlib.Path(golden_dir))
+    check_dit(out)
+
+
+def check_dit(out):
+    """A DiT folder difftrain saved, run by diffusers on the inputs difftrain ran it on."""
+    t = load_file(out / "outputs_dit.safetensors")
+    dit = DiTTransformer2DModel.from_pretrained(out / "dit").eval()
+    with torch.no_grad():
+        y = dit(t["sample"], timestep=t["timestep"], class_labels=t["class_labels"]).sample
+    err = (y - t["output"]).abs().max().item() / max(1.0, t["output"].abs().max().item())
+    assert err < 1e-5, ("dit", err)
+    print(f"DiT: diffusers on difftrain's folder, max scaled error {err:.2e}")
 
 
 def check_sdxl(out, golden):

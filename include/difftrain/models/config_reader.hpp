@@ -33,6 +33,7 @@ struct ConfigLimits {
   static constexpr std::int64_t layers = 256;                      // layers of one block
   static constexpr std::int64_t kernel = 15;                       // a convolution's kernel side
   static constexpr std::int64_t classes = std::int64_t{1} << 24;   // class-embedding rows
+  static constexpr std::int64_t spatial = std::int64_t{1} << 16;   // a sample or patch side
 };
 
 namespace config_detail {

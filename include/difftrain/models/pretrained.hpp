@@ -301,6 +301,16 @@ inline void check_weight_signature(const WeightSignature& sig,
   }
 }
 
+/// Whether a folder whose config says `_class_name` = name is one a `Config` reads: its own class,
+/// or one the config type also accepts (diffusers' legacy classes it remaps).
+template <class Config>
+bool reads_class_name(const std::string& name, const nlohmann::json& j) {
+  if constexpr (requires { Config::reads_class(name, j); })
+    return Config::reads_class(name, j);
+  else
+    return name == Config::class_name;
+}
+
 struct LoadOptions {
   std::optional<std::string> variant;  // "fp16": the weights diffusers saved with variant="fp16"
   /// The model's parameter dtype after loading (diffusers' torch_dtype); none: float32.
@@ -318,7 +328,7 @@ Holder from_pretrained(const std::filesystem::path& folder, const LoadOptions& o
   const std::string config_path = (folder / "config.json").string();
   const std::string expected(Config::class_name);
   if (j.is_object() && j.contains("_class_name") && j["_class_name"].is_string() &&
-      j["_class_name"].get<std::string>() != expected)
+      !reads_class_name<Config>(j["_class_name"].get<std::string>(), j))
     throw ConfigError(
         "the folder holds a " + j["_class_name"].get<std::string>() + ", not a " + expected,
         config_path);

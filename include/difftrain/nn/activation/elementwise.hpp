@@ -91,6 +91,16 @@ struct GELUTanh {
   }
 };
 
+/// "quick_gelu": x·σ(1.702·x), GELU's sigmoid approximation (CLIP's quick_gelu; diffusers'
+/// feed-forward calls it "geglu-approximate", ApproximateGELU, though nothing is gated).
+struct QuickGELU {
+  static constexpr std::string_view name = "quick_gelu";
+  struct Options {};
+  static at::Tensor forward(const at::Tensor& x, const Options& /*unused*/) {
+    return x * at::sigmoid(1.702 * x);
+  }
+};
+
 /// "swish" maps to Hardswish, as in the web UI's hypernetworks: files that say "swish" mean it.
 /// The smooth x·sigmoid(x) is "silu".
 struct Swish {

@@ -1,0 +1,134 @@
+#pragma once
+// diffusers' PatchEmbed: a p×p convolution with stride p turns a latent (B, C, H, W) into
+// (H/p)·(W/p) tokens, plus the fixed 2-D sine-cosine position table of
+// get_2d_sincos_pos_embed (MAE's, with diffusers' base_size and interpolation_scale). The table
+// is not a parameter and diffusers does not save it (a non-persistent buffer): it is computed
+// here for the input's grid and kept for the next call of the same size and device.
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/conv.h>
+#include <torch/nn/modules/normalization.h>
+#include <torch/nn/pimpl.h>
+
+#include <cstdint>
+#include <string>
+
+#include "difftrain/core/error.hpp"
+
+namespace difftrain::models {
+
+/// get_2d_sincos_pos_embed(embed_dim, (grid_h, grid_w), base_size, interpolation_scale):
+/// (grid_h·grid_w, embed_dim) float32, row-major over the grid. As in diffusers, the first half of
+/// each vector encodes the column and the second half the row (its meshgrid is "xy"), positions
+/// are arange(n) / (n / base_size) / interpolation_scale in float32, and the sines and cosines are
+/// taken in float64.
+inline at::Tensor sincos_2d_pos_embed(std::int64_t embed_dim, std::int64_t grid_h,
+                                      std::int64_t grid_w, double base_size,
+                                      double interpolation_scale = 1.0,
+                                      at::Device device = at::kCPU) {
+  if (embed_dim <= 0 || embed_dim % 4 != 0)
+    throw ConfigError("the embedding width " + std::to_string(embed_dim) +
+                          " must be a positive multiple of 4 (a sine and a cosine half for each "
+                          "of the two axes)",
+                      "sincos_2d_pos_embed");
+  if (grid_h <= 0 || grid_w <= 0)
+    throw ShapeError("an empty grid " + std::to_string(grid_h) + "x" + std::to_string(grid_w),
+                     "sincos_2d_pos_embed");
+  const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device);
+  auto positions = [&](std::int64_t n) {
+    return at::arange(n, f32) / (static_cast<double>(n) / base_size) / interpolation_scale;
+  };
+  const at::Tensor rows = positions(grid_h).view({grid_h, 1}).expand({grid_h, grid_w}).reshape(-1);
+  const at::Tensor cols = positions(grid_w).view({1, grid_w}).expand({grid_h, grid_w}).reshape(-1);
+  const std::int64_t quarter = embed_dim / 4;
+  at::Tensor omega = at::arange(quarter, f32.dtype(at::kDouble)) / (embed_dim / 4.0);
+  omega = 1.0 / at::pow(10000.0, omega);
+  auto one_axis = [&](const at::Tensor& pos) {
+    const at::Tensor out = at::outer(pos.to(at::kDouble), omega);
+    return at::cat({out.sin(), out.cos()}, 1);
+  };
+  return at::cat({one_axis(cols), one_axis(rows)}, 1).to(at::kFloat);
+}
+
+struct PatchEmbedOptions {
+  std::int64_t height = 224, width = 224;  // the configured sample size, in latent pixels
+  std::int64_t patch_size = 16;
+  std::int64_t in_channels = 3;
+  std::int64_t embed_dim = 768;
+  bool layer_norm = false;
+  bool bias = true;
+  double interpolation_scale = 1.0;
+};
+
+class PatchEmbedImpl : public torch::nn::Module {
+ public:
+  explicit PatchEmbedImpl(const PatchEmbedOptions& o) : o_(o) {
+    if (o.patch_size <= 0 || o.in_channels <= 0 || o.embed_dim <= 0)
+      throw ConfigError("patch_size, in_channels and embed_dim must be positive", "PatchEmbed");
+    if (o.height < o.patch_size || o.width < o.patch_size)
+      throw ConfigError("the sample size " + std::to_string(o.height) + "x" +
+                            std::to_string(o.width) + " is smaller than one patch of " +
+                            std::to_string(o.patch_size),
+                        "PatchEmbed");
+    // Checked now, not at the first call: a width the table cannot have is a config mistake.
+    if (o.embed_dim % 4 != 0)
+      throw ConfigError("the inner width " + std::to_string(o.embed_dim) +
+                            " (heads × head width) must be a multiple of 4 for the 2-D sine-cosine "
+                            "position table",
+                        "PatchEmbed");
+    proj = register_module(
+        "proj", torch::nn::Conv2d(torch::nn::Conv2dOptions(o.in_channels, o.embed_dim, o.patch_size)
+                                      .stride(o.patch_size)
+                                      .bias(o.bias)));
+    if (o.layer_norm)
+      norm = register_module(
+          "norm",
+          torch::nn::LayerNorm(
+              torch::nn::LayerNormOptions({o.embed_dim}).elementwise_affine(false).eps(1e-6)));
+  }
+
+  /// (B, C, H, W) → (B, (H/p)·(W/p), embed_dim); H and W must be multiples of the patch size.
+  at::Tensor forward(const at::Tensor& latent) {
+    if (latent.dim() != 4 || latent.size(1) != o_.in_channels)
+      throw ShapeError("expects latents (B, " + std::to_string(o_.in_channels) + ", H, W), got " +
+                           c10::str(latent.sizes()),
+                       "PatchEmbed");
+    const std::int64_t p = o_.patch_size;
+    if (latent.size(2) % p != 0 || latent.size(3) % p != 0)
+      throw ShapeError("the latent size " + std::to_string(latent.size(2)) + "x" +
+                           std::to_string(latent.size(3)) +
+                           " is not a multiple of the patch size " + std::to_string(p),
+                       "PatchEmbed");
+    const std::int64_t h = latent.size(2) / p, w = latent.size(3) / p;
+    at::Tensor x = proj->forward(latent).flatten(2).transpose(1, 2);
+    if (norm) x = norm->forward(x);
+    return (x + pos_embed(h, w, x.device())).to(x.scalar_type());
+  }
+
+  /// The (1, h·w, embed_dim) float32 table for a grid of h×w patches.
+  at::Tensor pos_embed(std::int64_t h, std::int64_t w, at::Device device) {
+    if (!table_.defined() || table_h_ != h || table_w_ != w || table_.device() != device) {
+      table_ =
+          sincos_2d_pos_embed(o_.embed_dim, h, w, static_cast<double>(o_.height / o_.patch_size),
+                              o_.interpolation_scale, device)
+              .unsqueeze(0);
+      table_h_ = h;
+      table_w_ = w;
+    }
+    return table_;
+  }
+
+  [[nodiscard]] const PatchEmbedOptions& options() const { return o_; }
+
+  torch::nn::Conv2d proj{nullptr};
+  torch::nn::LayerNorm norm{nullptr};
+
+ private:
+  PatchEmbedOptions o_;
+  at::Tensor table_;
+  std::int64_t table_h_ = 0, table_w_ = 0;
+};
+TORCH_MODULE(PatchEmbed);
+
+}  // namespace difftrain::models

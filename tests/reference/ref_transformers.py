@@ -1,0 +1,127 @@
+"""Golden values for difftrain's diffusion transformers: diffusers' own DiTTransformer2DModel.
+
+For a sweep of tiny random configurations (head counts and widths, patch sizes 1, 2 and 4, learned
+sigma, attention with and without biases, every feed-forward activation diffusers' DiT accepts,
+affine and plain norms, inputs at and away from the configured sample size) this saves each model
+with save_pretrained (one case as the legacy `Transformer2DModel` folder the hub's DiT checkpoints
+are), runs it on seeded inputs and writes the inputs, the output and the gradient of sum(out * w)
+for every parameter. The published DiT-XL/2 configurations are instantiated on the meta device for
+their parameter names, shapes and counts.
+
+The model runs in eval mode: in training mode diffusers drops class labels at random inside the
+model (LabelEmbedding's classifier-free-guidance dropout), which no two implementations can draw
+alike; difftrain's test checks that dropout's rate on its own.
+"""
+import json
+import pathlib
+
+import torch
+from diffusers import DiTTransformer2DModel
+from diffusers.utils import logging as diffusers_logging
+from safetensors.torch import save_file
+
+diffusers_logging.set_verbosity_error()
+
+# facebook/DiT-XL-2-256's transformer/config.json (a legacy Transformer2DModel folder), and -512.
+DIT_XL_2_256 = {
+    "_class_name": "Transformer2DModel", "activation_fn": "gelu-approximate", "attention_bias": True,
+    "attention_head_dim": 72, "cross_attention_dim": None, "dropout": 0.0, "in_channels": 4,
+    "norm_elementwise_affine": False, "norm_num_groups": 32, "norm_type": "ada_norm_zero",
+    "num_attention_heads": 16, "num_embeds_ada_norm": 1000, "num_layers": 28,
+    "num_vector_embeds": None, "only_cross_attention": False, "out_channels": 8, "patch_size": 2,
+    "sample_size": 32, "upcast_attention": False, "use_linear_projection": False,
+}
+DIT_XL_2_512 = dict(DIT_XL_2_256, sample_size=64)
+
+# (name, config, input size, save as the legacy Transformer2DModel class)
+DIT_CASES = [
+    ("dit_tiny", dict(num_attention_heads=2, attention_head_dim=8, in_channels=4, num_layers=2,
+                      sample_size=8, patch_size=2, num_embeds_ada_norm=10), 8, False),
+    # Learned sigma (out = 2 · in), no attention biases, exact GELU, an input larger than the
+    # configured sample size (the position table is recomputed, as diffusers does), legacy folder.
+    ("dit_learned_sigma_legacy", dict(num_attention_heads=3, attention_head_dim=4, in_channels=4,
+                                      out_channels=8, num_layers=3, sample_size=6, patch_size=2,
+                                      attention_bias=False, activation_fn="gelu",
+                                      num_embeds_ada_norm=7, norm_eps=1e-6), 10, True),
+    # Patch 4 on 3 channels, one head of 12, "geglu-approximate" (diffusers' ApproximateGELU,
+    # x·σ(1.702·x), not gated), affine norm3, upcast attention.
+    ("dit_patch4_quick_gelu", dict(num_attention_heads=1, attention_head_dim=12, in_channels=3,
+                                   out_channels=6, num_layers=1, sample_size=16, patch_size=4,
+                                   activation_fn="geglu-approximate", num_embeds_ada_norm=5,
+                                   norm_elementwise_affine=True, upcast_attention=True), 16, False),
+    # Patch 1 (every latent pixel a token), five heads of 4, exact GEGLU, an odd input size.
+    ("dit_patch1_geglu", dict(num_attention_heads=5, attention_head_dim=4, in_channels=2,
+                              num_layers=2, sample_size=5, patch_size=1, activation_fn="geglu",
+                              num_embeds_ada_norm=3), 5, False),
+]
+
+
+def randomise(model):
+    """adaLN-Zero starts every gate and the output at zero; move all weights off their init."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+
+
+def save_legacy(model, folder):
+    """Rewrites the saved config as the hub's DiT folders have it (class Transformer2DModel)."""
+    path = folder / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg["_class_name"] = "Transformer2DModel"
+    cfg.update(cross_attention_dim=None, num_vector_embeds=None, only_cross_attention=False,
+               use_linear_projection=False)
+    path.write_text(json.dumps(cfg, indent=2))
+
+
+def generate(out):
+    root = out / "transformers"
+    root.mkdir(parents=True, exist_ok=True)
+    index = {"dit": []}
+    for name, config, size, legacy in DIT_CASES:
+        torch.manual_seed(0)
+        model = DiTTransformer2DModel(**config)
+        randomise(model)
+        model.save_pretrained(root / name)
+        if legacy:
+            save_legacy(model, root / name)
+        # Read back through diffusers' own loader (the legacy class name is remapped there).
+        model = DiTTransformer2DModel.from_pretrained(root / name).eval()
+        g = torch.Generator().manual_seed(1)
+        b = 2
+        cfg = model.config
+        inputs = {
+            "sample": torch.randn(b, cfg.in_channels, size, size, generator=g),
+            "timestep": torch.tensor([3, 871]),
+            # The last label is the null class (index num_embeds_ada_norm) classifier-free
+            # guidance samples with.
+            "class_labels": torch.tensor([1, cfg.num_embeds_ada_norm]),
+        }
+        y = model(inputs["sample"], timestep=inputs["timestep"],
+                  class_labels=inputs["class_labels"]).sample
+        w = torch.randn(y.shape, generator=g)
+        (y * w).sum().backward()
+        tensors = {f"input.{k}": v for k, v in inputs.items()}
+        tensors.update({"output": y.detach(), "weight": w})
+        tensors.update({f"grad.{n}": p.grad.clone() for n, p in model.named_parameters()})
+        save_file({k: v.contiguous() for k, v in tensors.items()}, root / f"{name}.io.safetensors")
+        index["dit"].append({"name": name, "legacy": legacy,
+                             "parameters": sum(p.numel() for p in model.parameters())})
+
+    full = {}
+    with torch.device("meta"):
+        for key, cfg in (("dit_xl_2_256", DIT_XL_2_256), ("dit_xl_2_512", DIT_XL_2_512)):
+            args = {k: v for k, v in cfg.items()
+                    if not k.startswith("_") and k not in ("cross_attention_dim", "num_vector_embeds",
+                                                           "only_cross_attention",
+                                                           "use_linear_projection")}
+            model = DiTTransformer2DModel(**args)
+            full[key] = {"config": cfg,
+                         "shapes": {n: list(p.shape) for n, p in model.state_dict().items()},
+                         "parameters": sum(p.numel() for p in model.parameters())}
+    index["full_size"] = full
+    (out / "transformers.json").write_text(json.dumps(index))
+
+
+if __name__ == "__main__":
+    import sys
+    generate(pathlib.Path(sys.argv[1]))

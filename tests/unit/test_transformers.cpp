@@ -1,0 +1,326 @@
+// diffusers' diffusion transformers in difftrain: DiTTransformer2DModel's output and every
+// parameter gradient equal diffusers' on the same save_pretrained folders
+// (tests/reference/ref_transformers.py), the published DiT-XL/2 configurations have diffusers'
+// parameter names, shapes and count, label dropout draws once per call at diffusers' rate,
+// gradient checkpointing changes no gradient, folders round-trip (and load in diffusers:
+// check_cpp_models.py), and config and input mistakes are typed errors that name the field.
+#include <unistd.h>
+#include <difftrain/io/remove_tree.hpp>
+#include <difftrain/io/safetensors.hpp>
+#include <difftrain/models/dit_transformer_2d.hpp>
+#include <difftrain/models/pretrained.hpp>
+
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+
+#include "golden.hpp"
+
+namespace dt = difftrain;
+namespace fs = std::filesystem;
+namespace models = difftrain::models;
+namespace tst = difftrain::test;
+
+namespace {
+
+using Backend = dt::nn::attention::Sdpa<dt::nn::attention::Auto>;
+using GELU = dt::nn::activation::GELU;
+using GELUTanh = dt::nn::activation::GELUTanh;
+using QuickGELU = dt::nn::activation::QuickGELU;
+template <class Act>
+using DiT = models::DiTTransformer2DModel<Backend, Act>;
+
+fs::path golden_transformers() { return fs::path(DIFFTRAIN_GOLDEN_DIR) / "transformers"; }
+
+fs::path scratch(const std::string& name) {
+  const fs::path dir = fs::temp_directory_path() /
+                       ("difftrain-transformers-" + name + "-" + std::to_string(::getpid()));
+  dt::io::remove_tree(dir);
+  fs::create_directories(dir);
+  return dir;
+}
+
+double scaled_error(const at::Tensor& a, const at::Tensor& b) {
+  const double scale = std::max(1.0, b.abs().max().item<double>());
+  return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>() / scale;
+}
+
+nlohmann::json read_json(const fs::path& p) { return nlohmann::json::parse(std::ifstream(p)); }
+
+/// A DiT folder's feed-forward activation, as diffusers names it.
+std::string activation_of(const fs::path& folder) {
+  return read_json(folder / "config.json").value("activation_fn", "gelu-approximate");
+}
+
+template <class Act>
+void check_dit_case(const std::string& name, std::int64_t parameters) {
+  SCOPED_TRACE(name);
+  const auto io =
+      dt::io::load_safetensors(golden_transformers() / (name + ".io.safetensors"), true);
+  const auto& t = io.tensors;
+  auto model = models::from_pretrained<DiT<Act>>(golden_transformers() / name);
+  model->eval();
+  std::int64_t count = 0;
+  for (const auto& p : model->parameters()) count += p.numel();
+  EXPECT_EQ(count, parameters);
+  const at::Tensor out =
+      model->forward(t.at("input.sample"), t.at("input.timestep"), t.at("input.class_labels"));
+  ASSERT_EQ(out.sizes(), t.at("output").sizes());
+  EXPECT_LE(scaled_error(out, t.at("output")), 1e-5) << "output";
+  (out * t.at("weight")).sum().backward();
+  std::size_t checked = 0;
+  for (const auto& p : model->named_parameters()) {
+    const auto it = t.find("grad." + p.key());
+    ASSERT_NE(it, t.end()) << "no reference gradient for " << p.key();
+    ASSERT_TRUE(p.value().grad().defined()) << p.key();
+    EXPECT_LE(scaled_error(p.value().grad(), it->second), 1e-4) << "grad of " << p.key();
+    ++checked;
+  }
+  EXPECT_EQ(checked, model->parameters().size());
+}
+
+/// A small DiT built in the test (no folder): 2 blocks of width 16 on 8×8 latents, 5 classes.
+models::DiTTransformer2DConfig small_dit() {
+  models::DiTTransformer2DConfig c;
+  c.num_attention_heads = 2;
+  c.attention_head_dim = 8;
+  c.num_layers = 2;
+  c.sample_size = 8;
+  c.in_channels = 4;
+  c.num_embeds_ada_norm = 5;
+  return c;
+}
+
+template <class Error, class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "wrong error type: " << e.what();
+    return {};
+  }
+  ADD_FAILURE() << "no error";
+  return {};
+}
+
+}  // namespace
+
+TEST(Transformers, DiTMatchesDiffusersOnEverySweptConfig) {
+  const auto& cases = tst::golden("transformers.json")["dit"];
+  ASSERT_GE(cases.size(), 3U);
+  for (const auto& c : cases) {
+    const std::string name = c["name"];
+    const auto parameters = c["parameters"].get<std::int64_t>();
+    const std::string act = activation_of(golden_transformers() / name);
+    if (act == "gelu" || act == "geglu")
+      check_dit_case<GELU>(name, parameters);
+    else if (act == "geglu-approximate")
+      check_dit_case<QuickGELU>(name, parameters);
+    else
+      check_dit_case<GELUTanh>(name, parameters);
+  }
+}
+
+TEST(Transformers, PublishedDiTConfigsHaveDiffusersParameters) {
+  const auto& full = tst::golden("transformers.json")["full_size"];
+  // DiT-XL/2 at 256 and 512 pixels differ only in sample_size (the position table is no
+  // parameter): the 512 config is read and its shapes compared with the 256 model's.
+  EXPECT_EQ(full["dit_xl_2_256"]["shapes"], full["dit_xl_2_512"]["shapes"]);
+  const auto c512 =
+      models::DiTTransformer2DConfig::from_json(full["dit_xl_2_512"]["config"], "DiT-XL/2-512");
+  EXPECT_EQ(c512.sample_size, 64);
+  const auto config =
+      models::DiTTransformer2DConfig::from_json(full["dit_xl_2_256"]["config"], "DiT-XL/2-256");
+  DiT<GELUTanh> model(config);
+  std::map<std::string, std::vector<std::int64_t>> got;
+  std::int64_t count = 0;
+  for (const auto& p : model->named_parameters()) {
+    got[p.key()] = p.value().sizes().vec();
+    count += p.value().numel();
+  }
+  EXPECT_EQ(count, full["dit_xl_2_256"]["parameters"].get<std::int64_t>());
+  EXPECT_EQ(count, 749'826'464);
+  std::size_t matched = 0;
+  for (const auto& [k, v] : full["dit_xl_2_256"]["shapes"].items()) {
+    const auto it = got.find(k);
+    if (it == got.end()) {
+      ADD_FAILURE() << "missing " << k;
+      continue;
+    }
+    EXPECT_EQ(it->second, v.get<std::vector<std::int64_t>>()) << k;
+    ++matched;
+  }
+  EXPECT_EQ(matched, got.size());
+  // Nothing but parameters is saved: the position table is computed, as diffusers' is not stored.
+  EXPECT_TRUE(model->named_buffers().is_empty());
+}
+
+TEST(Transformers, DiTLabelDropoutIsDrawnOncePerCallAtDiffusersRate) {
+  at::manual_seed(3);
+  auto c = small_dit();
+  c.num_layers = 3;
+  DiT<GELUTanh> model(c);
+  {
+    at::NoGradGuard no_grad;
+    for (auto& p : model->parameters()) p.add_(at::randn_like(p) * 0.1);
+  }
+  const std::int64_t n = 2000;
+  const at::Tensor x = at::randn({1, 4, 8, 8}).expand({n, 4, 8, 8}).contiguous();
+  const at::Tensor t = at::full({n}, 500);
+  const at::Tensor labels = at::full({n}, 2, at::kLong);
+  at::NoGradGuard no_grad;
+  model->eval();
+  const at::Tensor conditional =
+      model->forward(x.narrow(0, 0, 1), t.narrow(0, 0, 1), labels.narrow(0, 0, 1));
+  const at::Tensor null = model->forward(x.narrow(0, 0, 1), t.narrow(0, 0, 1),
+                                         at::full({1}, model->null_label(), at::kLong));
+  model->train();
+  const at::Tensor out = model->forward(x, t, labels);
+  const at::Tensor as_cond = (out - conditional).abs().flatten(1).amax(1) < 1e-5;
+  const at::Tensor as_null = (out - null).abs().flatten(1).amax(1) < 1e-5;
+  // Every sample is wholly conditional or wholly unconditional: one draw served every block.
+  EXPECT_TRUE(at::logical_xor(as_cond, as_null).all().item<bool>());
+  const double dropped = as_null.to(at::kDouble).mean().item<double>();
+  EXPECT_NEAR(dropped, 0.1, 0.025);  // binomial(2000, 0.1): sd 0.0067
+  model->set_class_dropout_prob(0.0);
+  EXPECT_TRUE(((model->forward(x, t, labels) - conditional).abs().max() < 1e-5).item<bool>());
+  EXPECT_NE(error_of<dt::ConfigError>([&] { model->set_class_dropout_prob(1.5); }).find("[0, 1]"),
+            std::string::npos);
+}
+
+TEST(Transformers, DiTGradientCheckpointingGivesTheSameGradients) {
+  at::manual_seed(5);
+  DiT<GELUTanh> model(small_dit());
+  model->set_class_dropout_prob(0.0);
+  const at::Tensor x = at::randn({3, 4, 8, 8});
+  const at::Tensor t = at::tensor({10, 500, 999});
+  const at::Tensor labels = at::tensor({0, 4, 5}, at::kLong);
+  const at::Tensor w = at::randn({3, 4, 8, 8});
+  auto grads = [&] {
+    model->zero_grad();
+    (model->forward(x, t, labels) * w).sum().backward();
+    std::map<std::string, at::Tensor> g;
+    for (const auto& p : model->named_parameters()) g[p.key()] = p.value().grad().clone();
+    return g;
+  };
+  const auto plain = grads();
+  model->set_gradient_checkpointing(true);
+  const auto recomputed = grads();
+  for (const auto& [k, g] : plain)
+    EXPECT_LE((recomputed.at(k) - g).abs().max().item<double>(), 1e-6) << k;
+}
+
+TEST(Transformers, DiTInputMistakesAreShapeErrors) {
+  DiT<GELUTanh> model(small_dit());
+  const at::Tensor x = at::randn({2, 4, 8, 8});
+  const at::Tensor t = at::tensor({1, 2});
+  const at::Tensor labels = at::tensor({0, 1}, at::kLong);
+  auto shape_error = [](auto&& f) { return error_of<dt::ShapeError>(f); };
+  EXPECT_NE(shape_error([&] {
+              model->forward(at::randn({2, 3, 8, 8}), t, labels);
+            }).find("(B, 4, H, W)"),
+            std::string::npos);
+  EXPECT_NE(shape_error([&] {
+              model->forward(at::randn({2, 4, 8, 7}), t, labels);
+            }).find("not a multiple of patch_size 2"),
+            std::string::npos);
+  EXPECT_NE(shape_error([&] {
+              model->forward(x, at::tensor({1, 2, 3}), labels);
+            }).find("timestep"),
+            std::string::npos);
+  EXPECT_NE(shape_error([&] { model->forward(x, t, at::Tensor()); }).find("class_labels"),
+            std::string::npos);
+  EXPECT_NE(shape_error([&] {
+              model->forward(x, t, at::tensor({0, 6}, at::kLong));
+            }).find("[0, 5]"),
+            std::string::npos);
+  EXPECT_NE(shape_error([&] {
+              model->forward(x, t, at::tensor({0.0, 1.0}));
+            }).find("integer labels"),
+            std::string::npos);
+  // One timestep for the batch, and a non-square latent (diffusers only runs square ones).
+  EXPECT_EQ(model->forward(at::randn({2, 4, 6, 10}), at::tensor(7), labels).sizes(),
+            (std::vector<std::int64_t>{2, 4, 6, 10}));
+}
+
+TEST(Transformers, DiTConfigMistakesAreNamed) {
+  const nlohmann::json base = read_json(golden_transformers() / "dit_tiny" / "config.json");
+  auto config_error = [&](const nlohmann::json& patch) {
+    nlohmann::json j = base;
+    j.merge_patch(patch);
+    return error_of<dt::ConfigError>(
+        [&] { models::DiTTransformer2DConfig::from_json(j, "dit/config.json"); });
+  };
+  EXPECT_NE(config_error({{"attention_head_dim", 5}}).find("multiple of 4"), std::string::npos);
+  EXPECT_NE(config_error({{"norm_type", "ada_norm_single"}}).find("'norm_type'"),
+            std::string::npos);
+  nlohmann::json no_classes = base;  // (a merge patch would remove a null field, not set it)
+  no_classes["num_embeds_ada_norm"] = nullptr;
+  EXPECT_NE(error_of<dt::ConfigError>([&] {
+              models::DiTTransformer2DConfig::from_json(no_classes, "dit/config.json");
+            }).find("'num_embeds_ada_norm' = null"),
+            std::string::npos);
+  EXPECT_NE(config_error({{"activation_fn", "gelu-fast"}}).find("'activation_fn'"),
+            std::string::npos);
+  EXPECT_NE(config_error({{"patch_size", 16}}).find("smaller than one patch"), std::string::npos);
+  EXPECT_NE(config_error({{"num_layers", 0}}).find("'num_layers'"), std::string::npos);
+  EXPECT_NE(config_error({{"cross_attention_dim", 64}}).find("'cross_attention_dim'"),
+            std::string::npos);
+  EXPECT_NE(config_error({{"sample_sise", 8}}).find("unknown field 'sample_sise'"),
+            std::string::npos);
+  EXPECT_NE(config_error({{"num_layers", 2.5}}).find("integer"), std::string::npos);
+  // The activation policy must be the config's.
+  nlohmann::json exact = base;
+  exact["activation_fn"] = "gelu";
+  const auto c = models::DiTTransformer2DConfig::from_json(exact, "dit");
+  EXPECT_NE(error_of<dt::ConfigError>([&] { DiT<GELUTanh> m(c); }).find("nn::activation::GELU"),
+            std::string::npos);
+  // A UNet folder is not a DiT, and a DiT folder whose weights are another DiT's is refused.
+  const fs::path dir = scratch("config");
+  fs::copy(golden_transformers() / "dit_tiny", dir / "dit");
+  nlohmann::json other = base;
+  other["num_layers"] = 3;
+  std::ofstream(dir / "dit" / "config.json") << other.dump();
+  EXPECT_NE(error_of<dt::ConfigError>([&] {
+              models::from_pretrained<DiT<GELUTanh>>(dir / "dit");
+            }).find("transformer_blocks."),
+            std::string::npos);
+  other = base;
+  other["_class_name"] = "UNet2DConditionModel";
+  std::ofstream(dir / "dit" / "config.json") << other.dump();
+  EXPECT_NE(error_of<dt::ConfigError>([&] {
+              models::from_pretrained<DiT<GELUTanh>>(dir / "dit");
+            }).find("not a DiTTransformer2DModel"),
+            std::string::npos);
+  dt::io::remove_tree(dir);
+}
+
+TEST(Transformers, SavedDiTFolderRoundTrips) {
+  const fs::path dir = scratch("roundtrip");
+  auto model =
+      models::from_pretrained<DiT<QuickGELU>>(golden_transformers() / "dit_patch4_quick_gelu");
+  models::save_pretrained(model, dir / "dit");
+  auto back = models::from_pretrained<DiT<QuickGELU>>(dir / "dit");
+  const auto want = model->named_parameters();
+  for (const auto& p : back->named_parameters())
+    EXPECT_TRUE(at::equal(p.value(), want[p.key()])) << p.key();
+  EXPECT_EQ(back->config().to_json(), model->config().to_json());
+  if (const char* out = std::getenv("DIFFTRAIN_MODELS_OUT")) {
+    // For check_cpp_models.py: diffusers loads the folder and must give this output.
+    models::save_pretrained(model, fs::path(out) / "dit");
+    at::manual_seed(11);
+    std::map<std::string, at::Tensor> io{{"sample", at::randn({2, 3, 16, 16})},
+                                         {"timestep", at::tensor({4, 900})},
+                                         {"class_labels", at::tensor({2, 5}, at::kLong)}};
+    model->eval();
+    at::NoGradGuard no_grad;
+    io["output"] = model->forward(io["sample"], io["timestep"], io["class_labels"]);
+    dt::io::save_safetensors(fs::path(out) / "outputs_dit.safetensors", io);
+  }
+  dt::io::remove_tree(dir);
+}
