@@ -18,7 +18,7 @@
 #include <string>
 #include <utility>
 
-#include "../examples/fashion_mnist/unet.hpp"
+#include "../examples/fashion_mnist/denoiser.hpp"
 
 namespace {
 
@@ -27,9 +27,9 @@ struct LoggedConfig : difftrain::train::DefaultConfig {
   using Callbacks = std::tuple<difftrain::train::TensorBoard>;
 };
 
-using LoggedTrainer = difftrain::train::Trainer<fmnist::UNetImpl, LoggedConfig>;
+using LoggedTrainer = difftrain::train::Trainer<fmnist::DenoiserImpl, LoggedConfig>;
 
-std::unique_ptr<LoggedTrainer> make_trainer(fmnist::UNetImpl& net,
+std::unique_ptr<LoggedTrainer> make_trainer(fmnist::DenoiserImpl& net,
                                             const std::filesystem::path& dir) {
   LoggedTrainer::Options o;
   o.optimizer.lr = 1e-3;
@@ -45,16 +45,16 @@ void main_job_step(benchmark::State& state) {
   namespace tr = difftrain::train;
   at::manual_seed(0);
   const difftrain::diffusion::NoiseSchedule schedule;
-  fmnist::UNet off_net(fmnist::UNetOptions{.channels = 16}, schedule);
-  fmnist::UNet on_net(fmnist::UNetOptions{.channels = 16}, schedule);
+  fmnist::Denoiser off_net(fmnist::UNetOptions{.channels = 16}, schedule);
+  fmnist::Denoiser on_net(fmnist::UNetOptions{.channels = 16}, schedule);
   const std::filesystem::path dir =
       std::filesystem::temp_directory_path() / ("difftrain-bench-tb-" + std::to_string(::getpid()));
   (void)difftrain::io::remove_tree(dir);
   auto off = make_trainer(*off_net, {});
   auto on = make_trainer(*on_net, dir);
-  const fmnist::UNetImpl::Batch batch{at::rand({64, 1, 28, 28}) * 2 - 1,
+  const fmnist::DenoiserImpl::Batch batch{at::rand({64, 1, 28, 28}) * 2 - 1,
                                       at::randint(0, 10, {64}, at::kLong)};
-  const std::vector<fmnist::UNetImpl::Batch> micro{batch};
+  const std::vector<fmnist::DenoiserImpl::Batch> micro{batch};
   for (int i = 0; i < 2; ++i) (void)off->step(micro), (void)on->step(micro);  // warm-up
   // The grid's cost, once: encoding 40 images to PNG and writing them.
   const at::Tensor grid = at::rand({40, 1, 28, 28}) * 2 - 1;

@@ -25,7 +25,7 @@
 #include <tuple>
 
 #include "data.hpp"
-#include "unet.hpp"
+#include "denoiser.hpp"
 
 namespace fmnist {
 

@@ -1,5 +1,7 @@
 #pragma once
-// The main job's denoiser: a small class-conditional configuration of difftrain's
+// The main job's denoiser, one of two backbones (--model):
+//
+// unet (the default): a small class-conditional configuration of difftrain's
 // models::UNet2DConditionModel (diffusers' UNet, parameter for parameter) for 28×28 images,
 // block_out_channels (C, 3C/2, 2C), layers_per_block (0, 1, 1):
 //
@@ -16,26 +18,36 @@
 // heads of `d_head` channels. The bracketed cross-attention at 14×14 (196 tokens) is optional: on
 // two CPU cores it costs more than it gives in a short run.
 //
-// The class conditions the network twice: through diffusers' class embedding (num_class_embeds,
+// The class conditions the UNet twice: through diffusers' class embedding (num_class_embeds,
 // added to the timestep embedding every resnet receives), and through `context_tokens` context
 // vectors per class (a table of this wrapper, standing in for a text encoder) that the
-// transformers cross-attend to as encoder_hidden_states. Label 10 is the null class: training
-// drops labels to it with probability `p_uncond`, so one network gives both halves of
-// classifier-free guidance.
+// transformers cross-attend to as encoder_hidden_states. Residual branches (each resnet's conv2,
+// each transformer's proj_out) and conv_out start at zero, so the untrained network predicts zero
+// and each block starts as the identity (faster early training, as in ADM); everything else keeps
+// diffusers' initialisation. It learns the noise schedule's ε, v or x₀ (--prediction-type).
 //
-// Residual branches (each resnet's conv2, each transformer's proj_out) and conv_out start at zero,
-// so the untrained network predicts zero and each block starts as the identity (faster early
-// training, as in ADM); everything else keeps diffusers' initialisation.
+// dit: difftrain's models::DiTTransformer2DModel (diffusers' DiT) on p×p patches of the image,
+// class-conditional through adaLN-Zero, trained with flow matching (rectified flow: x_σ =
+// (1 − σ)·x₀ + σ·ε, the target ε − x₀, σ drawn logit-normal as SD3's default) and sampled with
+// the flow-matching Euler sampler. As in DiT's paper, every block's modulation and the output
+// layers start at zero, so each block starts as the identity and the untrained model predicts
+// zero.
+//
+// Either way label 10 is the null class: training drops labels to it with probability `p_uncond`,
+// so one network gives both halves of classifier-free guidance.
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/embedding.h>
+#include <difftrain/diffusion/flow_matching.hpp>
 #include <difftrain/diffusion/noise_schedule.hpp>
 #include <difftrain/diffusion/weighting.hpp>
+#include <difftrain/models/dit_transformer_2d.hpp>
 #include <difftrain/models/unet_2d_condition.hpp>
 #include <difftrain/nn/activation/elementwise.hpp>
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -45,6 +57,7 @@ namespace dt = difftrain;
 using Act = dt::nn::activation::SiLU;
 using AttentionBackend = dt::nn::attention::Sdpa<dt::nn::attention::Auto>;
 using Model = dt::models::UNet2DConditionModel<AttentionBackend, Act>;
+using DiT = dt::models::DiTTransformer2DModel<AttentionBackend, dt::nn::activation::GELUTanh>;
 
 struct UNetOptions {
   std::int64_t channels = 32;       ///< C: 28×28 width; 14×14 uses 3C/2, 7×7 2C
@@ -56,6 +69,47 @@ struct UNetOptions {
   dt::diffusion::Prediction prediction = dt::diffusion::Prediction::epsilon;
   double snr_gamma = 0.0;  ///< > 0: min-SNR-γ loss weighting (diffusers' --snr_gamma)
 };
+
+/// The DiT backbone (--model dit): `depth` blocks of `width` channels in `heads` heads over
+/// (28/patch)² patch tokens.
+struct DiTOptions {
+  std::int64_t width = 128;
+  std::int64_t depth = 6;
+  std::int64_t heads = 4;
+  std::int64_t patch = 4;
+};
+
+/// The DiTTransformer2DModel configuration of these options (its `config.json`).
+inline dt::models::DiTTransformer2DConfig dit_config(const DiTOptions& o, std::int64_t classes) {
+  if (o.heads <= 0 || o.width <= 0 || o.width % o.heads != 0)
+    throw dt::ConfigError("width " + std::to_string(o.width) + " must be a positive multiple of " +
+                              std::to_string(o.heads) + " heads",
+                          "DiT --dit-width/--dit-heads");
+  if (o.patch <= 0 || 28 % o.patch != 0)
+    throw dt::ConfigError("must divide 28 (1, 2, 4, 7, 14 or 28), got " + std::to_string(o.patch),
+                          "DiT --dit-patch");
+  dt::models::DiTTransformer2DConfig c;
+  c.num_attention_heads = o.heads;
+  c.attention_head_dim = o.width / o.heads;
+  c.in_channels = 1;
+  c.num_layers = o.depth;
+  c.sample_size = 28;
+  c.patch_size = o.patch;
+  c.num_embeds_ada_norm = classes;  // label `classes` is the null row
+  c.validate("DiT --dit-width/--dit-heads/--dit-depth");
+  return c;
+}
+
+/// adaLN-Zero as DiT's paper initialises it: every block's modulation (norm1.linear) and the
+/// output layers (proj_out_1, proj_out_2) start at zero.
+inline void zero_modulation(torch::nn::Module& m) {
+  at::NoGradGuard no_grad;
+  for (auto& p : m.named_parameters()) {
+    const std::string& n = p.key();
+    if (n.find(".norm1.linear.") != std::string::npos || n.starts_with("proj_out_"))
+      p.value().zero_();
+  }
+}
 
 /// Stores every 4-D parameter channels-last: the classifier's convolutions run ~1.5× faster so
 /// on the CPU (the UNet's do not: its GroupNorms are slower channels-last there).
@@ -115,8 +169,11 @@ inline void zero_residual_branches(torch::nn::Module& m) {
   }
 }
 
-class UNetImpl : public torch::nn::Module {
+class DenoiserImpl : public torch::nn::Module {
  public:
+  /// The flow-matching sampler's training steps (σ = index / 1000), the DiT's timestep scale.
+  static constexpr std::int64_t kFlowTimesteps = 1000;
+
   /// One training example set: images in [-1, 1] and their labels.
   struct Batch {
     at::Tensor images;  ///< (B, 1, 28, 28)
@@ -127,8 +184,17 @@ class UNetImpl : public torch::nn::Module {
     }
   };
 
-  UNetImpl(const UNetOptions& o, const dt::diffusion::NoiseSchedule& schedule)
+  /// A UNet with `o`, or a DiT with `dit_options` and `o`'s classes and p_uncond.
+  DenoiserImpl(const UNetOptions& o, const dt::diffusion::NoiseSchedule& schedule,
+               std::optional<DiTOptions> dit_options = std::nullopt)
       : o_(o), schedule_(&schedule) {
+    if (dit_options) {
+      dit = register_module("dit", DiT(dit_config(*dit_options, o.classes), "fmnist::DiT"));
+      // This wrapper drops labels itself (p_uncond), as for the UNet.
+      dit->set_class_dropout_prob(0.0);
+      zero_modulation(*dit);
+      return;
+    }
     unet = register_module("unet", Model(unet_config(o), "fmnist::UNet"));
     context_emb = register_module(
         "context_emb", torch::nn::Embedding(o.classes + 1, o.context_tokens * 2 * o.channels));
@@ -137,10 +203,17 @@ class UNetImpl : public torch::nn::Module {
 
   [[nodiscard]] const UNetOptions& options() const { return o_; }
   [[nodiscard]] std::int64_t null_label() const { return o_.classes; }
+  [[nodiscard]] bool is_dit() const { return !dit.is_empty(); }
 
-  /// The prediction (ε, v or x₀ per options) for noisy images x at timesteps t (B,) and labels.
+  /// The prediction for noisy images x at timesteps t (B,) and labels: the UNet's ε, v or x₀ (per
+  /// options) at schedule timesteps, the DiT's velocity ε − x₀ at flow timesteps σ · 1000.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& t, const at::Tensor& labels) {
     const at::Tensor lab = labels.to(x.device(), at::kLong);
+    if (is_dit()) {
+      if (x.dim() != 4 || x.size(1) != 1 || x.size(2) != 28 || x.size(3) != 28)
+        throw dt::ShapeError("expects (B, 1, 28, 28) images, got " + c10::str(x.sizes()), "DiT");
+      return dit->forward(x, t.to(x.device()), lab);
+    }
     return predict(x, t, context(lab), lab);
   }
 
@@ -150,18 +223,29 @@ class UNetImpl : public torch::nn::Module {
         .view({labels.size(0), o_.context_tokens, 2 * o_.channels});
   }
 
-  /// The denoising loss: uniform timesteps, Gaussian noise, labels dropped to the null class with
-  /// probability p_uncond, mean squared error against the prediction type's target.
+  /// The denoising loss: Gaussian noise, labels dropped to the null class with probability
+  /// p_uncond; for the UNet uniform timesteps and the mean squared error against the prediction
+  /// type's target (min-SNR weighted if asked), for the DiT flow matching.
   at::Tensor loss(const Batch& batch) {
     const at::Tensor& x0 = batch.images;
     const std::int64_t b = x0.size(0);
     const auto dev = at::TensorOptions().device(x0.device());
-    const at::Tensor t = schedule_->sample_timesteps(b, dev);
     const at::Tensor noise = at::randn_like(x0);
-    const at::Tensor xt = schedule_->add_noise(x0, noise, t);
     const at::Tensor drop = at::rand({b}, dev.dtype(at::kFloat)) < o_.p_uncond;
     const at::Tensor labels =
         at::where(drop, at::full_like(batch.labels, null_label()), batch.labels);
+    if (is_dit()) {
+      // SD3's logit-normal density over σ, looked up as its training script does.
+      const at::Tensor u = dt::diffusion::density_for_timestep_sampling(
+          dt::diffusion::TimestepDensity::logit_normal, b, {}, std::nullopt, x0.device());
+      const at::Tensor idx = (u * kFlowTimesteps).to(at::kLong).clamp(0, kFlowTimesteps - 1);
+      const at::Tensor sigmas = flow_.sigmas_for(idx.cpu()).to(x0.device());
+      const at::Tensor xt = flow_.noisy_input(x0, noise, sigmas);
+      const at::Tensor pred = forward(xt, sigmas * kFlowTimesteps, labels);
+      return at::mse_loss(pred.to(at::kFloat), flow_.target(x0, noise));
+    }
+    const at::Tensor t = schedule_->sample_timesteps(b, dev);
+    const at::Tensor xt = schedule_->add_noise(x0, noise, t);
     const at::Tensor pred = forward(xt, t, labels);
     const at::Tensor target = schedule_->target(o_.prediction, x0, noise, t);
     if (o_.snr_gamma <= 0) return at::mse_loss(pred, target);
@@ -174,6 +258,7 @@ class UNetImpl : public torch::nn::Module {
 
   Model unet{nullptr};
   torch::nn::Embedding context_emb{nullptr};
+  DiT dit{nullptr};
 
  private:
   /// The UNet on x with context tokens ctx and the labels for the class embedding.
@@ -195,7 +280,8 @@ class UNetImpl : public torch::nn::Module {
 
   UNetOptions o_;
   const dt::diffusion::NoiseSchedule* schedule_;
+  dt::diffusion::FlowMatchEuler flow_;
 };
-TORCH_MODULE(UNet);
+TORCH_MODULE(Denoiser);
 
 }  // namespace fmnist

@@ -4,9 +4,9 @@
 //
 // Writes to --out: checkpoints/ (atomic, the latest few), loss.csv, loss.png and lr.png,
 // samples.png (a row per class), classifier.safetensors (cached judge), ema.safetensors (the EMA
-// weights), unet/ (the EMA UNet as a diffusers model folder), results.json (class accuracy, Fréchet
-// distance, timings) and tensorboard/ (the run's event file: `tensorboard --logdir
-// OUT/tensorboard`).
+// weights), unet/ (the EMA UNet as a diffusers model folder; transformer/ with --model dit),
+// results.json (class accuracy, Fréchet distance, timings) and tensorboard/ (the run's event file:
+// `tensorboard --logdir OUT/tensorboard`).
 //
 // Ctrl-C stops after the current step, saves a checkpoint and exits with status 130; run again
 // with --resume to continue. A second Ctrl-C kills the program at once.
@@ -19,6 +19,7 @@
 #include <CLI/CLI.hpp>
 #include <difftrain/diffusion/ddim.hpp>
 #include <difftrain/diffusion/dpm_solver.hpp>
+#include <difftrain/diffusion/flow_matching.hpp>
 #include <difftrain/diffusion/sample.hpp>
 #include <difftrain/distributed/data_parallel.hpp>
 #include <difftrain/ema/ema.hpp>
@@ -49,8 +50,8 @@
 #include "../common/run_skeleton.hpp"
 #include "classifier.hpp"
 #include "data.hpp"
+#include "denoiser.hpp"
 #include "report.hpp"
-#include "unet.hpp"
 
 namespace fs = std::filesystem;
 namespace tr = difftrain::train;
@@ -69,8 +70,11 @@ struct Settings : examples::RunFlags, examples::JudgeFlags {
     out = "runs/fashion_mnist";
   }
   // model and training
+  std::string model = "unet";  // or "dit"
   std::int64_t channels = 16;
   bool attention_14 = false;
+  fmnist::DiTOptions dit;
+  std::vector<std::string> unet_flags_given, dit_flags_given;  // to refuse the other model's
   std::int64_t steps = 700;
   std::int64_t batch_size = 64;
   double lr = 2e-3;
@@ -101,7 +105,7 @@ struct Settings : examples::RunFlags, examples::JudgeFlags {
   std::int64_t sample_every = 0;     // a sample grid into TensorBoard every N steps (0: none)
   std::int64_t profile_steps = 0;    // profile this many steps after 10 warm-up ones (0: none)
   // sampling and scoring
-  std::string sampler = "dpm++";
+  std::string sampler = "auto";  // dpm++ for the UNet, euler for the DiT
   std::int64_t sample_steps = 12;
   bool clip_x0 = true;
   double guidance = 3.0;
@@ -110,14 +114,14 @@ struct Settings : examples::RunFlags, examples::JudgeFlags {
   double rank_timeout = 1800;
 };
 
-at::Tensor sample(const Settings& s, fmnist::UNet& net, const df::NoiseSchedule& schedule,
+at::Tensor sample(const Settings& s, fmnist::Denoiser& net, const df::NoiseSchedule& schedule,
                   const at::Tensor& labels, at::Device device, bool show_progress = false);
 
 /// What the model draws now (the EMA weights, swapped in by SampleEvery): four images per class
 /// from the same noise every time, so TensorBoard shows one grid changing over the run.
 struct PeekSamples {
   const Settings* s;
-  fmnist::UNet* net;
+  fmnist::Denoiser* net;
   const df::NoiseSchedule* schedule;
   at::Device device;
   template <class T>
@@ -130,7 +134,7 @@ struct PeekSamples {
   }
 };
 
-struct UNetConfig : tr::DefaultConfig {
+struct DenoiserConfig : tr::DefaultConfig {
   using Optimizer = tr::AdamW;
   using Schedule = difftrain::schedule::ByName;                 // --lr-scheduler, diffusers' names
   using Ema = difftrain::ema::Ema<difftrain::ema::RuleByName>;  // --ema-rule, --ema-settings
@@ -141,7 +145,7 @@ struct UNetConfig : tr::DefaultConfig {
                  tr::SampleEvery<PeekSamples>, tr::StepProfile, StopOnInterrupt>;
   using Parallel = difftrain::distributed::DataParallel;
 };
-using UNetTrainer = tr::Trainer<fmnist::UNetImpl, UNetConfig>;
+using DenoiserTrainer = tr::Trainer<fmnist::DenoiserImpl, DenoiserConfig>;
 
 /// The EMA rule of the command line: --ema-rule with --ema-settings (a JSON object), and
 /// --ema-decay as the rule's decay (beta for ema_pytorch) unless the settings give one.
@@ -167,7 +171,7 @@ difftrain::ema::RuleByName::Options ema_rule_options(const Settings& s) {
 
 using examples::seconds_since;
 
-at::Tensor sample(const Settings& s, fmnist::UNet& net, const df::NoiseSchedule& schedule,
+at::Tensor sample(const Settings& s, fmnist::Denoiser& net, const df::NoiseSchedule& schedule,
                   const at::Tensor& labels, at::Device device, bool show_progress) {
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(s.seed + 1);
   const at::Tensor noise = at::randn({labels.size(0), 1, 28, 28}, gen).to(device);
@@ -190,6 +194,15 @@ at::Tensor sample(const Settings& s, fmnist::UNet& net, const df::NoiseSchedule&
   auto model = [&](const at::Tensor& x, const at::Tensor& t, const at::Tensor& c) {
     return net->forward(x, t, c);
   };
+  auto finish = [&](at::Tensor x) {
+    bar.finish();
+    return x;
+  };
+  if (net->is_dit()) {
+    // The rectified flow from σ = 1 (noise) to 0 in Euler steps, unshifted (28×28 is small).
+    df::FlowMatchEuler euler;
+    return finish(df::sample(euler, model, noise, opts, cond, uncond));
+  }
   // Images live in [-1, 1]: clipping each step's x̂₀ there keeps an early, poor noise estimate
   // (divided by √ᾱ ≈ 0.006 at t = 999) from turning into salt-and-pepper pixels.
   const df::Clipping clip{.clip_sample = s.clip_x0};
@@ -197,22 +210,38 @@ at::Tensor sample(const Settings& s, fmnist::UNet& net, const df::NoiseSchedule&
     df::Ddim ddim(schedule, {.prediction_type = net->options().prediction,
                              .clipping = clip,
                              .timestep_spacing = df::TimestepSpacing::trailing});
-    at::Tensor x = df::sample(ddim, model, noise, opts, cond, uncond);
-    bar.finish();
-    return x;
+    return finish(df::sample(ddim, model, noise, opts, cond, uncond));
   }
   df::DpmSolverPP2M dpm(schedule, {.prediction_type = net->options().prediction, .clipping = clip});
-  at::Tensor x = df::sample(dpm, model, noise, opts, cond, uncond);
-  bar.finish();
-  return x;
+  return finish(df::sample(dpm, model, noise, opts, cond, uncond));
+}
+
+/// The flags of one backbone given with the other (each would be silently ignored), as a sentence.
+void refuse_other_models_flags(const Settings& s) {
+  const auto& wrong = s.model == "dit" ? s.unet_flags_given : s.dit_flags_given;
+  if (wrong.empty()) return;
+  std::string names;
+  for (const auto& n : wrong) names += (names.empty() ? "" : ", ") + n;
+  throw ConfigError(names + (wrong.size() == 1 ? " applies" : " apply") + " to --model " +
+                        (s.model == "dit" ? "unet" : "dit") + ", not to --model " + s.model +
+                        (s.model == "dit" ? " (the DiT learns a flow-matching velocity and samples "
+                                            "with the flow Euler sampler)"
+                                          : ""),
+                    "--model");
 }
 
 int run(const Settings& s) {
   const auto t_start = std::chrono::steady_clock::now();
   (void)ema_rule_options(s);              // a wrong EMA setting is named before any work
   (void)examples::device_from(s.device);  // a name and a device this machine has
-  if (s.sampler != "dpm++" && s.sampler != "ddim")
-    throw ConfigError("must be dpm++ or ddim, got '" + s.sampler + "'", "--sampler");
+  refuse_other_models_flags(s);
+  if (s.model == "dit") (void)fmnist::dit_config(s.dit, fmnist::kClasses);  // named before work
+  if (s.model == "dit" ? s.sampler != "euler" : s.sampler != "dpm++" && s.sampler != "ddim")
+    throw ConfigError(std::string("must be ") +
+                          (s.model == "dit" ? "euler (the flow-matching sampler) for --model dit"
+                                            : "dpm++ or ddim for --model unet") +
+                          ", got '" + s.sampler + "'",
+                      "--sampler");
   // The ranks of a torchrun launch (a world of one without it). Every rank checks the same flags
   // and so fails the same way before this point.
   const auto world = difftrain::distributed::World::from_environment(
@@ -267,15 +296,15 @@ int run(const Settings& s) {
   // on whether the classifier was trained (drawing numbers) or loaded from the cache.
   tr::set_seed(s.seed);
   const df::NoiseSchedule schedule;
-  fmnist::UNet net(
+  fmnist::Denoiser net(
       fmnist::UNetOptions{.channels = s.channels,
                           .attention_14 = s.attention_14,
                           .p_uncond = s.p_uncond,
                           .prediction = df::prediction_from(s.prediction_type, "--prediction-type"),
                           .snr_gamma = s.snr_gamma},
-      schedule);
+      schedule, s.model == "dit" ? std::optional<fmnist::DiTOptions>(s.dit) : std::nullopt);
   net->to(device);
-  UNetTrainer::Options o;
+  DenoiserTrainer::Options o;
   o.optimizer.lr = s.lr;
   o.optimizer.weight_decay = s.weight_decay;
   o.optimizer.beta1 = s.adam_beta1;
@@ -314,34 +343,41 @@ int run(const Settings& s) {
     difftrain::log::remove_event_files(tb_dir);
   // The settings results.json repeats, under its names; TensorBoard's table shows them with the
   // model's and optimizer's own.
-  const nlohmann::json shared_settings = {{"sampler", s.sampler},
-                                          {"sampling_steps", s.sample_steps},
-                                          {"clip_x0", s.clip_x0},
-                                          {"guidance_scale", s.guidance},
-                                          {"batch_size", s.batch_size},
-                                          {"lr_scheduler", s.lr_scheduler},
-                                          {"lr", s.lr},
-                                          {"ema", ema_rule_json(s)},
-                                          {"mixed_precision", mixed_precision},
-                                          {"prediction_type", s.prediction_type},
-                                          {"snr_gamma", s.snr_gamma},
-                                          {"gradient_accumulation_steps", s.accumulation},
-                                          {"device", s.device},
-                                          {"seed", s.seed}};
+  const nlohmann::json shared_settings = {
+      {"model", s.model},
+      {"sampler", s.sampler},
+      {"sampling_steps", s.sample_steps},
+      {"clip_x0", s.model != "dit" && s.clip_x0},
+      {"guidance_scale", s.guidance},
+      {"batch_size", s.batch_size},
+      {"lr_scheduler", s.lr_scheduler},
+      {"lr", s.lr},
+      {"ema", ema_rule_json(s)},
+      {"mixed_precision", mixed_precision},
+      {"prediction_type", s.model == "dit" ? "flow_matching" : s.prediction_type},
+      {"snr_gamma", s.model == "dit" ? 0.0 : s.snr_gamma},
+      {"gradient_accumulation_steps", s.accumulation},
+      {"device", s.device},
+      {"seed", s.seed}};
   nlohmann::json run_settings = {
       {"steps", s.steps},        {"channels", s.channels},         {"attention_14", s.attention_14},
       {"warmup", s.warmup},      {"weight_decay", s.weight_decay}, {"adam_kernel", s.adam_kernel},
       {"max_grad_norm", s.clip}, {"p_uncond", s.p_uncond},         {"ranks", world->size()}};
+  if (s.model == "dit")
+    run_settings.update({{"dit_width", s.dit.width},
+                         {"dit_depth", s.dit.depth},
+                         {"dit_heads", s.dit.heads},
+                         {"dit_patch", s.dit.patch}});
   run_settings.update(shared_settings);
   const std::int64_t n = data.train.size();
   const std::int64_t per_epoch = std::max<std::int64_t>(1, n / (s.batch_size * s.accumulation));
 
   std::int64_t resumed_from = 0;
-  std::unique_ptr<UNetTrainer> trainer;
+  std::unique_ptr<DenoiserTrainer> trainer;
   auto make_trainer = [&] {
-    return std::make_unique<UNetTrainer>(
+    return std::make_unique<DenoiserTrainer>(
         *net, o,
-        UNetConfig::Callbacks{
+        DenoiserConfig::Callbacks{
             tr::ProgressBar({.total_steps = s.steps,
                              .every = 10,
                              .lines_every = s.progress_lines >= 0
@@ -398,7 +434,7 @@ int run(const Settings& s) {
   auto source = [&](std::int64_t step, std::int64_t micro) {
     const at::Tensor idx =
         batches.indices(step * s.accumulation + micro).narrow(0, world->rank() * share, share);
-    return fmnist::UNetImpl::Batch{images.index_select(0, idx), labels.index_select(0, idx)};
+    return fmnist::DenoiserImpl::Batch{images.index_select(0, idx), labels.index_select(0, idx)};
   };
   // Each rank its own noise and label dropout (a resumed run restores each rank's generator).
   if (world->rank() > 0 && !s.resume) tr::set_seed(s.seed + 7919 * world->rank());
@@ -407,9 +443,9 @@ int run(const Settings& s) {
   t = std::chrono::steady_clock::now();
   if (main_rank)
     std::fprintf(
-        stderr, "train: %lld steps of %lld images, UNet with %lld parameters, on %s%s\n",
+        stderr, "train: %lld steps of %lld images, %s with %lld parameters, on %s%s\n",
         static_cast<long long>(s.steps), static_cast<long long>(s.batch_size),
-        static_cast<long long>([&] {
+        s.model == "dit" ? "DiT" : "UNet", static_cast<long long>([&] {
           std::int64_t c = 0;
           for (const auto& p : net->parameters()) c += p.numel();
           return c;
@@ -463,9 +499,13 @@ int run(const Settings& s) {
     difftrain::io::save_safetensors(out / "ema.safetensors",
                                     difftrain::nn::module_tensors(*net, /*buffers=*/false),
                                     {{"step", std::to_string(trainer->global_step())}});
-    // The UNet alone as a diffusers model folder (UNet2DConditionModel.from_pretrained reads
-    // it); its class tokens are ema.safetensors' context_emb.weight.
-    difftrain::models::save_pretrained(net->unet, out / "unet");
+    // The backbone alone as a diffusers model folder (UNet2DConditionModel.from_pretrained or
+    // DiTTransformer2DModel.from_pretrained reads it); the UNet's class tokens are
+    // ema.safetensors' context_emb.weight.
+    if (net->is_dit())
+      difftrain::models::save_pretrained(net->dit, out / "transformer");
+    else
+      difftrain::models::save_pretrained(net->unet, out / "unet");
     samples = sample(s, net, schedule, sample_labels, device, true).clamp(-1, 1);
   }
   const double sample_seconds = seconds_since(t);
@@ -614,10 +654,30 @@ int main(int argc, char** argv) {
   m->add_option("--batch-size,--train_batch_size", s.batch_size, "images per step")
       ->check(examples::count_in(1, 1'000'000))
       ->capture_default_str();
-  m->add_option("--channels", s.channels, "UNet width C (multiple of 16)")
-      ->check(examples::count_in(16, 4096))
+  m->add_option("--model", s.model,
+                "the denoiser: unet (diffusers' UNet2DConditionModel, noise-schedule training) or "
+                "dit (diffusers' DiTTransformer2DModel, flow matching)")
+      ->check(CLI::IsMember({"unet", "dit"}))
       ->capture_default_str();
-  m->add_flag("--attention-14", s.attention_14, "transformers at 14×14 too (slower on a CPU)");
+  std::vector<CLI::Option*> unet_only, dit_only;
+  unet_only.push_back(m->add_option("--channels", s.channels, "UNet width C (multiple of 16)")
+                          ->check(examples::count_in(16, 4096))
+                          ->capture_default_str());
+  unet_only.push_back(
+      m->add_flag("--attention-14", s.attention_14, "transformers at 14×14 too (slower on a CPU)"));
+  dit_only.push_back(m->add_option("--dit-width", s.dit.width, "DiT width (heads × head width)")
+                         ->check(examples::count_in(4, 4096))
+                         ->capture_default_str());
+  dit_only.push_back(m->add_option("--dit-depth", s.dit.depth, "DiT blocks")
+                         ->check(examples::count_in(1, 256))
+                         ->capture_default_str());
+  dit_only.push_back(m->add_option("--dit-heads", s.dit.heads, "DiT attention heads")
+                         ->check(examples::count_in(1, 256))
+                         ->capture_default_str());
+  dit_only.push_back(
+      m->add_option("--dit-patch", s.dit.patch, "DiT patch side (divides 28: (28/p)² tokens)")
+          ->check(examples::count_in(1, 28))
+          ->capture_default_str());
   m->add_option("--lr,--learning_rate", s.lr, "peak AdamW learning rate")
       ->check(examples::number_in(0, 1e4, true))
       ->capture_default_str();
@@ -642,13 +702,14 @@ int main(int argc, char** argv) {
   m->add_option("--ema-settings", s.ema_settings,
                 "the rule's other options as JSON, e.g. '{\"use_ema_warmup\": true}'")
       ->capture_default_str();
-  m->add_option("--prediction-type,--prediction_type", s.prediction_type,
-                "what the UNet predicts: epsilon, v_prediction or sample")
-      ->check(CLI::IsMember({"epsilon", "v_prediction", "sample"}))
-      ->capture_default_str();
-  m->add_option("--snr-gamma,--snr_gamma", s.snr_gamma, "min-SNR-γ loss weighting (0: off)")
-      ->check(examples::number_in(0, 1e6))
-      ->capture_default_str();
+  unet_only.push_back(m->add_option("--prediction-type,--prediction_type", s.prediction_type,
+                                    "what the UNet predicts: epsilon, v_prediction or sample")
+                          ->check(CLI::IsMember({"epsilon", "v_prediction", "sample"}))
+                          ->capture_default_str());
+  unet_only.push_back(m->add_option("--snr-gamma,--snr_gamma", s.snr_gamma,
+                                    "the UNet's min-SNR-γ loss weighting (0: off)")
+                          ->check(examples::number_in(0, 1e6))
+                          ->capture_default_str());
   m->add_option("--adam_beta1", s.adam_beta1, "AdamW β₁")
       ->check(examples::number_in(0, 1))
       ->capture_default_str();
@@ -686,12 +747,16 @@ int main(int argc, char** argv) {
       ->check(examples::count_in(1, 1'000'000))
       ->capture_default_str();
   auto* e = app.add_option_group("sampling and scoring");
-  e->add_option("--sampler", s.sampler, "dpm++ (DPM-Solver++ 2M) or ddim")->capture_default_str();
+  e->add_option("--sampler", s.sampler,
+                "auto, dpm++ (DPM-Solver++ 2M) or ddim for the UNet, euler (flow matching) for "
+                "the DiT; auto: dpm++ or euler")
+      ->capture_default_str();
   e->add_option("--sample-steps", s.sample_steps, "sampler steps")
       ->check(CLI::Range(1, 1000))
       ->capture_default_str();
-  e->add_flag("--clip-x0,!--no-clip-x0", s.clip_x0,
-              "clip each sampler step's predicted clean image to [-1, 1] (default on)");
+  unet_only.push_back(
+      e->add_flag("--clip-x0,!--no-clip-x0", s.clip_x0,
+                  "clip each sampler step's predicted clean image to [-1, 1] (UNet; default on)"));
   e->add_option("--guidance", s.guidance, "classifier-free guidance scale (1: none)")
       ->check(examples::number_in(0, 1e4))
       ->capture_default_str();
@@ -708,5 +773,10 @@ int main(int argc, char** argv) {
   app.allow_config_extras(CLI::config_extras_mode::error);  // a misspelt key is an error
   CLI11_PARSE(app, argc, argv);
   if (!s.resume_from.empty()) s.resume = true;  // "latest" or a file: either way a resume
+  for (auto* o : unet_only)
+    if (o->count() > 0) s.unet_flags_given.push_back(o->get_name());
+  for (auto* o : dit_only)
+    if (o->count() > 0) s.dit_flags_given.push_back(o->get_name());
+  if (s.sampler == "auto") s.sampler = s.model == "dit" ? "euler" : "dpm++";
   return examples::run_reporting_errors([&] { return run(s); });
 }

@@ -29,7 +29,7 @@
 
 #include "../common/prompt_templates.hpp"
 #include "../fashion_mnist/data.hpp"
-#include "../fashion_mnist/unet.hpp"
+#include "../fashion_mnist/denoiser.hpp"
 
 namespace fmtext {
 

@@ -104,6 +104,51 @@ print("diffusers loads the run's UNet:", sum(p.numel() for p in unet.parameters(
 PY
 fi
 
+# --model dit: diffusers' DiT trained with flow matching; a run pauses and resumes to the same
+# losses, writes transformer/ (which diffusers loads: its weights are the EMA weights), and the
+# other model's flags are refused by name before any work.
+dit=(--model dit --dit-width 32 --dit-heads 2 --dit-depth 2 --dit-patch 7)
+expect_rc 0 dit -- "$bin" "${tiny[@]}" "${dit[@]}" --steps 4 --out "$work/dit"
+for f in transformer/config.json transformer/diffusion_pytorch_model.safetensors samples.png; do
+  [ -s "$work/dit/$f" ] || fail "the DiT run did not write $f"
+done
+[ -e "$work/dit/unet" ] && fail "the DiT run wrote a unet/ folder"
+grep_in "$work/dit.err" "DiT with [0-9]* parameters"
+grep_in "$work/dit/results.json" '"model": "dit"'
+grep_in "$work/dit/results.json" '"sampler": "euler"'
+grep_in "$work/dit/results.json" '"prediction_type": "flow_matching"'
+expect_rc 0 dit-pause -- "$bin" "${tiny[@]}" "${dit[@]}" --steps 4 --stop-at-step 2 --out "$work/dit2"
+expect_rc 0 dit-resume -- "$bin" "${tiny[@]}" "${dit[@]}" --steps 4 --resume --out "$work/dit2"
+cmp -s "$work/dit/loss.csv" "$work/dit2/loss.csv" || fail "the resumed DiT's losses differ"
+expect_rc 2 dit-unet-flag -- "$bin" "${tiny[@]}" "${dit[@]}" --prediction-type epsilon --out "$work/x"
+grep_in "$work/dit-unet-flag.err" "applies to --model unet"
+expect_rc 2 unet-dit-flag -- "$bin" "${tiny[@]}" --dit-depth 3 --out "$work/x"
+grep_in "$work/unet-dit-flag.err" "applies to --model dit"
+expect_rc 2 dit-sampler -- "$bin" "${tiny[@]}" "${dit[@]}" --sampler ddim --out "$work/x"
+grep_in "$work/dit-sampler.err" "euler"
+expect_rc 2 dit-patch -- "$bin" "${tiny[@]}" --model dit --dit-patch 3 --out "$work/x"
+grep_in "$work/dit-patch.err" "must divide 28"
+if [ -n "${DIFFTRAIN_PYTHON:-}" ]; then
+  "$DIFFTRAIN_PYTHON" - "$work/dit" >"$work/diffusers-dit.out" 2>&1 <<'PY' || { fail "diffusers DiT check"; cat "$work/diffusers-dit.out"; }
+import sys
+import torch
+from diffusers import DiTTransformer2DModel
+from safetensors.torch import load_file
+run = sys.argv[1]
+dit = DiTTransformer2DModel.from_pretrained(run + "/transformer").eval()
+ema = load_file(run + "/ema.safetensors")
+sd = dit.state_dict()
+assert {"dit." + k for k in sd} == {k for k in ema if k.startswith("dit.")}
+for k, v in sd.items():
+    assert torch.equal(v, ema["dit." + k]), k
+with torch.no_grad():
+    y = dit(torch.randn(3, 1, 28, 28), timestep=torch.tensor([10, 500, 990]),
+            class_labels=torch.tensor([0, 9, 10])).sample
+assert y.shape == (3, 1, 28, 28) and torch.isfinite(y).all(), y.shape
+print("diffusers loads the run's DiT:", sum(p.numel() for p in dit.parameters()), "parameters")
+PY
+fi
+
 # A second run in the same place must not replace the first one's checkpoints.
 expect_rc 2 again -- "$bin" "${tiny[@]}" --steps 6 --out "$work/a"
 grep_in "$work/again.err" "--resume"

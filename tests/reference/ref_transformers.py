@@ -1,12 +1,15 @@
-"""Golden values for difftrain's diffusion transformers: diffusers' own DiTTransformer2DModel.
+"""Golden values for difftrain's diffusion transformers: diffusers' own DiTTransformer2DModel and
+PixArtTransformer2DModel.
 
 For a sweep of tiny random configurations (head counts and widths, patch sizes 1, 2 and 4, learned
 sigma, attention with and without biases, every feed-forward activation diffusers' DiT accepts,
 affine and plain norms, inputs at and away from the configured sample size) this saves each model
 with save_pretrained (one case as the legacy `Transformer2DModel` folder the hub's DiT checkpoints
 are), runs it on seeded inputs and writes the inputs, the output and the gradient of sum(out * w)
-for every parameter. The published DiT-XL/2 configurations are instantiated on the meta device for
-their parameter names, shapes and counts.
+for every parameter. PixArt cases add a caption projection or raw text, a text mask (one row
+partly, one fully masked), resolution and aspect-ratio conditions and an interpolation scale. The
+published DiT-XL/2 and PixArt-α configurations are instantiated on the meta device for their
+parameter names, shapes and counts.
 
 The model runs in eval mode: in training mode diffusers drops class labels at random inside the
 model (LabelEmbedding's classifier-free-guidance dropout), which no two implementations can draw
@@ -16,7 +19,7 @@ import json
 import pathlib
 
 import torch
-from diffusers import DiTTransformer2DModel
+from diffusers import DiTTransformer2DModel, PixArtTransformer2DModel
 from diffusers.utils import logging as diffusers_logging
 from safetensors.torch import save_file
 
@@ -32,6 +35,36 @@ DIT_XL_2_256 = {
     "sample_size": 32, "upcast_attention": False, "use_linear_projection": False,
 }
 DIT_XL_2_512 = dict(DIT_XL_2_256, sample_size=64)
+# PixArt-alpha/PixArt-XL-2-1024-MS's transformer/config.json (legacy class), and -512x512.
+PIXART_XL_2_1024 = {
+    "_class_name": "Transformer2DModel", "activation_fn": "gelu-approximate", "attention_bias": True,
+    "attention_head_dim": 72, "caption_channels": 4096, "cross_attention_dim": 1152, "dropout": 0.0,
+    "in_channels": 4, "norm_elementwise_affine": False, "norm_eps": 1e-06, "norm_num_groups": 32,
+    "norm_type": "ada_norm_single", "num_attention_heads": 16, "num_embeds_ada_norm": 1000,
+    "num_layers": 28, "num_vector_embeds": None, "only_cross_attention": False, "out_channels": 8,
+    "patch_size": 2, "sample_size": 128, "upcast_attention": False, "use_linear_projection": False,
+}
+PIXART_XL_2_512 = dict(PIXART_XL_2_1024, sample_size=64)
+
+# (name, config, input size, text length, text width, legacy folder)
+PIXART_CASES = [
+    ("pixart_caption_projection", dict(num_attention_heads=2, attention_head_dim=8, in_channels=4,
+                                       out_channels=8, num_layers=2, sample_size=8, patch_size=2,
+                                       cross_attention_dim=16, caption_channels=12), 8, 5, 12, False),
+    # Resolution and aspect-ratio conditions (width 24: thirds), raw text of width 10, an
+    # interpolation scale, exact GELU, no attention biases, affine norms, larger inputs, legacy.
+    ("pixart_conditions_legacy", dict(num_attention_heads=2, attention_head_dim=12, in_channels=4,
+                                      out_channels=4, num_layers=2, sample_size=8, patch_size=2,
+                                      cross_attention_dim=10, use_additional_conditions=True,
+                                      interpolation_scale=2, activation_fn="gelu",
+                                      attention_bias=False, norm_elementwise_affine=True),
+     12, 4, 10, True),
+    # Patch 1, three heads of 4, gated GELU, a caption projection from width 7.
+    ("pixart_patch1_geglu", dict(num_attention_heads=3, attention_head_dim=4, in_channels=2,
+                                 out_channels=None, num_layers=1, sample_size=6, patch_size=1,
+                                 cross_attention_dim=12, caption_channels=7, activation_fn="geglu"),
+     6, 3, 7, False),
+]
 
 # (name, config, input size, save as the legacy Transformer2DModel class)
 DIT_CASES = [
@@ -63,13 +96,14 @@ def randomise(model):
             p.add_(torch.randn_like(p) * 0.05)
 
 
-def save_legacy(model, folder):
-    """Rewrites the saved config as the hub's DiT folders have it (class Transformer2DModel)."""
+def save_legacy(model, folder, dit=True):
+    """Rewrites the saved config as the hub's DiT and PixArt folders have it (Transformer2DModel)."""
     path = folder / "config.json"
     cfg = json.loads(path.read_text())
     cfg["_class_name"] = "Transformer2DModel"
-    cfg.update(cross_attention_dim=None, num_vector_embeds=None, only_cross_attention=False,
-               use_linear_projection=False)
+    cfg.update(num_vector_embeds=None, only_cross_attention=False, use_linear_projection=False)
+    if dit:
+        cfg["cross_attention_dim"] = None
     path.write_text(json.dumps(cfg, indent=2))
 
 
@@ -107,6 +141,42 @@ def generate(out):
         index["dit"].append({"name": name, "legacy": legacy,
                              "parameters": sum(p.numel() for p in model.parameters())})
 
+    index["pixart"] = []
+    for name, config, size, length, width, legacy in PIXART_CASES:
+        torch.manual_seed(0)
+        model = PixArtTransformer2DModel(**config)
+        randomise(model)
+        model.save_pretrained(root / name)
+        if legacy:
+            save_legacy(model, root / name, dit=False)
+        model = PixArtTransformer2DModel.from_pretrained(root / name).train()
+        g = torch.Generator().manual_seed(2)
+        b = 2
+        cfg = model.config
+        mask = torch.ones(b, length)
+        mask[0, 1::2] = 0
+        mask[1] = 0
+        inputs = {"sample": torch.randn(b, cfg.in_channels, size, size, generator=g),
+                  "timestep": torch.tensor([7, 640]),
+                  "encoder_hidden_states": torch.randn(b, length, width, generator=g),
+                  "encoder_attention_mask": mask}
+        added = None
+        if model.use_additional_conditions:
+            inputs["resolution"] = torch.tensor([[96.0, 64.0], [80.0, 80.0]])
+            inputs["aspect_ratio"] = torch.tensor([[1.5], [1.0]])
+            added = {"resolution": inputs["resolution"], "aspect_ratio": inputs["aspect_ratio"]}
+        y = model(inputs["sample"], encoder_hidden_states=inputs["encoder_hidden_states"],
+                  timestep=inputs["timestep"], added_cond_kwargs=added,
+                  encoder_attention_mask=mask).sample
+        w = torch.randn(y.shape, generator=g)
+        (y * w).sum().backward()
+        tensors = {f"input.{k}": v for k, v in inputs.items()}
+        tensors.update({"output": y.detach(), "weight": w})
+        tensors.update({f"grad.{n}": p.grad.clone() for n, p in model.named_parameters()})
+        save_file({k: v.contiguous() for k, v in tensors.items()}, root / f"{name}.io.safetensors")
+        index["pixart"].append({"name": name, "legacy": legacy,
+                                "parameters": sum(p.numel() for p in model.parameters())})
+
     full = {}
     with torch.device("meta"):
         for key, cfg in (("dit_xl_2_256", DIT_XL_2_256), ("dit_xl_2_512", DIT_XL_2_512)):
@@ -115,6 +185,14 @@ def generate(out):
                                                            "only_cross_attention",
                                                            "use_linear_projection")}
             model = DiTTransformer2DModel(**args)
+            full[key] = {"config": cfg,
+                         "shapes": {n: list(p.shape) for n, p in model.state_dict().items()},
+                         "parameters": sum(p.numel() for p in model.parameters())}
+        for key, cfg in (("pixart_xl_2_1024", PIXART_XL_2_1024), ("pixart_xl_2_512", PIXART_XL_2_512)):
+            args = {k: v for k, v in cfg.items()
+                    if not k.startswith("_") and k not in ("num_vector_embeds", "only_cross_attention",
+                                                           "use_linear_projection")}
+            model = PixArtTransformer2DModel(**args)
             full[key] = {"config": cfg,
                          "shapes": {n: list(p.shape) for n, p in model.state_dict().items()},
                          "parameters": sum(p.numel() for p in model.parameters())}

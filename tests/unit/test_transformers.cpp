@@ -1,13 +1,15 @@
-// diffusers' diffusion transformers in difftrain: DiTTransformer2DModel's output and every
-// parameter gradient equal diffusers' on the same save_pretrained folders
-// (tests/reference/ref_transformers.py), the published DiT-XL/2 configurations have diffusers'
-// parameter names, shapes and count, label dropout draws once per call at diffusers' rate,
-// gradient checkpointing changes no gradient, folders round-trip (and load in diffusers:
-// check_cpp_models.py), and config and input mistakes are typed errors that name the field.
+// diffusers' diffusion transformers in difftrain: DiTTransformer2DModel's and
+// PixArtTransformer2DModel's outputs and every parameter gradient equal diffusers' on the same
+// save_pretrained folders (tests/reference/ref_transformers.py), the published DiT-XL/2 and
+// PixArt-α configurations have diffusers' parameter names, shapes and counts, label dropout draws
+// once per call at diffusers' rate, gradient checkpointing changes no gradient, folders round-trip
+// (and load in diffusers: check_cpp_models.py), and config and input mistakes are typed errors that
+// name the field.
 #include <unistd.h>
 #include <difftrain/io/remove_tree.hpp>
 #include <difftrain/io/safetensors.hpp>
 #include <difftrain/models/dit_transformer_2d.hpp>
+#include <difftrain/models/pixart_transformer_2d.hpp>
 #include <difftrain/models/pretrained.hpp>
 
 #include <gtest/gtest.h>
@@ -32,6 +34,8 @@ using GELUTanh = dt::nn::activation::GELUTanh;
 using QuickGELU = dt::nn::activation::QuickGELU;
 template <class Act>
 using DiT = models::DiTTransformer2DModel<Backend, Act>;
+template <class Act>
+using PixArt = models::PixArtTransformer2DModel<Backend, Act>;
 
 fs::path golden_transformers() { return fs::path(DIFFTRAIN_GOLDEN_DIR) / "transformers"; }
 
@@ -68,6 +72,62 @@ void check_dit_case(const std::string& name, std::int64_t parameters) {
   EXPECT_EQ(count, parameters);
   const at::Tensor out =
       model->forward(t.at("input.sample"), t.at("input.timestep"), t.at("input.class_labels"));
+  ASSERT_EQ(out.sizes(), t.at("output").sizes());
+  EXPECT_LE(scaled_error(out, t.at("output")), 1e-5) << "output";
+  (out * t.at("weight")).sum().backward();
+  std::size_t checked = 0;
+  for (const auto& p : model->named_parameters()) {
+    const auto it = t.find("grad." + p.key());
+    ASSERT_NE(it, t.end()) << "no reference gradient for " << p.key();
+    ASSERT_TRUE(p.value().grad().defined()) << p.key();
+    EXPECT_LE(scaled_error(p.value().grad(), it->second), 1e-4) << "grad of " << p.key();
+    ++checked;
+  }
+  EXPECT_EQ(checked, model->parameters().size());
+}
+
+/// Every parameter's name and shape equal the reference's; returns the parameter count.
+std::int64_t compare_shapes(torch::nn::Module& m, const nlohmann::json& ref) {
+  std::map<std::string, std::vector<std::int64_t>> got;
+  std::int64_t count = 0;
+  for (const auto& p : m.named_parameters()) {
+    got[p.key()] = p.value().sizes().vec();
+    count += p.value().numel();
+  }
+  std::size_t matched = 0;
+  for (const auto& [k, v] : ref["shapes"].items()) {
+    const auto it = got.find(k);
+    if (it == got.end()) {
+      ADD_FAILURE() << "missing " << k;
+      continue;
+    }
+    EXPECT_EQ(it->second, v.get<std::vector<std::int64_t>>()) << k;
+    ++matched;
+  }
+  EXPECT_EQ(matched, got.size()) << "difftrain has parameters diffusers does not";
+  EXPECT_EQ(count, ref["parameters"].get<std::int64_t>());
+  return count;
+}
+
+template <class Act>
+void check_pixart_case(const std::string& name, std::int64_t parameters) {
+  SCOPED_TRACE(name);
+  const auto io =
+      dt::io::load_safetensors(golden_transformers() / (name + ".io.safetensors"), true);
+  const auto& t = io.tensors;
+  auto model = models::from_pretrained<PixArt<Act>>(golden_transformers() / name);
+  model->train();
+  std::int64_t count = 0;
+  for (const auto& p : model->parameters()) count += p.numel();
+  EXPECT_EQ(count, parameters);
+  models::PixArtConditions cond;
+  cond.encoder_attention_mask = t.at("input.encoder_attention_mask");
+  if (t.contains("input.resolution")) {
+    cond.resolution = t.at("input.resolution");
+    cond.aspect_ratio = t.at("input.aspect_ratio");
+  }
+  const at::Tensor out = model->forward(t.at("input.sample"), t.at("input.timestep"),
+                                        t.at("input.encoder_hidden_states"), cond);
   ASSERT_EQ(out.sizes(), t.at("output").sizes());
   EXPECT_LE(scaled_error(out, t.at("output")), 1e-5) << "output";
   (out * t.at("weight")).sum().backward();
@@ -137,25 +197,7 @@ TEST(Transformers, PublishedDiTConfigsHaveDiffusersParameters) {
   const auto config =
       models::DiTTransformer2DConfig::from_json(full["dit_xl_2_256"]["config"], "DiT-XL/2-256");
   DiT<GELUTanh> model(config);
-  std::map<std::string, std::vector<std::int64_t>> got;
-  std::int64_t count = 0;
-  for (const auto& p : model->named_parameters()) {
-    got[p.key()] = p.value().sizes().vec();
-    count += p.value().numel();
-  }
-  EXPECT_EQ(count, full["dit_xl_2_256"]["parameters"].get<std::int64_t>());
-  EXPECT_EQ(count, 749'826'464);
-  std::size_t matched = 0;
-  for (const auto& [k, v] : full["dit_xl_2_256"]["shapes"].items()) {
-    const auto it = got.find(k);
-    if (it == got.end()) {
-      ADD_FAILURE() << "missing " << k;
-      continue;
-    }
-    EXPECT_EQ(it->second, v.get<std::vector<std::int64_t>>()) << k;
-    ++matched;
-  }
-  EXPECT_EQ(matched, got.size());
+  EXPECT_EQ(compare_shapes(*model, full["dit_xl_2_256"]), 749'826'464);
   // Nothing but parameters is saved: the position table is computed, as diffusers' is not stored.
   EXPECT_TRUE(model->named_buffers().is_empty());
 }
@@ -323,4 +365,106 @@ TEST(Transformers, SavedDiTFolderRoundTrips) {
     dt::io::save_safetensors(fs::path(out) / "outputs_dit.safetensors", io);
   }
   dt::io::remove_tree(dir);
+}
+
+TEST(Transformers, PixArtMatchesDiffusersOnEverySweptConfig) {
+  const auto& cases = tst::golden("transformers.json")["pixart"];
+  ASSERT_GE(cases.size(), 3U);
+  for (const auto& c : cases) {
+    const std::string name = c["name"];
+    const auto parameters = c["parameters"].get<std::int64_t>();
+    const std::string act = activation_of(golden_transformers() / name);
+    if (act == "gelu" || act == "geglu")
+      check_pixart_case<GELU>(name, parameters);
+    else
+      check_pixart_case<GELUTanh>(name, parameters);
+  }
+}
+
+TEST(Transformers, PublishedPixArtConfigsHaveDiffusersParameters) {
+  const auto& full = tst::golden("transformers.json")["full_size"];
+  // 1024 px (sample_size 128) has the resolution and aspect-ratio embedders; 512 px has not.
+  const auto c512 = models::PixArtTransformer2DConfig::from_json(full["pixart_xl_2_512"]["config"],
+                                                                 "PixArt-XL-2-512");
+  EXPECT_FALSE(c512.additional_conditions());
+  const auto c1024 = models::PixArtTransformer2DConfig::from_json(
+      full["pixart_xl_2_1024"]["config"], "PixArt-XL-2-1024-MS");
+  EXPECT_TRUE(c1024.additional_conditions());
+  EXPECT_EQ(c1024.position_scale(), 2.0);
+  PixArt<GELUTanh> model(c1024);
+  EXPECT_EQ(compare_shapes(*model, full["pixart_xl_2_1024"]), 611'349'152);
+  EXPECT_EQ(full["pixart_xl_2_512"]["parameters"].get<std::int64_t>(), 610'856'096);
+}
+
+TEST(Transformers, PixArtMistakesAreTypedErrors) {
+  const fs::path folder = golden_transformers() / "pixart_conditions_legacy";
+  auto model = models::from_pretrained<PixArt<GELU>>(folder);
+  const at::Tensor x = at::randn({2, 4, 8, 8});
+  const at::Tensor t = at::tensor({1, 2});
+  const at::Tensor text = at::randn({2, 4, 10});
+  models::PixArtConditions cond;
+  auto shape_error = [](auto&& f) { return error_of<dt::ShapeError>(f); };
+  EXPECT_NE(shape_error([&] { model->forward(x, t, text, cond); }).find("aspect_ratio"),
+            std::string::npos);
+  cond.resolution = at::tensor({64.0, 64.0, 64.0, 64.0}).view({2, 2});
+  cond.aspect_ratio = at::ones({2, 1});
+  EXPECT_EQ(model->forward(x, t, text, cond).sizes(), x.sizes());
+  EXPECT_NE(shape_error([&] {
+              model->forward(x, t, at::randn({2, 4, 12}), cond);
+            }).find("(2, L, 10)"),
+            std::string::npos);
+  cond.encoder_attention_mask = at::ones({2, 5});
+  EXPECT_NE(shape_error([&] { model->forward(x, t, text, cond); }).find("encoder_attention_mask"),
+            std::string::npos);
+  cond.encoder_attention_mask = at::Tensor();
+  EXPECT_NE(shape_error([&] {
+              model->forward(at::randn({2, 4, 8, 9}), t, text, cond);
+            }).find("patch_size 2"),
+            std::string::npos);
+
+  const nlohmann::json base = read_json(folder / "config.json");
+  auto config_error = [&](const nlohmann::json& patch) {
+    nlohmann::json j = base;
+    j.merge_patch(patch);
+    return error_of<dt::ConfigError>(
+        [&] { models::PixArtTransformer2DConfig::from_json(j, "pixart/config.json"); });
+  };
+  EXPECT_NE(config_error({{"attention_head_dim", 10}}).find("multiple of 3"), std::string::npos);
+  EXPECT_NE(config_error({{"caption_channels", 32}}).find("'cross_attention_dim' 10"),
+            std::string::npos);
+  EXPECT_NE(config_error({{"norm_type", "ada_norm_zero"}}).find("'norm_type'"), std::string::npos);
+  EXPECT_NE(config_error({{"attention_type", "gated"}}).find("'attention_type'"),
+            std::string::npos);
+  EXPECT_NE(config_error({{"sample_sise", 8}}).find("unknown field"), std::string::npos);
+  // A DiT folder is not a PixArt one (diffusers' legacy class name with the other norm).
+  EXPECT_NE(
+      error_of<dt::ConfigError>([&] {
+        models::from_pretrained<PixArt<GELU>>(golden_transformers() / "dit_learned_sigma_legacy");
+      }).find("not a PixArtTransformer2DModel"),
+      std::string::npos);
+}
+
+TEST(Transformers, PixArtGradientCheckpointingGivesTheSameGradients) {
+  auto model = models::from_pretrained<PixArt<GELUTanh>>(golden_transformers() /
+                                                         "pixart_caption_projection");
+  model->train();
+  at::manual_seed(9);
+  const at::Tensor x = at::randn({2, 4, 8, 8});
+  const at::Tensor t = at::tensor({3, 700});
+  const at::Tensor text = at::randn({2, 5, 12});
+  models::PixArtConditions cond;
+  cond.encoder_attention_mask = at::tensor({1, 1, 0, 1, 0, 1, 1, 1, 1, 1}).view({2, 5});
+  const at::Tensor w = at::randn({2, 8, 8, 8});
+  auto grads = [&] {
+    model->zero_grad();
+    (model->forward(x, t, text, cond) * w).sum().backward();
+    std::map<std::string, at::Tensor> g;
+    for (const auto& p : model->named_parameters()) g[p.key()] = p.value().grad().clone();
+    return g;
+  };
+  const auto plain = grads();
+  model->set_gradient_checkpointing(true);
+  const auto recomputed = grads();
+  for (const auto& [k, g] : plain)
+    EXPECT_LE((recomputed.at(k) - g).abs().max().item<double>(), 1e-6) << k;
 }

@@ -1,7 +1,7 @@
 #pragma once
-// Umbrella header of the models layer: diffusers' UNet2DConditionModel, AutoencoderKL and
-// DiTTransformer2DModel, their building blocks, transformers' CLIP and T5 text encoders, and model
-// folders.
+// Umbrella header of the models layer: diffusers' UNet2DConditionModel, AutoencoderKL,
+// DiTTransformer2DModel and PixArtTransformer2DModel, their building blocks, transformers' CLIP
+// and T5 text encoders, and model folders.
 
 #include "difftrain/models/autoencoder_kl.hpp"
 #include "difftrain/models/clip_text_model.hpp"
@@ -10,6 +10,7 @@
 #include "difftrain/models/embeddings.hpp"
 #include "difftrain/models/feed_forward.hpp"
 #include "difftrain/models/patch_embed.hpp"
+#include "difftrain/models/pixart_transformer_2d.hpp"
 #include "difftrain/models/pretrained.hpp"
 #include "difftrain/models/resnet.hpp"
 #include "difftrain/models/t5_encoder.hpp"

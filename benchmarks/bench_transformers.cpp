@@ -1,0 +1,153 @@
+// diffusers' DiTTransformer2DModel in difftrain against diffusers itself, at a small DiT (4 blocks
+// of 4 heads × 32, patch 2 on 32×32×4 latents: 256 tokens, learned sigma, 1,000 classes, batch 4):
+//  - dit_step_vs_diffusers: forward + backward of a mean-square loss; the baseline is the same
+//    step in Python eager (benchmarks/python_dit_step.py, same thread count) — goal ratio <= 1.0;
+//  - dit_attention_share: the same step, and the step with the attention kernel replaced by
+//    q + k + v (same shapes, gradients still reach every projection); the counter
+//    attention_share = 1 − the second time / the first is the kernel's part of the step.
+// On a GPU (skipped elsewhere), DiT-B/2's shape (12 blocks of 12 × 64, 256 tokens, batch 32) under
+// bf16 autocast:
+//  - dit_cuda_bf16_vs_diffusers: the step against diffusers' in Python eager on the same GPU.
+
+#include <benchmark/benchmark.h>
+#include <torch/cuda.h>
+#include <torch/torch.h>
+
+#include <difftrain/models/dit_transformer_2d.hpp>
+#include <difftrain/train/precision.hpp>
+
+#include <chrono>
+#include <string>
+
+#include "python_baseline.hpp"
+
+namespace {
+namespace models = difftrain::models;
+namespace att = difftrain::nn::attention;
+
+constexpr std::int64_t kBatch = 4, kGpuBatch = 32;
+
+nlohmann::json bench_config() {
+  return {{"num_attention_heads", 4}, {"attention_head_dim", 32},
+          {"in_channels", 4},         {"out_channels", 8},
+          {"num_layers", 4},          {"sample_size", 32},
+          {"patch_size", 2},          {"num_embeds_ada_norm", 1000}};
+}
+nlohmann::json gpu_config() {
+  nlohmann::json c = bench_config();
+  c["num_attention_heads"] = 12;
+  c["attention_head_dim"] = 64;
+  c["num_layers"] = 12;
+  return c;
+}
+
+/// Not attention: q + k + v, so the step keeps its shapes and every projection its gradient, at
+/// the cost of two additions.
+struct NoAttention {
+  static constexpr std::string_view name = "no_attention";
+  static att::Eligibility eligibility(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      const att::AttentionArgs&) {
+    return att::Eligibility::yes();
+  }
+  static at::Tensor forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const att::AttentionArgs&) {
+    return q + k + v;
+  }
+};
+
+template <class Backend>
+struct Step {
+  models::DiTTransformer2DModel<Backend> dit;
+  at::Tensor x, t, labels;
+  bool autocast;
+  Step(const nlohmann::json& config, std::int64_t batch, at::Device device)
+      : dit(models::DiTTransformer2DConfig::from_json(config, "bench")),
+        autocast(device.is_cuda()) {
+    const auto o = at::TensorOptions().device(device);
+    dit->to(device);
+    dit->eval();  // no random label dropout, as the Python side
+    const std::int64_t size = config["sample_size"];
+    x = at::randn({batch, 4, size, size}, o);
+    t = at::arange(batch, o.dtype(at::kLong)) * 997 % 1000;
+    labels = at::arange(batch, o.dtype(at::kLong)) % 1000;
+  }
+  void run() {
+    dit->zero_grad(true);
+    at::Tensor loss;
+    if (autocast) {
+      difftrain::train::AutocastGuard guard(c10::kCUDA, at::kBFloat16);
+      loss = dit->forward(x, t, labels).to(at::kFloat).square().mean();
+    } else {
+      loss = dit->forward(x, t, labels).square().mean();
+    }
+    loss.backward();
+  }
+  double timed() {
+    const auto start = std::chrono::steady_clock::now();
+    run();
+    if (autocast) torch::cuda::synchronize();
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
+};
+
+void diffusers_step(benchmark::State& state) {
+  static std::string why;
+  static const double seconds = difftrain::bench::python_seconds_per_step(
+      difftrain::bench::python_script("python_dit_step.py") + " '" + bench_config().dump() +
+          "' 10 " + std::to_string(at::get_num_threads()) + " " + std::to_string(kBatch),
+      &why);
+  difftrain::bench::report_baseline(state, seconds, why);
+}
+
+void difftrain_step(benchmark::State& state) {
+  Step<att::Sdpa<att::Auto>> s(bench_config(), kBatch, at::kCPU);
+  s.run();
+  for (auto _ : state) state.SetIterationTime(s.timed());
+}
+
+void attention_share(benchmark::State& state) {
+  Step<att::Sdpa<att::Auto>> with(bench_config(), kBatch, at::kCPU);
+  Step<NoAttention> without(bench_config(), kBatch, at::kCPU);
+  with.run();
+  without.run();
+  double t_with = 0, t_without = 0;
+  for (auto _ : state) {
+    t_with += with.timed();  // alternated, so a busy moment lands on both
+    t_without += without.timed();
+  }
+  state.counters["step_ms"] = 1e3 * t_with / static_cast<double>(state.iterations());
+  state.counters["no_attention_ms"] = 1e3 * t_without / static_cast<double>(state.iterations());
+  state.counters["attention_share"] = 1.0 - t_without / t_with;
+}
+
+void diffusers_gpu_step(benchmark::State& state) {
+  if (!torch::cuda::is_available()) {
+    state.SkipWithError("no CUDA device");
+    return;
+  }
+  static std::string why;
+  static const double seconds = difftrain::bench::python_seconds_per_step(
+      difftrain::bench::python_script("python_dit_step.py") + " '" + gpu_config().dump() + "' 20 " +
+          std::to_string(at::get_num_threads()) + " " + std::to_string(kGpuBatch) + " cuda bf16",
+      &why);
+  difftrain::bench::report_baseline(state, seconds, why);
+}
+
+void gpu_step(benchmark::State& state) {
+  if (!torch::cuda::is_available()) {
+    state.SkipWithError("no CUDA device");
+    return;
+  }
+  Step<att::Sdpa<att::Auto>> s(gpu_config(), kGpuBatch, at::kCUDA);
+  for (int i = 0; i < 3; ++i) s.run();
+  torch::cuda::synchronize();
+  for (auto _ : state) state.SetIterationTime(s.timed());
+}
+
+}  // namespace
+
+BENCHMARK(diffusers_step)->Name("dit_step_vs_diffusers/baseline")->UseManualTime();
+BENCHMARK(difftrain_step)->Name("dit_step_vs_diffusers/difftrain")->UseManualTime();
+BENCHMARK(attention_share)->Name("dit_attention_share")->Iterations(10)->UseRealTime();
+BENCHMARK(diffusers_gpu_step)->Name("dit_cuda_bf16_vs_diffusers/baseline")->UseManualTime();
+BENCHMARK(gpu_step)->Name("dit_cuda_bf16_vs_diffusers/difftrain")->UseManualTime();
