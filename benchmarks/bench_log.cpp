@@ -53,7 +53,7 @@ void main_job_step(benchmark::State& state) {
   auto off = make_trainer(*off_net, {});
   auto on = make_trainer(*on_net, dir);
   const fmnist::DenoiserImpl::Batch batch{at::rand({64, 1, 28, 28}) * 2 - 1,
-                                      at::randint(0, 10, {64}, at::kLong)};
+                                          at::randint(0, 10, {64}, at::kLong)};
   const std::vector<fmnist::DenoiserImpl::Batch> micro{batch};
   for (int i = 0; i < 2; ++i) (void)off->step(micro), (void)on->step(micro);  // warm-up
   // The grid's cost, once: encoding 40 images to PNG and writing them.
