@@ -317,6 +317,62 @@ TEST(Cuda, UNetAndVaeMatchDiffusersOnTheGpu) {
   }
 }
 
+// The diffusion transformers on the GPU: DiT and PixArt folders from the parity sweep give
+// diffusers' CPU outputs and gradients (SDPA and Math backends), and DiT under bf16 autocast stays
+// close to them.
+TEST(Cuda, DiTAndPixArtMatchDiffusersOnTheGpu) {
+  DIFFTRAIN_NEEDS_CUDA();
+  NoTf32 full_precision;
+  const fs::path dir = fs::path(DIFFTRAIN_GOLDEN_DIR) / "transformers";
+  models::LoadOptions lo;
+  lo.device = kGpu;
+  using Tanh = dt::nn::activation::GELUTanh;
+  auto check_grads = [](torch::nn::Module& m, const auto& t) {
+    for (const auto& p : m.named_parameters()) {
+      ASSERT_TRUE(p.value().grad().defined()) << p.key();
+      EXPECT_LE(scaled_error(p.value().grad(), t.at("grad." + p.key())), 1e-4) << p.key();
+    }
+  };
+  auto check = [&](auto backend_tag) {
+    using Backend = decltype(backend_tag);
+    {
+      const auto t = dt::io::load_safetensors(dir / "dit_tiny.io.safetensors", true).tensors;
+      auto dit = models::from_pretrained<models::DiTTransformer2DModel<Backend, Tanh>>(
+          dir / "dit_tiny", lo);
+      dit->eval();
+      const at::Tensor out =
+          dit->forward(t.at("input.sample").to(kGpu), t.at("input.timestep").to(kGpu),
+                       t.at("input.class_labels").to(kGpu));
+      EXPECT_TRUE(out.is_cuda());
+      EXPECT_LE(scaled_error(out, t.at("output")), 1e-5) << "DiT output";
+      (out * t.at("weight").to(kGpu)).sum().backward();
+      check_grads(*dit, t);
+      at::Tensor bf16;
+      {
+        tr::AutocastGuard autocast(c10::kCUDA, at::kBFloat16);
+        bf16 = dit->forward(t.at("input.sample").to(kGpu), t.at("input.timestep").to(kGpu),
+                            t.at("input.class_labels").to(kGpu));
+      }
+      EXPECT_LE(scaled_error(bf16.to(at::kFloat), t.at("output")), 5e-2) << "DiT under bf16";
+    }
+    const auto t =
+        dt::io::load_safetensors(dir / "pixart_caption_projection.io.safetensors", true).tensors;
+    auto pixart = models::from_pretrained<models::PixArtTransformer2DModel<Backend, Tanh>>(
+        dir / "pixart_caption_projection", lo);
+    pixart->train();
+    models::PixArtConditions cond;
+    cond.encoder_attention_mask = t.at("input.encoder_attention_mask").to(kGpu);
+    const at::Tensor out =
+        pixart->forward(t.at("input.sample").to(kGpu), t.at("input.timestep").to(kGpu),
+                        t.at("input.encoder_hidden_states").to(kGpu), cond);
+    EXPECT_LE(scaled_error(out, t.at("output")), 1e-5) << "PixArt output";
+    (out * t.at("weight").to(kGpu)).sum().backward();
+    check_grads(*pixart, t);
+  };
+  check(dt::nn::attention::Sdpa<dt::nn::attention::Auto>{});
+  check(dt::nn::attention::Math{});
+}
+
 // Half precision on the GPU: a UNet loaded as float16 and one run under bf16 autocast stay close
 // to the float32 output, flash attention included; gradient checkpointing gives the same
 // gradients on the GPU.

@@ -6,6 +6,7 @@
 // (and load in diffusers: check_cpp_models.py), and config and input mistakes are typed errors that
 // name the field.
 #include <unistd.h>
+#include <difftrain/adapters/lora_inject.hpp>
 #include <difftrain/io/remove_tree.hpp>
 #include <difftrain/io/safetensors.hpp>
 #include <difftrain/models/dit_transformer_2d.hpp>
@@ -467,4 +468,39 @@ TEST(Transformers, PixArtGradientCheckpointingGivesTheSameGradients) {
   const auto recomputed = grads();
   for (const auto& [k, g] : plain)
     EXPECT_LE((recomputed.at(k) - g).abs().max().item<double>(), 1e-6) << k;
+}
+
+TEST(Transformers, LoraReachesEveryAttentionAndFeedForwardProjection) {
+  // diffusers' target names on both transformers: every attention projection and both
+  // feed-forward Linears get a branch; the adapted model starts equal to the base and only the
+  // branches learn.
+  const std::vector<std::string> targets{"to_q",     "to_k",          "to_v",
+                                         "to_out.0", "ff.net.0.proj", "ff.net.2"};
+  {
+    auto dit = models::from_pretrained<DiT<GELUTanh>>(golden_transformers() / "dit_tiny");
+    dit->eval();
+    const auto io =
+        dt::io::load_safetensors(golden_transformers() / "dit_tiny.io.safetensors", true);
+    const auto& t = io.tensors;
+    const auto adapted = dt::adapters::inject_lora(*dit, {.target_modules = targets}, {.rank = 2});
+    EXPECT_EQ(adapted.size(), 2U * 6U);  // two blocks
+    at::Tensor out =
+        dit->forward(t.at("input.sample"), t.at("input.timestep"), t.at("input.class_labels"));
+    EXPECT_LE(scaled_error(out, t.at("output")), 1e-5);
+    (out * t.at("weight")).sum().backward();
+    std::size_t with_grad = 0;
+    for (const auto& p : dit->named_parameters()) {
+      const bool lora = p.key().find("lora_") != std::string::npos;
+      EXPECT_EQ(p.value().requires_grad(), lora) << p.key();
+      if (lora && p.value().grad().defined()) ++with_grad;
+    }
+    EXPECT_EQ(with_grad, 2U * adapted.size());  // A and B of each branch
+    const auto peft = dt::adapters::lora_state_dict(*dit, {.prefix = "transformer."});
+    EXPECT_TRUE(peft.contains("transformer.transformer_blocks.1.ff.net.0.proj.lora_A.weight"));
+    EXPECT_TRUE(peft.contains("transformer.transformer_blocks.0.attn1.to_out.0.lora_B.weight"));
+  }
+  auto pixart = models::from_pretrained<PixArt<GELUTanh>>(golden_transformers() /
+                                                          "pixart_caption_projection");
+  const auto adapted = dt::adapters::inject_lora(*pixart, {.target_modules = targets}, {.rank = 2});
+  EXPECT_EQ(adapted.size(), 2U * 10U);  // two blocks: attn1, attn2 (4 each) and ff (2)
 }
