@@ -1,7 +1,10 @@
-// diffusers' DiTTransformer2DModel in difftrain against diffusers itself, at a small DiT (4 blocks
-// of 4 heads × 32, patch 2 on 32×32×4 latents: 256 tokens, learned sigma, 1,000 classes, batch 4):
-//  - dit_step_vs_diffusers: forward + backward of a mean-square loss; the baseline is the same
-//    step in Python eager (benchmarks/python_dit_step.py, same thread count) — goal ratio <= 1.0;
+// diffusers' diffusion transformers in difftrain against diffusers itself, each at a small config
+// of 4 blocks of 4 heads × 32 with patch 2 on 32×32×4 latents (256 tokens), batch 4:
+//  - dit_step_vs_diffusers: DiT (learned sigma, 1,000 classes); pixart_step_vs_diffusers: PixArt
+//    (16 caption tokens of 64, projected); sd3_step_vs_diffusers: SD3's MMDiT (16 text tokens of
+//    64, pooled text of 32, qk RMS norm, a dual-attention block): forward + backward of a
+//    mean-square loss; the baseline is the same step in Python eager
+//    (benchmarks/python_transformer_step.py, same thread count) — goal ratio <= 1.0;
 //  - dit_attention_share: the same step, and the step with the attention kernel replaced by
 //    q + k + v (same shapes, gradients still reach every projection); the counter
 //    attention_share = 1 − the second time / the first is the kernel's part of the step.
@@ -14,10 +17,14 @@
 #include <torch/torch.h>
 
 #include <difftrain/models/dit_transformer_2d.hpp>
+#include <difftrain/models/pixart_transformer_2d.hpp>
+#include <difftrain/models/sd3_transformer_2d.hpp>
 #include <difftrain/train/precision.hpp>
 
 #include <chrono>
+#include <map>
 #include <string>
+#include <utility>
 
 #include "python_baseline.hpp"
 
@@ -25,7 +32,85 @@ namespace {
 namespace models = difftrain::models;
 namespace att = difftrain::nn::attention;
 
-constexpr std::int64_t kBatch = 4, kGpuBatch = 32;
+constexpr std::int64_t kBatch = 4, kGpuBatch = 32, kTokens = 16;
+
+nlohmann::json pixart_config() {
+  return {{"num_attention_heads", 4}, {"attention_head_dim", 32},
+          {"in_channels", 4},         {"out_channels", 8},
+          {"num_layers", 4},          {"sample_size", 32},
+          {"patch_size", 2},          {"cross_attention_dim", 128},
+          {"caption_channels", 64}};
+}
+nlohmann::json sd3_config() {
+  return {{"sample_size", 32},
+          {"patch_size", 2},
+          {"in_channels", 4},
+          {"num_layers", 4},
+          {"attention_head_dim", 32},
+          {"num_attention_heads", 4},
+          {"joint_attention_dim", 64},
+          {"caption_projection_dim", 128},
+          {"pooled_projection_dim", 32},
+          {"out_channels", 4},
+          {"pos_embed_max_size", 32},
+          {"qk_norm", "rms_norm"},
+          {"dual_attention_layers", {0}}};
+}
+
+/// The Python baseline's seconds per step for `kind` (dit, pixart, sd3) at `config`, measured
+/// once per run (the benchmark library may call a case more than once).
+void python_baseline(benchmark::State& state, const std::string& kind,
+                     const nlohmann::json& config) {
+  static std::map<std::string, std::pair<double, std::string>> measured;
+  auto it = measured.find(kind);
+  if (it == measured.end()) {
+    std::string why;
+    const double seconds = difftrain::bench::python_seconds_per_step(
+        difftrain::bench::python_script("python_transformer_step.py") + " " + kind + " '" +
+            config.dump() + "' 10 " + std::to_string(at::get_num_threads()) + " " +
+            std::to_string(kBatch),
+        &why);
+    it = measured.emplace(kind, std::make_pair(seconds, why)).first;
+  }
+  difftrain::bench::report_baseline(state, it->second.first, it->second.second);
+}
+
+/// A timed forward + backward of `model` called by `call`.
+template <class Model, class Call>
+void timed_steps(benchmark::State& state, Model& model, Call&& call) {
+  model->eval();
+  auto run = [&] {
+    model->zero_grad(true);
+    call().square().mean().backward();
+  };
+  run();
+  for (auto _ : state) {
+    const auto start = std::chrono::steady_clock::now();
+    run();
+    state.SetIterationTime(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+}
+
+void pixart_diffusers(benchmark::State& state) {
+  python_baseline(state, "pixart", pixart_config());
+}
+void pixart_difftrain(benchmark::State& state) {
+  models::PixArtTransformer2DModel<> model(
+      models::PixArtTransformer2DConfig::from_json(pixart_config(), "bench"));
+  const at::Tensor x = at::randn({kBatch, 4, 32, 32}), text = at::randn({kBatch, kTokens, 64});
+  const at::Tensor t = at::arange(kBatch, at::kLong) * 997 % 1000;
+  timed_steps(state, model, [&] { return model->forward(x, t, text); });
+}
+void sd3_diffusers(benchmark::State& state) { python_baseline(state, "sd3", sd3_config()); }
+void sd3_difftrain(benchmark::State& state) {
+  models::SD3Transformer2DModel<> model(
+      models::SD3Transformer2DConfig::from_json(sd3_config(), "bench"));
+  const at::Tensor x = at::randn({kBatch, 4, 32, 32}), text = at::randn({kBatch, kTokens, 64}),
+                   pooled = at::randn({kBatch, 32});
+  const at::Tensor t = (at::arange(kBatch, at::kLong) * 997 % 1000).to(at::kFloat);
+  timed_steps(state, model, [&] { return model->forward(x, text, pooled, t); });
+}
 
 nlohmann::json bench_config() {
   return {{"num_attention_heads", 4}, {"attention_head_dim", 32},
@@ -93,8 +178,9 @@ struct Step {
 void diffusers_step(benchmark::State& state) {
   static std::string why;
   static const double seconds = difftrain::bench::python_seconds_per_step(
-      difftrain::bench::python_script("python_dit_step.py") + " '" + bench_config().dump() +
-          "' 10 " + std::to_string(at::get_num_threads()) + " " + std::to_string(kBatch),
+      difftrain::bench::python_script("python_transformer_step.py") + " dit '" +
+          bench_config().dump() + "' 10 " + std::to_string(at::get_num_threads()) + " " +
+          std::to_string(kBatch),
       &why);
   difftrain::bench::report_baseline(state, seconds, why);
 }
@@ -127,8 +213,9 @@ void diffusers_gpu_step(benchmark::State& state) {
   }
   static std::string why;
   static const double seconds = difftrain::bench::python_seconds_per_step(
-      difftrain::bench::python_script("python_dit_step.py") + " '" + gpu_config().dump() + "' 20 " +
-          std::to_string(at::get_num_threads()) + " " + std::to_string(kGpuBatch) + " cuda bf16",
+      difftrain::bench::python_script("python_transformer_step.py") + " dit '" +
+          gpu_config().dump() + "' 20 " + std::to_string(at::get_num_threads()) + " " +
+          std::to_string(kGpuBatch) + " cuda bf16",
       &why);
   difftrain::bench::report_baseline(state, seconds, why);
 }
@@ -148,6 +235,10 @@ void gpu_step(benchmark::State& state) {
 
 BENCHMARK(diffusers_step)->Name("dit_step_vs_diffusers/baseline")->UseManualTime();
 BENCHMARK(difftrain_step)->Name("dit_step_vs_diffusers/difftrain")->UseManualTime();
+BENCHMARK(pixart_diffusers)->Name("pixart_step_vs_diffusers/baseline")->UseManualTime();
+BENCHMARK(pixart_difftrain)->Name("pixart_step_vs_diffusers/difftrain")->UseManualTime();
+BENCHMARK(sd3_diffusers)->Name("sd3_step_vs_diffusers/baseline")->UseManualTime();
+BENCHMARK(sd3_difftrain)->Name("sd3_step_vs_diffusers/difftrain")->UseManualTime();
 BENCHMARK(attention_share)->Name("dit_attention_share")->Iterations(10)->UseRealTime();
 BENCHMARK(diffusers_gpu_step)->Name("dit_cuda_bf16_vs_diffusers/baseline")->UseManualTime();
 BENCHMARK(gpu_step)->Name("dit_cuda_bf16_vs_diffusers/difftrain")->UseManualTime();

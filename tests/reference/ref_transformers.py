@@ -1,5 +1,5 @@
-"""Golden values for difftrain's diffusion transformers: diffusers' own DiTTransformer2DModel and
-PixArtTransformer2DModel.
+"""Golden values for difftrain's diffusion transformers: diffusers' own DiTTransformer2DModel,
+PixArtTransformer2DModel and SD3Transformer2DModel.
 
 For a sweep of tiny random configurations (head counts and widths, patch sizes 1, 2 and 4, learned
 sigma, attention with and without biases, every feed-forward activation diffusers' DiT accepts,
@@ -7,9 +7,11 @@ affine and plain norms, inputs at and away from the configured sample size) this
 with save_pretrained (one case as the legacy `Transformer2DModel` folder the hub's DiT checkpoints
 are), runs it on seeded inputs and writes the inputs, the output and the gradient of sum(out * w)
 for every parameter. PixArt cases add a caption projection or raw text, a text mask (one row
-partly, one fully masked), resolution and aspect-ratio conditions and an interpolation scale. The
-published DiT-XL/2 and PixArt-α configurations are instantiated on the meta device for their
-parameter names, shapes and counts.
+partly, one fully masked), resolution and aspect-ratio conditions and an interpolation scale. SD3
+cases add SD3.5's qk RMS norm and dual-attention blocks, position-table crops of non-square
+inputs and a single (context-pre-only) block. The published DiT-XL/2, PixArt-α, SD3-medium and
+SD3.5-medium configurations are instantiated on the meta device for their parameter names, shapes
+and counts.
 
 The model runs in eval mode: in training mode diffusers drops class labels at random inside the
 model (LabelEmbedding's classifier-free-guidance dropout), which no two implementations can draw
@@ -19,7 +21,7 @@ import json
 import pathlib
 
 import torch
-from diffusers import DiTTransformer2DModel, PixArtTransformer2DModel
+from diffusers import DiTTransformer2DModel, PixArtTransformer2DModel, SD3Transformer2DModel
 from diffusers.utils import logging as diffusers_logging
 from safetensors.torch import save_file
 
@@ -45,6 +47,35 @@ PIXART_XL_2_1024 = {
     "patch_size": 2, "sample_size": 128, "upcast_attention": False, "use_linear_projection": False,
 }
 PIXART_XL_2_512 = dict(PIXART_XL_2_1024, sample_size=64)
+
+# stabilityai/stable-diffusion-3-medium-diffusers and -3.5-medium transformer/config.json.
+SD3_MEDIUM = {
+    "sample_size": 128, "patch_size": 2, "in_channels": 16, "num_layers": 24,
+    "attention_head_dim": 64, "num_attention_heads": 24, "joint_attention_dim": 4096,
+    "caption_projection_dim": 1536, "pooled_projection_dim": 2048, "out_channels": 16,
+    "pos_embed_max_size": 192,
+}
+SD35_MEDIUM = dict(SD3_MEDIUM, pos_embed_max_size=384, qk_norm="rms_norm",
+                   dual_attention_layers=list(range(13)))
+
+# (name, config, input (H, W), text length)
+SD3_CASES = [
+    ("sd3_tiny", dict(sample_size=8, patch_size=2, in_channels=4, num_layers=2,
+                      attention_head_dim=8, num_attention_heads=2, joint_attention_dim=12,
+                      caption_projection_dim=16, pooled_projection_dim=10, out_channels=4,
+                      pos_embed_max_size=8), (8, 8), 5),
+    # SD3.5's options: qk RMS norm, a dual-attention block, a crop of a non-square input.
+    ("sd35_qk_norm_dual", dict(sample_size=6, patch_size=2, in_channels=4, num_layers=3,
+                               attention_head_dim=4, num_attention_heads=3, joint_attention_dim=6,
+                               caption_projection_dim=12, pooled_projection_dim=5, out_channels=8,
+                               pos_embed_max_size=10, qk_norm="rms_norm",
+                               dual_attention_layers=[0, 2]), (10, 6), 4),
+    # Patch 1, one head, one block (context-pre-only), out_channels null.
+    ("sd3_single_block", dict(sample_size=4, patch_size=1, in_channels=3, num_layers=1,
+                              attention_head_dim=8, num_attention_heads=1, joint_attention_dim=8,
+                              caption_projection_dim=8, pooled_projection_dim=4, out_channels=None,
+                              pos_embed_max_size=6), (6, 4), 3),
+]
 
 # (name, config, input size, text length, text width, legacy folder)
 PIXART_CASES = [
@@ -177,6 +208,32 @@ def generate(out):
         index["pixart"].append({"name": name, "legacy": legacy,
                                 "parameters": sum(p.numel() for p in model.parameters())})
 
+    index["sd3"] = []
+    for name, config, (h, w), length in SD3_CASES:
+        torch.manual_seed(0)
+        model = SD3Transformer2DModel(**config)
+        randomise(model)
+        model.save_pretrained(root / name)
+        model = SD3Transformer2DModel.from_pretrained(root / name).train()
+        g = torch.Generator().manual_seed(3)
+        b = 2
+        cfg = model.config
+        inputs = {"sample": torch.randn(b, cfg.in_channels, h, w, generator=g),
+                  "timestep": torch.tensor([12.5, 980.0]),
+                  "encoder_hidden_states": torch.randn(b, length, cfg.joint_attention_dim, generator=g),
+                  "pooled_projections": torch.randn(b, cfg.pooled_projection_dim, generator=g)}
+        y = model(inputs["sample"], encoder_hidden_states=inputs["encoder_hidden_states"],
+                  pooled_projections=inputs["pooled_projections"],
+                  timestep=inputs["timestep"]).sample
+        wgt = torch.randn(y.shape, generator=g)
+        (y * wgt).sum().backward()
+        tensors = {f"input.{k}": v for k, v in inputs.items()}
+        tensors.update({"output": y.detach(), "weight": wgt})
+        tensors.update({f"grad.{n}": p.grad.clone() for n, p in model.named_parameters()})
+        save_file({k: v.contiguous() for k, v in tensors.items()}, root / f"{name}.io.safetensors")
+        index["sd3"].append({"name": name,
+                             "parameters": sum(p.numel() for p in model.parameters())})
+
     full = {}
     with torch.device("meta"):
         for key, cfg in (("dit_xl_2_256", DIT_XL_2_256), ("dit_xl_2_512", DIT_XL_2_512)):
@@ -194,6 +251,18 @@ def generate(out):
                                                            "use_linear_projection")}
             model = PixArtTransformer2DModel(**args)
             full[key] = {"config": cfg,
+                         "shapes": {n: list(p.shape) for n, p in model.state_dict().items()},
+                         "parameters": sum(p.numel() for p in model.parameters())}
+        # SD3's full models hold two billion parameters: the test builds their first two blocks
+        # (and the last, context-pre-only one) and compares every name and shape; the full counts
+        # are diffusers'.
+        for key, cfg in (("sd3_medium", SD3_MEDIUM), ("sd35_medium", SD35_MEDIUM)):
+            full_count = sum(p.numel() for p in SD3Transformer2DModel(**cfg).parameters())
+            small = dict(cfg, num_layers=3)
+            if "dual_attention_layers" in small:
+                small["dual_attention_layers"] = [0, 1]
+            model = SD3Transformer2DModel(**small)
+            full[key] = {"config": small, "full_parameters": full_count,
                          "shapes": {n: list(p.shape) for n, p in model.state_dict().items()},
                          "parameters": sum(p.numel() for p in model.parameters())}
     index["full_size"] = full

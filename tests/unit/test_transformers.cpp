@@ -1,7 +1,8 @@
-// diffusers' diffusion transformers in difftrain: DiTTransformer2DModel's and
-// PixArtTransformer2DModel's outputs and every parameter gradient equal diffusers' on the same
-// save_pretrained folders (tests/reference/ref_transformers.py), the published DiT-XL/2 and
-// PixArt-α configurations have diffusers' parameter names, shapes and counts, label dropout draws
+// diffusers' diffusion transformers in difftrain: DiTTransformer2DModel's,
+// PixArtTransformer2DModel's and SD3Transformer2DModel's outputs and every parameter gradient
+// equal diffusers' on the same save_pretrained folders (tests/reference/ref_transformers.py), the
+// published DiT-XL/2, PixArt-α, SD3-medium and SD3.5-medium configurations have diffusers'
+// parameter names, shapes and counts, label dropout draws
 // once per call at diffusers' rate, gradient checkpointing changes no gradient, folders round-trip
 // (and load in diffusers: check_cpp_models.py), and config and input mistakes are typed errors that
 // name the field.
@@ -12,6 +13,7 @@
 #include <difftrain/models/dit_transformer_2d.hpp>
 #include <difftrain/models/pixart_transformer_2d.hpp>
 #include <difftrain/models/pretrained.hpp>
+#include <difftrain/models/sd3_transformer_2d.hpp>
 
 #include <gtest/gtest.h>
 
@@ -87,7 +89,8 @@ void check_dit_case(const std::string& name, std::int64_t parameters) {
   EXPECT_EQ(checked, model->parameters().size());
 }
 
-/// Every parameter's name and shape equal the reference's; returns the parameter count.
+/// Every parameter's (and saved buffer's) name and shape equal the reference's state dict;
+/// returns the parameter count.
 std::int64_t compare_shapes(torch::nn::Module& m, const nlohmann::json& ref) {
   std::map<std::string, std::vector<std::int64_t>> got;
   std::int64_t count = 0;
@@ -95,6 +98,7 @@ std::int64_t compare_shapes(torch::nn::Module& m, const nlohmann::json& ref) {
     got[p.key()] = p.value().sizes().vec();
     count += p.value().numel();
   }
+  for (const auto& b : m.named_buffers()) got[b.key()] = b.value().sizes().vec();
   std::size_t matched = 0;
   for (const auto& [k, v] : ref["shapes"].items()) {
     const auto it = got.find(k);
@@ -503,4 +507,108 @@ TEST(Transformers, LoraReachesEveryAttentionAndFeedForwardProjection) {
                                                           "pixart_caption_projection");
   const auto adapted = dt::adapters::inject_lora(*pixart, {.target_modules = targets}, {.rank = 2});
   EXPECT_EQ(adapted.size(), 2U * 10U);  // two blocks: attn1, attn2 (4 each) and ff (2)
+}
+
+TEST(Transformers, SD3MatchesDiffusersOnEverySweptConfig) {
+  const auto& cases = tst::golden("transformers.json")["sd3"];
+  ASSERT_GE(cases.size(), 3U);
+  for (const auto& c : cases) {
+    const std::string name = c["name"];
+    SCOPED_TRACE(name);
+    const auto io =
+        dt::io::load_safetensors(golden_transformers() / (name + ".io.safetensors"), true);
+    const auto& t = io.tensors;
+    auto model = models::from_pretrained<models::SD3Transformer2DModel<Backend>>(
+        golden_transformers() / name);
+    model->train();
+    std::int64_t count = 0;
+    for (const auto& p : model->parameters()) count += p.numel();
+    EXPECT_EQ(count, c["parameters"].get<std::int64_t>());
+    const at::Tensor out = model->forward(t.at("input.sample"), t.at("input.encoder_hidden_states"),
+                                          t.at("input.pooled_projections"), t.at("input.timestep"));
+    ASSERT_EQ(out.sizes(), t.at("output").sizes());
+    EXPECT_LE(scaled_error(out, t.at("output")), 1e-5) << "output";
+    (out * t.at("weight")).sum().backward();
+    std::size_t checked = 0;
+    for (const auto& p : model->named_parameters()) {
+      const auto it = t.find("grad." + p.key());
+      ASSERT_NE(it, t.end()) << "no reference gradient for " << p.key();
+      ASSERT_TRUE(p.value().grad().defined()) << p.key();
+      EXPECT_LE(scaled_error(p.value().grad(), it->second), 1e-4) << "grad of " << p.key();
+      ++checked;
+    }
+    EXPECT_EQ(checked, model->parameters().size());
+    // Checkpointed blocks give the same gradients (both streams and the conditioning pass
+    // through the checkpoint).
+    std::map<std::string, at::Tensor> plain;
+    for (const auto& p : model->named_parameters()) plain[p.key()] = p.value().grad().clone();
+    model->zero_grad();
+    model->set_gradient_checkpointing(true);
+    (model->forward(t.at("input.sample"), t.at("input.encoder_hidden_states"),
+                    t.at("input.pooled_projections"), t.at("input.timestep")) *
+     t.at("weight"))
+        .sum()
+        .backward();
+    for (const auto& p : model->named_parameters())
+      EXPECT_LE((p.value().grad() - plain.at(p.key())).abs().max().item<double>(), 1e-6) << p.key();
+  }
+}
+
+TEST(Transformers, PublishedSD3ConfigsHaveDiffusersParameters) {
+  // SD3-medium (2,028,328,000 parameters) and SD3.5-medium (2,243,171,520, qk RMS norm, 13
+  // dual-attention blocks): their first blocks and the context-pre-only last one, by name and
+  // shape (the reference cut both to three blocks).
+  const auto& full = tst::golden("transformers.json")["full_size"];
+  EXPECT_EQ(full["sd3_medium"]["full_parameters"].get<std::int64_t>(), 2'028'328'000);
+  EXPECT_EQ(full["sd35_medium"]["full_parameters"].get<std::int64_t>(), 2'243'171'520);
+  for (const char* key : {"sd3_medium", "sd35_medium"}) {
+    SCOPED_TRACE(key);
+    models::SD3Transformer2DModel<> model(
+        models::SD3Transformer2DConfig::from_json(full[key]["config"], key));
+    compare_shapes(*model, full[key]);
+  }
+}
+
+TEST(Transformers, SD3MistakesAreTypedErrors) {
+  const fs::path folder = golden_transformers() / "sd35_qk_norm_dual";
+  auto model = models::from_pretrained<models::SD3Transformer2DModel<>>(folder);
+  const at::Tensor x = at::randn({2, 4, 6, 6}), text = at::randn({2, 3, 6}),
+                   pooled = at::randn({2, 5}), t = at::tensor({1.0, 500.0});
+  auto shape_error = [](auto&& f) { return error_of<dt::ShapeError>(f); };
+  EXPECT_EQ(model->forward(x, text, pooled, t).sizes(), (std::vector<std::int64_t>{2, 8, 6, 6}));
+  EXPECT_NE(shape_error([&] {
+              model->forward(at::randn({2, 4, 22, 6}), text, pooled, t);
+            }).find("pos_embed_max_size 10"),
+            std::string::npos);
+  EXPECT_NE(shape_error([&] {
+              model->forward(x, at::randn({2, 3, 7}), pooled, t);
+            }).find("(2, L, 6)"),
+            std::string::npos);
+  EXPECT_NE(shape_error([&] {
+              model->forward(x, text, at::randn({2, 4}), t);
+            }).find("pooled_projections"),
+            std::string::npos);
+  const nlohmann::json base = read_json(folder / "config.json");
+  auto config_error = [&](const nlohmann::json& patch) {
+    nlohmann::json j = base;
+    j.merge_patch(patch);
+    return error_of<dt::ConfigError>(
+        [&] { models::SD3Transformer2DConfig::from_json(j, "sd3/config.json"); });
+  };
+  EXPECT_NE(config_error({{"qk_norm", "layer_norm"}}).find("'qk_norm'"), std::string::npos);
+  EXPECT_NE(config_error({{"dual_attention_layers", {0, 3}}}).find("dual_attention_layers"),
+            std::string::npos);
+  EXPECT_NE(config_error({{"caption_projection_dim", 8}}).find("'caption_projection_dim' 8"),
+            std::string::npos);
+  EXPECT_NE(config_error({{"pos_embed_max_siz", 8}}).find("unknown field"), std::string::npos);
+  // Its LoRA targets (diffusers' SD3 script): both streams' projections.
+  const auto adapted = dt::adapters::inject_lora(
+      *model,
+      {.target_modules = {"attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj",
+                          "attn.to_add_out", "attn.to_k", "attn.to_out.0", "attn.to_q",
+                          "attn.to_v"}},
+      {.rank = 2});
+  // Three blocks: 8 projections each, but the last (context-pre-only) has no to_add_out; the
+  // dual blocks' attn2 does not match "attn.".
+  EXPECT_EQ(adapted.size(), 3U * 8U - 1U);
 }

@@ -1,7 +1,7 @@
 #pragma once
 // Umbrella header of the models layer: diffusers' UNet2DConditionModel, AutoencoderKL,
-// DiTTransformer2DModel and PixArtTransformer2DModel, their building blocks, transformers' CLIP
-// and T5 text encoders, and model folders.
+// DiTTransformer2DModel, PixArtTransformer2DModel and SD3Transformer2DModel, their building
+// blocks, transformers' CLIP and T5 text encoders, and model folders.
 
 #include "difftrain/models/autoencoder_kl.hpp"
 #include "difftrain/models/clip_text_model.hpp"
@@ -13,6 +13,7 @@
 #include "difftrain/models/pixart_transformer_2d.hpp"
 #include "difftrain/models/pretrained.hpp"
 #include "difftrain/models/resnet.hpp"
+#include "difftrain/models/sd3_transformer_2d.hpp"
 #include "difftrain/models/t5_encoder.hpp"
 #include "difftrain/models/transformer_2d.hpp"
 #include "difftrain/models/transformers_config.hpp"

@@ -3,7 +3,9 @@
 // (H/p)·(W/p) tokens, plus the fixed 2-D sine-cosine position table of
 // get_2d_sincos_pos_embed (MAE's, with diffusers' base_size and interpolation_scale). The table
 // is not a parameter and diffusers does not save it (a non-persistent buffer): it is computed
-// here for the input's grid and kept for the next call of the same size and device.
+// here for the input's grid and kept for the next call of the same size and device. With
+// `pos_embed_max_size` (SD3) the table of the largest grid is a saved buffer, `pos_embed`, and
+// each input takes its centre crop, as diffusers' cropped_pos_embed.
 
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
@@ -12,6 +14,7 @@
 #include <torch/nn/pimpl.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "difftrain/core/error.hpp"
@@ -59,6 +62,7 @@ struct PatchEmbedOptions {
   bool layer_norm = false;
   bool bias = true;
   double interpolation_scale = 1.0;
+  std::optional<std::int64_t> pos_embed_max_size;  // in patches; then the table is cropped
 };
 
 class PatchEmbedImpl : public torch::nn::Module {
@@ -86,6 +90,15 @@ class PatchEmbedImpl : public torch::nn::Module {
           "norm",
           torch::nn::LayerNorm(
               torch::nn::LayerNormOptions({o.embed_dim}).elementwise_affine(false).eps(1e-6)));
+    if (o.pos_embed_max_size) {
+      const std::int64_t m = *o.pos_embed_max_size;
+      if (m <= 0) throw ConfigError("pos_embed_max_size must be positive", "PatchEmbed");
+      max_table_ = register_buffer(
+          "pos_embed",
+          sincos_2d_pos_embed(o.embed_dim, m, m, static_cast<double>(o.height / o.patch_size),
+                              o.interpolation_scale)
+              .unsqueeze(0));
+    }
   }
 
   /// (B, C, H, W) → (B, (H/p)·(W/p), embed_dim); H and W must be multiples of the patch size.
@@ -108,6 +121,18 @@ class PatchEmbedImpl : public torch::nn::Module {
 
   /// The (1, h·w, embed_dim) float32 table for a grid of h×w patches.
   at::Tensor pos_embed(std::int64_t h, std::int64_t w, at::Device device) {
+    if (o_.pos_embed_max_size) {
+      const std::int64_t m = *o_.pos_embed_max_size;
+      if (h > m || w > m)
+        throw ShapeError("a grid of " + std::to_string(h) + "x" + std::to_string(w) +
+                             " patches exceeds pos_embed_max_size " + std::to_string(m),
+                         "PatchEmbed");
+      const std::int64_t top = (m - h) / 2, left = (m - w) / 2;
+      return max_table_.view({1, m, m, -1})
+          .narrow(1, top, h)
+          .narrow(2, left, w)
+          .reshape({1, h * w, -1});
+    }
     if (!table_.defined() || table_h_ != h || table_w_ != w || table_.device() != device) {
       table_ =
           sincos_2d_pos_embed(o_.embed_dim, h, w, static_cast<double>(o_.height / o_.patch_size),
@@ -126,6 +151,7 @@ class PatchEmbedImpl : public torch::nn::Module {
 
  private:
   PatchEmbedOptions o_;
+  at::Tensor max_table_;  // the saved table of pos_embed_max_size (SD3), or undefined
   at::Tensor table_;
   std::int64_t table_h_ = 0, table_w_ = 0;
 };

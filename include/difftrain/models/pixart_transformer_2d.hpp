@@ -280,17 +280,23 @@ class AdaLayerNormSingleImpl : public torch::nn::Module {
 };
 TORCH_MODULE(AdaLayerNormSingle);
 
-/// diffusers' PixArtAlphaTextProjection: linear_1 → GELU (tanh) → linear_2.
+/// diffusers' PixArtAlphaTextProjection: linear_1 → GELU-tanh (PixArt's captions) or SiLU (SD3's
+/// pooled text) → linear_2.
 class PixArtTextProjectionImpl : public torch::nn::Module {
  public:
-  PixArtTextProjectionImpl(std::int64_t in_features, std::int64_t hidden_size) {
+  PixArtTextProjectionImpl(std::int64_t in_features, std::int64_t hidden_size, bool silu = false)
+      : silu_(silu) {
     linear_1 = register_module("linear_1", torch::nn::Linear(in_features, hidden_size));
     linear_2 = register_module("linear_2", torch::nn::Linear(hidden_size, hidden_size));
   }
   at::Tensor forward(const at::Tensor& caption) {
-    return linear_2->forward(at::gelu(linear_1->forward(caption), "tanh"));
+    const at::Tensor h = linear_1->forward(caption);
+    return linear_2->forward(silu_ ? at::silu(h) : at::gelu(h, "tanh"));
   }
   torch::nn::Linear linear_1{nullptr}, linear_2{nullptr};
+
+ private:
+  bool silu_;
 };
 TORCH_MODULE(PixArtTextProjection);
 

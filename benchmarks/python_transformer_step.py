@@ -1,0 +1,65 @@
+"""The Python side of the <model>_step_vs_diffusers benchmarks of bench_transformers.cpp:
+diffusers' DiTTransformer2DModel, PixArtTransformer2DModel or SD3Transformer2DModel at the small
+config the benchmark builds, forward + backward of a mean-square loss, eager, on the same number
+of threads (on a GPU, under autocast). Usage:
+python_transformer_step.py MODEL CONFIG_JSON STEPS THREADS BATCH [DEVICE [AUTOCAST_DTYPE]]
+with MODEL dit, pixart or sd3 (text: 16 tokens); prints {"seconds_per_step": ...}."""
+import json
+import sys
+import time
+
+import torch
+from diffusers import DiTTransformer2DModel, PixArtTransformer2DModel, SD3Transformer2DModel
+
+TOKENS = 16
+
+
+def main():
+    kind = sys.argv[1]
+    config = json.loads(sys.argv[2])
+    steps = int(sys.argv[3])
+    torch.set_num_threads(int(sys.argv[4]))
+    batch = int(sys.argv[5])
+    device = sys.argv[6] if len(sys.argv) > 6 else "cpu"
+    dtype = {"none": None, "bf16": torch.bfloat16}[sys.argv[7] if len(sys.argv) > 7 else "none"]
+    torch.manual_seed(0)
+    cls = {"dit": DiTTransformer2DModel, "pixart": PixArtTransformer2DModel,
+           "sd3": SD3Transformer2DModel}[kind]
+    # Eval mode for DiT's label embedding (no random label dropout); nothing else differs.
+    model = cls(**config).eval().to(device)
+    size = config["sample_size"]
+    x = torch.randn(batch, config["in_channels"], size, size, device=device)
+    t = torch.arange(batch, device=device) * 997 % 1000
+    if kind == "dit":
+        kwargs = {"timestep": t, "class_labels": torch.arange(batch, device=device) % 1000}
+    elif kind == "pixart":
+        kwargs = {"timestep": t, "encoder_hidden_states":
+                  torch.randn(batch, TOKENS, config["caption_channels"], device=device)}
+    else:
+        kwargs = {"timestep": t.float(), "encoder_hidden_states":
+                  torch.randn(batch, TOKENS, config["joint_attention_dim"], device=device),
+                  "pooled_projections": torch.randn(batch, config["pooled_projection_dim"],
+                                                    device=device)}
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        with torch.autocast(device.split(":")[0], dtype=dtype, enabled=dtype is not None):
+            loss = model(x, **kwargs).sample.float().square().mean()
+        loss.backward()
+
+    def sync():
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    for _ in range(3):
+        step()
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync()
+    print(json.dumps({"seconds_per_step": (time.perf_counter() - start) / steps}))
+
+
+if __name__ == "__main__":
+    main()
