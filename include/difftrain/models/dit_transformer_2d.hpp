@@ -366,29 +366,15 @@ class DiTTransformer2DModelImpl : public torch::nn::Module {
   at::Tensor forward(const at::Tensor& sample, const at::Tensor& timestep,
                      const at::Tensor& class_labels) {
     const std::string where = "DiTTransformer2DModel";
-    if (sample.dim() != 4 || sample.size(1) != c_.in_channels)
-      throw ShapeError("expects latents (B, " + std::to_string(c_.in_channels) + ", H, W), got " +
-                           c10::str(sample.sizes()),
-                       where);
-    const std::int64_t b = sample.size(0), p = c_.patch_size;
-    if (sample.size(2) % p != 0 || sample.size(3) % p != 0)
-      throw ShapeError("the latent size " + std::to_string(sample.size(2)) + "x" +
-                           std::to_string(sample.size(3)) + " is not a multiple of patch_size " +
-                           std::to_string(p),
-                       where);
-    at::Tensor t = timestep.to(sample.device());
-    if (t.numel() == 1) t = t.reshape({}).expand({b});
-    if (t.dim() != 1 || t.size(0) != b)
-      throw ShapeError("timestep must be one value or (B,) = (" + std::to_string(b) + ",), got " +
-                           c10::str(timestep.sizes()),
-                       where);
+    const auto [h, w] = patch_grid(sample, c_.in_channels, c_.patch_size, where);
+    const std::int64_t b = sample.size(0);
+    const at::Tensor t = batch_timesteps(timestep, b, sample.device(), where);
     at::Tensor labels = checked_labels(class_labels, b, sample.device(), where);
     if (is_training() && class_dropout_ > 0.0) {
       const at::Tensor drop =
           at::rand({b}, at::TensorOptions().device(labels.device())) < class_dropout_;
       labels = at::where(drop, at::full_like(labels, c_.num_embeds_ada_norm), labels);
     }
-    const std::int64_t h = sample.size(2) / p, w = sample.size(3) / p;
     at::Tensor x = pos_embed->forward(sample);
     const at::Tensor projected = CombinedTimestepLabelEmbeddingsImpl::project(t);
     for (auto& block : blocks_) {
@@ -404,11 +390,7 @@ class DiTTransformer2DModelImpl : public torch::nn::Module {
     const auto ss = proj_out_1->forward(at::silu(cond)).chunk(2, 1);
     x = norm_out->forward(x) * (1 + ss[1].unsqueeze(1)) + ss[0].unsqueeze(1);
     x = proj_out_2->forward(x);
-    // "n h w p q c -> n c (h p) (w q)"
-    const std::int64_t oc = c_.out();
-    return x.reshape({b, h, w, p, p, oc})
-        .permute({0, 5, 1, 3, 2, 4})
-        .reshape({b, oc, h * p, w * p});
+    return unpatchify(x, h, w, c_.patch_size, c_.out());
   }
 
   PatchEmbed pos_embed{nullptr};

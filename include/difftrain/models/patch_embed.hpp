@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include "difftrain/core/error.hpp"
 
@@ -52,6 +53,47 @@ inline at::Tensor sincos_2d_pos_embed(std::int64_t embed_dim, std::int64_t grid_
     return at::cat({out.sin(), out.cos()}, 1);
   };
   return at::cat({one_axis(cols), one_axis(rows)}, 1).to(at::kFloat);
+}
+
+/// The patch grid (h, w) of latents (B, in_channels, H, W), whose H and W must be multiples of
+/// `patch`; anything else is a ShapeError at `where`. Every patched transformer checks its input
+/// with it.
+inline std::pair<std::int64_t, std::int64_t> patch_grid(const at::Tensor& latents,
+                                                        std::int64_t in_channels,
+                                                        std::int64_t patch,
+                                                        const std::string& where) {
+  if (latents.dim() != 4 || latents.size(1) != in_channels)
+    throw ShapeError("expects latents (B, " + std::to_string(in_channels) + ", H, W), got " +
+                         c10::str(latents.sizes()),
+                     where);
+  if (latents.size(2) % patch != 0 || latents.size(3) % patch != 0)
+    throw ShapeError("the latent size " + std::to_string(latents.size(2)) + "x" +
+                         std::to_string(latents.size(3)) + " is not a multiple of patch_size " +
+                         std::to_string(patch),
+                     where);
+  return {latents.size(2) / patch, latents.size(3) / patch};
+}
+
+/// A batch's timesteps on `device`: one value for all `batch` samples, or (B,).
+inline at::Tensor batch_timesteps(const at::Tensor& timestep, std::int64_t batch, at::Device device,
+                                  const std::string& where) {
+  at::Tensor t = timestep.to(device);
+  if (t.numel() == 1) t = t.reshape({}).expand({batch});
+  if (t.dim() != 1 || t.size(0) != batch)
+    throw ShapeError("timestep must be one value or (B,) = (" + std::to_string(batch) + ",), got " +
+                         c10::str(timestep.sizes()),
+                     where);
+  return t;
+}
+
+/// Patch tokens (B, h·w, p·p·C) back to an image (B, C, h·p, w·p): "n h w p q c -> n c (h p) (w
+/// q)".
+inline at::Tensor unpatchify(const at::Tensor& tokens, std::int64_t h, std::int64_t w,
+                             std::int64_t patch, std::int64_t channels) {
+  const std::int64_t b = tokens.size(0);
+  return tokens.reshape({b, h, w, patch, patch, channels})
+      .permute({0, 5, 1, 3, 2, 4})
+      .reshape({b, channels, h * patch, w * patch});
 }
 
 struct PatchEmbedOptions {
@@ -103,17 +145,7 @@ class PatchEmbedImpl : public torch::nn::Module {
 
   /// (B, C, H, W) → (B, (H/p)·(W/p), embed_dim); H and W must be multiples of the patch size.
   at::Tensor forward(const at::Tensor& latent) {
-    if (latent.dim() != 4 || latent.size(1) != o_.in_channels)
-      throw ShapeError("expects latents (B, " + std::to_string(o_.in_channels) + ", H, W), got " +
-                           c10::str(latent.sizes()),
-                       "PatchEmbed");
-    const std::int64_t p = o_.patch_size;
-    if (latent.size(2) % p != 0 || latent.size(3) % p != 0)
-      throw ShapeError("the latent size " + std::to_string(latent.size(2)) + "x" +
-                           std::to_string(latent.size(3)) +
-                           " is not a multiple of the patch size " + std::to_string(p),
-                       "PatchEmbed");
-    const std::int64_t h = latent.size(2) / p, w = latent.size(3) / p;
+    const auto [h, w] = patch_grid(latent, o_.in_channels, o_.patch_size, "PatchEmbed");
     at::Tensor x = proj->forward(latent).flatten(2).transpose(1, 2);
     if (norm) x = norm->forward(x);
     return (x + pos_embed(h, w, x.device())).to(x.scalar_type());

@@ -411,22 +411,9 @@ class PixArtTransformer2DModelImpl : public torch::nn::Module {
   at::Tensor forward(const at::Tensor& sample, const at::Tensor& timestep,
                      const at::Tensor& encoder_hidden_states, const PixArtConditions& cond = {}) {
     const std::string where = "PixArtTransformer2DModel";
-    if (sample.dim() != 4 || sample.size(1) != c_.in_channels)
-      throw ShapeError("expects latents (B, " + std::to_string(c_.in_channels) + ", H, W), got " +
-                           c10::str(sample.sizes()),
-                       where);
-    const std::int64_t b = sample.size(0), p = c_.patch_size;
-    if (sample.size(2) % p != 0 || sample.size(3) % p != 0)
-      throw ShapeError("the latent size " + std::to_string(sample.size(2)) + "x" +
-                           std::to_string(sample.size(3)) + " is not a multiple of patch_size " +
-                           std::to_string(p),
-                       where);
-    at::Tensor t = timestep.to(sample.device());
-    if (t.numel() == 1) t = t.reshape({}).expand({b});
-    if (t.dim() != 1 || t.size(0) != b)
-      throw ShapeError("timestep must be one value or (B,) = (" + std::to_string(b) + ",), got " +
-                           c10::str(timestep.sizes()),
-                       where);
+    const auto [h, w] = patch_grid(sample, c_.in_channels, c_.patch_size, where);
+    const std::int64_t b = sample.size(0);
+    const at::Tensor t = batch_timesteps(timestep, b, sample.device(), where);
     const std::int64_t text_width = c_.caption_channels.value_or(c_.cross_attention_dim);
     const at::Tensor& text = encoder_hidden_states;
     if (!text.defined() || text.dim() != 3 || text.size(0) != b || text.size(2) != text_width)
@@ -457,7 +444,6 @@ class PixArtTransformer2DModelImpl : public torch::nn::Module {
       resolution = cond.resolution.to(sample.device());
       aspect_ratio = cond.aspect_ratio.to(sample.device());
     }
-    const std::int64_t h = sample.size(2) / p, w = sample.size(3) / p;
     at::Tensor x = pos_embed->forward(sample);
     auto [modulation, embedded] =
         adaln_single->forward(t, resolution, aspect_ratio, x.scalar_type());
@@ -475,10 +461,7 @@ class PixArtTransformer2DModelImpl : public torch::nn::Module {
     const auto ss = (scale_shift_table.unsqueeze(0) + embedded.unsqueeze(1)).chunk(2, 1);
     x = norm_out->forward(x) * (1 + ss[1]) + ss[0];
     x = proj_out->forward(x);
-    const std::int64_t oc = c_.out();
-    return x.reshape({b, h, w, p, p, oc})
-        .permute({0, 5, 1, 3, 2, 4})
-        .reshape({b, oc, h * p, w * p});
+    return unpatchify(x, h, w, c_.patch_size, c_.out());
   }
 
   PatchEmbed pos_embed{nullptr};

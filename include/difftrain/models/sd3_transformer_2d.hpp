@@ -454,16 +454,8 @@ class SD3Transformer2DModelImpl : public torch::nn::Module {
   at::Tensor forward(const at::Tensor& sample, const at::Tensor& encoder_hidden_states,
                      const at::Tensor& pooled_projections, const at::Tensor& timestep) {
     const std::string where = "SD3Transformer2DModel";
-    if (sample.dim() != 4 || sample.size(1) != c_.in_channels)
-      throw ShapeError("expects latents (B, " + std::to_string(c_.in_channels) + ", H, W), got " +
-                           c10::str(sample.sizes()),
-                       where);
-    const std::int64_t b = sample.size(0), p = c_.patch_size;
-    if (sample.size(2) % p != 0 || sample.size(3) % p != 0)
-      throw ShapeError("the latent size " + std::to_string(sample.size(2)) + "x" +
-                           std::to_string(sample.size(3)) + " is not a multiple of patch_size " +
-                           std::to_string(p),
-                       where);
+    const auto [h, w] = patch_grid(sample, c_.in_channels, c_.patch_size, where);
+    const std::int64_t b = sample.size(0);
     const at::Tensor& text = encoder_hidden_states;
     if (!text.defined() || text.dim() != 3 || text.size(0) != b ||
         text.size(2) != c_.joint_attention_dim)
@@ -478,13 +470,7 @@ class SD3Transformer2DModelImpl : public torch::nn::Module {
                            (pooled_projections.defined() ? c10::str(pooled_projections.sizes())
                                                          : std::string("nothing")),
                        where);
-    at::Tensor t = timestep.to(sample.device());
-    if (t.numel() == 1) t = t.reshape({}).expand({b});
-    if (t.dim() != 1 || t.size(0) != b)
-      throw ShapeError("timestep must be one value or (B,) = (" + std::to_string(b) + ",), got " +
-                           c10::str(timestep.sizes()),
-                       where);
-    const std::int64_t h = sample.size(2) / p, w = sample.size(3) / p;
+    const at::Tensor t = batch_timesteps(timestep, b, sample.device(), where);
     at::Tensor x = pos_embed->forward(sample);
     const at::Tensor temb = time_text_embed->forward(t, pooled_projections);
     at::Tensor context = context_embedder->forward(text);
@@ -505,10 +491,7 @@ class SD3Transformer2DModelImpl : public torch::nn::Module {
     }
     x = norm_out->forward(x, temb);
     x = proj_out->forward(x);
-    const std::int64_t oc = c_.out();
-    return x.reshape({b, h, w, p, p, oc})
-        .permute({0, 5, 1, 3, 2, 4})
-        .reshape({b, oc, h * p, w * p});
+    return unpatchify(x, h, w, c_.patch_size, c_.out());
   }
 
   PatchEmbed pos_embed{nullptr};
