@@ -1,4 +1,4 @@
-"""A UNet, a VAE and a DiT folder written by difftrain load in diffusers' from_pretrained and give
+"""A UNet, a VAE, a DiT and a CogVideoX transformer folder written by difftrain load in diffusers' from_pretrained and give
 the outputs difftrain computed. Usage: check_cpp_models.py TEST_BINARY GOLDEN_DIR"""
 import os
 import pathlib
@@ -7,7 +7,8 @@ import sys
 import tempfile
 
 import torch
-from diffusers import AutoencoderKL, DiTTransformer2DModel, UNet2DConditionModel
+from diffusers import (AutoencoderKL, CogVideoXTransformer3DModel, DiTTransformer2DModel,
+                       UNet2DConditionModel)
 from diffusers.utils import logging as diffusers_logging
 from safetensors.torch import load_file
 
@@ -16,7 +17,7 @@ def main(binary, golden_dir):
     diffusers_logging.set_verbosity_error()
     out = pathlib.Path(tempfile.mkdtemp())
     env = dict(os.environ, DIFFTRAIN_MODELS_OUT=str(out), DIFFTRAIN_GOLDEN_DIR=golden_dir)
-    subprocess.run([binary, "--gtest_filter=Models.SavedFoldersRoundTrip:Models.UNetLora*:Transformers.SavedDiT*"],
+    subprocess.run([binary, "--gtest_filter=Models.SavedFoldersRoundTrip:Models.UNetLora*:Transformers.SavedDiT*:Transformers.CogVideoXLora*"],
                    check=True, env=env)
     t = load_file(out / "outputs.safetensors")
     unet = UNet2DConditionModel.from_pretrained(out / "unet").eval()
@@ -33,6 +34,7 @@ def main(binary, golden_dir):
     check_sdxl(out, pathlib.Path(golden_dir))
     check_lora(out, pathlib.Path(golden_dir))
     check_dit(out)
+    check_cogvideox(out)
 
 
 def check_dit(out):
@@ -44,6 +46,19 @@ def check_dit(out):
     err = (y - t["output"]).abs().max().item() / max(1.0, t["output"].abs().max().item())
     assert err < 1e-5, ("dit", err)
     print(f"DiT: diffusers on difftrain's folder, max scaled error {err:.2e}")
+
+
+def check_cogvideox(out):
+    """A CogVideoX transformer folder (rotary embeddings and the saved learned table) difftrain
+    saved, run by diffusers with the rotary tables difftrain computed."""
+    t = load_file(out / "outputs_cogvideox.safetensors")
+    model = CogVideoXTransformer3DModel.from_pretrained(out / "cogvideox").eval()
+    with torch.no_grad():
+        y = model(t["hidden_states"], encoder_hidden_states=t["encoder_hidden_states"],
+                  timestep=t["timestep"], image_rotary_emb=(t["rotary_cos"], t["rotary_sin"])).sample
+    err = (y - t["output"]).abs().max().item() / max(1.0, t["output"].abs().max().item())
+    assert err < 1e-5, ("cogvideox", err)
+    print(f"CogVideoX: diffusers on difftrain's folder, max scaled error {err:.2e}")
 
 
 def check_sdxl(out, golden):

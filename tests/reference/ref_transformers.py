@@ -9,9 +9,12 @@ are), runs it on seeded inputs and writes the inputs, the output and the gradien
 for every parameter. PixArt cases add a caption projection or raw text, a text mask (one row
 partly, one fully masked), resolution and aspect-ratio conditions and an interpolation scale. SD3
 cases add SD3.5's qk RMS norm and dual-attention blocks, position-table crops of non-square
-inputs and a single (context-pre-only) block. The published DiT-XL/2, PixArt-α, SD3-medium and
-SD3.5-medium configurations are instantiated on the meta device for their parameter names, shapes
-and counts.
+inputs and a single (context-pre-only) block. CogVideoX cases cover the fixed 3-D table at and away
+from the configured size, rotary embeddings as diffusers' pipeline computes them (given to the
+model), the I2V model's learned table and CogVideoX 1.5's frame patches and ofs embedding. The
+published DiT-XL/2, PixArt-α, SD3-medium, SD3.5-medium and CogVideoX (2B, 5B, 5B-I2V, 1.5-5B and
+its I2V) configurations are instantiated on the meta device for their parameter names, shapes and
+counts.
 
 The model runs in eval mode: in training mode diffusers drops class labels at random inside the
 model (LabelEmbedding's classifier-free-guidance dropout), which no two implementations can draw
@@ -21,7 +24,11 @@ import json
 import pathlib
 
 import torch
-from diffusers import DiTTransformer2DModel, PixArtTransformer2DModel, SD3Transformer2DModel
+from types import SimpleNamespace
+
+from diffusers import (CogVideoXTransformer3DModel, DiTTransformer2DModel, PixArtTransformer2DModel,
+                       SD3Transformer2DModel)
+from diffusers.pipelines.cogvideo.pipeline_cogvideox import CogVideoXPipeline
 from diffusers.utils import logging as diffusers_logging
 from safetensors.torch import save_file
 
@@ -95,6 +102,65 @@ PIXART_CASES = [
                                  out_channels=None, num_layers=1, sample_size=6, patch_size=1,
                                  cross_attention_dim=12, caption_channels=7, activation_fn="geglu"),
      6, 3, 7, False),
+]
+
+# THUDM/CogVideoX-2b and -5b transformer/config.json, and the I2V and 1.5 variants (diffusers'
+# conversion script's settings).
+COGVIDEOX_2B = {
+    "activation_fn": "gelu-approximate", "attention_bias": True, "attention_head_dim": 64,
+    "dropout": 0.0, "flip_sin_to_cos": True, "freq_shift": 0, "in_channels": 16,
+    "max_text_seq_length": 226, "norm_elementwise_affine": True, "norm_eps": 1e-05,
+    "num_attention_heads": 30, "num_layers": 30, "out_channels": 16, "patch_size": 2,
+    "sample_frames": 49, "sample_height": 60, "sample_width": 90,
+    "spatial_interpolation_scale": 1.875, "temporal_compression_ratio": 4,
+    "temporal_interpolation_scale": 1.0, "text_embed_dim": 4096, "time_embed_dim": 512,
+    "timestep_activation_fn": "silu", "use_rotary_positional_embeddings": False,
+}
+COGVIDEOX_5B = dict(COGVIDEOX_2B, num_attention_heads=48, num_layers=42,
+                    use_rotary_positional_embeddings=True)
+COGVIDEOX_5B_I2V = dict(COGVIDEOX_5B, in_channels=32, use_learned_positional_embeddings=True)
+COGVIDEOX15_5B = dict(COGVIDEOX_5B, patch_size_t=2, patch_bias=False, sample_height=300,
+                      sample_width=300, sample_frames=81)
+COGVIDEOX15_5B_I2V = dict(COGVIDEOX15_5B, in_channels=32, ofs_embed_dim=512)
+
+# (name, config, latent input (F, H, W), text length, ofs)
+COGVIDEOX_CASES = [
+    # CogVideoX-2B's kind: the fixed 3-D sine-cosine table, at the configured size.
+    ("cogvideox_sincos", dict(num_attention_heads=2, attention_head_dim=16, in_channels=4,
+                              out_channels=4, time_embed_dim=12, text_embed_dim=10, num_layers=2,
+                              sample_width=8, sample_height=6, sample_frames=9, patch_size=2,
+                              max_text_seq_length=5), (3, 6, 8), 5, None),
+    # The table recomputed for another size; exact GELU, no attention biases, plain norms, shifted
+    # and unflipped timestep features, other interpolation scales.
+    ("cogvideox_sincos_resized", dict(num_attention_heads=1, attention_head_dim=32, in_channels=3,
+                                      out_channels=5, time_embed_dim=8, text_embed_dim=6,
+                                      num_layers=1, sample_width=6, sample_height=6,
+                                      sample_frames=5, patch_size=1, max_text_seq_length=3,
+                                      activation_fn="gelu", attention_bias=False,
+                                      norm_elementwise_affine=False, flip_sin_to_cos=False,
+                                      freq_shift=1, spatial_interpolation_scale=1.5,
+                                      temporal_interpolation_scale=2.0), (4, 3, 5), 3, None),
+    # CogVideoX-5B's kind: rotary embeddings over a grid cropped from the base grid (3x5 of 4x5),
+    # text of any length, gated GELU.
+    ("cogvideox_rotary", dict(num_attention_heads=3, attention_head_dim=16, in_channels=4,
+                              out_channels=4, time_embed_dim=12, text_embed_dim=6, num_layers=2,
+                              sample_width=10, sample_height=8, sample_frames=13, patch_size=2,
+                              max_text_seq_length=7, use_rotary_positional_embeddings=True,
+                              activation_fn="geglu"), (3, 6, 10), 4, None),
+    # CogVideoX-5B-I2V's kind: rotary embeddings and the learned (saved) table.
+    ("cogvideox_rotary_learned", dict(num_attention_heads=2, attention_head_dim=16, in_channels=6,
+                                      out_channels=3, time_embed_dim=10, text_embed_dim=5,
+                                      num_layers=2, sample_width=4, sample_height=4,
+                                      sample_frames=5, patch_size=2, max_text_seq_length=4,
+                                      use_rotary_positional_embeddings=True,
+                                      use_learned_positional_embeddings=True), (2, 4, 4), 4, None),
+    # CogVideoX 1.5 I2V's kind: patches across frame pairs (a linear patch embedding without the
+    # convolution's bias), sliced rotary positions, the ofs embedding.
+    ("cogvideox15_ofs", dict(num_attention_heads=2, attention_head_dim=16, in_channels=3,
+                             out_channels=6, time_embed_dim=16, ofs_embed_dim=16, text_embed_dim=7,
+                             num_layers=1, sample_width=8, sample_height=6, sample_frames=9,
+                             patch_size=2, patch_size_t=2, patch_bias=False,
+                             use_rotary_positional_embeddings=True), (4, 4, 6), 3, 2.0),
 ]
 
 # (name, config, input size, save as the legacy Transformer2DModel class)
@@ -234,6 +300,44 @@ def generate(out):
         index["sd3"].append({"name": name,
                              "parameters": sum(p.numel() for p in model.parameters())})
 
+    index["cogvideox"] = []
+    for name, config, (f, h, w), length, ofs in COGVIDEOX_CASES:
+        torch.manual_seed(0)
+        model = CogVideoXTransformer3DModel(**config)
+        randomise(model)
+        if model.config.use_learned_positional_embeddings:
+            with torch.no_grad():  # the learned table is saved: move it off its sine-cosine init
+                model.patch_embed.pos_embedding.add_(
+                    torch.randn_like(model.patch_embed.pos_embedding) * 0.1)
+        model.save_pretrained(root / name)
+        model = CogVideoXTransformer3DModel.from_pretrained(root / name).train()
+        g = torch.Generator().manual_seed(4)
+        b = 2
+        cfg = model.config
+        inputs = {"hidden_states": torch.randn(b, f, cfg.in_channels, h, w, generator=g),
+                  "timestep": torch.tensor([17, 903]),
+                  "encoder_hidden_states": torch.randn(b, length, cfg.text_embed_dim, generator=g)}
+        rotary = None
+        if cfg.use_rotary_positional_embeddings:
+            # What diffusers' pipeline passes (vae_scale_factor_spatial 8: its pixel size).
+            pipe = SimpleNamespace(vae_scale_factor_spatial=8, transformer=model)
+            rotary = CogVideoXPipeline._prepare_rotary_positional_embeddings(
+                pipe, h * 8, w * 8, f, torch.device("cpu"))
+            inputs["rotary_cos"], inputs["rotary_sin"] = rotary
+        if ofs is not None:
+            inputs["ofs"] = torch.full((1,), ofs)
+        y = model(inputs["hidden_states"], encoder_hidden_states=inputs["encoder_hidden_states"],
+                  timestep=inputs["timestep"], ofs=inputs.get("ofs"),
+                  image_rotary_emb=rotary).sample
+        wgt = torch.randn(y.shape, generator=g)
+        (y * wgt).sum().backward()
+        tensors = {f"input.{k}": v for k, v in inputs.items()}
+        tensors.update({"output": y.detach(), "weight": wgt})
+        tensors.update({f"grad.{n}": p.grad.clone() for n, p in model.named_parameters()})
+        save_file({k: v.contiguous() for k, v in tensors.items()}, root / f"{name}.io.safetensors")
+        index["cogvideox"].append({"name": name,
+                                   "parameters": sum(p.numel() for p in model.parameters())})
+
     full = {}
     with torch.device("meta"):
         for key, cfg in (("dit_xl_2_256", DIT_XL_2_256), ("dit_xl_2_512", DIT_XL_2_512)):
@@ -262,6 +366,16 @@ def generate(out):
             if "dual_attention_layers" in small:
                 small["dual_attention_layers"] = [0, 1]
             model = SD3Transformer2DModel(**small)
+            full[key] = {"config": small, "full_parameters": full_count,
+                         "shapes": {n: list(p.shape) for n, p in model.state_dict().items()},
+                         "parameters": sum(p.numel() for p in model.parameters())}
+        # CogVideoX's: the first block of each, the full counts diffusers'.
+        for key, cfg in (("cogvideox_2b", COGVIDEOX_2B), ("cogvideox_5b", COGVIDEOX_5B),
+                         ("cogvideox_5b_i2v", COGVIDEOX_5B_I2V), ("cogvideox15_5b", COGVIDEOX15_5B),
+                         ("cogvideox15_5b_i2v", COGVIDEOX15_5B_I2V)):
+            full_count = sum(p.numel() for p in CogVideoXTransformer3DModel(**cfg).parameters())
+            small = dict(cfg, num_layers=1)
+            model = CogVideoXTransformer3DModel(**small)
             full[key] = {"config": small, "full_parameters": full_count,
                          "shapes": {n: list(p.shape) for n, p in model.state_dict().items()},
                          "parameters": sum(p.numel() for p in model.parameters())}

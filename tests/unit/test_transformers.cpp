@@ -10,6 +10,7 @@
 #include <difftrain/adapters/lora_inject.hpp>
 #include <difftrain/io/remove_tree.hpp>
 #include <difftrain/io/safetensors.hpp>
+#include <difftrain/models/cogvideox_transformer_3d.hpp>
 #include <difftrain/models/dit_transformer_2d.hpp>
 #include <difftrain/models/pixart_transformer_2d.hpp>
 #include <difftrain/models/pretrained.hpp>
@@ -20,6 +21,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 
 #include "golden.hpp"
@@ -112,6 +114,49 @@ std::int64_t compare_shapes(torch::nn::Module& m, const nlohmann::json& ref) {
   EXPECT_EQ(matched, got.size()) << "difftrain has parameters diffusers does not";
   EXPECT_EQ(count, ref["parameters"].get<std::int64_t>());
   return count;
+}
+
+/// One forward and backward of `model` (through `run`) against a reference case: the output within
+/// 1e-5 and every parameter's gradient within 1e-4 of the reference's scale, each parameter
+/// checked. Returns the parameter count.
+std::int64_t check_against_reference(torch::nn::Module& model,
+                                     const std::function<at::Tensor()>& run,
+                                     const std::map<std::string, at::Tensor>& t) {
+  std::int64_t count = 0;
+  for (const auto& p : model.parameters()) count += p.numel();
+  const at::Tensor out = run();
+  EXPECT_EQ(out.sizes(), t.at("output").sizes());
+  if (out.sizes() != t.at("output").sizes()) return count;
+  EXPECT_LE(scaled_error(out, t.at("output")), 1e-5) << "output";
+  (out * t.at("weight")).sum().backward();
+  std::size_t checked = 0;
+  for (const auto& p : model.named_parameters()) {
+    const auto it = t.find("grad." + p.key());
+    if (it == t.end() || !p.value().grad().defined()) {
+      ADD_FAILURE() << "no reference gradient or no gradient for " << p.key();
+      continue;
+    }
+    EXPECT_LE(scaled_error(p.value().grad(), it->second), 1e-4) << "grad of " << p.key();
+    ++checked;
+  }
+  EXPECT_EQ(checked, model.parameters().size());
+  return count;
+}
+
+/// The gradients of a second forward and backward through `run` with checkpointed blocks equal
+/// the ones already held (within 1e-6).
+void expect_checkpointing_keeps_gradients(torch::nn::Module& model,
+                                          const std::function<void(bool)>& set_checkpointing,
+                                          const std::function<at::Tensor()>& run,
+                                          const at::Tensor& weight) {
+  std::map<std::string, at::Tensor> plain;
+  for (const auto& p : model.named_parameters()) plain[p.key()] = p.value().grad().clone();
+  model.zero_grad();
+  set_checkpointing(true);
+  (run() * weight).sum().backward();
+  set_checkpointing(false);
+  for (const auto& p : model.named_parameters())
+    EXPECT_LE((p.value().grad() - plain.at(p.key())).abs().max().item<double>(), 1e-6) << p.key();
 }
 
 template <class Act>
@@ -521,36 +566,15 @@ TEST(Transformers, SD3MatchesDiffusersOnEverySweptConfig) {
     auto model = models::from_pretrained<models::SD3Transformer2DModel<Backend>>(
         golden_transformers() / name);
     model->train();
-    std::int64_t count = 0;
-    for (const auto& p : model->parameters()) count += p.numel();
-    EXPECT_EQ(count, c["parameters"].get<std::int64_t>());
-    const at::Tensor out = model->forward(t.at("input.sample"), t.at("input.encoder_hidden_states"),
-                                          t.at("input.pooled_projections"), t.at("input.timestep"));
-    ASSERT_EQ(out.sizes(), t.at("output").sizes());
-    EXPECT_LE(scaled_error(out, t.at("output")), 1e-5) << "output";
-    (out * t.at("weight")).sum().backward();
-    std::size_t checked = 0;
-    for (const auto& p : model->named_parameters()) {
-      const auto it = t.find("grad." + p.key());
-      ASSERT_NE(it, t.end()) << "no reference gradient for " << p.key();
-      ASSERT_TRUE(p.value().grad().defined()) << p.key();
-      EXPECT_LE(scaled_error(p.value().grad(), it->second), 1e-4) << "grad of " << p.key();
-      ++checked;
-    }
-    EXPECT_EQ(checked, model->parameters().size());
+    auto run = [&] {
+      return model->forward(t.at("input.sample"), t.at("input.encoder_hidden_states"),
+                            t.at("input.pooled_projections"), t.at("input.timestep"));
+    };
+    EXPECT_EQ(check_against_reference(*model, run, t), c["parameters"].get<std::int64_t>());
     // Checkpointed blocks give the same gradients (both streams and the conditioning pass
     // through the checkpoint).
-    std::map<std::string, at::Tensor> plain;
-    for (const auto& p : model->named_parameters()) plain[p.key()] = p.value().grad().clone();
-    model->zero_grad();
-    model->set_gradient_checkpointing(true);
-    (model->forward(t.at("input.sample"), t.at("input.encoder_hidden_states"),
-                    t.at("input.pooled_projections"), t.at("input.timestep")) *
-     t.at("weight"))
-        .sum()
-        .backward();
-    for (const auto& p : model->named_parameters())
-      EXPECT_LE((p.value().grad() - plain.at(p.key())).abs().max().item<double>(), 1e-6) << p.key();
+    expect_checkpointing_keeps_gradients(
+        *model, [&](bool on) { model->set_gradient_checkpointing(on); }, run, t.at("weight"));
   }
 }
 
@@ -611,4 +635,188 @@ TEST(Transformers, SD3MistakesAreTypedErrors) {
   // Three blocks: 8 projections each, but the last (context-pre-only) has no to_add_out; the
   // dual blocks' attn2 does not match "attn.".
   EXPECT_EQ(adapted.size(), 3U * 8U - 1U);
+}
+
+namespace {
+using CogVideoX = models::CogVideoXTransformer3DModel<Backend, GELUTanh>;
+using CogVideoXGELU = models::CogVideoXTransformer3DModel<Backend, GELU>;
+
+/// Runs one CogVideoX golden case with the model type its activation needs.
+template <class Model>
+void check_cogvideox_case(const nlohmann::json& c) {
+  const std::string name = c["name"];
+  SCOPED_TRACE(name);
+  const auto io =
+      dt::io::load_safetensors(golden_transformers() / (name + ".io.safetensors"), true);
+  const auto& t = io.tensors;
+  auto model = models::from_pretrained<Model>(golden_transformers() / name);
+  model->train();
+  models::CogVideoXConditions cond;
+  if (t.contains("input.ofs")) cond.ofs = t.at("input.ofs");
+  if (t.contains("input.rotary_cos")) {
+    // The tables the model computes for itself are the ones diffusers' pipeline passes.
+    const auto& x = t.at("input.hidden_states");
+    const std::int64_t p = model->config().patch_size;
+    const auto [cos, sin] = model->rotary_embedding(x.size(1), x.size(3) / p, x.size(4) / p);
+    EXPECT_LE((cos - t.at("input.rotary_cos")).abs().max().template item<double>(), 1e-6);
+    EXPECT_LE((sin - t.at("input.rotary_sin")).abs().max().template item<double>(), 1e-6);
+  }
+  auto run = [&] {
+    return model->forward(t.at("input.hidden_states"), t.at("input.encoder_hidden_states"),
+                          t.at("input.timestep"), cond);
+  };
+  EXPECT_EQ(check_against_reference(*model, run, t), c["parameters"].get<std::int64_t>());
+  expect_checkpointing_keeps_gradients(
+      *model, [&](bool on) { model->set_gradient_checkpointing(on); }, run, t.at("weight"));
+}
+}  // namespace
+
+TEST(Transformers, CogVideoXMatchesDiffusersOnEverySweptConfig) {
+  const auto& cases = tst::golden("transformers.json")["cogvideox"];
+  ASSERT_GE(cases.size(), 5U);
+  for (const auto& c : cases) {
+    const std::string activation =
+        read_json(golden_transformers() / c["name"].get<std::string>() / "config.json")
+            .value("activation_fn", "gelu-approximate");
+    if (activation == "gelu" || activation == "geglu")
+      check_cogvideox_case<CogVideoXGELU>(c);
+    else
+      check_cogvideox_case<CogVideoX>(c);
+  }
+}
+
+TEST(Transformers, PublishedCogVideoXConfigsHaveDiffusersParameters) {
+  // Their first block by name and shape; the full counts are diffusers'.
+  const auto& full = tst::golden("transformers.json")["full_size"];
+  EXPECT_EQ(full["cogvideox_2b"]["full_parameters"].get<std::int64_t>(), 1'693'783'872);
+  EXPECT_EQ(full["cogvideox_5b"]["full_parameters"].get<std::int64_t>(), 5'570'283'072);
+  EXPECT_EQ(full["cogvideox_5b_i2v"]["full_parameters"].get<std::int64_t>(), 5'570'479'680);
+  EXPECT_EQ(full["cogvideox15_5b"]["full_parameters"].get<std::int64_t>(), 5'570'676'352);
+  EXPECT_EQ(full["cogvideox15_5b_i2v"]["full_parameters"].get<std::int64_t>(), 5'571'594'880);
+  for (const char* key : {"cogvideox_2b", "cogvideox_5b", "cogvideox_5b_i2v", "cogvideox15_5b",
+                          "cogvideox15_5b_i2v"}) {
+    SCOPED_TRACE(key);
+    const auto config = models::CogVideoXTransformer3DConfig::from_json(full[key]["config"], key);
+    ASSERT_EQ(config.num_layers, 1);
+    CogVideoX model(config);
+    compare_shapes(*model, full[key]);
+  }
+}
+
+TEST(Transformers, CogVideoXMistakesAreTypedErrors) {
+  auto sincos = models::from_pretrained<CogVideoX>(golden_transformers() / "cogvideox_sincos");
+  auto rotary15 = models::from_pretrained<CogVideoX>(golden_transformers() / "cogvideox15_ofs");
+  auto learned =
+      models::from_pretrained<CogVideoX>(golden_transformers() / "cogvideox_rotary_learned");
+  const at::Tensor t = at::tensor({3, 500});
+  auto shape_error = [](auto&& f) { return error_of<dt::ShapeError>(f); };
+  // The fixed table covers exactly max_text_seq_length text tokens.
+  EXPECT_NE(shape_error([&] {
+              sincos->forward(at::randn({2, 3, 4, 6, 8}), at::randn({2, 4, 10}), t);
+            }).find("max_text_seq_length = 5"),
+            std::string::npos);
+  EXPECT_NE(shape_error([&] {
+              sincos->forward(at::randn({2, 4, 3, 6, 8}), at::randn({2, 5, 10}), t);
+            }).find("(B, F, 4, H, W)"),
+            std::string::npos);
+  EXPECT_NE(shape_error([&] {
+              sincos->forward(at::randn({2, 3, 4, 5, 8}), at::randn({2, 5, 10}), t);
+            }).find("not a multiple"),
+            std::string::npos);
+  // CogVideoX 1.5: frames in pairs, the ofs required, grids within the base grid.
+  models::CogVideoXConditions ofs;
+  ofs.ofs = at::tensor({2.0});
+  const at::Tensor text15 = at::randn({2, 3, 7});
+  EXPECT_EQ(rotary15->forward(at::randn({2, 2, 3, 4, 6}), text15, t, ofs).sizes(),
+            (std::vector<std::int64_t>{2, 2, 6, 4, 6}));
+  EXPECT_NE(shape_error([&] {
+              rotary15->forward(at::randn({2, 3, 3, 4, 6}), text15, t, ofs);
+            }).find("pad the latent frames"),
+            std::string::npos);
+  EXPECT_NE(shape_error([&] {
+              rotary15->forward(at::randn({2, 2, 3, 4, 6}), text15, t);
+            }).find("ofs"),
+            std::string::npos);
+  EXPECT_NE(shape_error([&] {
+              rotary15->forward(at::randn({2, 2, 3, 8, 6}), text15, t, ofs);
+            }).find("larger than the configured 3x4"),
+            std::string::npos);
+  models::CogVideoXConditions wrong_tables = ofs;
+  wrong_tables.rotary_cos = wrong_tables.rotary_sin = at::zeros({5, 16});
+  EXPECT_NE(shape_error([&] {
+              rotary15->forward(at::randn({2, 2, 3, 4, 6}), text15, t, wrong_tables);
+            }).find("rotary tables"),
+            std::string::npos);
+  // The learned table holds one size.
+  EXPECT_NE(shape_error([&] {
+              learned->forward(at::randn({2, 2, 6, 6, 4}), at::randn({2, 4, 5}), t);
+            }).find("learned position table"),
+            std::string::npos);
+  const nlohmann::json base = read_json(golden_transformers() / "cogvideox_rotary" / "config.json");
+  auto config_error = [&](const nlohmann::json& patch) {
+    nlohmann::json j = base;
+    j.merge_patch(patch);
+    return error_of<dt::ConfigError>(
+        [&] { models::CogVideoXTransformer3DConfig::from_json(j, "transformer/config.json"); });
+  };
+  EXPECT_NE(config_error({{"use_rotary_positional_embeddings", false},
+                          {"use_learned_positional_embeddings", true}})
+                .find("diffusers refuses the pair"),
+            std::string::npos);
+  EXPECT_NE(config_error({{"patch_size_t", 2}, {"use_rotary_positional_embeddings", false}})
+                .find("'patch_size_t'"),
+            std::string::npos);
+  EXPECT_NE(config_error({{"attention_head_dim", 24}}).find("multiple of 16"), std::string::npos);
+  EXPECT_NE(config_error({{"timestep_activation_fn", "gelu"}}).find("timestep_activation_fn"),
+            std::string::npos);
+  EXPECT_NE(config_error({{"ofs_embed_dim", 7}}).find("'ofs_embed_dim' 7"), std::string::npos);
+  nlohmann::json null_out = base;
+  null_out["out_channels"] = nullptr;  // (a merge patch would remove the key)
+  EXPECT_NE(error_of<dt::ConfigError>([&] {
+              models::CogVideoXTransformer3DConfig::from_json(null_out, "transformer/config.json");
+            }).find("'out_channels' = null"),
+            std::string::npos);
+  EXPECT_NE(config_error({{"use_rotary_embeddings", true}}).find("unknown field"),
+            std::string::npos);
+  // A config whose activation needs another policy names it.
+  EXPECT_NE(error_of<dt::ConfigError>([&] {
+              models::from_pretrained<CogVideoX>(golden_transformers() / "cogvideox_rotary");
+            }).find("nn::activation::GELU"),
+            std::string::npos);
+}
+
+TEST(Transformers, CogVideoXLoraAndSavedFoldersRoundTrip) {
+  // LoRA on diffusers' CogVideoX targets (its training script's to_q, to_k, to_v, to_out.0).
+  auto model =
+      models::from_pretrained<CogVideoX>(golden_transformers() / "cogvideox_rotary_learned");
+  const auto adapted = dt::adapters::inject_lora(
+      *model, {.target_modules = {"to_k", "to_out.0", "to_q", "to_v"}}, {.rank = 4});
+  EXPECT_EQ(adapted.size(), 2U * 4U);
+  // The learned table is a saved buffer: it survives a save and a load.
+  auto plain =
+      models::from_pretrained<CogVideoX>(golden_transformers() / "cogvideox_rotary_learned");
+  const fs::path dir = scratch("cogvideox");
+  models::save_pretrained(plain, dir / "transformer");
+  auto back = models::from_pretrained<CogVideoX>(dir / "transformer");
+  const auto want = plain->named_parameters();
+  for (const auto& p : back->named_parameters())
+    EXPECT_TRUE(at::equal(p.value(), want[p.key()])) << p.key();
+  EXPECT_TRUE(at::equal(back->patch_embed->pos_embedding, plain->patch_embed->pos_embedding));
+  EXPECT_EQ(back->config().to_json(), plain->config().to_json());
+  if (const char* out = std::getenv("DIFFTRAIN_MODELS_OUT")) {
+    // For check_cpp_models.py: diffusers loads the folder and must give this output.
+    models::save_pretrained(plain, fs::path(out) / "cogvideox");
+    at::manual_seed(12);
+    std::map<std::string, at::Tensor> io{{"hidden_states", at::randn({2, 2, 6, 4, 4})},
+                                         {"encoder_hidden_states", at::randn({2, 4, 5})},
+                                         {"timestep", at::tensor({4, 900})}};
+    const auto [cos, sin] = plain->rotary_embedding(2, 2, 2);
+    io["rotary_cos"] = cos;
+    io["rotary_sin"] = sin;
+    plain->eval();
+    at::NoGradGuard no_grad;
+    io["output"] = plain->forward(io["hidden_states"], io["encoder_hidden_states"], io["timestep"]);
+    dt::io::save_safetensors(fs::path(out) / "outputs_cogvideox.safetensors", io);
+  }
+  dt::io::remove_tree(dir);
 }

@@ -1,10 +1,12 @@
 #pragma once
 // Umbrella header of the models layer: diffusers' UNet2DConditionModel, AutoencoderKL,
-// DiTTransformer2DModel, PixArtTransformer2DModel and SD3Transformer2DModel, their building
-// blocks, transformers' CLIP and T5 text encoders, and model folders.
+// DiTTransformer2DModel, PixArtTransformer2DModel, SD3Transformer2DModel and
+// CogVideoXTransformer3DModel, their building blocks, transformers' CLIP and T5 text encoders, and
+// model folders.
 
 #include "difftrain/models/autoencoder_kl.hpp"
 #include "difftrain/models/clip_text_model.hpp"
+#include "difftrain/models/cogvideox_transformer_3d.hpp"
 #include "difftrain/models/config_reader.hpp"
 #include "difftrain/models/dit_transformer_2d.hpp"
 #include "difftrain/models/embeddings.hpp"

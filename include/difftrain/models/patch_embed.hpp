@@ -22,20 +22,48 @@
 
 namespace difftrain::models {
 
-/// get_2d_sincos_pos_embed(embed_dim, (grid_h, grid_w), base_size, interpolation_scale):
-/// (grid_h·grid_w, embed_dim) float32, row-major over the grid. As in diffusers, the first half of
-/// each vector encodes the column and the second half the row (its meshgrid is "xy"), positions
-/// are arange(n) / (n / base_size) / interpolation_scale in float32, and the sines and cosines are
-/// taken in float64.
-inline at::Tensor sincos_2d_pos_embed(std::int64_t embed_dim, std::int64_t grid_h,
-                                      std::int64_t grid_w, double base_size,
-                                      double interpolation_scale = 1.0,
-                                      at::Device device = at::kCPU) {
+/// get_1d_sincos_pos_embed_from_grid(embed_dim, positions): (N, embed_dim) float32, the sines of
+/// positions · 10000^(−i / (embed_dim/2)) then their cosines, taken in float64 as diffusers does.
+inline at::Tensor sincos_1d_pos_embed(std::int64_t embed_dim, const at::Tensor& positions) {
+  if (embed_dim <= 0 || embed_dim % 2 != 0)
+    throw ConfigError("the embedding width " + std::to_string(embed_dim) +
+                          " must be a positive even number (a sine and a cosine half)",
+                      "sincos_1d_pos_embed");
+  const std::int64_t half = embed_dim / 2;
+  at::Tensor omega = at::arange(half, positions.options().dtype(at::kDouble)) / (embed_dim / 2.0);
+  omega = 1.0 / at::pow(10000.0, omega);
+  const at::Tensor out = at::outer(positions.reshape(-1).to(at::kDouble), omega);
+  return at::cat({out.sin(), out.cos()}, 1).to(at::kFloat);
+}
+
+/// The 2-D table for float32 positions of the rows and columns of a (rows × cols) grid:
+/// (rows·cols, embed_dim), row-major over the grid. As in diffusers, the first half of each vector
+/// encodes the column and the second half the row (its meshgrid is "xy").
+inline at::Tensor sincos_2d_pos_embed_from_positions(std::int64_t embed_dim,
+                                                     const at::Tensor& row_positions,
+                                                     const at::Tensor& col_positions) {
   if (embed_dim <= 0 || embed_dim % 4 != 0)
     throw ConfigError("the embedding width " + std::to_string(embed_dim) +
                           " must be a positive multiple of 4 (a sine and a cosine half for each "
                           "of the two axes)",
                       "sincos_2d_pos_embed");
+  const std::int64_t h = row_positions.numel(), w = col_positions.numel();
+  if (h <= 0 || w <= 0)
+    throw ShapeError("an empty grid " + std::to_string(h) + "x" + std::to_string(w),
+                     "sincos_2d_pos_embed");
+  const at::Tensor rows = row_positions.view({h, 1}).expand({h, w}).reshape(-1);
+  const at::Tensor cols = col_positions.view({1, w}).expand({h, w}).reshape(-1);
+  return at::cat(
+      {sincos_1d_pos_embed(embed_dim / 2, cols), sincos_1d_pos_embed(embed_dim / 2, rows)}, 1);
+}
+
+/// get_2d_sincos_pos_embed(embed_dim, (grid_h, grid_w), base_size, interpolation_scale):
+/// (grid_h·grid_w, embed_dim) float32; positions are arange(n) / (n / base_size) /
+/// interpolation_scale in float32.
+inline at::Tensor sincos_2d_pos_embed(std::int64_t embed_dim, std::int64_t grid_h,
+                                      std::int64_t grid_w, double base_size,
+                                      double interpolation_scale = 1.0,
+                                      at::Device device = at::kCPU) {
   if (grid_h <= 0 || grid_w <= 0)
     throw ShapeError("an empty grid " + std::to_string(grid_h) + "x" + std::to_string(grid_w),
                      "sincos_2d_pos_embed");
@@ -43,16 +71,7 @@ inline at::Tensor sincos_2d_pos_embed(std::int64_t embed_dim, std::int64_t grid_
   auto positions = [&](std::int64_t n) {
     return at::arange(n, f32) / (static_cast<double>(n) / base_size) / interpolation_scale;
   };
-  const at::Tensor rows = positions(grid_h).view({grid_h, 1}).expand({grid_h, grid_w}).reshape(-1);
-  const at::Tensor cols = positions(grid_w).view({1, grid_w}).expand({grid_h, grid_w}).reshape(-1);
-  const std::int64_t quarter = embed_dim / 4;
-  at::Tensor omega = at::arange(quarter, f32.dtype(at::kDouble)) / (embed_dim / 4.0);
-  omega = 1.0 / at::pow(10000.0, omega);
-  auto one_axis = [&](const at::Tensor& pos) {
-    const at::Tensor out = at::outer(pos.to(at::kDouble), omega);
-    return at::cat({out.sin(), out.cos()}, 1);
-  };
-  return at::cat({one_axis(cols), one_axis(rows)}, 1).to(at::kFloat);
+  return sincos_2d_pos_embed_from_positions(embed_dim, positions(grid_h), positions(grid_w));
 }
 
 /// The patch grid (h, w) of latents (B, in_channels, H, W), whose H and W must be multiples of
