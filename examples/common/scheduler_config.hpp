@@ -49,6 +49,9 @@ inline SchedulerConfig read_scheduler_config(const std::filesystem::path& file,
       c.schedule.beta_start = j.value("beta_start", c.schedule.beta_start);
       c.schedule.beta_end = j.value("beta_end", c.schedule.beta_end);
       c.schedule.rescale_betas_zero_snr = j.value("rescale_betas_zero_snr", false);
+      // CogVideoX's schedulers shift the SNR (their field; no other scheduler has it).
+      if (j.contains("snr_shift_scale"))
+        c.schedule.snr_shift_scale = j.at("snr_shift_scale").get<double>();
       prediction = j.value("prediction_type", prediction);
       spacing = j.value("timestep_spacing", spacing);
       c.ddim.steps_offset = j.value("steps_offset", std::int64_t{0});

@@ -1,5 +1,6 @@
-"""A UNet, a VAE, a DiT and a CogVideoX transformer folder written by difftrain load in diffusers' from_pretrained and give
-the outputs difftrain computed. Usage: check_cpp_models.py TEST_BINARY GOLDEN_DIR"""
+"""A UNet, a VAE, a DiT and a CogVideoX transformer folder, and SD3 and CogVideoX LoRA files, written
+by difftrain load in diffusers (from_pretrained, load_lora_weights) and give the outputs difftrain
+computed. Usage: check_cpp_models.py TEST_BINARY GOLDEN_DIR"""
 import os
 import pathlib
 import subprocess
@@ -8,7 +9,8 @@ import tempfile
 
 import torch
 from diffusers import (AutoencoderKL, CogVideoXTransformer3DModel, DiTTransformer2DModel,
-                       UNet2DConditionModel)
+                       SD3Transformer2DModel, UNet2DConditionModel)
+from diffusers.loaders import CogVideoXLoraLoaderMixin, SD3LoraLoaderMixin
 from diffusers.utils import logging as diffusers_logging
 from safetensors.torch import load_file
 
@@ -17,7 +19,8 @@ def main(binary, golden_dir):
     diffusers_logging.set_verbosity_error()
     out = pathlib.Path(tempfile.mkdtemp())
     env = dict(os.environ, DIFFTRAIN_MODELS_OUT=str(out), DIFFTRAIN_GOLDEN_DIR=golden_dir)
-    subprocess.run([binary, "--gtest_filter=Models.SavedFoldersRoundTrip:Models.UNetLora*:Transformers.SavedDiT*:Transformers.CogVideoXLora*"],
+    subprocess.run([binary, "--gtest_filter=Models.SavedFoldersRoundTrip:Models.UNetLora*:Transformers.SavedDiT*:Transformers.CogVideoXLora*:"
+                    "Transformers.TransformerLoraFiles*"],
                    check=True, env=env)
     t = load_file(out / "outputs.safetensors")
     unet = UNet2DConditionModel.from_pretrained(out / "unet").eval()
@@ -35,6 +38,7 @@ def main(binary, golden_dir):
     check_lora(out, pathlib.Path(golden_dir))
     check_dit(out)
     check_cogvideox(out)
+    check_transformer_loras(out, pathlib.Path(golden_dir))
 
 
 def check_dit(out):
@@ -59,6 +63,43 @@ def check_cogvideox(out):
     err = (y - t["output"]).abs().max().item() / max(1.0, t["output"].abs().max().item())
     assert err < 1e-5, ("cogvideox", err)
     print(f"CogVideoX: diffusers on difftrain's folder, max scaled error {err:.2e}")
+
+
+def check_transformer_loras(out, golden):
+    """LoRA files difftrain wrote for an SD3 and a CogVideoX transformer (PEFT keys under
+    "transformer.", rank 2 with alpha 6 in the adapter metadata), read by diffusers' own
+    load_lora_weights through PEFT onto its transformers: difftrain's adapted outputs."""
+    transformers = golden / "transformers"
+    cases = (("sd3", SD3LoraLoaderMixin, SD3Transformer2DModel, "sd3_tiny",
+              lambda m, t: m(t["sample"], encoder_hidden_states=t["encoder_hidden_states"],
+                             pooled_projections=t["pooled_projections"],
+                             timestep=t["timestep"]).sample),
+             ("cogvideox", CogVideoXLoraLoaderMixin, CogVideoXTransformer3DModel, "cogvideox_sincos",
+              lambda m, t: m(t["hidden_states"], encoder_hidden_states=t["encoder_hidden_states"],
+                             timestep=t["timestep"]).sample))
+    for name, loader, cls, folder, run in cases:
+        class Pipeline(loader):  # what load_lora_weights needs of a pipeline
+            hf_device_map = None
+
+            def __init__(self, transformer):
+                self.transformer = transformer
+                self.text_encoder = self.text_encoder_2 = None
+
+            @property
+            def components(self):
+                return {"transformer": self.transformer}
+
+        model = cls.from_pretrained(transformers / folder).eval()
+        Pipeline(model).load_lora_weights(str(out / f"{name}_lora.safetensors"))
+        config = model.peft_config["default_0"]
+        assert (config.r, config.lora_alpha) == (2, 6.0), (name, config.r, config.lora_alpha)
+        t = load_file(out / f"outputs_{name}_lora.safetensors")
+        with torch.no_grad():
+            y = run(model, t)
+        err = (y - t["output"]).abs().max().item() / max(1.0, t["output"].abs().max().item())
+        assert err < 1e-5, (name + " lora", err)
+        print(f"{name} LoRA read by diffusers' load_lora_weights (PEFT, r 2, alpha 6): "
+              f"max scaled error {err:.2e}")
 
 
 def check_sdxl(out, golden):

@@ -6,6 +6,10 @@
    σ tables (Euler, DPM-Solver++) the same way, compared to 1e-6.
 2. Every beta schedule x zero terminal SNR x prediction type x spacing (x Karras σ where offered), 10
    and 25 steps, for each sampler: the sample after the first and after the last step.
+3. CogVideoX's DDIM and DPM schedulers over every beta schedule x zero terminal SNR x SNR shift
+   (1, 3, 0.5) x prediction x spacing at 10 and 25 steps (DPM's second-order steps and its two noise
+   draws per step from one generator): the ᾱ table, a digest of the sample after every step and
+   the first and last samples.
 """
 import inspect
 import itertools
@@ -15,7 +19,7 @@ import warnings
 
 import numpy as np
 import torch
-from diffusers import (DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler, EulerAncestralDiscreteScheduler,
+from diffusers import (CogVideoXDDIMScheduler, CogVideoXDPMScheduler, DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler, EulerAncestralDiscreteScheduler,
                        EulerDiscreteScheduler, FlowMatchEulerDiscreteScheduler, HeunDiscreteScheduler)
 
 SPACINGS = ["leading", "trailing", "linspace"]
@@ -182,6 +186,55 @@ def flow_matching():
     return out
 
 
+def cogvideox_run(sched, steps, seed):
+    """The CogVideoX pipeline's loop: the DPM scheduler takes the previous x̂₀ and timestep."""
+    sched.set_timesteps(steps)
+    x = initial_sample()
+    g = torch.Generator().manual_seed(seed)
+    old = None
+    trace = []
+    ts = sched.timesteps
+    for i, t in enumerate(ts):
+        out = fake_model(x, t)
+        if isinstance(sched, CogVideoXDPMScheduler):
+            x, old = sched.step(out, old, t, ts[i - 1] if i > 0 else None, x, generator=g,
+                                return_dict=False)
+        else:
+            x = sched.step(out, t, x).prev_sample
+        v = x.double().flatten()
+        if i == 0:
+            first = finite_json(v.tolist())
+        # Every step as a digest (its sum, its absolute sum and three values) to name the first
+        # step that differs; the first and the last sample whole.
+        trace.append(finite_json([v.sum().item(), v.abs().sum().item(), v[0].item(), v[37].item(),
+                                  v[-1].item()]))
+    return {"timesteps": [int(v) for v in ts], "trace": trace, "first": first,
+            "last": finite_json(x.double().flatten().tolist())}
+
+
+def cogvideox():
+    betas = {"linear": {"beta_start": 0.0001, "beta_end": 0.02},
+             "scaled_linear": {"beta_start": 0.00085, "beta_end": 0.012}, "squaredcos_cap_v2": {}}
+    out = {"tables": {}, "runs": {}}
+    for (beta, extra), snr, shift in itertools.product(betas.items(), (False, True), (1.0, 3.0, 0.5)):
+        common = dict(beta_schedule=beta, rescale_betas_zero_snr=snr, snr_shift_scale=shift, **extra)
+        table = CogVideoXDDIMScheduler(**common).alphas_cumprod
+        out["tables"][f"{beta}/{snr}/{shift}"] = table.double().tolist()
+        for pred, spacing, steps in itertools.product(PREDICTIONS, SPACINGS, (10, 25)):
+            key = f"{beta}/{snr}/{shift}/{pred}/{spacing}/{steps}"
+            kw = dict(common, prediction_type=pred, timestep_spacing=spacing)
+            out["runs"][f"ddim/{key}"] = cogvideox_run(CogVideoXDDIMScheduler(**kw), steps, 0)
+            out["runs"][f"dpm/{key}"] = cogvideox_run(CogVideoXDPMScheduler(**kw), steps, 11)
+    # CogVideoX-2B's own scheduler config (and set_alpha_to_one false, steps_offset 1).
+    for name, kw in {"cogvideox_2b": dict(prediction_type="v_prediction", rescale_betas_zero_snr=True,
+                                          timestep_spacing="trailing", snr_shift_scale=3.0),
+                     "final_alpha": dict(set_alpha_to_one=False, steps_offset=1,
+                                         prediction_type="v_prediction")}.items():
+        out["runs"][f"ddim_option/{name}/50"] = cogvideox_run(CogVideoXDDIMScheduler(**kw), 50, 0)
+        out["runs"][f"dpm_option/{name}/50"] = cogvideox_run(CogVideoXDPMScheduler(**kw), 50, 12)
+    return out
+
+
 def ddpm_learned():
     out = {}
     for variance in ("learned", "learned_range"):
@@ -204,5 +257,6 @@ def generate(out):
     ts = timestep_sweep()
     sw = sampler_sweep()
     (out / "sampler_sweeps.json").write_text(json.dumps({
-        "timesteps": ts, "samplers": sw, "ddpm_learned": ddpm_learned(), "flow": flow_matching()},
+        "timesteps": ts, "samplers": sw, "ddpm_learned": ddpm_learned(), "flow": flow_matching(),
+        "cogvideox": cogvideox()},
         allow_nan=False))

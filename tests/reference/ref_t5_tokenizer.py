@@ -108,6 +108,7 @@ def generate(out: pathlib.Path):
             sp.encode(s) + [1] != fast[i] for i, s in enumerate(strings))
     (out / "t5_tokenizer.json").write_text(json.dumps(result, ensure_ascii=False))
     prompt_embeds(out, root)
+    sd3_encode_prompt(out, root)
 
 
 def prompt_embeds(out: pathlib.Path, root: pathlib.Path):
@@ -143,3 +144,87 @@ def prompt_embeds(out: pathlib.Path, root: pathlib.Path):
         meta["cases"][name] = {"max_sequence_length": length, "num_images_per_prompt": n}
     save_file(outputs, root / "t5_prompt_embeds.safetensors")
     (out / "t5_prompt.json").write_text(json.dumps(meta))
+
+
+def sd3_encode_prompt(out: pathlib.Path, root: pathlib.Path):
+    """StableDiffusion3Pipeline.encode_prompt (called on a stand-in holding its three encoders):
+    two tiny CLIPTextModelWithProjection with the SD 1.5 and the "!"-padding SD 2 CLIP tokenizers,
+    and a tiny T5 of the t5 tokenizer's vocabulary wider than both CLIPs together; prompts short
+    and long, default and given negatives, clip_skip, prompt_2 and prompt_3, two images per
+    prompt, and a pipeline without T5 (zeros of joint_attention_dim)."""
+    import types
+    from diffusers import StableDiffusion3Pipeline
+    from diffusers.utils import logging as dlogging
+    dlogging.set_verbosity_error()
+    from safetensors.torch import save_file
+    from transformers import (CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer,
+                              T5Config, T5EncoderModel, T5Tokenizer)
+    torch_ = __import__("torch")
+    folder = out / "sd3_encode_prompt"
+    folder.mkdir(parents=True, exist_ok=True)
+    common = dict(vocab_size=49408, max_position_embeddings=77, bos_token_id=49406,
+                  eos_token_id=49407, pad_token_id=1)
+    torch_.manual_seed(6)
+    te1 = CLIPTextModelWithProjection(CLIPTextConfig(
+        hidden_size=32, intermediate_size=37, num_hidden_layers=3, num_attention_heads=4,
+        projection_dim=16, hidden_act="quick_gelu", **common)).eval()
+    te2 = CLIPTextModelWithProjection(CLIPTextConfig(
+        hidden_size=40, intermediate_size=48, num_hidden_layers=3, num_attention_heads=5,
+        projection_dim=24, hidden_act="gelu", **common)).eval()
+    tok3 = T5Tokenizer.from_pretrained(str(root / "t5_both"))
+    te3 = T5EncoderModel(T5Config(vocab_size=len(tok3), d_model=80, d_kv=8, d_ff=24, num_layers=2,
+                                  num_heads=4, feed_forward_proj="gated-gelu",
+                                  dropout_rate=0.0)).eval()
+    te1.save_pretrained(folder / "text_encoder")
+    te2.save_pretrained(folder / "text_encoder_2")
+    te3.save_pretrained(folder / "text_encoder_3")
+    clip_root = out / "clip_tokenizer"
+    tok1 = CLIPTokenizer.from_pretrained(str(clip_root / "sd15"))
+    tok2 = CLIPTokenizer.from_pretrained(str(clip_root / "sd2"))
+
+    def stand_in(with_t5):
+        pipe = types.SimpleNamespace(
+            tokenizer=tok1, tokenizer_2=tok2, tokenizer_3=tok3 if with_t5 else None,
+            text_encoder=te1, text_encoder_2=te2, text_encoder_3=te3 if with_t5 else None,
+            tokenizer_max_length=77, _execution_device="cpu",
+            transformer=types.SimpleNamespace(config=types.SimpleNamespace(joint_attention_dim=96)))
+        for method in ("_get_clip_prompt_embeds", "_get_t5_prompt_embeds", "encode_prompt"):
+            setattr(pipe, method, types.MethodType(getattr(StableDiffusion3Pipeline, method), pipe))
+        return pipe
+
+    long = " ".join(clip_ref.CAPTIONS) * 2
+    prompts = ["a photo of a cat", long]
+    cases = {
+        "plain": (True, dict()),
+        "negative_skip_images": (True, dict(negative_prompt=["blurry", "dark, (bad)"], clip_skip=1,
+                                            num_images_per_prompt=2, max_sequence_length=77,
+                                            prompt_2=["an oil painting", "a watercolor"],
+                                            prompt_3=["a cat in the style of <extra_id_0>", "x"])),
+        "negative_2_and_3": (True, dict(negative_prompt=["ugly"], negative_prompt_2=["grainy"],
+                                        negative_prompt_3=["noisy", "flat"],
+                                        max_sequence_length=30)),
+        "no_t5_no_guidance": (False, dict(do_classifier_free_guidance=False,
+                                          max_sequence_length=20)),
+    }
+    tensors, meta = {}, {"prompts": prompts, "joint_attention_dim": 96, "cases": {}}
+    for name, (with_t5, kw) in cases.items():
+        kw = dict(kw)
+        guidance = kw.pop("do_classifier_free_guidance", True)
+        n = kw.get("num_images_per_prompt", 1)
+        if len(kw.get("negative_prompt", [None, None])) == 1:
+            kw["negative_prompt"] = kw["negative_prompt"] * 2
+            kw["negative_prompt_2"] = kw["negative_prompt_2"] * 2
+        with torch_.no_grad():
+            pe, npe, pooled, npooled = stand_in(with_t5).encode_prompt(
+                prompt=prompts, prompt_2=kw.pop("prompt_2", None), prompt_3=kw.pop("prompt_3", None),
+                device=torch_.device("cpu"), do_classifier_free_guidance=guidance, **kw)
+        tensors[name + ".prompt_embeds"] = pe.contiguous()
+        tensors[name + ".pooled_prompt_embeds"] = pooled.contiguous()
+        if npe is not None:
+            tensors[name + ".negative_prompt_embeds"] = npe.contiguous()
+            tensors[name + ".negative_pooled_prompt_embeds"] = npooled.contiguous()
+        meta["cases"][name] = {"t5": with_t5, "guidance": guidance, "num_images_per_prompt": n,
+                               **{k: v for k, v in cases[name][1].items()
+                                  if k != "do_classifier_free_guidance"}}
+    save_file(tensors, folder / "outputs.safetensors")
+    (out / "sd3_encode_prompt.json").write_text(json.dumps(meta))

@@ -475,3 +475,137 @@ TEST(SamplerSweeps, FlowMatchingShiftsMatchDiffusers) {
   EXPECT_NEAR(df::FlowMatchEuler::calculate_shift(256), 0.5, 1e-15);
   EXPECT_NEAR(df::FlowMatchEuler::calculate_shift(4096), 1.15, 1e-15);
 }
+
+namespace {
+/// The sum, the absolute sum and three values of a sample: the script's per-step digest.
+std::vector<double> step_digest(const at::Tensor& x) {
+  const at::Tensor v = x.to(at::kDouble).flatten();
+  return {v.sum().item<double>(), v.abs().sum().item<double>(), v[0].item<double>(),
+          v[37].item<double>(), v[-1].item<double>()};
+}
+
+df::NoiseSchedule cogvideox_schedule(const std::string& beta, bool zero_snr, double shift) {
+  df::NoiseSchedule::Options o{.precision = df::Precision::float32};
+  o.rescale_betas_zero_snr = zero_snr;
+  o.snr_shift_scale = shift;
+  o.beta_schedule = df::beta_schedule_from(beta, "golden");
+  if (o.beta_schedule == df::BetaSchedule::scaled_linear) {
+    o.beta_start = 0.00085;
+    o.beta_end = 0.012;
+  } else if (o.beta_schedule == df::BetaSchedule::linear) {
+    o.beta_start = 0.0001;
+    o.beta_end = 0.02;
+  }
+  return df::NoiseSchedule(o);
+}
+
+/// Runs CogVideoX's pipeline loop with `s` and compares every step's digest, the first and the
+/// last sample.
+template <class S>
+void check_cogvideox_run(S& s, const nlohmann::json& ref, std::int64_t steps, std::uint64_t seed,
+                         const std::string& what) {
+  s.set_timesteps(steps);
+  ASSERT_EQ(s.timesteps().size(), ref["timesteps"].size()) << what;
+  for (std::size_t i = 0; i < s.timesteps().size(); ++i)
+    ASSERT_EQ(s.timesteps()[i], ref["timesteps"][i].get<std::int64_t>()) << what << " step " << i;
+  auto gen = seeded(seed);
+  at::Tensor x = initial_sample();
+  for (std::size_t i = 0; i < s.timesteps().size(); ++i) {
+    x = s.step_at(i, fake_model(x, static_cast<double>(s.timesteps()[i])), x, gen);
+    if (i == 0) expect_close(x, ref["first"], what + " first step");
+    expect_close(at::tensor(step_digest(x), at::kDouble), ref["trace"][i],
+                 what + " step " + std::to_string(i));
+    if (::testing::Test::HasFailure()) return;
+  }
+  expect_close(x, ref["last"], what + " last step");
+}
+}  // namespace
+
+TEST(SamplerSweeps, CogVideoXSchedulesAndSamplersMatchDiffusers) {
+  const auto& ref = g()["cogvideox"];
+  // The shifted (and rescaled) ᾱ tables.
+  for (const auto& [key, table] : ref["tables"].items()) {
+    const auto p = split(key);  // beta/snr/shift
+    const auto schedule = cogvideox_schedule(p[0], p[1] == "True", std::stod(p[2]));
+    ASSERT_EQ(schedule.alphas_cumprod().size(), table.size()) << key;
+    double err = 0;
+    for (std::size_t i = 0; i < table.size(); ++i)
+      err = std::max(err, std::abs(schedule.alphas_cumprod()(i) - table[i].get<double>()));
+    EXPECT_LE(err, 1e-7) << key;  // float32 tables (linear, cosine) to their precision
+  }
+  std::map<std::string, int> checked;
+  for (const auto& [key, run] : ref["runs"].items()) {
+    SCOPED_TRACE(key);
+    const auto p = split(key);
+    if (p[0] == "ddim_option" || p[0] == "dpm_option") {
+      const bool two_b = p[1] == "cogvideox_2b";
+      df::NoiseSchedule::Options o{.beta_start = 0.00085,
+                                   .beta_end = 0.012,
+                                   .beta_schedule = df::BetaSchedule::scaled_linear,
+                                   .rescale_betas_zero_snr = two_b,
+                                   .snr_shift_scale = 3.0,
+                                   .precision = df::Precision::float32};
+      const df::NoiseSchedule schedule(o);
+      const auto spacing = two_b ? df::TimestepSpacing::trailing : df::TimestepSpacing::leading;
+      if (p[0] == "ddim_option") {
+        df::CogVideoXDdim s(schedule, {.prediction_type = df::Prediction::v_prediction,
+                                       .set_alpha_to_one = two_b,
+                                       .steps_offset = two_b ? 0 : 1,
+                                       .timestep_spacing = spacing});
+        check_cogvideox_run(s, run, 50, 0, key);
+      } else {
+        df::CogVideoXDpm s(schedule, {.prediction_type = df::Prediction::v_prediction,
+                                      .set_alpha_to_one = two_b,
+                                      .steps_offset = two_b ? 0 : 1,
+                                      .timestep_spacing = spacing});
+        check_cogvideox_run(s, run, 50, 12, key);
+      }
+      ++checked[p[0]];
+      continue;
+    }
+    // kind/beta/snr/shift/prediction/spacing/steps
+    const auto schedule = cogvideox_schedule(p[1], p[2] == "True", std::stod(p[3]));
+    const auto prediction = prediction_of(p[4]);
+    const auto spacing = spacing_of(p[5]);
+    const std::int64_t steps = std::stoll(p[6]);
+    if (p[0] == "ddim") {
+      df::CogVideoXDdim s(schedule, {.prediction_type = prediction, .timestep_spacing = spacing});
+      check_cogvideox_run(s, run, steps, 0, key);
+    } else {
+      df::CogVideoXDpm s(schedule, {.prediction_type = prediction, .timestep_spacing = spacing});
+      check_cogvideox_run(s, run, steps, 11, key);
+    }
+    ++checked[p[0]];
+  }
+  // 3 beta schedules x 2 SNR x 3 shifts x 3 predictions x 3 spacings x 2 step counts.
+  EXPECT_EQ(checked["ddim"], 324);
+  EXPECT_EQ(checked["dpm"], 324);
+  EXPECT_EQ(checked["ddim_option"] + checked["dpm_option"], 4);
+}
+
+TEST(SamplerSweeps, CogVideoXTrainingTargetsUseTheShiftedSchedule) {
+  // add_noise and get_velocity read the shifted ᾱ, as diffusers' CogVideoX training does; the
+  // shift lowers the SNR by exactly its factor.
+  const auto plain = cogvideox_schedule("scaled_linear", false, 1.0);
+  const auto shifted = cogvideox_schedule("scaled_linear", false, 3.0);
+  const at::Tensor t = at::tensor({0, 250, 999}, at::kLong);
+  const at::Tensor ratio = plain.snr(t) / shifted.snr(t);
+  EXPECT_LE((ratio - 3.0).abs().max().item<double>(), 1e-4);
+  const at::Tensor x0 = at::randn({3, 2}), noise = at::randn({3, 2});
+  const at::Tensor a = shifted.alphas_cumprod_at(t, 2, x0.options());
+  EXPECT_TRUE(at::allclose(shifted.add_noise(x0, noise, t), a.sqrt() * x0 + (1 - a).sqrt() * noise,
+                           1e-6, 1e-6));
+  EXPECT_TRUE(at::allclose(shifted.get_velocity(x0, noise, t),
+                           a.sqrt() * noise - (1 - a).sqrt() * x0, 1e-6, 1e-6));
+  // Bad shifts and schedules are named.
+  df::NoiseSchedule::Options bad{.snr_shift_scale = 0.0};
+  EXPECT_THROW(df::NoiseSchedule{bad}, dt::ConfigError);
+  bad.snr_shift_scale = 2.0;
+  bad.beta_schedule = df::BetaSchedule::sigmoid;
+  EXPECT_THROW(df::NoiseSchedule{bad}, dt::ConfigError);
+  // A second-order DPM step needs the previous timestep.
+  df::CogVideoXDpm dpm(shifted, {});
+  dpm.set_timesteps(10);
+  EXPECT_THROW((void)dpm.step(at::zeros({2}), at::zeros({2}), 801, std::nullopt, at::zeros({2})),
+               dt::ConfigError);
+}

@@ -1316,3 +1316,96 @@ TEST(EncodePrompt, T5PromptEmbedsEqualDiffusers) {
   expect_error<dt::ConfigError>([&] { (void)text::t5_prompt_embeds(tok, encoder, prompts, 0); },
                                 "length 0", {"max_sequence_length 0"});
 }
+
+// StableDiffusion3Pipeline.encode_prompt on tiny encoders (two CLIPTextModelWithProjection with
+// the SD 1.5 and the "!"-padding SD 2 tokenizers, a T5 of the t5 tokenizer's vocabulary): default
+// and given negatives (one for all, one per prompt), clip_skip, prompt_2 and prompt_3, two images
+// per prompt, T5 lengths 256, 77 and 30, and a pipeline without T5 (zeros).
+TEST(EncodePrompt, SD3EqualsDiffusersPipeline) {
+  const auto& g = tst::golden("sd3_encode_prompt.json");
+  const fs::path root = fs::path(DIFFTRAIN_GOLDEN_DIR) / "sd3_encode_prompt";
+  const auto want = dt::io::load_safetensors(root / "outputs.safetensors", true).tensors;
+  auto te1 = models::from_pretrained<models::CLIPTextModel<>>(root / "text_encoder");
+  auto te2 = models::from_pretrained<models::CLIPTextModel<>>(root / "text_encoder_2");
+  auto te3 = models::from_pretrained<models::T5EncoderModel<>>(root / "text_encoder_3");
+  te1->eval();
+  te2->eval();
+  te3->eval();
+  const auto tok2 = text::CLIPTokenizer::from_folder(tokenizer_dir("sd2"));
+  const auto tok3 = text::T5Tokenizer::from_folder(t5_dir("t5_both"));
+  const auto prompts = g["prompts"].get<std::vector<std::string>>();
+  at::NoGradGuard no_grad;
+  auto list = [](const nlohmann::json& c, const char* key) {
+    std::optional<std::vector<std::string>> v;
+    if (c.contains(key)) v = c[key].get<std::vector<std::string>>();
+    return v;
+  };
+  using Encoders = text::SD3TextEncoders<models::CLIPTextModel<>, models::CLIPTextModel<>,
+                                         models::T5EncoderModel<>>;
+  for (const auto& [name, c] : g["cases"].items()) {
+    SCOPED_TRACE(name);
+    text::SD3PromptOptions o;
+    o.num_images_per_prompt = c["num_images_per_prompt"].get<std::int64_t>();
+    o.do_classifier_free_guidance = c["guidance"].get<bool>();
+    if (c.contains("clip_skip")) o.clip_skip = c["clip_skip"].get<std::int64_t>();
+    if (c.contains("max_sequence_length"))
+      o.max_sequence_length = c["max_sequence_length"].get<std::int64_t>();
+    o.prompt_2 = list(c, "prompt_2");
+    o.prompt_3 = list(c, "prompt_3");
+    o.negative_prompt = list(c, "negative_prompt");
+    o.negative_prompt_2 = list(c, "negative_prompt_2");
+    o.negative_prompt_3 = list(c, "negative_prompt_3");
+    const bool t5 = c["t5"].get<bool>();
+    const Encoders e{sd15(),
+                     te1,
+                     tok2,
+                     te2,
+                     t5 ? &tok3 : nullptr,
+                     t5 ? &te3 : nullptr,
+                     g["joint_attention_dim"].get<std::int64_t>()};
+    const text::EncodedPrompt got = text::encode_prompt_sd3(e, prompts, o);
+    const std::vector<std::pair<std::string, at::Tensor>> parts{
+        {"prompt_embeds", got.prompt_embeds},
+        {"pooled_prompt_embeds", got.pooled_prompt_embeds},
+        {"negative_prompt_embeds", got.negative_prompt_embeds},
+        {"negative_pooled_prompt_embeds", got.negative_pooled_prompt_embeds}};
+    for (const auto& [part, mine] : parts) {
+      const auto it = want.find(name + "." + part);
+      if (it == want.end()) {
+        EXPECT_FALSE(mine.defined()) << part;
+        continue;
+      }
+      ASSERT_TRUE(mine.defined()) << part;
+      ASSERT_EQ(mine.sizes(), it->second.sizes()) << part;
+      EXPECT_LT(scaled_error(mine, it->second), 1e-5) << part;
+    }
+  }
+  // Mistakes: a CLIP without projection, T5's tokenizer without its encoder, negatives that do
+  // not match the prompts, CLIP widths past T5's.
+  auto plain = models::from_pretrained<models::CLIPTextModel<>>(fs::path(DIFFTRAIN_GOLDEN_DIR) /
+                                                                "encode_prompt" / "text_encoder");
+  expect_error<dt::ConfigError>(
+      [&] {
+        (void)text::encode_prompt_sd3(Encoders{sd15(), plain, tok2, te2, &tok3, &te3}, prompts);
+      },
+      "a CLIP without projection", {"CLIPTextModelWithProjection"});
+  expect_error<dt::ConfigError>(
+      [&] {
+        (void)text::encode_prompt_sd3(Encoders{sd15(), te1, tok2, te2, &tok3, nullptr}, prompts);
+      },
+      "T5's tokenizer alone", {"together"});
+  text::SD3PromptOptions three;
+  three.negative_prompt = std::vector<std::string>{"a", "b", "c"};
+  expect_error<dt::ConfigError>(
+      [&] {
+        (void)text::encode_prompt_sd3(Encoders{sd15(), te1, tok2, te2, &tok3, &te3}, prompts,
+                                      three);
+      },
+      "three negatives for two prompts", {"negative_prompt", "3"});
+  expect_error<dt::ConfigError>(
+      [&] {
+        (void)text::encode_prompt_sd3(Encoders{sd15(), te1, tok2, te2, nullptr, nullptr, 64},
+                                      prompts);
+      },
+      "CLIP wider than the joint width", {"72", "64"});
+}

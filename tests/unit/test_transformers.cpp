@@ -820,3 +820,109 @@ TEST(Transformers, CogVideoXLoraAndSavedFoldersRoundTrip) {
   }
   dt::io::remove_tree(dir);
 }
+
+namespace {
+/// Gives every LoRA branch of `model` non-zero weights (B starts at zero).
+void perturb_lora(torch::nn::Module& model) {
+  at::NoGradGuard no_grad;
+  for (const auto& [name, h] : dt::adapters::lora_layers(model)) h->lora_b().normal_(0.0, 0.2);
+}
+
+/// Writes `model`'s branches as a diffusers LoRA file (PEFT keys under "transformer.", the adapter
+/// metadata) and loads it into `fresh` as a reader of that file does: the same output.
+template <class Model, class Run>
+void expect_lora_file_round_trip(Model& model, Model& fresh, const fs::path& file, Run run) {
+  const auto keys = dt::adapters::LoraKeyOptions{dt::adapters::LoraLayout::peft, "transformer."};
+  nlohmann::json adapter;
+  dt::adapters::add_peft_adapter_metadata(adapter, *model, "transformer");
+  dt::io::save_safetensors(file, dt::adapters::lora_state_dict(*model, keys),
+                           dt::adapters::lora_file_metadata(adapter));
+  const auto read = dt::io::load_safetensors(file, true);
+  // Every branch here has one rank and alpha: read them as diffusers does.
+  const std::int64_t rank = read.tensors.begin()->second.size(0);
+  const auto defaults = dt::adapters::peft_lora_defaults(
+      read.metadata, "transformer", dt::adapters::lora_layers(*model).front().first, rank);
+  EXPECT_EQ(defaults.alpha, 6.0);
+  (void)dt::adapters::load_lora_state_dict(*fresh, read.tensors, keys, defaults);
+  at::NoGradGuard no_grad;
+  model->eval();
+  fresh->eval();
+  EXPECT_TRUE(at::allclose(run(model), run(fresh), 1e-6, 1e-6));
+}
+}  // namespace
+
+TEST(Transformers, TransformerLoraFilesCarryTheirScaleAndSatKeys) {
+  // SD3: diffusers' SD3 targets on both streams, rank 2 with alpha 6 (scale 3: a reader that took
+  // alpha = rank would apply a third of it).
+  const fs::path dir = scratch("lora-files");
+  const std::vector<std::string> sd3_targets{
+      "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
+      "attn.to_k",       "attn.to_out.0",   "attn.to_q",       "attn.to_v"};
+  using SD3 = models::SD3Transformer2DModel<Backend>;
+  auto sd3 = models::from_pretrained<SD3>(golden_transformers() / "sd3_tiny");
+  auto sd3_fresh = models::from_pretrained<SD3>(golden_transformers() / "sd3_tiny");
+  (void)dt::adapters::inject_lora(*sd3, {.target_modules = sd3_targets}, {.rank = 2, .alpha = 6.0});
+  perturb_lora(*sd3);
+  at::manual_seed(13);
+  std::map<std::string, at::Tensor> sd3_io{{"sample", at::randn({2, 4, 8, 8})},
+                                           {"encoder_hidden_states", at::randn({2, 5, 12})},
+                                           {"pooled_projections", at::randn({2, 10})},
+                                           {"timestep", at::tensor({30.0, 700.0})}};
+  auto run_sd3 = [&](SD3& m) {
+    return m->forward(sd3_io["sample"], sd3_io["encoder_hidden_states"],
+                      sd3_io["pooled_projections"], sd3_io["timestep"]);
+  };
+  expect_lora_file_round_trip(sd3, sd3_fresh, dir / "sd3_lora.safetensors", run_sd3);
+
+  // CogVideoX: its LoRA targets, the same file form, and SAT's keys both ways.
+  auto cog = models::from_pretrained<CogVideoX>(golden_transformers() / "cogvideox_sincos");
+  auto cog_fresh = models::from_pretrained<CogVideoX>(golden_transformers() / "cogvideox_sincos");
+  (void)dt::adapters::inject_lora(*cog, {.target_modules = {"to_k", "to_out.0", "to_q", "to_v"}},
+                                  {.rank = 2, .alpha = 6.0});
+  perturb_lora(*cog);
+  std::map<std::string, at::Tensor> cog_io{{"hidden_states", at::randn({2, 3, 4, 6, 8})},
+                                           {"encoder_hidden_states", at::randn({2, 5, 10})},
+                                           {"timestep", at::tensor({30, 700})}};
+  auto run_cog = [&](CogVideoX& m) {
+    return m->forward(cog_io["hidden_states"], cog_io["encoder_hidden_states"], cog_io["timestep"]);
+  };
+  expect_lora_file_round_trip(cog, cog_fresh, dir / "cogvideox_lora.safetensors", run_cog);
+  const auto diffusers_keys =
+      dt::adapters::lora_state_dict(*cog, {dt::adapters::LoraLayout::peft, "transformer."});
+  const auto sat = dt::adapters::diffusers_to_sat_lora(diffusers_keys);
+  EXPECT_EQ(sat.size(), diffusers_keys.size());
+  EXPECT_TRUE(sat.contains(
+      "model.diffusion_model.transformer.layers.1.attention.query_key_value.matrix_B.2"));
+  EXPECT_TRUE(
+      sat.contains("model.diffusion_model.transformer.layers.0.attention.dense.matrix_A.0"));
+  const auto back = dt::adapters::sat_to_diffusers_lora(sat);
+  ASSERT_EQ(back.size(), diffusers_keys.size());
+  for (const auto& [k, v] : diffusers_keys) EXPECT_TRUE(at::equal(back.at(k), v)) << k;
+  // A branch SAT does not have (the feed-forward) has no SAT key; an unknown SAT key is named.
+  EXPECT_NE(error_of<dt::ConfigError>([&] {
+              (void)dt::adapters::diffusers_to_sat_lora(
+                  {{"transformer.transformer_blocks.0.ff.net.2.lora_A.weight", at::zeros({1})}});
+            }).find("ff.net.2"),
+            std::string::npos);
+  EXPECT_NE(error_of<dt::ConfigError>([&] {
+              (void)dt::adapters::sat_to_diffusers_lora(
+                  {{"model.diffusion_model.mixins.pos_embed.freqs_cos", at::zeros({1})}});
+            }).find("freqs_cos"),
+            std::string::npos);
+
+  if (const char* out = std::getenv("DIFFTRAIN_MODELS_OUT")) {
+    // For check_cpp_models.py: diffusers' load_lora_weights reads both files onto its own
+    // transformers and must give these outputs.
+    const fs::path o(out);
+    fs::copy_file(dir / "sd3_lora.safetensors", o / "sd3_lora.safetensors",
+                  fs::copy_options::overwrite_existing);
+    fs::copy_file(dir / "cogvideox_lora.safetensors", o / "cogvideox_lora.safetensors",
+                  fs::copy_options::overwrite_existing);
+    at::NoGradGuard no_grad;
+    sd3_io["output"] = run_sd3(sd3);
+    cog_io["output"] = run_cog(cog);
+    dt::io::save_safetensors(o / "outputs_sd3_lora.safetensors", sd3_io);
+    dt::io::save_safetensors(o / "outputs_cogvideox_lora.safetensors", cog_io);
+  }
+  dt::io::remove_tree(dir);
+}

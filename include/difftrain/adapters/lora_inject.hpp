@@ -10,12 +10,21 @@
 //     (`<prefix><module>.lora_A.weight`, `.lora_B.weight`) or kohya's (`lora_unet_<module with
 //     "_">.lora_down.weight`, `.lora_up.weight`, `.alpha`); `load_lora_state_dict` attaches and
 //     fills branches from either, checking every key and shape.
-//   * `sat_to_diffusers_lora_key`: CogVideoX SAT checkpoint keys to diffusers' (seed 003's table).
+//   * `add_peft_adapter_metadata` / `lora_file_metadata`: the `lora_adapter_metadata` header entry
+//     diffusers' save_lora_weights writes and load_lora_weights reads (the PEFT LoraConfig per
+//     component: rank, alpha, targets), so a reader applies the branches at the trained scale;
+//     `peft_lora_defaults` reads it back.
+//   * `sat_to_diffusers_lora_key` / `diffusers_to_sat_lora_key` and the whole-map
+//     `sat_to_diffusers_lora` / `diffusers_to_sat_lora`: CogVideoX SAT checkpoint keys to
+//     diffusers' and back (seed 003's table).
 
 #include <torch/nn/module.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <map>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <regex>
 #include <set>
@@ -133,6 +142,88 @@ inline std::map<std::string, at::Tensor> lora_state_dict(torch::nn::Module& root
     }
   }
   return out;
+}
+
+/// Adds the PEFT LoraConfig of `root`'s branches to diffusers' `lora_adapter_metadata` object
+/// under "<component>." ("transformer", "unet", "text_encoder", ...): `r` and `lora_alpha` of the
+/// most common branch, `rank_pattern` / `alpha_pattern` for the others by module name,
+/// `target_modules` (every adapted module), `lora_dropout`, and PEFT's defaults for the rest.
+/// diffusers builds the adapter from these; without them it takes alpha = rank (scale 1).
+inline void add_peft_adapter_metadata(nlohmann::json& into, torch::nn::Module& root,
+                                      const std::string& component) {
+  const auto layers = lora_layers(root);
+  if (layers.empty())
+    throw ConfigError("the model has no LoRA branches", "add_peft_adapter_metadata " + component);
+  std::map<std::pair<std::int64_t, double>, int> votes;
+  for (const auto& [name, h] : layers) {
+    const auto& o = h->lora_options();
+    ++votes[{o.rank, o.alpha.value_or(static_cast<double>(o.rank))}];
+  }
+  auto common = votes.begin();
+  for (auto it = votes.begin(); it != votes.end(); ++it)
+    if (it->second > common->second) common = it;
+  const auto [rank, alpha] = common->first;
+  nlohmann::json targets = nlohmann::json::array(), rank_pattern = nlohmann::json::object(),
+                 alpha_pattern = nlohmann::json::object();
+  double dropout = 0.0;
+  for (const auto& [name, h] : layers) {
+    const auto& o = h->lora_options();
+    targets.push_back(name);
+    dropout = std::max(dropout, o.dropout);
+    if (o.rank != rank) rank_pattern[name] = o.rank;
+    const double a = o.alpha.value_or(static_cast<double>(o.rank));
+    if (a != alpha) alpha_pattern[name] = a;
+  }
+  const std::string p = component + ".";
+  into[p + "r"] = rank;
+  into[p + "lora_alpha"] = alpha;
+  into[p + "target_modules"] = targets;
+  into[p + "lora_dropout"] = dropout;
+  into[p + "rank_pattern"] = rank_pattern;
+  into[p + "alpha_pattern"] = alpha_pattern;
+  into[p + "bias"] = "none";
+  into[p + "init_lora_weights"] = true;
+  into[p + "use_dora"] = false;
+  into[p + "use_rslora"] = false;
+}
+
+/// A LoRA file's safetensors metadata with diffusers' adapter entry (as its save_lora_weights
+/// writes it: sorted keys, indented) and any `extra` entries.
+inline std::map<std::string, std::string> lora_file_metadata(
+    const nlohmann::json& adapter_metadata, std::map<std::string, std::string> extra = {}) {
+  extra["format"] = "pt";
+  extra["lora_adapter_metadata"] = adapter_metadata.dump(2);  // nlohmann objects are sorted
+  return extra;
+}
+
+/// Reads alpha (and dropout) of `module`'s branch from a file's metadata as diffusers does:
+/// `alpha_pattern[module]`, else `lora_alpha`, else (no entry for the component) alpha = the
+/// branch's rank, diffusers' default. `rank` is the rank the tensors have.
+inline LoraOptions peft_lora_defaults(const std::map<std::string, std::string>& file_metadata,
+                                      const std::string& component, const std::string& module,
+                                      std::int64_t rank) {
+  LoraOptions o;
+  o.rank = rank;
+  const auto it = file_metadata.find("lora_adapter_metadata");
+  if (it == file_metadata.end()) return o;
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(it->second);
+  } catch (const nlohmann::json::parse_error& e) {
+    throw FormatError(std::string("is not JSON: ") + e.what(), "lora_adapter_metadata");
+  }
+  const std::string p = component + ".";
+  try {
+    if (j.contains(p + "alpha_pattern") && j[p + "alpha_pattern"].contains(module))
+      o.alpha = j[p + "alpha_pattern"][module].get<double>();
+    else if (j.contains(p + "lora_alpha"))
+      o.alpha = j[p + "lora_alpha"].get<double>();
+    if (j.contains(p + "lora_dropout")) o.dropout = j[p + "lora_dropout"].get<double>();
+  } catch (const nlohmann::json::exception& e) {
+    throw FormatError(std::string("has a field of the wrong type: ") + e.what(),
+                      "lora_adapter_metadata " + component);
+  }
+  return o;
 }
 
 /// Attaches (where missing) and fills the branches named in `tensors`; every key must name an
@@ -259,12 +350,10 @@ inline std::vector<std::string> load_lora_state_dict(
   return loaded;
 }
 
-/// A CogVideoX SAT LoRA key in diffusers' naming (seed 003's table, and its export script's
-/// rules): the SAT prefix "model.diffusion_model." is dropped, the attention matrices are renamed
-/// and "layers" becomes "transformer_blocks" ("transformer.layers.3.attention.dense.matrix_A.0" →
-/// "transformer.transformer_blocks.3.attn1.to_out.0.lora_A.weight"). Keys outside the table give
-/// std::nullopt (they are not LoRA weights).
-inline std::optional<std::string> sat_to_diffusers_lora_key(const std::string& key) {
+namespace lora_inject_detail {
+/// Seed 003's table: SAT's LoRA matrices of the fused qkv and the output projection, and the
+/// diffusers names they become.
+inline const std::vector<std::pair<std::string, std::string>>& sat_lora_table() {
   static const std::vector<std::pair<std::string, std::string>> table = {
       {"attention.query_key_value.matrix_A.0", "attn1.to_q.lora_A.weight"},
       {"attention.query_key_value.matrix_A.1", "attn1.to_k.lora_A.weight"},
@@ -274,20 +363,77 @@ inline std::optional<std::string> sat_to_diffusers_lora_key(const std::string& k
       {"attention.query_key_value.matrix_B.2", "attn1.to_v.lora_B.weight"},
       {"attention.dense.matrix_A.0", "attn1.to_out.0.lora_A.weight"},
       {"attention.dense.matrix_B.0", "attn1.to_out.0.lora_B.weight"}};
+  return table;
+}
+inline bool ends_with(const std::string& s, const std::string& tail) {
+  return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
+}
+/// Python's str.replace(from, to): every occurrence, left to right.
+inline std::string replace_all(std::string s, const std::string& from, const std::string& to) {
+  for (auto at = s.find(from); at != std::string::npos; at = s.find(from, at + to.size()))
+    s.replace(at, from.size(), to);
+  return s;
+}
+}  // namespace lora_inject_detail
+
+/// A CogVideoX SAT LoRA key in diffusers' naming (seed 003's table, and its export script's
+/// rules): the SAT prefix "model.diffusion_model." is dropped, the attention matrices are renamed
+/// and "layers" becomes "transformer_blocks" ("transformer.layers.3.attention.dense.matrix_A.0" →
+/// "transformer.transformer_blocks.3.attn1.to_out.0.lora_A.weight"). Keys outside the table give
+/// std::nullopt (they are not LoRA weights).
+inline std::optional<std::string> sat_to_diffusers_lora_key(const std::string& key) {
+  const auto& table = lora_inject_detail::sat_lora_table();
   std::string k = key;
   const std::string sat_prefix = "model.diffusion_model.";
   if (k.rfind(sat_prefix, 0) == 0) k = k.substr(sat_prefix.size());
   for (const auto& [from, to] : table) {
-    if (k.size() < from.size() || k.compare(k.size() - from.size(), from.size(), from) != 0)
-      continue;
-    std::string head = k.substr(0, k.size() - from.size());
-    const std::string unit = "layers", blocks = "transformer_blocks";  // str.replace: every one
-    for (auto at = head.find(unit); at != std::string::npos;
-         at = head.find(unit, at + blocks.size()))
-      head.replace(at, unit.size(), blocks);
-    return head + to;
+    if (!lora_inject_detail::ends_with(k, from)) continue;
+    return lora_inject_detail::replace_all(k.substr(0, k.size() - from.size()), "layers",
+                                           "transformer_blocks") +
+           to;
   }
   return std::nullopt;
+}
+
+/// The other direction: a diffusers CogVideoX LoRA key ("transformer.transformer_blocks.3.attn1.
+/// to_q.lora_A.weight") as the SAT checkpoint holds it
+/// ("model.diffusion_model.transformer.layers.3. attention.query_key_value.matrix_A.0"). Only the
+/// attention projections SAT adapts map; others give std::nullopt.
+inline std::optional<std::string> diffusers_to_sat_lora_key(const std::string& key) {
+  for (const auto& [sat, diffusers] : lora_inject_detail::sat_lora_table()) {
+    if (!lora_inject_detail::ends_with(key, diffusers)) continue;
+    return "model.diffusion_model." +
+           lora_inject_detail::replace_all(key.substr(0, key.size() - diffusers.size()),
+                                           "transformer_blocks", "layers") +
+           sat;
+  }
+  return std::nullopt;
+}
+
+/// A whole LoRA map from SAT to diffusers keys (or back): every key must map, or the ConfigError
+/// names the first that does not (SAT adapts only the attention projections).
+inline std::map<std::string, at::Tensor> sat_to_diffusers_lora(
+    const std::map<std::string, at::Tensor>& sat) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& [k, v] : sat) {
+    const auto d = sat_to_diffusers_lora_key(k);
+    if (!d)
+      throw ConfigError("is not a SAT LoRA matrix of seed 003's table", "SAT key '" + k + "'");
+    out[*d] = v;
+  }
+  return out;
+}
+inline std::map<std::string, at::Tensor> diffusers_to_sat_lora(
+    const std::map<std::string, at::Tensor>& diffusers) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& [k, v] : diffusers) {
+    const auto s = diffusers_to_sat_lora_key(k);
+    if (!s)
+      throw ConfigError("has no SAT counterpart (SAT adapts attn1's to_q, to_k, to_v, to_out.0)",
+                        "diffusers LoRA key '" + k + "'");
+    out[*s] = v;
+  }
+  return out;
 }
 
 }  // namespace difftrain::adapters

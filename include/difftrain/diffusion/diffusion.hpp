@@ -1,6 +1,8 @@
 #pragma once
 // Umbrella header of the diffusion layer.
 
+#include "difftrain/diffusion/cogvideox_ddim.hpp"
+#include "difftrain/diffusion/cogvideox_dpm.hpp"
 #include "difftrain/diffusion/ddim.hpp"
 #include "difftrain/diffusion/ddpm.hpp"
 #include "difftrain/diffusion/dpm_solver.hpp"

@@ -69,6 +69,11 @@ class NoiseSchedule {
     double beta_end = 0.02;
     BetaSchedule beta_schedule = BetaSchedule::linear;
     bool rescale_betas_zero_snr = false;
+    /// CogVideoX's schedulers (CogVideoXDDIMScheduler, CogVideoXDPMScheduler): ᾱ is shifted to
+    /// ᾱ / (s + (1 − s)·ᾱ), lowering every SNR by the factor s, and with rescale_betas_zero_snr
+    /// the zero-terminal-SNR rescale is applied to that shifted ᾱ. Unset: no shift (s = 1 is the
+    /// same table). CogVideoX-2B's scheduler has 3.0, the 5B models' 1.0.
+    std::optional<double> snr_shift_scale{};
     Precision precision = Precision::float64;
   };
 
@@ -84,7 +89,9 @@ class NoiseSchedule {
     betas_ = xt::zeros<double>({n});
     alphas_ = xt::zeros<double>({n});
     alphas_cumprod_ = xt::zeros<double>({n});
-    if (o.precision == Precision::float32) {
+    if (o.snr_shift_scale) {
+      build_shifted();
+    } else if (o.precision == Precision::float32) {
       build_as_diffusers();
     } else {
       for (std::size_t i = 0; i < n; ++i) betas_(i) = beta(i, n);
@@ -284,6 +291,57 @@ class NoiseSchedule {
     store(betas_, betas);
     store(alphas_, alphas);
     store(alphas_cumprod_, cumprod);
+  }
+
+  /// CogVideoX's tables with its schedulers' torch calls: betas (scaled_linear in float64 even in
+  /// diffusers' precision, linear and squaredcos_cap_v2 in float32 there), ᾱ = cumprod(1 − β),
+  /// the SNR shift, then the zero-SNR rescale on ᾱ itself. β and α are stored as the per-step
+  /// values of the final ᾱ (αᵢ = ᾱᵢ/ᾱᵢ₋₁), which is what the DDPM-family formulas read.
+  void build_shifted() {
+    const double s = *o_.snr_shift_scale;
+    if (!(s > 0 && std::isfinite(s)))
+      throw ConfigError("must be a positive number, got " + std::to_string(s),
+                        "noise schedule option snr_shift_scale");
+    if (o_.beta_schedule == BetaSchedule::sigmoid)
+      throw ConfigError("CogVideoX's schedulers have linear, scaled_linear and squaredcos_cap_v2",
+                        "noise schedule option beta_schedule with snr_shift_scale");
+    const std::int64_t n = o_.num_train_timesteps;
+    const bool as_diffusers = o_.precision == Precision::float32;
+    at::Tensor betas;
+    switch (o_.beta_schedule) {
+      case BetaSchedule::linear:
+        betas =
+            at::linspace(o_.beta_start, o_.beta_end, n, as_diffusers ? at::kFloat : at::kDouble);
+        break;
+      case BetaSchedule::scaled_linear:
+        betas =
+            at::linspace(std::pow(o_.beta_start, 0.5), std::pow(o_.beta_end, 0.5), n, at::kDouble)
+                .pow(2);
+        break;
+      default: {
+        std::vector<double> b;
+        for (std::size_t i = 0; i < static_cast<std::size_t>(n); ++i)
+          b.push_back(beta(i, static_cast<std::size_t>(n)));
+        betas = at::tensor(b, at::kDouble).to(as_diffusers ? at::kFloat : at::kDouble);
+        break;
+      }
+    }
+    at::Tensor bar = (1.0 - betas).cumprod(0);
+    bar = bar / (s + (1 - s) * bar);
+    if (o_.rescale_betas_zero_snr) {
+      at::Tensor sqrt_bar = bar.sqrt();
+      const at::Tensor first = sqrt_bar[0].clone();
+      const at::Tensor last = sqrt_bar[-1].clone();
+      sqrt_bar -= last;
+      sqrt_bar *= first / (first - last);
+      bar = sqrt_bar.pow(2);
+    }
+    const at::Tensor d = bar.to(at::kDouble).contiguous();
+    std::copy(d.data_ptr<double>(), d.data_ptr<double>() + d.numel(), alphas_cumprod_.begin());
+    for (std::size_t i = 0; i < alphas_cumprod_.size(); ++i) {
+      alphas_(i) = i == 0 ? alphas_cumprod_(0) : alphas_cumprod_(i) / alphas_cumprod_(i - 1);
+      betas_(i) = 1.0 - alphas_(i);
+    }
   }
 
   /// Lin et al., "Common Diffusion Noise Schedules and Sample Steps are Flawed", Algorithm 1, in

@@ -555,10 +555,10 @@ TORCH_MODULE(CogVideoXAdaLayerNorm);
 struct CogVideoXConditions {
   /// CogVideoX 1.5 I2V's "ofs" (its pipeline passes 2.0): one value or (B,); required exactly
   /// when the config has ofs_embed_dim.
-  at::Tensor ofs;
+  at::Tensor ofs{};
   /// Rotary tables (cos, sin), each (F'·h·w, attention_head_dim), for configs with rotary
   /// embeddings; computed by rotary_embedding() for the input's size when not given.
-  at::Tensor rotary_cos, rotary_sin;
+  at::Tensor rotary_cos{}, rotary_sin{};
 };
 
 template <nn::attention::AttentionBackend Backend = nn::attention::Sdpa<nn::attention::Auto>,

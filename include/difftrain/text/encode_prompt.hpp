@@ -15,6 +15,11 @@
 //   SD3 / Flux    T5's part (_get_t5_prompt_embeds): ids padded and truncated to
 //                 max_sequence_length (SD3 256, Flux 512), the encoder's last_hidden_state with
 //                 no attention mask.
+//   SD3           (StableDiffusion3Pipeline) both CLIP encoders' hidden states at -2 (or
+//                 -(clip_skip + 2)) side by side, zero-padded to T5's width and followed by T5's
+//                 tokens (zeros of joint_attention_dim when the pipeline has no T5); the pooled
+//                 output is both encoders' text_embeds side by side; the negative prompt ("" when
+//                 none) the same way without clip_skip.
 //
 // Each prompt's embeddings are repeated num_images_per_prompt times, consecutively. Prompts naming
 // a multi-vector textual-inversion token are expanded first, as diffusers does.
@@ -195,6 +200,31 @@ EncodedPrompt encode_prompt_sdxl(const CLIPTokenizer& tok1, Encoder1& enc1,
   return out;
 }
 
+/// SD3's three text encoders, as StableDiffusion3Pipeline holds them: two
+/// CLIPTextModelWithProjection with their tokenizers and, optionally (null), T5 with its tokenizer.
+/// Without T5 its tokens are zeros of the transformer's joint_attention_dim.
+template <class ClipL, class ClipG, class T5>
+struct SD3TextEncoders {
+  const CLIPTokenizer& tokenizer;
+  ClipL& text_encoder;
+  const CLIPTokenizer& tokenizer_2;
+  ClipG& text_encoder_2;
+  const T5Tokenizer* tokenizer_3 = nullptr;
+  T5* text_encoder_3 = nullptr;
+  std::int64_t joint_attention_dim = 4096;
+};
+
+struct SD3PromptOptions {
+  std::int64_t num_images_per_prompt = 1;
+  bool do_classifier_free_guidance = true;
+  std::optional<std::int64_t> clip_skip;
+  std::int64_t max_sequence_length = 256;  // T5's tokens
+  /// What the second CLIP and T5 read (default: the prompts), and the negatives (default "",
+  /// the second and third defaulting to the first); one for all or one per prompt.
+  std::optional<std::vector<std::string>> prompt_2, prompt_3;
+  std::optional<std::vector<std::string>> negative_prompt, negative_prompt_2, negative_prompt_3;
+};
+
 /// SD3's and Flux's T5 prompt embeddings (diffusers' _get_t5_prompt_embeds): (B · n,
 /// max_sequence_length, d_model), in the encoder's dtype. The pipelines pass no attention mask:
 /// the padding is attended to, as the models were trained.
@@ -219,6 +249,93 @@ at::Tensor t5_prompt_embeds(const T5Tokenizer& tokenizer, Encoder& encoder,
                              .view({static_cast<std::int64_t>(prompts.size()), -1})
                              .to(encoder->shared->weight.device());
   return encode_detail::per_image(encoder->forward(ids).last_hidden_state, num_images_per_prompt);
+}
+
+/// StableDiffusion3Pipeline.encode_prompt: prompt_embeds (B · n, 77 + max_sequence_length,
+/// T5's width) and pooled_prompt_embeds (B · n, both projection widths), and the negatives with
+/// guidance.
+template <class ClipL, class ClipG, class T5>
+EncodedPrompt encode_prompt_sd3(const SD3TextEncoders<ClipL, ClipG, T5>& e,
+                                const std::vector<std::string>& prompts,
+                                const SD3PromptOptions& o = {}) {
+  const std::string where = "encode_prompt_sd3";
+  if (prompts.empty()) throw ConfigError("no prompts", where);
+  if (o.num_images_per_prompt < 1)
+    throw ConfigError("num_images_per_prompt must be at least 1", where);
+  if (o.max_sequence_length < 1)
+    throw ConfigError(
+        "max_sequence_length " + std::to_string(o.max_sequence_length) + " must be at least 1",
+        where);
+  if (!e.text_encoder->config().with_projection || !e.text_encoder_2->config().with_projection)
+    throw ConfigError(
+        "both CLIP encoders must be CLIPTextModelWithProjection (their text_embeds "
+        "are SD3's pooled conditioning)",
+        where);
+  if ((e.tokenizer_3 == nullptr) != (e.text_encoder_3 == nullptr))
+    throw ConfigError("give T5's tokenizer and encoder together, or neither", where);
+  encode_detail::check_skip(o.clip_skip, e.text_encoder, 2);
+  encode_detail::check_skip(o.clip_skip, e.text_encoder_2, 2);
+  const std::int64_t clip_width =
+      e.text_encoder->config().hidden_size + e.text_encoder_2->config().hidden_size;
+  const std::int64_t t5_width =
+      e.text_encoder_3 != nullptr ? (*e.text_encoder_3)->config().d_model : e.joint_attention_dim;
+  if (t5_width < clip_width)
+    throw ConfigError("the CLIP encoders' widths add up to " + std::to_string(clip_width) +
+                          ", more than T5's " + std::to_string(t5_width) +
+                          " (the pipeline pads the CLIP tokens to T5's width)",
+                      where);
+  const std::size_t batch = prompts.size();
+  // One side (the prompts or the negatives): (embeds, pooled) before the per-image repeat.
+  auto side = [&](const std::vector<std::string>& p1, const std::vector<std::string>& p2,
+                  const std::vector<std::string>& p3, std::int64_t from_end) {
+    at::Tensor pooled_1, pooled_2;
+    const at::Tensor h1 = encode_detail::hidden_from_end(
+        e.text_encoder,
+        encode_detail::ids_for(e.tokenizer, e.text_encoder, p1, e.tokenizer.model_max_length()),
+        from_end, &pooled_1);
+    const at::Tensor h2 =
+        encode_detail::hidden_from_end(e.text_encoder_2,
+                                       encode_detail::ids_for(e.tokenizer_2, e.text_encoder_2, p2,
+                                                              e.tokenizer_2.model_max_length()),
+                                       from_end, &pooled_2);
+    if (h1.size(1) != h2.size(1))
+      throw ShapeError("the two CLIP tokenizers give " + std::to_string(h1.size(1)) + " and " +
+                           std::to_string(h2.size(1)) + " positions; they must agree",
+                       where);
+    const at::Tensor clip = at::cat({h1, h2.to(h1.scalar_type())}, -1);
+    at::Tensor t5;
+    if (e.text_encoder_3 != nullptr)
+      t5 = t5_prompt_embeds(*e.tokenizer_3, *e.text_encoder_3, p3, o.max_sequence_length);
+    else
+      t5 = at::zeros({static_cast<std::int64_t>(p3.size()), o.max_sequence_length, t5_width},
+                     clip.options());
+    const at::Tensor padded = at::constant_pad_nd(clip, {0, t5_width - clip_width});
+    return std::pair{at::cat({padded, t5.to(padded.scalar_type())}, -2),
+                     at::cat({pooled_1, pooled_2.to(pooled_1.scalar_type())}, -1)};
+  };
+  auto or_prompts = [&](const std::optional<std::vector<std::string>>& v, const char* what) {
+    return v ? encode_detail::negatives(v, batch, what) : prompts;
+  };
+  EncodedPrompt out;
+  const std::int64_t from_end = o.clip_skip ? *o.clip_skip + 2 : 2;
+  {
+    auto [embeds, pooled] = side(prompts, or_prompts(o.prompt_2, "prompt_2"),
+                                 or_prompts(o.prompt_3, "prompt_3"), from_end);
+    out.prompt_embeds = encode_detail::per_image(embeds, o.num_images_per_prompt);
+    out.pooled_prompt_embeds = encode_detail::per_image(pooled, o.num_images_per_prompt);
+  }
+  if (!o.do_classifier_free_guidance) return out;
+  const auto neg = encode_detail::negatives(o.negative_prompt, batch, "negative_prompt");
+  const auto neg_2 = o.negative_prompt_2
+                         ? encode_detail::negatives(o.negative_prompt_2, batch, "negative_prompt_2")
+                         : neg;
+  const auto neg_3 = o.negative_prompt_3
+                         ? encode_detail::negatives(o.negative_prompt_3, batch, "negative_prompt_3")
+                         : neg;
+  auto [embeds, pooled] = side(neg, neg_2, neg_3, 2);
+  out.negative_prompt_embeds = encode_detail::per_image(embeds, o.num_images_per_prompt);
+  out.negative_pooled_prompt_embeds = encode_detail::per_image(pooled, o.num_images_per_prompt);
+  return out;
 }
 
 }  // namespace difftrain::text
