@@ -3,7 +3,9 @@
 //  - dit_step_vs_diffusers: DiT (learned sigma, 1,000 classes); pixart_step_vs_diffusers: PixArt
 //    (16 caption tokens of 64, projected); sd3_step_vs_diffusers: SD3's MMDiT (16 text tokens of
 //    64, pooled text of 32, qk RMS norm, a dual-attention block): forward + backward of a
-//    mean-square loss; the baseline is the same step in Python eager
+//    mean-square loss; cogvideox_step_vs_diffusers: CogVideoX-5B's kind (3-D rotary embeddings) on
+//    3 latent frames of 16×16×4 (192 video tokens) with 16 text tokens of 64; the baseline is the
+//    same step in Python eager
 //    (benchmarks/python_transformer_step.py, same thread count) — goal ratio <= 1.0;
 //  - dit_attention_share: the same step, and the step with the attention kernel replaced by
 //    q + k + v (same shapes, gradients still reach every projection); the counter
@@ -16,6 +18,7 @@
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
+#include <difftrain/models/cogvideox_transformer_3d.hpp>
 #include <difftrain/models/dit_transformer_2d.hpp>
 #include <difftrain/models/pixart_transformer_2d.hpp>
 #include <difftrain/models/sd3_transformer_2d.hpp>
@@ -55,6 +58,15 @@ nlohmann::json sd3_config() {
           {"pos_embed_max_size", 32},
           {"qk_norm", "rms_norm"},
           {"dual_attention_layers", {0}}};
+}
+
+nlohmann::json cogvideox_config() {
+  return {{"num_attention_heads", 4}, {"attention_head_dim", 32},
+          {"in_channels", 4},         {"out_channels", 4},
+          {"time_embed_dim", 64},     {"text_embed_dim", 64},
+          {"num_layers", 4},          {"sample_width", 16},
+          {"sample_height", 16},      {"sample_frames", 9},
+          {"patch_size", 2},          {"use_rotary_positional_embeddings", true}};
 }
 
 /// The Python baseline's seconds per step for `kind` (dit, pixart, sd3) at `config`, measured
@@ -110,6 +122,17 @@ void sd3_difftrain(benchmark::State& state) {
                    pooled = at::randn({kBatch, 32});
   const at::Tensor t = (at::arange(kBatch, at::kLong) * 997 % 1000).to(at::kFloat);
   timed_steps(state, model, [&] { return model->forward(x, text, pooled, t); });
+}
+
+void cogvideox_diffusers(benchmark::State& state) {
+  python_baseline(state, "cogvideox", cogvideox_config());
+}
+void cogvideox_difftrain(benchmark::State& state) {
+  models::CogVideoXTransformer3DModel<> model(
+      models::CogVideoXTransformer3DConfig::from_json(cogvideox_config(), "bench"));
+  const at::Tensor x = at::randn({kBatch, 3, 4, 16, 16}), text = at::randn({kBatch, kTokens, 64});
+  const at::Tensor t = at::arange(kBatch, at::kLong) * 997 % 1000;
+  timed_steps(state, model, [&] { return model->forward(x, text, t); });
 }
 
 nlohmann::json bench_config() {
@@ -239,6 +262,8 @@ BENCHMARK(pixart_diffusers)->Name("pixart_step_vs_diffusers/baseline")->UseManua
 BENCHMARK(pixart_difftrain)->Name("pixart_step_vs_diffusers/difftrain")->UseManualTime();
 BENCHMARK(sd3_diffusers)->Name("sd3_step_vs_diffusers/baseline")->UseManualTime();
 BENCHMARK(sd3_difftrain)->Name("sd3_step_vs_diffusers/difftrain")->UseManualTime();
+BENCHMARK(cogvideox_diffusers)->Name("cogvideox_step_vs_diffusers/baseline")->UseManualTime();
+BENCHMARK(cogvideox_difftrain)->Name("cogvideox_step_vs_diffusers/difftrain")->UseManualTime();
 BENCHMARK(attention_share)->Name("dit_attention_share")->Iterations(10)->UseRealTime();
 BENCHMARK(diffusers_gpu_step)->Name("dit_cuda_bf16_vs_diffusers/baseline")->UseManualTime();
 BENCHMARK(gpu_step)->Name("dit_cuda_bf16_vs_diffusers/difftrain")->UseManualTime();

@@ -1,15 +1,19 @@
 """The Python side of the <model>_step_vs_diffusers benchmarks of bench_transformers.cpp:
-diffusers' DiTTransformer2DModel, PixArtTransformer2DModel or SD3Transformer2DModel at the small
+diffusers' DiTTransformer2DModel, PixArtTransformer2DModel, SD3Transformer2DModel or
+CogVideoXTransformer3DModel (rotary embeddings as its pipeline computes them) at the small
 config the benchmark builds, forward + backward of a mean-square loss, eager, on the same number
 of threads (on a GPU, under autocast). Usage:
 python_transformer_step.py MODEL CONFIG_JSON STEPS THREADS BATCH [DEVICE [AUTOCAST_DTYPE]]
-with MODEL dit, pixart or sd3 (text: 16 tokens); prints {"seconds_per_step": ...}."""
+with MODEL dit, pixart, sd3 or cogvideox (text: 16 tokens); prints {"seconds_per_step": ...}."""
 import json
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
-from diffusers import DiTTransformer2DModel, PixArtTransformer2DModel, SD3Transformer2DModel
+from diffusers import (CogVideoXTransformer3DModel, DiTTransformer2DModel, PixArtTransformer2DModel,
+                       SD3Transformer2DModel)
+from diffusers.pipelines.cogvideo.pipeline_cogvideox import CogVideoXPipeline
 
 TOKENS = 16
 
@@ -24,13 +28,24 @@ def main():
     dtype = {"none": None, "bf16": torch.bfloat16}[sys.argv[7] if len(sys.argv) > 7 else "none"]
     torch.manual_seed(0)
     cls = {"dit": DiTTransformer2DModel, "pixart": PixArtTransformer2DModel,
-           "sd3": SD3Transformer2DModel}[kind]
+           "sd3": SD3Transformer2DModel, "cogvideox": CogVideoXTransformer3DModel}[kind]
     # Eval mode for DiT's label embedding (no random label dropout); nothing else differs.
     model = cls(**config).eval().to(device)
-    size = config["sample_size"]
-    x = torch.randn(batch, config["in_channels"], size, size, device=device)
     t = torch.arange(batch, device=device) * 997 % 1000
-    if kind == "dit":
+    if kind == "cogvideox":  # video latents (B, F, C, H, W) at the configured size
+        frames = (config["sample_frames"] - 1) // config.get("temporal_compression_ratio", 4) + 1
+        h, w = config["sample_height"], config["sample_width"]
+        x = torch.randn(batch, frames, config["in_channels"], h, w, device=device)
+        pipe = SimpleNamespace(vae_scale_factor_spatial=8, transformer=model)
+        rotary = CogVideoXPipeline._prepare_rotary_positional_embeddings(
+            pipe, h * 8, w * 8, frames, torch.device(device))
+    else:
+        size = config["sample_size"]
+        x = torch.randn(batch, config["in_channels"], size, size, device=device)
+    if kind == "cogvideox":
+        kwargs = {"timestep": t, "image_rotary_emb": rotary, "encoder_hidden_states":
+                  torch.randn(batch, TOKENS, config["text_embed_dim"], device=device)}
+    elif kind == "dit":
         kwargs = {"timestep": t, "class_labels": torch.arange(batch, device=device) % 1000}
     elif kind == "pixart":
         kwargs = {"timestep": t, "encoder_hidden_states":

@@ -259,10 +259,13 @@ struct Validation {
   at::Tensor operator()(auto& /*trainer*/) { return images(); }
 };
 
-inline void copy_pipeline_except_unet(const fs::path& base, const fs::path& out) {
+/// Copies the pipeline folder `base` into `out` except its `trained` component (which the program
+/// writes itself), so `out` is a pipeline folder of its own.
+inline void copy_pipeline_except_unet(const fs::path& base, const fs::path& out,
+                                      const std::string& trained = "unet") {
   for (const auto& e : fs::directory_iterator(base)) {
     const auto name = e.path().filename();
-    if (name == "unet") continue;
+    if (name == trained) continue;
     if (e.is_directory()) {
       for (const auto& f : fs::recursive_directory_iterator(e.path())) {
         if (!f.is_regular_file()) continue;

@@ -317,10 +317,11 @@ TEST(Cuda, UNetAndVaeMatchDiffusersOnTheGpu) {
   }
 }
 
-// The diffusion transformers on the GPU: DiT and PixArt folders from the parity sweep give
-// diffusers' CPU outputs and gradients (SDPA and Math backends), and DiT under bf16 autocast stays
-// close to them.
-TEST(Cuda, DiTAndPixArtMatchDiffusersOnTheGpu) {
+// The diffusion transformers on the GPU: DiT, PixArt, SD3.5 (qk norm, dual attention) and
+// CogVideoX (rotary embeddings computed on the GPU, the learned table) folders from the parity
+// sweep give diffusers' CPU outputs and gradients (SDPA and Math backends), and DiT under bf16
+// autocast stays close to them.
+TEST(Cuda, DiffusionTransformersMatchDiffusersOnTheGpu) {
   DIFFTRAIN_NEEDS_CUDA();
   NoTf32 full_precision;
   const fs::path dir = fs::path(DIFFTRAIN_GOLDEN_DIR) / "transformers";
@@ -368,6 +369,31 @@ TEST(Cuda, DiTAndPixArtMatchDiffusersOnTheGpu) {
     EXPECT_LE(scaled_error(out, t.at("output")), 1e-5) << "PixArt output";
     (out * t.at("weight").to(kGpu)).sum().backward();
     check_grads(*pixart, t);
+    // SD3's joint attention and CogVideoX's rotary embeddings (computed on the GPU).
+    {
+      const auto s =
+          dt::io::load_safetensors(dir / "sd35_qk_norm_dual.io.safetensors", true).tensors;
+      auto sd3 = models::from_pretrained<models::SD3Transformer2DModel<Backend>>(
+          dir / "sd35_qk_norm_dual", lo);
+      sd3->train();
+      const at::Tensor y =
+          sd3->forward(s.at("input.sample").to(kGpu), s.at("input.encoder_hidden_states").to(kGpu),
+                       s.at("input.pooled_projections").to(kGpu), s.at("input.timestep").to(kGpu));
+      EXPECT_LE(scaled_error(y, s.at("output")), 1e-5) << "SD3 output";
+      (y * s.at("weight").to(kGpu)).sum().backward();
+      check_grads(*sd3, s);
+    }
+    const auto c =
+        dt::io::load_safetensors(dir / "cogvideox_rotary_learned.io.safetensors", true).tensors;
+    auto cog = models::from_pretrained<models::CogVideoXTransformer3DModel<Backend, Tanh>>(
+        dir / "cogvideox_rotary_learned", lo);
+    cog->train();
+    const at::Tensor v =
+        cog->forward(c.at("input.hidden_states").to(kGpu),
+                     c.at("input.encoder_hidden_states").to(kGpu), c.at("input.timestep").to(kGpu));
+    EXPECT_LE(scaled_error(v, c.at("output")), 1e-5) << "CogVideoX output";
+    (v * c.at("weight").to(kGpu)).sum().backward();
+    check_grads(*cog, c);
   };
   check(dt::nn::attention::Sdpa<dt::nn::attention::Auto>{});
   check(dt::nn::attention::Math{});

@@ -15,6 +15,7 @@
 #include <difftrain/models/pixart_transformer_2d.hpp>
 #include <difftrain/models/pretrained.hpp>
 #include <difftrain/models/sd3_transformer_2d.hpp>
+#include <difftrain/train/precision.hpp>
 
 #include <gtest/gtest.h>
 
@@ -925,4 +926,36 @@ TEST(Transformers, TransformerLoraFilesCarryTheirScaleAndSatKeys) {
     dt::io::save_safetensors(o / "outputs_cogvideox_lora.safetensors", cog_io);
   }
   dt::io::remove_tree(dir);
+}
+
+TEST(Transformers, QkNormedTransformersRunUnderBf16Autocast) {
+  // SD3.5's RMS and CogVideoX's layer norms give float32 queries and keys under autocast beside
+  // bf16 values: the attention takes them in the autocast dtype, as autocast does for diffusers'
+  // SDPA call, and the output stays near float32's.
+  at::NoGradGuard no_grad;
+  {
+    const auto t =
+        dt::io::load_safetensors(golden_transformers() / "sd35_qk_norm_dual.io.safetensors", true)
+            .tensors;
+    auto sd3 = models::from_pretrained<models::SD3Transformer2DModel<Backend>>(
+        golden_transformers() / "sd35_qk_norm_dual");
+    at::Tensor out;
+    {
+      dt::train::AutocastGuard autocast(c10::kCPU, at::kBFloat16);
+      out = sd3->forward(t.at("input.sample"), t.at("input.encoder_hidden_states"),
+                         t.at("input.pooled_projections"), t.at("input.timestep"));
+    }
+    EXPECT_LE(scaled_error(out.to(at::kFloat), t.at("output")), 5e-2) << "SD3 under bf16";
+  }
+  const auto t = dt::io::load_safetensors(
+                     golden_transformers() / "cogvideox_rotary_learned.io.safetensors", true)
+                     .tensors;
+  auto cog = models::from_pretrained<CogVideoX>(golden_transformers() / "cogvideox_rotary_learned");
+  at::Tensor out;
+  {
+    dt::train::AutocastGuard autocast(c10::kCPU, at::kBFloat16);
+    out = cog->forward(t.at("input.hidden_states"), t.at("input.encoder_hidden_states"),
+                       t.at("input.timestep"));
+  }
+  EXPECT_LE(scaled_error(out.to(at::kFloat), t.at("output")), 5e-2) << "CogVideoX under bf16";
 }

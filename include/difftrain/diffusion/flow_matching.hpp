@@ -49,6 +49,8 @@ class FlowMatchEuler {
     sigma_min_ = train_sigmas_.back();
   }
 
+  [[nodiscard]] const Options& options() const noexcept { return o_; }
+
   /// Training: σ for each timestep index (0 = the noisiest), as SD3's script looks them up.
   [[nodiscard]] at::Tensor sigmas_for(const at::Tensor& indices) const {
     if (indices.is_floating_point())

@@ -397,6 +397,10 @@ class CogVideoXAttentionImpl : public torch::nn::Module {
       q = rotate(q);
       k = rotate(k);
     }
+    // Under autocast the layer norms give float32 queries and keys beside lower-precision values;
+    // diffusers' SDPA call is cast to the autocast dtype by autocast itself, here explicitly.
+    q = q.to(v.scalar_type());
+    k = k.to(v.scalar_type());
     nn::attention::AttentionArgs args;
     const at::Tensor out = Backend::forward(q, k, v, args);
     return to_out->forward(out.transpose(1, 2).reshape({x.size(0), -1, heads_ * head_dim_}));

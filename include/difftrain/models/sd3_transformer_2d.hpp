@@ -292,6 +292,10 @@ class JointAttentionImpl : public torch::nn::Module {
       k = at::cat({k, tk}, 2);
       v = at::cat({v, tv}, 2);
     }
+    // Under autocast the norms give float32 queries and keys beside lower-precision values;
+    // diffusers' SDPA call is cast to the autocast dtype by autocast itself, here explicitly.
+    q = q.to(v.scalar_type());
+    k = k.to(v.scalar_type());
     nn::attention::AttentionArgs args;
     at::Tensor out = Backend::forward(q, k, v, args);
     out = out.transpose(1, 2).reshape({x.size(0), -1, heads_ * head_dim_});
