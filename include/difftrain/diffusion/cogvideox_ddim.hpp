@@ -20,17 +20,20 @@
 
 namespace difftrain::diffusion {
 
-class CogVideoXDdim {
- public:
-  struct Options {
-    Prediction prediction_type = Prediction::epsilon;  // CogVideoX's configs: v_prediction
-    bool set_alpha_to_one = true;
-    std::int64_t steps_offset = 0;
-    TimestepSpacing timestep_spacing = TimestepSpacing::leading;  // CogVideoX's: trailing
-  };
-  static constexpr std::string_view name = "cogvideox_ddim";
+/// What CogVideoX's DDIM and DPM samplers are configured with (their schedulers' fields).
+struct CogVideoXSamplerOptions {
+  Prediction prediction_type = Prediction::epsilon;  // CogVideoX's configs: v_prediction
+  bool set_alpha_to_one = true;
+  std::int64_t steps_offset = 0;
+  TimestepSpacing timestep_spacing = TimestepSpacing::leading;  // CogVideoX's: trailing
+};
 
-  CogVideoXDdim(const NoiseSchedule& schedule, const Options& o) : schedule_(&schedule), o_(o) {}
+namespace cogvideox_detail {
+/// The timesteps and ᾱ lookups both CogVideoX samplers share.
+class Steps {
+ public:
+  using Options = CogVideoXSamplerOptions;
+  Steps(const NoiseSchedule& schedule, const Options& o) : schedule_(&schedule), o_(o) {}
 
   void set_timesteps(std::int64_t n) {
     timesteps_ =
@@ -38,53 +41,59 @@ class CogVideoXDdim {
     num_inference_steps_ = n;
   }
   [[nodiscard]] const std::vector<std::int64_t>& timesteps() const noexcept { return timesteps_; }
-
-  /// x̂₀ of a model output at timestep t, as the step computes it.
-  [[nodiscard]] at::Tensor predicted_original(const at::Tensor& model_output, std::int64_t t,
-                                              const at::Tensor& sample) const {
-    const double a_t = schedule_->alpha_cumprod(t);
-    const double beta_t = 1 - a_t;
-    switch (o_.prediction_type) {
-      case Prediction::epsilon:
-        return (sample - std::pow(beta_t, 0.5) * model_output) / std::pow(a_t, 0.5);
-      case Prediction::sample:
-        return model_output;
-      case Prediction::v_prediction:
-        return std::pow(a_t, 0.5) * sample - std::pow(beta_t, 0.5) * model_output;
-    }
-    return model_output;
-  }
-
-  [[nodiscard]] at::Tensor step(const at::Tensor& model_output, std::int64_t t,
-                                const at::Tensor& sample) const {
-    if (num_inference_steps_ == 0)
-      throw ConfigError("call set_timesteps() before step()", "CogVideoXDdim::step");
-    check_step_shapes(model_output, sample, "CogVideoXDdim::step");
-    const std::int64_t prev_t = t - schedule_->num_train_timesteps() / num_inference_steps_;
-    const double a_t = schedule_->alpha_cumprod(t);
-    const double a_prev = prev_t >= 0 ? schedule_->alpha_cumprod(prev_t) : final_alpha();
-    const at::Tensor x0 = predicted_original(model_output, t, sample);
-    const double a = std::pow((1 - a_prev) / (1 - a_t), 0.5);
-    const double b = std::pow(a_prev, 0.5) - std::pow(a_t, 0.5) * a;
-    return a * sample + b * x0;
-  }
-
-  /// The uniform sampling interface (see sample.hpp).
   [[nodiscard]] at::Tensor model_input(const at::Tensor& x) const { return x; }
-  [[nodiscard]] at::Tensor step_at(std::size_t i, const at::Tensor& out, const at::Tensor& x,
-                                   std::optional<at::Generator> /*deterministic*/) {
-    return step(out, timesteps_.at(i), x);
-  }
 
- private:
-  [[nodiscard]] double final_alpha() const {
+ protected:
+  /// The timestep a step from t lands on (negative past the last).
+  [[nodiscard]] std::int64_t prev_timestep(std::int64_t t, const char* who) const {
+    if (num_inference_steps_ == 0) throw ConfigError("call set_timesteps() before step()", who);
+    return t - schedule_->num_train_timesteps() / num_inference_steps_;
+  }
+  /// ᾱ at prev_t, or the final ᾱ (1 with set_alpha_to_one, else ᾱ₀) past the last step.
+  [[nodiscard]] double alpha_prev(std::int64_t prev_t) const {
+    if (prev_t >= 0) return schedule_->alpha_cumprod(prev_t);
     return o_.set_alpha_to_one ? 1.0 : schedule_->alpha_cumprod(0);
+  }
+  [[nodiscard]] at::Tensor x0_of(const at::Tensor& model_output, double a_t,
+                                 const at::Tensor& sample) const {
+    return predicted_x0<double>(o_.prediction_type, model_output, sample, a_t);
   }
 
   const NoiseSchedule* schedule_;
   Options o_;
   std::vector<std::int64_t> timesteps_;
   std::int64_t num_inference_steps_ = 0;
+};
+}  // namespace cogvideox_detail
+
+class CogVideoXDdim : public cogvideox_detail::Steps {
+ public:
+  static constexpr std::string_view name = "cogvideox_ddim";
+  using Steps::Steps;
+
+  /// x̂₀ of a model output at timestep t, as the step computes it.
+  [[nodiscard]] at::Tensor predicted_original(const at::Tensor& model_output, std::int64_t t,
+                                              const at::Tensor& sample) const {
+    return x0_of(model_output, schedule_->alpha_cumprod(t), sample);
+  }
+
+  [[nodiscard]] at::Tensor step(const at::Tensor& model_output, std::int64_t t,
+                                const at::Tensor& sample) const {
+    const std::int64_t prev_t = prev_timestep(t, "CogVideoXDdim::step");
+    check_step_shapes(model_output, sample, "CogVideoXDdim::step");
+    const double a_t = schedule_->alpha_cumprod(t);
+    const double a_prev = alpha_prev(prev_t);
+    const at::Tensor x0 = x0_of(model_output, a_t, sample);
+    const double a = std::pow((1 - a_prev) / (1 - a_t), 0.5);
+    const double b = std::pow(a_prev, 0.5) - std::pow(a_t, 0.5) * a;
+    return a * sample + b * x0;
+  }
+
+  /// The uniform sampling interface (see sample.hpp).
+  [[nodiscard]] at::Tensor step_at(std::size_t i, const at::Tensor& out, const at::Tensor& x,
+                                   std::optional<at::Generator> /*deterministic*/) {
+    return step(out, timesteps_.at(i), x);
+  }
 };
 
 }  // namespace difftrain::diffusion

@@ -18,31 +18,22 @@
 #include <string_view>
 #include <vector>
 
+#include "difftrain/diffusion/cogvideox_ddim.hpp"
 #include "difftrain/diffusion/noise_schedule.hpp"
 #include "difftrain/diffusion/sampler_common.hpp"
 
 namespace difftrain::diffusion {
 
-class CogVideoXDpm {
+class CogVideoXDpm : public cogvideox_detail::Steps {
  public:
-  struct Options {
-    Prediction prediction_type = Prediction::epsilon;  // CogVideoX's configs: v_prediction
-    bool set_alpha_to_one = true;
-    std::int64_t steps_offset = 0;
-    TimestepSpacing timestep_spacing = TimestepSpacing::leading;  // CogVideoX's: trailing
-  };
   static constexpr std::string_view name = "cogvideox_dpm";
-
-  CogVideoXDpm(const NoiseSchedule& schedule, const Options& o) : schedule_(&schedule), o_(o) {}
+  using Steps::Steps;
 
   /// Sets the timesteps and forgets the previous run's x̂₀.
   void set_timesteps(std::int64_t n) {
-    timesteps_ =
-        spaced_timesteps(schedule_->num_train_timesteps(), n, o_.timestep_spacing, o_.steps_offset);
-    num_inference_steps_ = n;
+    Steps::set_timesteps(n);
     last_x0_ = at::Tensor();
   }
-  [[nodiscard]] const std::vector<std::int64_t>& timesteps() const noexcept { return timesteps_; }
 
   /// One step from timestep t; `t_back` is the previous step's timestep (none on the first step)
   /// and `last_x0` the previous step's x̂₀. Returns (x_prev, this step's x̂₀), as diffusers does.
@@ -50,27 +41,12 @@ class CogVideoXDpm {
       const at::Tensor& model_output, const at::Tensor& last_x0, std::int64_t t,
       std::optional<std::int64_t> t_back, const at::Tensor& sample,
       std::optional<at::Generator> generator = std::nullopt) const {
-    if (num_inference_steps_ == 0)
-      throw ConfigError("call set_timesteps() before step()", "CogVideoXDpm::step");
+    const std::int64_t prev_t = prev_timestep(t, "CogVideoXDpm::step");
     check_step_shapes(model_output, sample, "CogVideoXDpm::step");
     if (last_x0.defined()) check_step_shapes(last_x0, sample, "CogVideoXDpm::step (last x0)");
-    const std::int64_t prev_t = t - schedule_->num_train_timesteps() / num_inference_steps_;
     const double a_t = schedule_->alpha_cumprod(t);
-    const double a_prev = prev_t >= 0 ? schedule_->alpha_cumprod(prev_t)
-                                      : (o_.set_alpha_to_one ? 1.0 : schedule_->alpha_cumprod(0));
-    const double beta_t = 1 - a_t;
-    at::Tensor x0;
-    switch (o_.prediction_type) {
-      case Prediction::epsilon:
-        x0 = (sample - std::pow(beta_t, 0.5) * model_output) / std::pow(a_t, 0.5);
-        break;
-      case Prediction::sample:
-        x0 = model_output;
-        break;
-      case Prediction::v_prediction:
-        x0 = std::pow(a_t, 0.5) * sample - std::pow(beta_t, 0.5) * model_output;
-        break;
-    }
+    const double a_prev = alpha_prev(prev_t);
+    const at::Tensor x0 = x0_of(model_output, a_t, sample);
     auto lambda = [](double a) { return std::log(std::pow(a / (1 - a), 0.5)); };
     const double lam = lambda(a_t);
     const double h = lambda(a_prev) - lam;
@@ -94,7 +70,6 @@ class CogVideoXDpm {
   }
 
   /// The uniform sampling interface (see sample.hpp): keeps x̂₀ between steps.
-  [[nodiscard]] at::Tensor model_input(const at::Tensor& x) const { return x; }
   [[nodiscard]] at::Tensor step_at(std::size_t i, const at::Tensor& out, const at::Tensor& x,
                                    std::optional<at::Generator> generator) {
     if (i == 0) last_x0_ = at::Tensor();
@@ -106,10 +81,6 @@ class CogVideoXDpm {
   }
 
  private:
-  const NoiseSchedule* schedule_;
-  Options o_;
-  std::vector<std::int64_t> timesteps_;
-  std::int64_t num_inference_steps_ = 0;
   at::Tensor last_x0_;
 };
 

@@ -129,22 +129,38 @@ inline at::Tensor clip_x0(const at::Tensor& x0, const Clipping& c) {
   return x0;
 }
 
-/// (x₀, ε) from a model output of the given prediction type at ᾱ = alpha_prod, with the scalar
+/// x₀ from a model output of the given prediction type at ᾱ = alpha_prod, with the scalar
 /// arithmetic in T: float for a schedule in diffusers' float32 precision (diffusers computes these
 /// coefficients on float32 tensors), double otherwise.
 template <class T>
-std::pair<at::Tensor, at::Tensor> split_prediction(Prediction p, const at::Tensor& out,
-                                                   const at::Tensor& x, T alpha_prod) {
-  const T beta_prod = T(1) - alpha_prod;
+at::Tensor predicted_x0(Prediction p, const at::Tensor& out, const at::Tensor& x, T alpha_prod) {
   const auto sqrt_a = static_cast<double>(std::sqrt(alpha_prod));
-  const auto sqrt_b = static_cast<double>(std::sqrt(beta_prod));
+  const auto sqrt_b = static_cast<double>(std::sqrt(T(1) - alpha_prod));
   switch (p) {
     case Prediction::epsilon:
-      return {(x - sqrt_b * out) / sqrt_a, out};
+      return (x - sqrt_b * out) / sqrt_a;
     case Prediction::sample:
-      return {out, (x - sqrt_a * out) / sqrt_b};
+      return out;
     case Prediction::v_prediction:
-      return {sqrt_a * x - sqrt_b * out, sqrt_a * out + sqrt_b * x};
+      return sqrt_a * x - sqrt_b * out;
+  }
+  return out;
+}
+
+/// (x₀, ε) from a model output, the scalars in T as predicted_x0's.
+template <class T>
+std::pair<at::Tensor, at::Tensor> split_prediction(Prediction p, const at::Tensor& out,
+                                                   const at::Tensor& x, T alpha_prod) {
+  const auto sqrt_a = static_cast<double>(std::sqrt(alpha_prod));
+  const auto sqrt_b = static_cast<double>(std::sqrt(T(1) - alpha_prod));
+  at::Tensor x0 = predicted_x0<T>(p, out, x, alpha_prod);
+  switch (p) {
+    case Prediction::epsilon:
+      return {std::move(x0), out};
+    case Prediction::sample:
+      return {std::move(x0), (x - sqrt_a * out) / sqrt_b};
+    case Prediction::v_prediction:
+      return {std::move(x0), sqrt_a * out + sqrt_b * x};
   }
   return {out, out};
 }
