@@ -1,4 +1,4 @@
-"""A UNet, a VAE, a DiT and a CogVideoX transformer folder, and SD3 and CogVideoX LoRA files, written
+"""A UNet, a VAE, a DiT and a CogVideoX transformer and VAE folder, and SD3 and CogVideoX LoRA files, written
 by difftrain load in diffusers (from_pretrained, load_lora_weights) and give the outputs difftrain
 computed. Usage: check_cpp_models.py TEST_BINARY GOLDEN_DIR"""
 import os
@@ -8,7 +8,7 @@ import sys
 import tempfile
 
 import torch
-from diffusers import (AutoencoderKL, CogVideoXTransformer3DModel, DiTTransformer2DModel,
+from diffusers import (AutoencoderKL, AutoencoderKLCogVideoX, CogVideoXTransformer3DModel, DiTTransformer2DModel,
                        SD3Transformer2DModel, UNet2DConditionModel)
 from diffusers.loaders import CogVideoXLoraLoaderMixin, SD3LoraLoaderMixin
 from diffusers.utils import logging as diffusers_logging
@@ -20,7 +20,7 @@ def main(binary, golden_dir):
     out = pathlib.Path(tempfile.mkdtemp())
     env = dict(os.environ, DIFFTRAIN_MODELS_OUT=str(out), DIFFTRAIN_GOLDEN_DIR=golden_dir)
     subprocess.run([binary, "--gtest_filter=Models.SavedFoldersRoundTrip:Models.UNetLora*:Transformers.SavedDiT*:Transformers.CogVideoXLora*:"
-                    "Transformers.TransformerLoraFiles*"],
+                    "Transformers.TransformerLoraFiles*:CogVideoXVae.SavedFolder*"],
                    check=True, env=env)
     t = load_file(out / "outputs.safetensors")
     unet = UNet2DConditionModel.from_pretrained(out / "unet").eval()
@@ -38,6 +38,7 @@ def main(binary, golden_dir):
     check_lora(out, pathlib.Path(golden_dir))
     check_dit(out)
     check_cogvideox(out)
+    check_cogvideox_vae(out)
     check_transformer_loras(out, pathlib.Path(golden_dir))
 
 
@@ -63,6 +64,20 @@ def check_cogvideox(out):
     err = (y - t["output"]).abs().max().item() / max(1.0, t["output"].abs().max().item())
     assert err < 1e-5, ("cogvideox", err)
     print(f"CogVideoX: diffusers on difftrain's folder, max scaled error {err:.2e}")
+
+
+def check_cogvideox_vae(out):
+    """A CogVideoX VAE folder difftrain saved: diffusers' posterior mean and reconstruction of a
+    9-frame video (two frame batches, causal convolutions carrying frames between them)."""
+    t = load_file(out / "outputs_cogvideox_vae.safetensors")
+    vae = AutoencoderKLCogVideoX.from_pretrained(out / "cogvideox_vae").eval()
+    with torch.no_grad():
+        mean = vae.encode(t["x"]).latent_dist.mean
+        recon = vae(t["x"]).sample
+    for name, got, want in (("mean", mean, t["mean"]), ("recon", recon, t["recon"])):
+        err = (got - want).abs().max().item() / max(1.0, want.abs().max().item())
+        assert err < 1e-5, ("cogvideox vae " + name, err)
+        print(f"CogVideoX VAE {name}: diffusers on difftrain's folder, max scaled error {err:.2e}")
 
 
 def check_transformer_loras(out, golden):

@@ -118,14 +118,18 @@ TEST(NoiseSchedule, BadInputIsTyped) {
 TEST(NoiseSchedule, DrawnTimestepsAreTrustedUntilWritten) {
   const auto s = sd_schedule();
   const at::Tensor x = at::zeros({4096, 2});
-  at::Tensor t = s.sample_timesteps(4096, at::TensorOptions());
+  // Seeded: unseeded, 4096 draws from 1000 values miss an end in about 3 % of runs; torch's
+  // draws with seed 1 reach both (checked in Python).
+  at::Generator seeded = at::detail::createCPUGenerator(1);
+  at::Tensor t = s.sample_timesteps(4096, at::TensorOptions(), seeded);
   EXPECT_EQ(t.scalar_type(), at::kLong);
-  EXPECT_EQ(t.min().item<std::int64_t>(), 0);  // 4096 draws from 1000 values reach both ends
+  EXPECT_EQ(t.min().item<std::int64_t>(), 0);
   EXPECT_EQ(t.max().item<std::int64_t>(), 999);
   EXPECT_NO_THROW((void)s.add_noise(x, x, t));
   t.add_(1);  // now 1000 is among them
   EXPECT_THROW((void)s.add_noise(x, x, t), dt::ConfigError);
-  at::Tensor u = s.sample_timesteps(4096, at::TensorOptions());
+  at::Generator seeded2 = at::detail::createCPUGenerator(2);  // its draws hold a 0 as well
+  at::Tensor u = s.sample_timesteps(4096, at::TensorOptions(), seeded2);
   const at::Tensor view = u.view({64, 64}).view({4096});
   view.sub_(1);  // the view shares the version counter: -1 is caught through either tensor
   EXPECT_THROW((void)s.add_noise(x, x, u), dt::ConfigError);

@@ -19,6 +19,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "difftrain/core/error.hpp"
@@ -307,18 +308,18 @@ struct VaeTiling {
 };
 
 namespace vae_detail {
-/// Blends the last rows (dim 2) or columns (dim 3) of `a` into the first ones of `b`, in place:
-/// b[k] = a[−e + k]·(1 − k/e) + b[k]·k/e for k < e, the weights computed in double as diffusers'
-/// Python floats are.
+/// Blends the last entries of `a` along `dim` (rows or columns) into the first ones of `b`, in
+/// place: b[k] = a[−e + k]·(1 − k/e) + b[k]·k/e for k < e, the weights computed in double as
+/// diffusers' Python floats are.
 inline void blend(const at::Tensor& a, at::Tensor& b, std::int64_t dim, std::int64_t extent) {
   const std::int64_t e = std::min({a.size(dim), b.size(dim), extent});
   if (e <= 0) return;
   at::Tensor w = at::arange(e, a.options().dtype(at::kDouble)) / static_cast<double>(e);
-  at::Tensor keep = (1.0 - w).to(b.scalar_type()), take = w.to(b.scalar_type());
-  if (dim == 2) {
-    keep = keep.view({e, 1});
-    take = take.view({e, 1});
-  }
+  // Shaped (e, 1, …, 1) so the weights broadcast over the dimensions after `dim`.
+  std::vector<std::int64_t> shape(static_cast<std::size_t>(b.dim() - dim), 1);
+  shape[0] = e;
+  const at::Tensor keep = (1.0 - w).to(b.scalar_type()).view(shape);
+  const at::Tensor take = w.to(b.scalar_type()).view(shape);
   const at::Tensor head = b.narrow(dim, 0, e);
   head.copy_(a.narrow(dim, a.size(dim) - e, e) * keep + head * take);
 }
@@ -332,32 +333,53 @@ at::Tensor per_image(bool slicing, const at::Tensor& x, Run&& run) {
   return at::cat(parts);
 }
 
-/// diffusers' tiled encode/decode: `run` on tiles of `tile_in` stepping by tile_in·(1 − overlap),
-/// outputs of `tile_out` blended over tile_out·overlap and cropped to tile_out − that.
+/// The tiles of diffusers' tiled encode/decode over dimensions (`dim`, `dim` + 1): inputs of
+/// in_h × in_w stepping by in·(1 − overlap), outputs of out_h × out_w blended over out·overlap
+/// and cropped to out − that, per axis.
+struct TileGrid {
+  std::int64_t dim = 2;
+  std::int64_t in_h = 0, in_w = 0, out_h = 0, out_w = 0;
+  double overlap_h = 0.25, overlap_w = 0.25;
+};
+
 template <class Run>
-at::Tensor tiled(const at::Tensor& x, std::int64_t tile_in, std::int64_t tile_out, double overlap,
-                 Run&& run) {
-  const auto step = static_cast<std::int64_t>(static_cast<double>(tile_in) * (1.0 - overlap));
-  const auto extent = static_cast<std::int64_t>(static_cast<double>(tile_out) * overlap);
-  const std::int64_t limit = tile_out - extent;
+at::Tensor tiled(const at::Tensor& x, const TileGrid& g, Run&& run) {
+  auto step = [](std::int64_t tile, double overlap) {
+    return static_cast<std::int64_t>(static_cast<double>(tile) * (1.0 - overlap));
+  };
+  auto extent = [](std::int64_t tile, double overlap) {
+    return static_cast<std::int64_t>(static_cast<double>(tile) * overlap);
+  };
+  const std::int64_t dh = g.dim, dw = g.dim + 1;
+  const std::int64_t step_h = step(g.in_h, g.overlap_h), step_w = step(g.in_w, g.overlap_w);
+  const std::int64_t extent_h = extent(g.out_h, g.overlap_h);
+  const std::int64_t extent_w = extent(g.out_w, g.overlap_w);
   std::vector<std::vector<at::Tensor>> rows;
-  for (std::int64_t i = 0; i < x.size(2); i += step) {
+  for (std::int64_t i = 0; i < x.size(dh); i += step_h) {
     auto& row = rows.emplace_back();
-    for (std::int64_t j = 0; j < x.size(3); j += step)
-      row.push_back(run(x.slice(2, i, i + tile_in).slice(3, j, j + tile_in)));
+    for (std::int64_t j = 0; j < x.size(dw); j += step_w)
+      row.push_back(run(x.slice(dh, i, i + g.in_h).slice(dw, j, j + g.in_w)));
   }
   std::vector<at::Tensor> out_rows;
   for (std::size_t i = 0; i < rows.size(); ++i) {
     std::vector<at::Tensor> out_row;
     for (std::size_t j = 0; j < rows[i].size(); ++j) {
       at::Tensor& tile = rows[i][j];
-      if (i > 0) blend(rows[i - 1][j], tile, 2, extent);
-      if (j > 0) blend(rows[i][j - 1], tile, 3, extent);
-      out_row.push_back(tile.slice(2, 0, limit).slice(3, 0, limit));
+      if (i > 0) blend(rows[i - 1][j], tile, dh, extent_h);
+      if (j > 0) blend(rows[i][j - 1], tile, dw, extent_w);
+      out_row.push_back(tile.slice(dh, 0, g.out_h - extent_h).slice(dw, 0, g.out_w - extent_w));
     }
-    out_rows.push_back(at::cat(out_row, 3));
+    out_rows.push_back(at::cat(out_row, dw));
   }
-  return at::cat(out_rows, 2);
+  return at::cat(out_rows, dh);
+}
+
+/// Square tiles over (H, W) of an image batch, one overlap for both axes (AutoencoderKL).
+template <class Run>
+at::Tensor tiled(const at::Tensor& x, std::int64_t tile_in, std::int64_t tile_out, double overlap,
+                 Run&& run) {
+  return tiled(x, TileGrid{2, tile_in, tile_in, tile_out, tile_out, overlap, overlap},
+               std::forward<Run>(run));
 }
 }  // namespace vae_detail
 

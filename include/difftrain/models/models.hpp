@@ -5,6 +5,7 @@
 // model folders.
 
 #include "difftrain/models/autoencoder_kl.hpp"
+#include "difftrain/models/autoencoder_kl_cogvideox.hpp"
 #include "difftrain/models/clip_text_model.hpp"
 #include "difftrain/models/cogvideox_transformer_3d.hpp"
 #include "difftrain/models/config_reader.hpp"
