@@ -5,7 +5,10 @@
 # with the same LoRA as one that was not; full fine-tuning with another weighting scheme and
 # without preconditioning writes a pipeline folder; the pipeline without T5 trains; diffusers
 # loads both results (StableDiffusion3Pipeline.load_lora_weights with peft, from_pretrained) and
-# generates with them.
+# generates with them. Then the same for two tiny CogVideoX pipelines and a folder of videos as
+# frames: mistakes refused, LoRA resumed to the bit, full fine-tuning with the DPM scheduler, and
+# diffusers' CogVideoXPipeline, given difftrain's LoRA or folder and the same starting noise,
+# draws the validation video difftrain drew (within 2/255).
 #
 #   finetune_transformer.sh PROGRAM PYTHON GOLDEN_DIR WORKDIR [FASHION_MNIST_DIR]
 set -uo pipefail
@@ -101,6 +104,93 @@ print(f"full fine-tuning: the pipeline folder loads and generates ({moved} tenso
 PY
 cat "$work/python.out"
 for run in lora full; do
+  [ -s "$work/$run/validation.png" ] || fail "$run wrote no validation.png"
+  ls "$work/$run/tensorboard"/events.out.tfevents.* >/dev/null 2>&1 || fail "$run wrote no event file"
+done
+
+# ---- CogVideoX: two tiny pipelines (rotary + DDIM, sine-cosine table + DPM) and a video folder.
+"$py" "$here/make_cogvideox_data.py" "$work/cog" "$golden" "$fmnist" >"$work/make-cog.out" 2>&1 ||
+  { cat "$work/make-cog.out"; echo "FAIL: making the CogVideoX test data"; exit 1; }
+videos=$work/cog/videos
+cog=(--pretrained_model_name_or_path "$work/cog/cogvideox" --train_data_dir "$videos"
+     --caption_column prompts.txt --video_column videos.txt --height 32 --width 32
+     --train_batch_size 2 --seed 3 --num_inference_steps 3 --num_validation_images 1 --threads 1
+     --validation_prompt "a bag sliding to the left")
+expect_rc 2 cog-captions -- "$bin" "${cog[@]}" --caption_column captions.txt --output_dir "$work/bad-cog"
+grep_in "$work/cog-captions.err" "--caption_column"
+expect_rc 2 cog-height -- "$bin" "${cog[@]}" --height 36 --output_dir "$work/bad-cog"
+grep_in "$work/cog-height.err" "--height"
+mkdir -p "$work/cog/mp4" && printf 'a clip\n' >"$work/cog/mp4/prompts.txt" &&
+  printf 'clip.mp4\n' >"$work/cog/mp4/videos.txt" && : >"$work/cog/mp4/clip.mp4"
+expect_rc 2 cog-mp4 -- "$bin" "${cog[@]}" --train_data_dir "$work/cog/mp4" --output_dir "$work/bad-cog"
+grep_in "$work/cog-mp4.err" "folder of frames"
+[ -e "$work/bad-cog/checkpoints" ] && fail "a refused CogVideoX run left checkpoints"
+cog_lora=("${cog[@]}" --use_lora --rank 4 --lora_alpha 8 --learning_rate 2e-3 --max_train_steps 24
+          --checkpointing_steps 4)
+expect_rc 0 cog-lora -- "$bin" "${cog_lora[@]}" --output_dir "$work/cog-lora"
+expect_rc 130 cog-lora-stopped -- "$bin" "${cog_lora[@]}" --output_dir "$work/cog-lora-resumed" --stop_at 8
+expect_rc 0 cog-lora-resumed -- "$bin" "${cog_lora[@]}" --output_dir "$work/cog-lora-resumed" \
+  --resume_from_checkpoint latest
+# Full fine-tuning of the sine-cosine, DPM pipeline: checkpointed blocks, bf16, random flips.
+expect_rc 0 cog-full -- "$bin" "${cog[@]}" --pretrained_model_name_or_path "$work/cog/cogvideox_2b" \
+  --gradient_checkpointing --mixed_precision bf16 --random_flip --learning_rate 5e-4 \
+  --max_train_steps 8 --output_dir "$work/cog-full"
+"$py" - "$work" >"$work/python-cog.out" 2>&1 <<'PY' || { fail "CogVideoX Python check"; }
+import json, math, pathlib, sys
+import numpy as np
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+from diffusers import CogVideoXPipeline
+from diffusers.utils import logging as dlogging
+dlogging.set_verbosity_error()
+work = pathlib.Path(sys.argv[1])
+for run in ("cog-lora", "cog-lora-resumed", "cog-full"):
+    r = json.loads((work / run / "results.json").read_text())
+    assert r["finished"] and math.isfinite(r["last_loss"]), (run, r)
+    assert (r["frames"], r["latent_frames"]) == (9, 3), r
+    print(f"{run}: loss {r['first_loss']:.4f} -> {r['last_loss']:.4f}")
+r = json.loads((work / "cog-lora" / "results.json").read_text())
+assert r["last_loss"] < r["first_loss"], "the CogVideoX LoRA run's loss did not fall"
+a = load_file(work / "cog-lora" / "pytorch_lora_weights.safetensors")
+b = load_file(work / "cog-lora-resumed" / "pytorch_lora_weights.safetensors")
+assert a.keys() == b.keys() and all(k.startswith("transformer.") for k in a)
+assert all(torch.equal(a[k], b[k]) for k in a), "the resumed CogVideoX run's LoRA differs"
+
+def frames_of(run):
+    folder = work / run / "validation" / "video-0"
+    return np.stack([np.asarray(Image.open(folder / f"frame-{k:04d}.png")) for k in range(9)])
+
+def generate(pipe):
+    # The noise difftrain's validation starts from: a CPU generator seeded with --seed + 7.
+    g = torch.Generator().manual_seed(3 + 7)
+    latents = torch.randn(1, 3, 4, 8, 8, generator=g)
+    out = pipe("a bag sliding to the left", num_inference_steps=3, guidance_scale=5.0, height=32,
+               width=32, num_frames=9, max_sequence_length=16, latents=latents, generator=g,
+               output_type="np").frames[0]
+    return np.round(out * 255).astype(np.int64)
+
+# diffusers' pipeline with difftrain's LoRA draws the video difftrain drew after training.
+pipe = CogVideoXPipeline.from_pretrained(str(work / "cog" / "cogvideox"))
+pipe.load_lora_weights(str(work / "cog-lora"))
+config = pipe.transformer.peft_config["default_0"]
+assert (config.r, config.lora_alpha) == (4, 8.0), (config.r, config.lora_alpha)
+mine, theirs = frames_of("cog-lora"), generate(pipe)
+diff = np.abs(mine - theirs).max()
+print(f"LoRA video: diffusers' pipeline vs difftrain's validation frames, max difference {diff}/255")
+assert diff <= 2, diff
+full = CogVideoXPipeline.from_pretrained(str(work / "cog-full"))
+fresh = CogVideoXPipeline.from_pretrained(str(work / "cog" / "cogvideox_2b"))
+trained = dict(full.transformer.named_parameters())
+moved = sum(not torch.equal(p, trained[n]) for n, p in fresh.transformer.named_parameters())
+assert moved > 0, "the full fine-tuning changed no weight"
+mine, theirs = frames_of("cog-full"), generate(full)
+diff = np.abs(mine - theirs).max()
+print(f"full fine-tuning (DPM): {moved} tensors changed; the video differs by at most {diff}/255")
+assert diff <= 2, diff
+PY
+cat "$work/python-cog.out"
+for run in cog-lora cog-full; do
   [ -s "$work/$run/validation.png" ] || fail "$run wrote no validation.png"
   ls "$work/$run/tensorboard"/events.out.tfevents.* >/dev/null 2>&1 || fail "$run wrote no event file"
 done
