@@ -7,6 +7,9 @@
 //    3 latent frames of 16×16×4 (192 video tokens) with 16 text tokens of 64; the baseline is the
 //    same step in Python eager
 //    (benchmarks/python_transformer_step.py, same thread count) — goal ratio <= 1.0;
+//  - cogvideox_vae_step_vs_diffusers: CogVideoX's 3-D VAE at 3 levels of 32/64/64 channels, one
+//    resnet per level, reconstructing a 9-frame 32×32 video (batch 4) through the posterior's
+//    mode, forward + backward, against diffusers' AutoencoderKLCogVideoX the same way;
 //  - dit_attention_share: the same step, and the step with the attention kernel replaced by
 //    q + k + v (same shapes, gradients still reach every projection); the counter
 //    attention_share = 1 − the second time / the first is the kernel's part of the step.
@@ -18,6 +21,7 @@
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
+#include <difftrain/models/autoencoder_kl_cogvideox.hpp>
 #include <difftrain/models/cogvideox_transformer_3d.hpp>
 #include <difftrain/models/dit_transformer_2d.hpp>
 #include <difftrain/models/pixart_transformer_2d.hpp>
@@ -133,6 +137,23 @@ void cogvideox_difftrain(benchmark::State& state) {
   const at::Tensor x = at::randn({kBatch, 3, 4, 16, 16}), text = at::randn({kBatch, kTokens, 64});
   const at::Tensor t = at::arange(kBatch, at::kLong) * 997 % 1000;
   timed_steps(state, model, [&] { return model->forward(x, text, t); });
+}
+
+nlohmann::json cogvideox_vae_config() {
+  const std::vector<std::string> down(3, "CogVideoXDownBlock3D"), up(3, "CogVideoXUpBlock3D");
+  return {{"block_out_channels", {32, 64, 64}}, {"down_block_types", down},
+          {"up_block_types", up},               {"layers_per_block", 1},
+          {"latent_channels", 4},               {"norm_num_groups", 32},
+          {"temporal_compression_ratio", 4}};
+}
+void cogvideox_vae_diffusers(benchmark::State& state) {
+  python_baseline(state, "cogvideox_vae", cogvideox_vae_config());
+}
+void cogvideox_vae_difftrain(benchmark::State& state) {
+  models::AutoencoderKLCogVideoX<> model(
+      models::AutoencoderKLCogVideoXConfig::from_json(cogvideox_vae_config(), "bench"));
+  const at::Tensor x = at::randn({kBatch, 3, 9, 32, 32});
+  timed_steps(state, model, [&] { return model->forward(x); });
 }
 
 nlohmann::json bench_config() {
@@ -264,6 +285,12 @@ BENCHMARK(sd3_diffusers)->Name("sd3_step_vs_diffusers/baseline")->UseManualTime(
 BENCHMARK(sd3_difftrain)->Name("sd3_step_vs_diffusers/difftrain")->UseManualTime();
 BENCHMARK(cogvideox_diffusers)->Name("cogvideox_step_vs_diffusers/baseline")->UseManualTime();
 BENCHMARK(cogvideox_difftrain)->Name("cogvideox_step_vs_diffusers/difftrain")->UseManualTime();
+BENCHMARK(cogvideox_vae_diffusers)
+    ->Name("cogvideox_vae_step_vs_diffusers/baseline")
+    ->UseManualTime();
+BENCHMARK(cogvideox_vae_difftrain)
+    ->Name("cogvideox_vae_step_vs_diffusers/difftrain")
+    ->UseManualTime();
 BENCHMARK(attention_share)->Name("dit_attention_share")->Iterations(10)->UseRealTime();
 BENCHMARK(diffusers_gpu_step)->Name("dit_cuda_bf16_vs_diffusers/baseline")->UseManualTime();
 BENCHMARK(gpu_step)->Name("dit_cuda_bf16_vs_diffusers/difftrain")->UseManualTime();

@@ -4,14 +4,15 @@ CogVideoXTransformer3DModel (rotary embeddings as its pipeline computes them) at
 config the benchmark builds, forward + backward of a mean-square loss, eager, on the same number
 of threads (on a GPU, under autocast). Usage:
 python_transformer_step.py MODEL CONFIG_JSON STEPS THREADS BATCH [DEVICE [AUTOCAST_DTYPE]]
-with MODEL dit, pixart, sd3 or cogvideox (text: 16 tokens); prints {"seconds_per_step": ...}."""
+with MODEL dit, pixart, sd3, cogvideox (text: 16 tokens) or cogvideox_vae (a 9-frame 32x32 video
+reconstructed); prints {"seconds_per_step": ...}."""
 import json
 import sys
 import time
 from types import SimpleNamespace
 
 import torch
-from diffusers import (CogVideoXTransformer3DModel, DiTTransformer2DModel, PixArtTransformer2DModel,
+from diffusers import (AutoencoderKLCogVideoX, CogVideoXTransformer3DModel, DiTTransformer2DModel, PixArtTransformer2DModel,
                        SD3Transformer2DModel)
 from diffusers.pipelines.cogvideo.pipeline_cogvideox import CogVideoXPipeline
 
@@ -28,11 +29,14 @@ def main():
     dtype = {"none": None, "bf16": torch.bfloat16}[sys.argv[7] if len(sys.argv) > 7 else "none"]
     torch.manual_seed(0)
     cls = {"dit": DiTTransformer2DModel, "pixart": PixArtTransformer2DModel,
-           "sd3": SD3Transformer2DModel, "cogvideox": CogVideoXTransformer3DModel}[kind]
+           "sd3": SD3Transformer2DModel, "cogvideox": CogVideoXTransformer3DModel,
+           "cogvideox_vae": AutoencoderKLCogVideoX}[kind]
     # Eval mode for DiT's label embedding (no random label dropout); nothing else differs.
     model = cls(**config).eval().to(device)
     t = torch.arange(batch, device=device) * 997 % 1000
-    if kind == "cogvideox":  # video latents (B, F, C, H, W) at the configured size
+    if kind == "cogvideox_vae":  # a 9-frame video (B, C, F, H, W), reconstructed
+        x = torch.randn(batch, config.get("in_channels", 3), 9, 32, 32, device=device)
+    elif kind == "cogvideox":  # video latents (B, F, C, H, W) at the configured size
         frames = (config["sample_frames"] - 1) // config.get("temporal_compression_ratio", 4) + 1
         h, w = config["sample_height"], config["sample_width"]
         x = torch.randn(batch, frames, config["in_channels"], h, w, device=device)
@@ -42,7 +46,9 @@ def main():
     else:
         size = config["sample_size"]
         x = torch.randn(batch, config["in_channels"], size, size, device=device)
-    if kind == "cogvideox":
+    if kind == "cogvideox_vae":
+        kwargs = {}
+    elif kind == "cogvideox":
         kwargs = {"timestep": t, "image_rotary_emb": rotary, "encoder_hidden_states":
                   torch.randn(batch, TOKENS, config["text_embed_dim"], device=device)}
     elif kind == "dit":

@@ -397,6 +397,21 @@ TEST(Cuda, DiffusionTransformersMatchDiffusersOnTheGpu) {
   };
   check(dt::nn::attention::Sdpa<dt::nn::attention::Auto>{});
   check(dt::nn::attention::Math{});
+  // CogVideoX's 3-D VAE: 17 frames in 8-frame batches, its causal convolutions carrying frames
+  // between them, on the GPU.
+  const fs::path vae_dir = fs::path(DIFFTRAIN_GOLDEN_DIR) / "cogvideox_vae";
+  const auto v = dt::io::load_safetensors(vae_dir / "three_levels_frame_batched.io.safetensors",
+                                          true)
+                     .tensors;
+  auto vae = models::from_pretrained<models::AutoencoderKLCogVideoX<>>(
+      vae_dir / "three_levels_frame_batched", lo);
+  vae->train();
+  vae->set_frame_batches({8, 2});
+  const at::Tensor recon = vae->forward(v.at("input.sample").to(kGpu));
+  EXPECT_TRUE(recon.is_cuda());
+  EXPECT_LE(scaled_error(recon, v.at("output")), 1e-5) << "CogVideoX VAE output";
+  (recon * v.at("weight").to(kGpu)).sum().backward();
+  check_grads(*vae, v);
 }
 
 // Half precision on the GPU: a UNet loaded as float16 and one run under bf16 autocast stay close
