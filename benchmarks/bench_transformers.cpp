@@ -141,9 +141,12 @@ void cogvideox_difftrain(benchmark::State& state) {
 
 nlohmann::json cogvideox_vae_config() {
   const std::vector<std::string> down(3, "CogVideoXDownBlock3D"), up(3, "CogVideoXUpBlock3D");
-  return {{"block_out_channels", {32, 64, 64}}, {"down_block_types", down},
-          {"up_block_types", up},               {"layers_per_block", 1},
-          {"latent_channels", 4},               {"norm_num_groups", 32},
+  return {{"block_out_channels", {32, 64, 64}},
+          {"down_block_types", down},
+          {"up_block_types", up},
+          {"layers_per_block", 1},
+          {"latent_channels", 4},
+          {"norm_num_groups", 32},
           {"temporal_compression_ratio", 4}};
 }
 void cogvideox_vae_diffusers(benchmark::State& state) {

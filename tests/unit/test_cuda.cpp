@@ -400,9 +400,8 @@ TEST(Cuda, DiffusionTransformersMatchDiffusersOnTheGpu) {
   // CogVideoX's 3-D VAE: 17 frames in 8-frame batches, its causal convolutions carrying frames
   // between them, on the GPU.
   const fs::path vae_dir = fs::path(DIFFTRAIN_GOLDEN_DIR) / "cogvideox_vae";
-  const auto v = dt::io::load_safetensors(vae_dir / "three_levels_frame_batched.io.safetensors",
-                                          true)
-                     .tensors;
+  const auto v =
+      dt::io::load_safetensors(vae_dir / "three_levels_frame_batched.io.safetensors", true).tensors;
   auto vae = models::from_pretrained<models::AutoencoderKLCogVideoX<>>(
       vae_dir / "three_levels_frame_batched", lo);
   vae->train();
