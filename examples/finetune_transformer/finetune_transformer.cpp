@@ -748,24 +748,8 @@ struct CogTraineeImpl : torch::nn::Module {
     const at::Tensor noise = at::randn_like(x0);
     const at::Tensor t = schedule_.sample_timesteps(n, x0.options());
     const at::Tensor noisy = schedule_.add_noise(x0, noise, t);
-    const at::Tensor out = transformer->forward(noisy, b.embeds, t).to(at::kFloat);
-    const at::Tensor a = schedule_.alphas_cumprod_at(t, x0.dim(), x0.options().dtype(at::kFloat));
-    const at::Tensor x = noisy.to(at::kFloat);
-    // x̂₀ from the prediction: for v, diffusers' get_velocity(out, x_t, t) = √ᾱ·x_t − √(1−ᾱ)·v.
-    at::Tensor x0_hat;
-    switch (prediction_) {
-      case df::Prediction::v_prediction:
-        x0_hat = a.sqrt() * x - (1 - a).sqrt() * out;
-        break;
-      case df::Prediction::epsilon:
-        x0_hat = (x - (1 - a).sqrt() * out) / a.sqrt();
-        break;
-      case df::Prediction::sample:
-        x0_hat = out;
-        break;
-    }
-    const at::Tensor w = 1.0 / (1.0 - a);
-    return (w * (x0_hat - x0.to(at::kFloat)).square()).reshape({n, -1}).mean(1).mean();
+    return df::cogvideox_loss(schedule_, prediction_, transformer->forward(noisy, b.embeds, t),
+                              noisy, x0, t);
   }
   CogTransformer transformer{nullptr};
 

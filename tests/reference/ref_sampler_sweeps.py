@@ -235,6 +235,33 @@ def cogvideox():
     return out
 
 
+def cogvideox_loss():
+    """CogVideoX's training loss as diffusers' train_cogvideox_lora.py computes it (v-prediction),
+    on the schedules CogVideoX's configs use (SNR shift 1 and 3, zero terminal SNR or not), with
+    timesteps at both ends and between."""
+    g = torch.Generator().manual_seed(21)
+    cases = []
+    for snr, shift in itertools.product((False, True), (1.0, 3.0)):
+        sched = CogVideoXDPMScheduler(beta_schedule="scaled_linear", beta_start=0.00085,
+                                      beta_end=0.012, rescale_betas_zero_snr=snr,
+                                      snr_shift_scale=shift, prediction_type="v_prediction")
+        latents = torch.randn(3, 3, 4, 2, 2, generator=g)   # (B, F, C, h, w)
+        noise = torch.randn(latents.shape, generator=g)
+        output = torch.randn(latents.shape, generator=g)
+        timesteps = torch.tensor([0, 531, 999])
+        noisy = sched.add_noise(latents, noise, timesteps)
+        model_pred = sched.get_velocity(output, noisy, timesteps)
+        weights = 1 / (1 - sched.alphas_cumprod[timesteps])
+        while len(weights.shape) < len(model_pred.shape):
+            weights = weights.unsqueeze(-1)
+        loss = torch.mean((weights * (model_pred - latents) ** 2).reshape(3, -1), dim=1).mean()
+        cases.append({"zero_snr": snr, "snr_shift_scale": shift,
+                      "latents": latents.flatten().tolist(), "noise": noise.flatten().tolist(),
+                      "output": output.flatten().tolist(), "timesteps": timesteps.tolist(),
+                      "noisy": noisy.flatten().tolist(), "loss": loss.item()})
+    return cases
+
+
 def ddpm_learned():
     out = {}
     for variance in ("learned", "learned_range"):
@@ -258,5 +285,5 @@ def generate(out):
     sw = sampler_sweep()
     (out / "sampler_sweeps.json").write_text(json.dumps({
         "timesteps": ts, "samplers": sw, "ddpm_learned": ddpm_learned(), "flow": flow_matching(),
-        "cogvideox": cogvideox()},
+        "cogvideox": cogvideox(), "cogvideox_loss": cogvideox_loss()},
         allow_nan=False))

@@ -583,6 +583,39 @@ TEST(SamplerSweeps, CogVideoXSchedulesAndSamplersMatchDiffusers) {
   EXPECT_EQ(checked["ddim_option"] + checked["dpm_option"], 4);
 }
 
+TEST(SamplerSweeps, CogVideoXLossEqualsDiffusersTrainingScript) {
+  // train_cogvideox_lora.py's loss on four schedules (SNR shift 1 and 3, zero terminal SNR or not)
+  // at timesteps 0, 531 and 999: x_t from add_noise, x̂₀ from get_velocity(output, x_t, t),
+  // 1/(1 − ᾱ) weights.
+  const auto& cases = g()["cogvideox_loss"];
+  ASSERT_EQ(cases.size(), 4U);
+  const std::vector<std::int64_t> shape{3, 3, 4, 2, 2};
+  auto tensor = [&](const nlohmann::json& v) {
+    return at::tensor(v.get<std::vector<double>>(), at::kDouble).to(at::kFloat).view(shape);
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c["snr_shift_scale"].dump() + (c["zero_snr"].get<bool>() ? " zero SNR" : ""));
+    const auto schedule = cogvideox_schedule("scaled_linear", c["zero_snr"].get<bool>(),
+                                             c["snr_shift_scale"].get<double>());
+    const at::Tensor x0 = tensor(c["latents"]), noise = tensor(c["noise"]);
+    const at::Tensor t = at::tensor(c["timesteps"].get<std::vector<std::int64_t>>(), at::kLong);
+    const at::Tensor noisy = schedule.add_noise(x0, noise, t);
+    EXPECT_LE((noisy - tensor(c["noisy"])).abs().max().item<double>(), 1e-6);
+    const double loss = df::cogvideox_loss(schedule, df::Prediction::v_prediction,
+                                           tensor(c["output"]), noisy, x0, t)
+                            .item<double>();
+    EXPECT_NEAR(loss, c["loss"].get<double>(), 1e-5 * c["loss"].get<double>());
+    // bf16 outputs are taken in float32; mismatched shapes are named.
+    EXPECT_NEAR(df::cogvideox_loss(schedule, df::Prediction::v_prediction,
+                                   tensor(c["output"]).to(at::kBFloat16), noisy, x0, t)
+                    .item<double>(),
+                loss, 2e-2 * loss);
+    EXPECT_THROW((void)df::cogvideox_loss(schedule, df::Prediction::v_prediction,
+                                          tensor(c["output"]).narrow(0, 0, 2), noisy, x0, t),
+                 dt::ShapeError);
+  }
+}
+
 TEST(SamplerSweeps, CogVideoXTrainingTargetsUseTheShiftedSchedule) {
   // add_noise and get_velocity read the shifted ᾱ, as diffusers' CogVideoX training does; the
   // shift lowers the SNR by exactly its factor.

@@ -1,6 +1,6 @@
 #pragma once
-// Loss weighting and timestep sampling for diffusion training (diffusers' training_utils and the
-// min-SNR recipe of its training scripts).
+// Loss weighting and timestep sampling for diffusion training (diffusers' training_utils, the
+// min-SNR recipe of its training scripts, SD3's weightings and CogVideoX's loss).
 
 #include <ATen/ATen.h>
 #include <ATen/core/Generator.h>
@@ -103,6 +103,39 @@ std::pair<at::Tensor, at::Tensor> dream_update(Model&& model, const NoiseSchedul
         "dream_update");
   const at::Tensor delta = (noise - pred).detach() * lambda;
   return {noisy + sqrt_one_minus * delta, target + delta};
+}
+
+/// CogVideoX's training loss, as its fine-tuning (diffusers' train_cogvideox_lora.py) computes it:
+/// the model's output at x_t turned into x̂₀ — for v-prediction √ᾱ·x_t − √(1−ᾱ)·v, diffusers'
+/// get_velocity(output, x_t, t); ε- and x₀-predictions by their own formulas — and
+/// mean over each sample of (1/(1 − ᾱ_t))·(x̂₀ − x₀)², then over the batch. In float32 whatever
+/// the output's dtype; ᾱ from `schedule` (with CogVideoX's snr_shift_scale when it has one).
+inline at::Tensor cogvideox_loss(const NoiseSchedule& schedule, Prediction prediction,
+                                 const at::Tensor& model_output, const at::Tensor& noisy,
+                                 const at::Tensor& x0, const at::Tensor& timesteps) {
+  if (model_output.sizes() != x0.sizes() || noisy.sizes() != x0.sizes())
+    throw ShapeError("the model output " + c10::str(model_output.sizes()) + ", x_t " +
+                         c10::str(noisy.sizes()) + " and x0 " + c10::str(x0.sizes()) +
+                         " must have one shape",
+                     "cogvideox_loss");
+  const std::int64_t n = x0.size(0);
+  const at::TensorOptions f32 = x0.options().dtype(at::kFloat);
+  const at::Tensor a = schedule.alphas_cumprod_at(timesteps, x0.dim(), f32);
+  const at::Tensor out = model_output.to(at::kFloat), x = noisy.to(at::kFloat);
+  at::Tensor x0_hat;
+  switch (prediction) {
+    case Prediction::v_prediction:
+      x0_hat = a.sqrt() * x - (1 - a).sqrt() * out;
+      break;
+    case Prediction::epsilon:
+      x0_hat = (x - (1 - a).sqrt() * out) / a.sqrt();
+      break;
+    case Prediction::sample:
+      x0_hat = out;
+      break;
+  }
+  const at::Tensor w = 1.0 / (1.0 - a);
+  return (w * (x0_hat - x0.to(at::kFloat)).square()).reshape({n, -1}).mean(1).mean();
 }
 
 }  // namespace difftrain::diffusion
