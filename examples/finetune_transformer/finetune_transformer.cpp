@@ -410,6 +410,56 @@ at::Tensor validation_images(Sd3Pipeline& p, const Settings& s, at::Device devic
   return images;
 }
 
+// ---- what both kinds of run write --------------------------------------------------------------
+
+/// The trained transformer: with --use_lora, pytorch_lora_weights.safetensors (PEFT keys under
+/// transformer. with diffusers' adapter metadata); otherwise the pipeline folder at `base` with the
+/// trained transformer/.
+template <class Transformer>
+void save_trained_transformer(Transformer& transformer, const fs::path& base, const Settings& s,
+                              nlohmann::json& files) {
+  const fs::path out(s.out);
+  if (s.use_lora) {
+    nlohmann::json adapter;
+    ad::add_peft_adapter_metadata(adapter, *transformer, "transformer");
+    dt::io::save_safetensors(
+        out / "pytorch_lora_weights.safetensors",
+        ad::lora_state_dict(*transformer, {ad::LoraLayout::peft, "transformer."}),
+        ad::lora_file_metadata(adapter, {{"base_model", s.model}}));
+    files["peft"] = "pytorch_lora_weights.safetensors";
+  } else {
+    copy_pipeline_except_unet(base, out, "transformer");
+    models::save_pretrained(transformer, out / "transformer");
+    files["pipeline"] = ".";
+  }
+}
+
+/// results.json (the run's settings, what it wrote, its steps, losses and times) and the closing
+/// line; the exit status: 0, or 130 for a stopped run, as a shell reports a run ended by Ctrl-C.
+int write_run_results(const Settings& s, const nlohmann::json& run_settings,
+                      const nlohmann::json& files, const FitResult& fit, std::int64_t resumed_from,
+                      std::int64_t global_step, std::size_t lora_layers,
+                      const std::vector<double>& losses, std::chrono::steady_clock::time_point t0) {
+  const std::size_t tenth = std::max<std::size_t>(1, losses.size() / 10);
+  nlohmann::json results = run_settings;
+  results["files"] = files;
+  results["finished"] = fit.finished;
+  results["resumed_from_step"] = resumed_from;
+  results["global_step"] = global_step;
+  results["lora_layers"] = lora_layers;
+  results["first_loss"] = mean_of(losses, tenth, false);
+  results["last_loss"] = mean_of(losses, tenth, true);
+  results["train_seconds"] = fit.seconds;
+  results["total_seconds"] = examples::seconds_since(t0);
+  write_results(fs::path(s.out), results);
+  std::printf("%s: %lld steps (loss %.4f → %.4f)%s\n",
+              s.use_lora ? ("LoRA on " + std::to_string(lora_layers) + " layers").c_str()
+                         : "full fine-tuning",
+              static_cast<long long>(global_step), results["first_loss"].get<double>(),
+              results["last_loss"].get<double>(), fit.finished ? "" : ", stopped early");
+  return fit.finished ? 0 : 130;
+}
+
 // ---- the run ------------------------------------------------------------------------------------
 
 void check_flags(const Settings& s) {
@@ -519,43 +569,15 @@ int run_sd3(Settings s) {
   const fs::path out(s.out);
   nlohmann::json files;
   if (fit.finished) {
-    if (s.use_lora) {
-      nlohmann::json adapter;
-      ad::add_peft_adapter_metadata(adapter, *p.transformer, "transformer");
-      dt::io::save_safetensors(
-          out / "pytorch_lora_weights.safetensors",
-          ad::lora_state_dict(*p.transformer, {ad::LoraLayout::peft, "transformer."}),
-          ad::lora_file_metadata(adapter, {{"base_model", s.model}}));
-      files["peft"] = "pytorch_lora_weights.safetensors";
-    } else {
-      copy_pipeline_except_unet(p.root, out, "transformer");
-      models::save_pretrained(p.transformer, out / "transformer");
-      files["pipeline"] = ".";
-    }
+    save_trained_transformer(p.transformer, p.root, s, files);
     if (!s.validation_prompts.empty()) {
       const at::Tensor images = validation_images(p, s, device);
       write_validation_images(images, validation_options(s, s.resolution), out);
       files["validation"] = "validation.png";
     }
   }
-  const std::size_t tenth = std::max<std::size_t>(1, losses.size() / 10);
-  nlohmann::json results = run_settings;
-  results["files"] = files;
-  results["finished"] = fit.finished;
-  results["resumed_from_step"] = resumed_from;
-  results["global_step"] = trainer.global_step();
-  results["lora_layers"] = adapted.size();
-  results["first_loss"] = mean_of(losses, tenth, false);
-  results["last_loss"] = mean_of(losses, tenth, true);
-  results["train_seconds"] = fit.seconds;
-  results["total_seconds"] = examples::seconds_since(t0);
-  write_results(out, results);
-  std::printf("%s: %lld steps (loss %.4f → %.4f)%s\n",
-              s.use_lora ? ("LoRA on " + std::to_string(adapted.size()) + " layers").c_str()
-                         : "full fine-tuning",
-              static_cast<long long>(trainer.global_step()), results["first_loss"].get<double>(),
-              results["last_loss"].get<double>(), fit.finished ? "" : ", stopped early");
-  return fit.finished ? 0 : 130;  // as a shell reports a run ended by Ctrl-C
+  return write_run_results(s, run_settings, files, fit, resumed_from, trainer.global_step(),
+                           adapted.size(), losses, t0);
 }
 
 // ---- CogVideoX ----------------------------------------------------------------------------------
@@ -995,42 +1017,14 @@ int run_cogvideox(Settings s) {
   const fs::path out(s.out);
   nlohmann::json files;
   if (fit.finished) {
-    if (s.use_lora) {
-      nlohmann::json adapter;
-      ad::add_peft_adapter_metadata(adapter, *p.transformer, "transformer");
-      dt::io::save_safetensors(
-          out / "pytorch_lora_weights.safetensors",
-          ad::lora_state_dict(*p.transformer, {ad::LoraLayout::peft, "transformer."}),
-          ad::lora_file_metadata(adapter, {{"base_model", s.model}}));
-      files["peft"] = "pytorch_lora_weights.safetensors";
-    } else {
-      copy_pipeline_except_unet(p.root, out, "transformer");
-      models::save_pretrained(p.transformer, out / "transformer");
-      files["pipeline"] = ".";
-    }
+    save_trained_transformer(p.transformer, p.root, s, files);
     if (!s.validation_prompts.empty()) {
       write_validation_videos(validation_videos(p, s, frames, device), s, out);
       files["validation"] = "validation.png";
     }
   }
-  const std::size_t tenth = std::max<std::size_t>(1, losses.size() / 10);
-  nlohmann::json results = run_settings;
-  results["files"] = files;
-  results["finished"] = fit.finished;
-  results["resumed_from_step"] = resumed_from;
-  results["global_step"] = trainer.global_step();
-  results["lora_layers"] = adapted.size();
-  results["first_loss"] = mean_of(losses, tenth, false);
-  results["last_loss"] = mean_of(losses, tenth, true);
-  results["train_seconds"] = fit.seconds;
-  results["total_seconds"] = examples::seconds_since(t0);
-  write_results(out, results);
-  std::printf("%s: %lld steps (loss %.4f → %.4f)%s\n",
-              s.use_lora ? ("LoRA on " + std::to_string(adapted.size()) + " layers").c_str()
-                         : "full fine-tuning",
-              static_cast<long long>(trainer.global_step()), results["first_loss"].get<double>(),
-              results["last_loss"].get<double>(), fit.finished ? "" : ", stopped early");
-  return fit.finished ? 0 : 130;
+  return write_run_results(s, run_settings, files, fit, resumed_from, trainer.global_step(),
+                           adapted.size(), losses, t0);
 }
 
 /// SD3 or CogVideoX, by the folder's model_index.json.
