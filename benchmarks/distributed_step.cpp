@@ -5,6 +5,8 @@
 //   after     forward + backward, then one all-reduce of every gradient (nothing overlaps)
 //   buckets   forward + backward with DataParallel's reducer (bucketed all-reduce from hooks)
 //   step      a whole Trainer<Net, DataParallel> step (AdamW, clipping at 1.0)
+//   zero1     the same step with ShardedDataParallel, stage 1 (optimizer state sharded)
+//   zero2     ... stage 2 (gradients sharded too)
 // and hidden = (after - buckets) / (after - local): the share of the all-reduce time that
 // the buckets hide behind backward (0 when nothing overlaps, 1 when all of it does).
 #include <ATen/ATen.h>
@@ -17,6 +19,7 @@
 #include <chrono>
 #include <cstdio>
 #include <difftrain/distributed/data_parallel.hpp>
+#include <difftrain/distributed/sharded_data_parallel.hpp>
 #include <difftrain/train/trainer.hpp>
 #include <nlohmann/json.hpp>
 #include <vector>
@@ -45,6 +48,9 @@ struct Mlp : torch::nn::Module {
 
 struct Config : tr::DefaultConfig {
   using Parallel = dist::DataParallel;
+};
+struct ShardedConfig : tr::DefaultConfig {
+  using Parallel = dist::ShardedDataParallel;
 };
 
 double median(std::vector<double> v) {
@@ -120,6 +126,19 @@ int main(int argc, char** argv) {
   o.parallel.world = world;
   tr::Trainer<Mlp, Config> trainer(net2, o);
   const double step = timed(*world, iterations, [&] { (void)trainer.step({data}); });
+  auto sharded_step = [&](int stage) {
+    Mlp net3(layers, width);
+    tr::Trainer<Mlp, ShardedConfig>::Options so;
+    so.optimizer.lr = 1e-4;
+    so.groups.decay_groups = false;
+    so.clipping.max_norm = 1.0;
+    so.parallel.world = world;
+    so.parallel.stage = stage;
+    tr::Trainer<Mlp, ShardedConfig> sharded(net3, so);
+    return timed(*world, iterations, [&] { (void)sharded.step({data}); });
+  };
+  const double zero1 = sharded_step(1);
+  const double zero2 = sharded_step(2);
 
   if (world->is_main()) {
     const nlohmann::json out = {
@@ -131,6 +150,8 @@ int main(int argc, char** argv) {
         {"after", after},
         {"buckets", buckets},
         {"step", step},
+        {"zero1", zero1},
+        {"zero2", zero2},
         {"hidden", after > local ? (after - buckets) / (after - local) : 0.0}};
     std::printf("%s\n", out.dump().c_str());
   }

@@ -21,7 +21,7 @@
 #include <difftrain/diffusion/dpm_solver.hpp>
 #include <difftrain/diffusion/flow_matching.hpp>
 #include <difftrain/diffusion/sample.hpp>
-#include <difftrain/distributed/data_parallel.hpp>
+#include <difftrain/distributed/sharded_data_parallel.hpp>
 #include <difftrain/ema/ema.hpp>
 #include <difftrain/eval/frechet_distance.hpp>
 #include <difftrain/io/image_grid.hpp>
@@ -112,6 +112,8 @@ struct Settings : examples::RunFlags, examples::JudgeFlags {
   std::int64_t samples_per_class = 50;
   std::int64_t grid_columns = 10;
   double rank_timeout = 1800;
+  int sharding = 0;  // ZeRO's stage under torchrun: 0 replicates (DataParallel)
+  bool allow_world_size_change = false;
 };
 
 at::Tensor sample(const Settings& s, fmnist::Denoiser& net, const df::NoiseSchedule& schedule,
@@ -143,7 +145,8 @@ struct DenoiserConfig : tr::DefaultConfig {
   using Callbacks =
       std::tuple<tr::ProgressBar, tr::CsvLossLog, tr::CheckpointEvery, tr::TensorBoard,
                  tr::SampleEvery<PeekSamples>, tr::StepProfile, StopOnInterrupt>;
-  using Parallel = difftrain::distributed::DataParallel;
+  // --sharding picks the stage at run time; 0 is DataParallel itself.
+  using Parallel = difftrain::distributed::ShardedDataParallel;
 };
 using DenoiserTrainer = tr::Trainer<fmnist::DenoiserImpl, DenoiserConfig>;
 
@@ -321,6 +324,8 @@ int run(const Settings& s) {
   o.precision.mixed_precision = mixed_precision;
   o.clipping.max_norm = s.clip;
   o.parallel.world = world;
+  o.parallel.stage = s.sharding;
+  o.allow_world_size_change = s.allow_world_size_change;
   // A checkpoint written with another LR, schedule (--steps, --warmup), weight decay, clipping or
   // EMA decay is refused by name, unless the run is told to train on with this command line's.
   if (s.take_new_settings)
@@ -643,6 +648,14 @@ int main(int argc, char** argv) {
                 "draw a sample grid into TensorBoard every N steps (0: only the final one)")
       ->check(examples::count_in(0, 100'000'000))
       ->capture_default_str();
+  g->add_option("--sharding", s.sharding,
+                "under torchrun, ZeRO's stage: 0 keeps everything on every rank (DataParallel), 1 "
+                "shards the optimizer state over the ranks, 2 also the gradients")
+      ->check(CLI::IsMember({0, 1, 2}))
+      ->capture_default_str();
+  g->add_flag("--allow-world-size-change", s.allow_world_size_change,
+              "with --resume: continue a checkpoint written by another number of ranks (the "
+              "global batch stays --batch-size; each rank's share changes)");
   g->add_option("--rank-timeout", s.rank_timeout,
                 "seconds a rank of a torchrun launch waits for the others before it stops")
       ->check(examples::number_in(0, 1e7, true))

@@ -1,7 +1,8 @@
 """PyTorch's own DistributedDataParallel on the model, data and settings of worker.cpp.
 
 Run under torchrun (one process per rank); writes <out>.rank<r>.json with the weights it ends
-with. Gradient accumulation uses DDP's no_sync for every micro-batch but the last, as the
+with. With --zero the optimizer is torch's ZeroRedundancyOptimizer (ZeRO stage 1: each rank
+steps its own parameters, then they are broadcast), the reference of ShardedDataParallel. Gradient accumulation uses DDP's no_sync for every micro-batch but the last, as the
 difftrain trainer does; clipping by the global norm after the all-reduce.
 """
 
@@ -46,6 +47,7 @@ def main():
     ap.add_argument("--accumulation", type=int, default=1)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--zero", action="store_true")
     a = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -57,8 +59,13 @@ def main():
                 p.add_(0.5)
             net.scale.fill_(2.0)
     ddp = nn.parallel.DistributedDataParallel(net)
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-2, betas=(0.9, 0.999), eps=1e-8,
-                            weight_decay=1e-2)
+    settings = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
+    if a.zero:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        opt = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.AdamW,
+                                      **settings)
+    else:
+        opt = torch.optim.AdamW(net.parameters(), **settings)
     rows = GLOBAL_BATCH // world
     losses = []
     for step in range(a.steps):

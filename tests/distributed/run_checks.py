@@ -14,6 +14,14 @@ checks:
                  DistributedError within the timeout
   nan            a NaN loss on one rank skips the step on both (or stops both)
   world_size     a 2-rank checkpoint resumed by 1 process is a ConfigError unless allowed
+  sharded        ShardedDataParallel (ZeRO stages 0, 1 and 2): N ranks equal 1 process (float64,
+                 1e-10) over stage x accumulation x chunks x clipping x parameter groups x
+                 optimizer x 2 and 4 ranks; per-rank memory against ZeRO's formulas; Python's
+                 ZeroRedundancyOptimizer under torchrun (float32, 1e-6)
+  sharded_resume sharded checkpoints: resumed bit-identical on the same ranks and stage; across
+                 world sizes and stages and to and from DataParallel's checkpoints (1e-10); a rank
+                 that dies in a save leaves the previous set, which resume falls back to, as it
+                 does past a damaged shard
   multi          two models in turn under one MultiTrainer: N ranks equal one process (float64,
                  1e-10; accumulation, chunks, 2 and 4 ranks); stopped and resumed from one multi
                  checkpoint, bit-identical; a rank that steps another model is a ConfigError on
@@ -272,6 +280,152 @@ def check_multi(worker, tmp):
         ok(e is not None and e["type"] == "difftrain::ConfigError"
            and "every rank must step the same model" in e["message"],
            f"rank {r}: a rank stepping another model is a ConfigError on every rank ({e})")
+
+
+def check_sharded(worker, tmp):
+    refs = {}
+
+    def reference(opt, acc, chunk, groups, clip):
+        key = (opt, acc, chunk, groups, clip)
+        if key not in refs:
+            # AdamW: the replicated trainer (DataParallel) in one process; SGD: the sharded one in
+            # a world of one (it owns everything and talks to nobody).
+            args = common(opt, acc, chunk, groups, clip) + ["--sharding", 0 if opt == "adamw" else 1]
+            one, _ = single(worker, f"{tmp}/ref-{len(refs)}", *args)
+            no_errors(one, f"reference {key}")
+            refs[key] = one[0]
+        return refs[key]
+
+    def common(opt, acc, chunk, groups, clip):
+        args = ["--steps", 20, "--accumulation", acc, "--chunk", chunk, "--dtype", "float64",
+                "--optimizer", opt, "--max-norm", clip]
+        return args + (["--decay-groups"] if groups else [])
+
+    # Stage 0 is DataParallel inside the sharding policy (a program picks the stage at run time).
+    sweep = [(0, 2, "adamw", 2, 3, True, 0.5), (0, 4, "sgd", 1, 0, False, 0.05)]
+    for stage in (1, 2):
+        for world in (2, 4):
+            for acc, chunk in ((1, 0), (2, 3), (3, 0)):
+                sweep.append((stage, world, "adamw", acc, chunk, world == 2, 0.5))
+        sweep += [(stage, 2, "sgd", 2, 0, True, 0.5), (stage, 4, "adamw", 1, 0, True, 1e9),
+                  (stage, 4, "sgd", 1, 3, False, 0.05)]
+    for stage, world, opt, acc, chunk, groups, clip in sweep:
+        what = (f"stage {stage}, {world} ranks, {opt}, accumulation {acc}, chunk {chunk or 'none'}, "
+                f"{'two groups' if groups else 'one group'}, max_norm {clip:g}")
+        one = reference(opt, acc, chunk, groups, clip)
+        many, _ = launch(worker, world, f"{tmp}/s-{len(refs)}-{stage}-{world}",
+                         *common(opt, acc, chunk, groups, clip), "--sharding", stage,
+                         "--sharded-policy", "--bucket-cap-mb", 0.0005)
+        no_errors(many, what)
+        d = max_diff(one["weights"], many[0]["weights"])
+        ok(d <= 1e-10, f"{what}: weights equal 1 process x whole batch (max diff {d:.2e})")
+        ok(all(m["weights"] == many[0]["weights"] for m in many), f"{what}: every rank holds them")
+        dl = max_diff(one["losses"], many[0]["losses"])
+        ok(dl <= 1e-12, f"{what}: reported loss is the rank mean ({dl:.2e})")
+        ok(all(m["scale"] == 1.0 for m in many), f"{what}: buffers are rank 0's")
+    # Memory per rank (float32 AdamW, many equal layers): ZeRO's formulas in bytes per parameter.
+    for world in (1, 2, 4):
+        for stage in (0, 1, 2):
+            args = ["--steps", 2, "--dtype", "float32", "--wide", 48, "--sharding", stage]
+            res, _ = (single(worker, f"{tmp}/mem-{stage}", *args) if world == 1 else
+                      launch(worker, world, f"{tmp}/mem-{stage}-{world}", *args))
+            no_errors(res, f"memory, stage {stage}, {world} ranks")
+            p = res[0]["numel"]
+            want = {"parameters": 4 * p,
+                    "gradients": 4 * p if stage < 2 else 4 * p / world,
+                    "optimizer": 8 * p if stage == 0 else 8 * p / world}
+            worst = max(abs(r["memory"][k] - v) / v for r in res for k, v in want.items())
+            ok(worst <= 0.10, f"memory, stage {stage}, {world} ranks: every rank within "
+                              f"{worst:.1%} of ZeRO's {', '.join(f'{k} {v / p:g}P' for k, v in want.items())}")
+    # Python's ZeroRedundancyOptimizer (stage 1) under torchrun.
+    for acc in (1, 2):
+        args = ["--steps", "50", "--accumulation", str(acc), "--dtype", "float32"]
+        p = torchrun([str(HERE / "ddp.py"), "--out", f"{tmp}/zpy{acc}", "--zero", *args], 2)
+        ok(p.returncode == 0, f"accumulation {acc}: ZeroRedundancyOptimizer ran ({p.stderr[-2000:]})")
+        for stage in (1, 2):
+            c = torchrun(["--no-python", worker, "--out", f"{tmp}/zc{stage}{acc}", *args,
+                          "--sharding", str(stage)], 2)
+            ok(c.returncode == 0, f"stage {stage}: difftrain under torchrun ran ({c.stderr[-2000:]})")
+            for r in range(2):
+                cpp = json.loads(pathlib.Path(f"{tmp}/zc{stage}{acc}.rank{r}.json").read_text())
+                py = json.loads(pathlib.Path(f"{tmp}/zpy{acc}.rank{r}.json").read_text())
+                d = max_diff(cpp["weights"], py["weights"])
+                ok(d <= 1e-6, f"stage {stage}, accumulation {acc}, rank {r}: weights equal "
+                              f"ZeroRedundancyOptimizer's (max diff {d:.2e})")
+
+
+def check_sharded_resume(worker, tmp):
+    base = ["--noise", "--accumulation", 2, "--chunk", 3, "--decay-groups", "--dtype", "float64"]
+
+    def run(world, out, *args):
+        return (single(worker, out, *base, *args) if world == 1 else
+                launch(worker, world, out, *base, *args))[0]
+
+    full = run(2, f"{tmp}/full", "--steps", 30, "--sharding", 2, "--save-every", 10,
+               "--checkpoint-dir", f"{tmp}/a")
+    no_errors(full, "uninterrupted stage-2 run")
+    names = sorted(p.name for p in pathlib.Path(f"{tmp}/a").iterdir())
+    want = sorted([f"checkpoint-{s}.pt" for s in (10, 20, 30)] +
+                  [f"checkpoint-{s}.pt.shard-{r}-of-2" for s in (10, 20, 30) for r in range(2)])
+    ok(names == want, f"a sharded checkpoint is its file and one shard per rank ({names})")
+    part = run(2, f"{tmp}/part", "--steps", 10, "--sharding", 2, "--save-every", 10,
+               "--checkpoint-dir", f"{tmp}/b")
+    rest = run(2, f"{tmp}/rest", "--steps", 30, "--sharding", 2, "--save-every", 10,
+               "--checkpoint-dir", f"{tmp}/b", "--resume")
+    no_errors(part + rest, "stage 2 stopped and resumed")
+    for r in range(2):
+        ok(rest[r]["weights"] == full[r]["weights"] and rest[r]["losses"] == full[r]["losses"][10:],
+           f"rank {r}: resumed on 2 ranks, stage 2: weights and losses bit-identical")
+    # The same checkpoint on other world sizes and stages, and to and from DataParallel's. The
+    # per-rank noise differs with the world size, so these run without it, against a run
+    # without it.
+    plain = [a for a in base if a != "--noise"]
+    ref = (single(worker, f"{tmp}/ref", *plain, "--steps", 20, "--sharding", 0))[0]
+    no_errors(ref, "reference")
+    for first, then in (((2, 2), (4, 1)), ((2, 2), (1, 0)), ((2, 0), (4, 2)), ((4, 1), (2, 0)),
+                        ((4, 2), (2, 2))):
+        d = f"{tmp}/x-{first[0]}{first[1]}-{then[0]}{then[1]}"
+        what = (f"{first[0]} ranks {'stage ' + str(first[1]) if first[1] else 'DataParallel'} -> "
+                f"{then[0]} ranks {'stage ' + str(then[1]) if then[1] else 'DataParallel'}")
+        a = (single(worker, f"{d}-a", *plain, "--steps", 10, "--sharding", first[1], "--save-every",
+                    10, "--checkpoint-dir", d) if first[0] == 1 else
+             launch(worker, first[0], f"{d}-a", *plain, "--steps", 10, "--sharding", first[1],
+                    "--save-every", 10, "--checkpoint-dir", d))[0]
+        args = [*plain, "--steps", 20, "--sharding", then[1], "--checkpoint-dir", d, "--resume",
+                "--allow-world-size-change"]
+        b = (single(worker, f"{d}-b", *args) if then[0] == 1 else
+             launch(worker, then[0], f"{d}-b", *args))[0]
+        no_errors(a + b, what)
+        diff = max_diff(ref[0]["weights"], b[0]["weights"])
+        ok(diff <= 1e-10, f"{what}: resumed at step 10, ends with one process's weights ({diff:.2e})")
+    # A rank that dies as a checkpoint is saved: every rank stops, the previous set is whole and
+    # the next run resumes from it.
+    d = f"{tmp}/die"
+    dead, codes = launch(worker, 2, f"{tmp}/die", *base, "--steps", 30, "--sharding", 2,
+                         "--save-every", 5, "--checkpoint-dir", d, "--die-in-save-at", 10,
+                         "--timeout-ms", 5000, timeout=60)
+    e = dead[0] and dead[0]["error"]
+    ok(e is not None and e["type"] == "difftrain::DistributedError",
+       f"a rank that dies in a save stops rank 0 with a DistributedError ({e})")
+    again = launch(worker, 2, f"{tmp}/again", *base, "--steps", 12, "--sharding", 2,
+                   "--checkpoint-dir", d, "--resume")[0]
+    no_errors(again, "resume after a failed save")
+    ok(again[0]["resumed_from"] == "checkpoint-5.pt",
+       f"it resumed from the last complete set ({again[0]['resumed_from']})")
+    # A damaged shard of the newest set: resume falls back to the set before it.
+    shard = pathlib.Path(f"{tmp}/a/checkpoint-30.pt.shard-1-of-2")
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    back = launch(worker, 2, f"{tmp}/back", *base, "--steps", 30, "--sharding", 2,
+                  "--checkpoint-dir", f"{tmp}/a", "--resume")[0]
+    no_errors(back, "resume past a damaged shard")
+    ok(all(b["resumed_from"] == "checkpoint-20.pt" for b in back),
+       f"every rank fell back to checkpoint-20.pt ({[b['resumed_from'] for b in back]})")
+    ok(len(back[1]["skipped_checkpoints"]) == 1 and "shard-1-of-2" in back[1]["skipped_checkpoints"][0],
+       f"rank 1 names the damaged shard ({back[1]['skipped_checkpoints']})")
+    ok(all(b["weights"] == full[0]["weights"] for b in back),
+       "and ends bit-identical to the uninterrupted run")
 
 
 def main():

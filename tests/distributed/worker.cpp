@@ -7,6 +7,9 @@
 // Faults are injected on request: a rank that exits, one that hangs, a NaN loss on one rank.
 // With --multi, two such networks train in turn under one MultiTrainer (model step % 2), saved in
 // one multi-model checkpoint; --disagree-at makes rank 1 pick the other model at that step.
+// With --sharding 1|2 the trainer shards its optimizer state (and gradients) over the ranks
+// (ShardedDataParallel, ZeRO's stages) instead of replicating it; the result also says how many
+// bytes of parameters, gradients and optimizer state this rank held after the last step.
 
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
@@ -25,6 +28,7 @@
 
 #include "difftrain/core/error.hpp"
 #include "difftrain/distributed/data_parallel.hpp"
+#include "difftrain/distributed/sharded_data_parallel.hpp"
 #include "difftrain/train/callbacks.hpp"
 #include "difftrain/train/multi_trainer.hpp"
 #include "difftrain/train/trainer.hpp"
@@ -56,6 +60,14 @@ struct Settings {
   bool unused = false;  // a branch used on even steps only, and one frozen layer
   bool multi = false;
   std::int64_t disagree_at = -1;  // --multi: rank 1 steps the other model at this step
+  int sharding = 0;               // 0: DataParallel; 1, 2: ShardedDataParallel's stage
+  bool sharded_policy = false;    // ShardedDataParallel even at stage 0
+  bool decay_groups = false;      // two parameter groups (weights; biases without decay)
+  std::string optimizer = "adamw";
+  double max_norm = 0.5;
+  double bucket_cap_mb = 25.0;
+  std::int64_t wide = 0;             // hidden 32x32 layers between fc1 and fc2 (memory checks)
+  std::int64_t die_in_save_at = -1;  // rank 1 exits as the checkpoint of this step is saved
 };
 
 struct Batch {
@@ -80,9 +92,14 @@ std::pair<at::Tensor, at::Tensor> global_batch(std::int64_t step, std::int64_t m
 
 struct Net : torch::nn::Module {
   using Batch = ::Batch;
-  Net(at::ScalarType dtype, bool noise, bool unused = false) : noise_(noise), unused_(unused) {
-    fc1 = register_module("fc1", torch::nn::Linear(kIn, 16));
-    fc2 = register_module("fc2", torch::nn::Linear(16, kOut));
+  Net(at::ScalarType dtype, bool noise, bool unused = false, std::int64_t wide = 0)
+      : noise_(noise), unused_(unused) {
+    const std::int64_t hidden_width = wide > 0 ? 32 : 16;
+    fc1 = register_module("fc1", torch::nn::Linear(kIn, hidden_width));
+    for (std::int64_t i = 0; i < wide; ++i)
+      hidden.push_back(register_module("hidden" + std::to_string(i),
+                                       torch::nn::Linear(hidden_width, hidden_width)));
+    fc2 = register_module("fc2", torch::nn::Linear(hidden_width, kOut));
     if (unused_) {
       // A conditional branch (its parameters get no gradient on odd steps) and a frozen layer
       // (never trained): DDP's find_unused_parameters case.
@@ -104,7 +121,9 @@ struct Net : torch::nn::Module {
       for (auto& p : frozen->parameters()) p.set_requires_grad(false);
   }
   at::Tensor loss(const Batch& b) {
-    at::Tensor pred = fc2->forward(at::tanh(fc1->forward(b.x))) * scale;
+    at::Tensor h = at::tanh(fc1->forward(b.x));
+    for (auto& layer : hidden) h = at::tanh(layer->forward(h));
+    at::Tensor pred = fc2->forward(h) * scale;
     if (unused_) {
       if (step_ % 2 == 0) pred = pred + 0.5 * branch->forward(b.x);
       pred = frozen->forward(pred);
@@ -116,6 +135,7 @@ struct Net : torch::nn::Module {
     return l;
   }
   torch::nn::Linear fc1{nullptr}, fc2{nullptr}, branch{nullptr}, frozen{nullptr};
+  std::vector<torch::nn::Linear> hidden;
   at::Tensor scale;
   bool noise_;
   bool unused_;
@@ -128,6 +148,24 @@ struct Config : dt::train::DefaultConfig {
   using Callbacks = std::tuple<dt::train::CheckpointEvery>;
 };
 using Trainer = dt::train::Trainer<Net, Config>;
+
+// Rank 1 exits as a checkpoint is about to be saved (before CheckpointEvery, on every rank).
+struct DieBeforeSave {
+  static constexpr bool every_rank = true;
+  std::int64_t at = -1;
+  template <class T>
+  void on_step_end(T& t, const dt::train::StepInfo& s) {
+    if (t.rank() == 1 && s.stepped && s.step == at) std::_Exit(9);
+  }
+};
+
+struct ShardedAdamW : dt::train::DefaultConfig {
+  using Parallel = dt::distributed::ShardedDataParallel;
+  using Callbacks = std::tuple<DieBeforeSave, dt::train::CheckpointEvery>;
+};
+struct ShardedSgd : ShardedAdamW {
+  using Optimizer = dt::train::SGD;
+};
 
 struct MultiConfig : dt::train::DefaultConfig {
   using Parallel = dt::distributed::DataParallel;
@@ -213,15 +251,23 @@ nlohmann::json run_multi(const Settings& s, std::int64_t& rank_out) {
           {"losses", losses},   {"skipped_nonfinite", 0}};
 }
 
-nlohmann::json run(const Settings& s, std::int64_t& rank_out) {
-  if (s.multi) return run_multi(s, rank_out);
+template <class Cfg>
+nlohmann::json run_single(const Settings& s, std::int64_t& rank_out) {
+  using TrainerT = dt::train::Trainer<Net, Cfg>;
   const at::ScalarType dtype = s.dtype == "float32" ? at::kFloat : at::kDouble;
-  Net net(dtype, s.noise, s.unused);
-  Trainer::Options o;
-  o.parallel.find_unused_parameters = s.unused;
+  Net net(dtype, s.noise, s.unused, s.wide);
+  typename TrainerT::Options o;
+  if constexpr (TrainerT::sharded) {
+    o.parallel.stage = s.sharding;
+    o.parallel.bucket_cap_mb = s.bucket_cap_mb;
+    o.parallel.find_unused_parameters = s.unused;
+  } else {
+    o.parallel.find_unused_parameters = s.unused;
+  }
   o.optimizer.lr = 1e-2;
-  o.groups.decay_groups = false;
-  o.clipping.max_norm = 0.5;
+  if constexpr (requires { o.optimizer.momentum; }) o.optimizer.momentum = 0.9;
+  o.groups.decay_groups = s.decay_groups;
+  o.clipping.max_norm = s.max_norm;
   o.accumulation_steps = s.accumulation;
   if (s.chunk > 0) o.max_batch_size = s.chunk;
   o.on_nan = s.on_nan == "stop" ? dt::train::NanPolicy::stop : dt::train::NanPolicy::skip;
@@ -241,11 +287,22 @@ nlohmann::json run(const Settings& s, std::int64_t& rank_out) {
   co.dir = std::filesystem::path(s.checkpoint_dir.empty() ? "unused" : s.checkpoint_dir);
   co.every = s.save_every > 0 ? s.save_every : std::numeric_limits<std::int64_t>::max();
   co.keep_last = 100;
-  Trainer trainer(net, o, {dt::train::CheckpointEvery(co)});
+  typename Cfg::Callbacks callbacks = [&] {
+    if constexpr (std::tuple_size_v<typename Cfg::Callbacks> == 2)
+      return
+          typename Cfg::Callbacks{DieBeforeSave{s.die_in_save_at}, dt::train::CheckpointEvery(co)};
+    else
+      return typename Cfg::Callbacks{dt::train::CheckpointEvery(co)};
+  }();
+  TrainerT trainer(net, o, std::move(callbacks));
+  std::string resumed_from;
+  nlohmann::json skipped_files = nlohmann::json::array();
   if (s.resume) {
-    const auto all = dt::train::CheckpointEvery::list(co.dir);
-    if (all.empty()) throw dt::IoError("no checkpoint to resume from", co.dir.string());
-    trainer.load_checkpoint(all.back().second);
+    std::vector<std::string> skipped;
+    const auto used = dt::train::resume_latest(trainer, co.dir, &skipped);
+    if (!used) throw dt::IoError("no checkpoint to resume from", co.dir.string());
+    resumed_from = used->filename().string();
+    for (const auto& e : skipped) skipped_files.push_back(e);
   }
   const std::int64_t world_size = world->size();
   nlohmann::json losses = nlohmann::json::array();
@@ -263,12 +320,32 @@ nlohmann::json run(const Settings& s, std::int64_t& rank_out) {
   }
   nlohmann::json weights = nlohmann::json::array();
   append_weights(weights, net);
+  std::vector<at::Tensor> params;
+  for (const auto& g : trainer.param_groups())
+    params.insert(params.end(), g.params.begin(), g.params.end());
+  const auto memory = dt::distributed::ShardedDataParallel::memory(params, trainer.optimizer());
+  std::int64_t numel = 0;
+  for (const auto& q : params) numel += q.numel();
   return {{"step", trainer.global_step()},
           {"world_size", world_size},
           {"weights", weights},
           {"scale", net.scale[0].item<double>()},
           {"losses", losses},
-          {"skipped_nonfinite", trainer.skipped_nonfinite()}};
+          {"skipped_nonfinite", trainer.skipped_nonfinite()},
+          {"resumed_from", resumed_from},
+          {"skipped_checkpoints", skipped_files},
+          {"numel", numel},
+          {"memory",
+           {{"parameters", memory.parameters},
+            {"gradients", memory.gradients},
+            {"optimizer", memory.optimizer}}}};
+}
+
+nlohmann::json run(const Settings& s, std::int64_t& rank_out) {
+  if (s.multi) return run_multi(s, rank_out);
+  if (s.sharding == 0 && !s.sharded_policy) return run_single<Config>(s, rank_out);
+  if (s.optimizer == "sgd") return run_single<ShardedSgd>(s, rank_out);
+  return run_single<ShardedAdamW>(s, rank_out);
 }
 
 }  // namespace
@@ -294,6 +371,14 @@ int main(int argc, char** argv) {
   app.add_flag("--unused", s.unused);
   app.add_flag("--multi", s.multi);
   app.add_option("--disagree-at", s.disagree_at);
+  app.add_option("--sharding", s.sharding);
+  app.add_flag("--sharded-policy", s.sharded_policy);
+  app.add_flag("--decay-groups", s.decay_groups);
+  app.add_option("--optimizer", s.optimizer)->check(CLI::IsMember({"adamw", "sgd"}));
+  app.add_option("--max-norm", s.max_norm);
+  app.add_option("--bucket-cap-mb", s.bucket_cap_mb);
+  app.add_option("--wide", s.wide);
+  app.add_option("--die-in-save-at", s.die_in_save_at);
   CLI11_PARSE(app, argc, argv);
   const auto start = std::chrono::steady_clock::now();
   std::int64_t rank = std::getenv("RANK") != nullptr ? std::atoll(std::getenv("RANK")) : 0;

@@ -2,7 +2,9 @@
 # The Fashion-MNIST example under torchrun with 2 ranks on this machine (Gloo over 127.0.0.1): a
 # tiny run finishes, its outputs exist once (rank 0 writes them), the loss log has one row per
 # step; a batch the ranks cannot share is refused by every rank before any work; a run paused by
-# rank 0 stops on every rank and resumes under torchrun (a changed LR refused unless taken).
+# rank 0 stops on every rank and resumes under torchrun (a changed LR refused unless taken);
+# --sharding 2 (ZeRO) trains as DataParallel does, writes its checkpoint as one file per rank
+# beside rank 0's, and one process resumes it when allowed to change the number of ranks.
 #
 #   fashion_mnist_distributed.sh PROGRAM TORCHRUN WORKDIR [DATA_DIR]
 set -uo pipefail
@@ -52,6 +54,27 @@ mkdir -p "$work/q/checkpoints" && cp "$work/p/checkpoints/checkpoint-4.pt" "$wor
 expect_rc 0 take-new -- "${launch[@]}" "${tiny[@]}" --batch-size 16 --steps 6 --lr 5e-3 --resume \
   --take-new-settings --out "$work/q"
 grep_in "$work/q/results.json" '"resumed_from": 4'
+
+# ZeRO stage 2: the same run as the DataParallel one above (same seed, data and settings) ends
+# with the same losses up to float rounding; its checkpoint is a set; one process resumes it.
+expect_rc 0 sharded -- "${launch[@]}" "${tiny[@]}" --batch-size 16 --steps 4 --sharding 2 \
+  --out "$work/z"
+for f in results.json checkpoints/checkpoint-4.pt checkpoints/checkpoint-4.pt.shard-0-of-2 \
+         checkpoints/checkpoint-4.pt.shard-1-of-2; do
+  [ -s "$work/z/$f" ] || fail "the stage-2 run did not write $f"
+done
+"$(dirname "$torchrun")/python" - "$work/a/loss.csv" "$work/z/loss.csv" <<'PY' || fail "stage 2's losses differ from DataParallel's"
+import csv, sys
+a, z = ([float(r["loss"]) for r in csv.DictReader(open(f))] for f in sys.argv[1:])
+worst = max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, z))
+print(f"stage 2 vs DataParallel, 4 steps: largest relative loss difference {worst:.1e}")
+sys.exit(0 if len(a) == len(z) == 4 and worst <= 1e-4 else 1)
+PY
+expect_rc 1 one-rank-refused -- "$bin" "${tiny[@]}" --batch-size 16 --steps 6 --resume --out "$work/z"
+grep_in "$work/one-rank-refused.err" "2 ranks"
+expect_rc 0 one-rank -- "$bin" "${tiny[@]}" --batch-size 16 --steps 6 --resume \
+  --allow-world-size-change --out "$work/z"
+grep_in "$work/z/results.json" '"resumed_from": 4'
 
 [ "$failures" -eq 0 ] && echo "fashion_mnist under torchrun: all checks passed"
 exit $((failures > 0))

@@ -394,6 +394,38 @@ TEST(Optimizers, MultiTensorClippingMatchesPythonOnEverySweptSetting) {
           {.mode = tr::ScheduledClip::Mode::norm, .limits = std::to_string(max_norm)});
       check(scheduled, sched.apply(scheduled, 0), 1e-6, "ScheduledClip");
     }
+    // Sharded over two ranks (each holds every other parameter's gradient): each clips its
+    // share with the norm combined across ranks, and together they equal one process's clip.
+    {
+      auto all = params_of(layout);
+      const bool inf = std::isinf(norm_type);
+      const auto part_of = [&](int shard) {  // what rank `shard` adds to the combined norm
+        double part = 0.0;
+        for (std::size_t i = 0; i < all.size(); ++i) {
+          if (static_cast<int>(i % 2) != shard || !all[i].grad().defined()) continue;
+          const double n =
+              at::linalg_vector_norm(all[i].grad().to(at::kDouble), norm_type).item<double>();
+          const double nonzero = n != 0.0 ? 1.0 : 0.0;
+          part = inf ? std::max(part, n)
+                     : part + (norm_type == 0.0 ? nonzero : std::pow(n, norm_type));
+        }
+        return part;
+      };
+      const double parts[2] = {part_of(0), part_of(1)};
+      double totals[2] = {0.0, 0.0};
+      for (int shard = 0; shard < 2; ++shard) {
+        std::vector<at::Tensor> mine;
+        for (std::size_t i = 0; i < all.size(); ++i)
+          if (static_cast<int>(i % 2) == shard) mine.push_back(all[i]);
+        const double other = parts[1 - shard];
+        tr::AcrossRanks across{[&](at::Tensor& x) { x += other; },
+                               [&](at::Tensor& x) { x.clamp_min_(other); }};
+        totals[shard] =
+            tr::ClipByNorm({.max_norm = max_norm, .norm_type = norm_type}).apply(mine, 0, across);
+      }
+      EXPECT_NEAR(totals[0], totals[1], 1e-6 * std::max(1.0, totals[0])) << name;
+      check(all, totals[0], 1e-6, "sharded");
+    }
     // LibTorch's own (a norm and a multiply per tensor) agrees to rounding where it is defined
     // like Python's (it counts parameters for the 0-norm; that order is not swept).
     auto libtorch = params_of(layout);
@@ -403,6 +435,33 @@ TEST(Optimizers, MultiTensorClippingMatchesPythonOnEverySweptSetting) {
   // Nothing to clip: no gradient anywhere is a zero norm and no error, as in Python.
   std::vector<at::Tensor> none{at::zeros({3})};
   EXPECT_EQ(tr::clip_grad_norm_multi_tensor(none, 1.0), 0.0);
+  // ... also over ranks: a rank without gradients still takes part in combining the norm.
+  int calls = 0;
+  tr::AcrossRanks across{[&](at::Tensor& x) {
+                           ++calls;
+                           x += 9.0;
+                         },
+                         [&](at::Tensor& /*x*/) { ++calls; }};
+  EXPECT_DOUBLE_EQ(tr::clip_grad_norm_multi_tensor(none, 1.0, 2.0, across), 3.0);
+  EXPECT_EQ(calls, 1);
+}
+
+// Under sharded training each rank checks only its gradients for inf/NaN: the combined flag
+// makes every rank skip the step when any rank saw an overflow.
+TEST(Optimizers, GradScalerSkipsWhenAnotherRankOverflowed) {
+  for (const bool elsewhere : {false, true}) {
+    at::Tensor w = at::ones({3}, at::TensorOptions().requires_grad(true));
+    auto opt = std::make_unique<torch::optim::SGD>(std::vector<at::Tensor>{w},
+                                                   torch::optim::SGDOptions(0.1));
+    tr::GradScaler scaler({.enabled = true});
+    scaler.set_found_inf_across([&](at::Tensor& flag) { flag += elsewhere ? 1.0 : 0.0; });
+    scaler.scale(w.sum()).backward();
+    EXPECT_EQ(scaler.step(*opt), !elsewhere) << elsewhere;
+    scaler.update();
+    const double moved = (at::ones({3}) - w.detach()).abs().max().item<double>();
+    EXPECT_EQ(moved > 0.0, !elsewhere) << elsewhere;
+    EXPECT_EQ(scaler.current_scale(), elsewhere ? 32768.0 : 65536.0) << elsewhere;
+  }
 }
 
 // On a GPU the fused kernels are CUDA's: the run ends within float32 rounding of Python's fused

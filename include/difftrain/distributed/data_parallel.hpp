@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "difftrain/core/error.hpp"
+#include "difftrain/distributed/replicas.hpp"
 #include "difftrain/distributed/world.hpp"
 
 namespace difftrain::distributed {
@@ -67,7 +68,7 @@ class DataParallel {
       throw ConfigError("bucket sizes must be positive", "DataParallel options");
     world_ = o_.world ? o_.world : World::from_environment(o_.world_options);
     if (!world_->distributed()) return;
-    check_same_model();
+    check_same_model(*world_, params_, *model_, "DataParallel");
     start();
     std::vector<bool> sparse(params_.size(), false);
     // As DDP: one bucket per dtype and device for the first step (no size limit); the reducer
@@ -101,7 +102,7 @@ class DataParallel {
     std::vector<at::Tensor> all;
     for (const auto& p : model_->parameters()) all.push_back(p);
     for (const auto& b : model_->buffers()) all.push_back(b);
-    broadcast_flat(all);
+    broadcast_from_rank0(*world_, all);
   }
 
   void before_forward(bool sync) {
@@ -109,8 +110,7 @@ class DataParallel {
     if (sync) reducer_->prepare_for_forward();
     guard([&] { (void)reducer_->rebuild_buckets(); });
     if (o_.broadcast_buffers) {
-      std::vector<at::Tensor> buffers = model_->buffers();
-      broadcast_flat(buffers);
+      broadcast_from_rank0(*world_, model_->buffers());
     }
   }
 
@@ -159,50 +159,6 @@ class DataParallel {
 
  private:
   static std::int64_t mib(double m) { return static_cast<std::int64_t>(m * 1024.0 * 1024.0); }
-
-  // The same number of parameters and buffers with the same shapes and dtypes on every rank;
-  // otherwise the broadcast and the buckets would pair up different tensors.
-  void check_same_model() {
-    std::uint64_t h = 1469598103934665603ULL;  // FNV-1a over the dtypes and shapes
-    auto mix = [&](std::int64_t v) {
-      h ^= static_cast<std::uint64_t>(v);
-      h *= 1099511628211ULL;
-    };
-    auto mix_tensor = [&](const at::Tensor& t) {
-      mix(static_cast<std::int64_t>(t.scalar_type()));
-      for (auto s : t.sizes()) mix(s);
-    };
-    for (const auto& p : params_) mix_tensor(p);
-    for (const auto& b : model_->buffers()) mix_tensor(b);
-    const at::Tensor mine = at::tensor(
-        {static_cast<std::int64_t>(params_.size()), static_cast<std::int64_t>(h >> 1)}, at::kLong);
-    const auto all = world_->all_gather(mine);
-    for (std::size_t r = 0; r < all.size(); ++r)
-      if (!at::equal(all[r], all[0]))
-        throw ConfigError("rank " + std::to_string(r) +
-                              " trains a model with different parameters or buffers than rank 0 "
-                              "(count, shapes or dtypes differ)",
-                          "DataParallel, rank " + std::to_string(world_->rank()));
-  }
-
-  // Rank 0's values into `tensors`, one broadcast per dtype and device.
-  void broadcast_flat(std::vector<at::Tensor>& tensors) {
-    std::map<std::pair<int, std::string>, std::vector<at::Tensor>> groups;
-    for (const auto& t : tensors)
-      groups[{static_cast<int>(t.scalar_type()), t.device().str()}].push_back(t);
-    at::NoGradGuard no_grad;
-    for (auto& [key, ts] : groups) {
-      std::vector<at::Tensor> flat_parts;
-      for (const auto& t : ts) flat_parts.push_back(t.detach().reshape({-1}));
-      std::vector<at::Tensor> flat{at::cat(flat_parts)};
-      world_->broadcast(flat, 0);
-      std::int64_t at_ = 0;
-      for (auto& t : ts) {
-        t.detach().copy_(flat[0].narrow(0, at_, t.numel()).view(t.sizes()));
-        at_ += t.numel();
-      }
-    }
-  }
 
   torch::nn::Module* model_;
   std::vector<at::Tensor> params_;

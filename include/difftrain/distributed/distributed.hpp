@@ -5,5 +5,6 @@
 #include "difftrain/distributed/sampler.hpp"
 #if __has_include(<gloo/rendezvous/store.h>)
 #include "difftrain/distributed/data_parallel.hpp"
+#include "difftrain/distributed/sharded_data_parallel.hpp"
 #include "difftrain/distributed/world.hpp"
 #endif

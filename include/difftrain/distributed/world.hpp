@@ -151,6 +151,15 @@ class World {
     run("all-reduce", [&] { return group_->allreduce(v); });
   }
 
+  /// The maximum of `t` over the ranks, in place.
+  void all_reduce_max(at::Tensor& t) const {
+    if (!distributed()) return;
+    std::vector<at::Tensor> v{t};
+    c10d::AllreduceOptions ao;
+    ao.reduceOp = c10d::ReduceOp::MAX;
+    run("all-reduce", [&] { return group_->allreduce(v, ao); });
+  }
+
   /// Replaces `tensors` on every rank by rank `root`'s.
   void broadcast(std::vector<at::Tensor>& tensors, std::int64_t root = 0) const {
     if (!distributed() || tensors.empty()) return;

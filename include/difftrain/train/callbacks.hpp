@@ -14,6 +14,7 @@
 #include <functional>
 #include <optional>
 #include <regex>
+#include <set>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -246,6 +247,25 @@ class CheckpointEvery {
       std::filesystem::remove(all.front().second);
       all.erase(all.begin());
     }
+    // A sharded checkpoint's optimizer shards go with it, and so do shards a stopped save left
+    // without their checkpoint (older than the newest kept one).
+    if (all.empty()) return;
+    std::set<std::int64_t> kept;
+    for (const auto& [step, path] : all) kept.insert(step);
+    static const std::regex shard("checkpoint-([0-9]+)\\.pt\\.shard-[0-9]+-of-[0-9]+");
+    std::error_code ec;
+    std::vector<std::filesystem::path> stale;
+    for (const auto& e : std::filesystem::directory_iterator(o_.dir, ec)) {
+      std::smatch m;
+      const std::string f = e.path().filename().string();
+      if (!std::regex_match(f, m, shard)) continue;
+      std::int64_t step = 0;
+      const std::string digits = m[1].str();
+      const auto [end, err] = std::from_chars(digits.data(), digits.data() + digits.size(), step);
+      if (err == std::errc() && kept.count(step) == 0 && step < *kept.rbegin())
+        stale.push_back(e.path());
+    }
+    for (const auto& f : stale) std::filesystem::remove(f, ec);
   }
   Options o_;
 };

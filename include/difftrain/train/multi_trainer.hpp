@@ -31,6 +31,9 @@ class MultiTrainer {
   using Options = typename TrainerT::Options;
   using Batch = typename Model::Batch;
   static constexpr int kFormatVersion = 1;
+  static_assert(!TrainerT::sharded,
+                "difftrain: MultiTrainer writes every model's state into one file, so it takes "
+                "DataParallel, not a sharding Config::Parallel (ShardedDataParallel)");
 
   /// One trainer per model, each with its own options (learning rates, warm-up, EMA...).
   MultiTrainer(const std::vector<Model*>& models, const std::vector<Options>& options) {

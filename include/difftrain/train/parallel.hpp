@@ -16,15 +16,24 @@
 // and once a step: mean(x) (a value averaged over ranks, for what is reported), start() (the
 // weights every rank starts from, also after a resume), and, for checkpoints, rank/world_size
 // and gather/decide (rank 0 writes, the others learn whether it could).
+//
+// A policy that shards the training state over the ranks (distributed::ShardedDataParallel, ZeRO)
+// also has the hooks of `ShardingParallel` below: each rank's optimizer steps only the parameters
+// the rank owns, clipping and the fp16 scaler combine what each rank sees, and after the step
+// every rank receives the parameters the others updated. Its checkpoints are a set of files, one
+// shard of the optimizer state per rank.
 
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 
 #include <concepts>
 #include <cstdint>
+#include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
+
+#include "difftrain/train/optimizer.hpp"
 
 namespace difftrain::train {
 
@@ -46,6 +55,27 @@ concept ParallelPolicy = requires {
   { p.mean(x) } -> std::convertible_to<double>;
   { p.gather(t) } -> std::convertible_to<std::vector<at::Tensor>>;
   { p.decide(b) } -> std::convertible_to<bool>;
+};
+
+/// A policy that shards the optimizer state (and maybe gradients) over the ranks:
+///   groups_of_rank(groups, r)  the groups with only the parameters rank r's optimizer steps
+///                           (same groups in the same order; a group may be empty)
+///   owned_params()          those parameters: only their gradients are this rank's to clip,
+///                           unscale and check
+///   sum_across(t), max_across(t)   combine a small CPU tensor over the ranks, in place
+///   after_optimizer_step()  every rank holds every updated parameter again
+///   zero_grad()             drops every gradient this rank holds (its optimizer's and others')
+///   stage()                 the ZeRO stage, recorded in checkpoints
+template <class P>
+concept ShardingParallel = ParallelPolicy<P> &&
+    requires(P& p, const P& cp, const std::vector<ParamGroup>& groups, at::Tensor& t) {
+  { cp.groups_of_rank(groups, std::int64_t{0}) } -> std::same_as<std::vector<ParamGroup>>;
+  { cp.owned_params() } -> std::convertible_to<std::vector<at::Tensor>>;
+  p.sum_across(t);
+  p.max_across(t);
+  p.after_optimizer_step();
+  p.zero_grad();
+  { cp.stage() } -> std::convertible_to<int>;
 };
 
 /// A callback that runs on every rank of a distributed run (`static constexpr bool every_rank =

@@ -16,6 +16,7 @@
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
+#include <functional>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -103,7 +104,14 @@ class GradScaler {
       at::_amp_foreach_non_finite_check_and_unscale_(grads, found, inv.to(grads.front().device()));
       found_inf_ += found.to(found_inf_.device());
     }
+    combine_found_inf();
     stage_ = Stage::unscaled;
+  }
+
+  /// Under sharded training each rank checks only its own gradients: `sum` adds the overflow
+  /// flags of every rank (a CPU tensor, in place), so that every rank skips the same steps.
+  void set_found_inf_across(std::function<void(at::Tensor&)> sum) {
+    found_inf_across_ = std::move(sum);
   }
 
   /// Steps the optimizer unless a gradient was inf/NaN. Returns whether it stepped.
@@ -205,7 +213,15 @@ class GradScaler {
           at::stack(at::_foreach_norm(grads, std::numeric_limits<double>::infinity()));
       found_inf_ += at::logical_not(at::isfinite(largest).all()).to(found_inf_.options());
     }
+    combine_found_inf();
     stage_ = Stage::checked;
+  }
+
+  void combine_found_inf() {
+    if (!found_inf_across_) return;
+    at::Tensor flag = found_inf_.to(at::kCPU, at::kDouble);
+    found_inf_across_(flag);
+    found_inf_ = flag.to(found_inf_.options());
   }
 
   void lazy_init(c10::Device d) {
@@ -222,6 +238,7 @@ class GradScaler {
   at::Tensor scale_, growth_tracker_, found_inf_;
   Stage stage_ = Stage::ready;
   std::optional<at::Tensor> left_in_grads_;
+  std::function<void(at::Tensor&)> found_inf_across_;
 };
 
 /// Full precision: no autocast, no scaling.

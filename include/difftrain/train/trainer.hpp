@@ -28,9 +28,11 @@
 #include <cmath>
 #include <concepts>
 #include <filesystem>
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <set>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -242,6 +244,13 @@ inline std::string tensor_bytes(const at::Tensor& t, const std::string& where) {
   const at::Tensor c = t.contiguous();
   return {static_cast<const char*>(c.data_ptr()), static_cast<std::size_t>(c.numel())};
 }
+/// Optimizer state for some parameters: their names per parameter group (the order its archive
+/// lists them) and LibTorch's archive bytes.
+struct OptimizerShard {
+  std::vector<std::vector<std::string>> names;
+  std::string bytes;
+  std::string where;
+};
 }  // namespace trainer_detail
 
 /// What a step did, for callbacks and callers.
@@ -286,6 +295,8 @@ class Trainer {
   using CallbacksT = typename Config::Callbacks;
   using ParallelT = typename trainer_detail::ParallelOf<Config>::type;
   static constexpr bool has_ema = !std::is_same_v<EmaT, NoEma>;
+  /// Whether the optimizer state is sharded over the ranks (Config::Parallel is ZeRO's).
+  static constexpr bool sharded = ShardingParallel<ParallelT>;
   static constexpr int kFormatVersion = 1;
 
   struct Options {
@@ -332,14 +343,27 @@ class Trainer {
     if (o_.max_batch_size && *o_.max_batch_size < 1)
       throw ConfigError("max_batch_size must be >= 1", "Trainer options");
     groups_ = make_param_groups(model, o_.groups);
-    optimizer_ = OptimizerPolicyT::make(groups_, o_.optimizer);
     for (const auto& g : groups_) params_.insert(params_.end(), g.params.begin(), g.params.end());
+    // Before the EMA copies the weights: with more than one rank they become rank 0's here.
+    parallel_ = std::make_unique<ParallelT>(model, params_, o_.parallel);
+    if constexpr (sharded) {
+      static_assert(ShardedClipping<ClippingT>,
+                    "difftrain: under a sharding Config::Parallel, Config::Clipping needs `double "
+                    "apply(const std::vector<at::Tensor>& params, std::int64_t step, const "
+                    "AcrossRanks& across)`: each rank holds only its share of the gradients");
+      // This rank's optimizer steps only the parameters it owns.
+      local_groups_ = parallel_->groups_of_rank(groups_, parallel_->rank());
+      optimizer_ = OptimizerPolicyT::make(local_groups_, o_.optimizer);
+      if (shards_state())
+        scaler_.set_found_inf_across([p = parallel_.get()](at::Tensor& t) { p->sum_across(t); });
+    } else {
+      local_groups_ = groups_;
+      optimizer_ = OptimizerPolicyT::make(groups_, o_.optimizer);
+    }
     scheduler_.emplace(*optimizer_, ScheduleT(o_.schedule));
     // This trainer's own settings, which a resumed checkpoint's are compared with.
     option_base_lrs_ = scheduler_->base_lrs();
     for (auto& g : optimizer_->param_groups()) option_groups_.push_back(g.options().clone());
-    // Before the EMA copies the weights: with more than one rank they become rank 0's here.
-    parallel_ = std::make_unique<ParallelT>(model, params_, o_.parallel);
     if constexpr (has_ema)
       ema_ = std::make_unique<EmaT>(model, o_.ema.rule, o_.ema.engine, o_.ema.tracking);
     call([&](auto& cb) {
@@ -364,7 +388,7 @@ class Trainer {
       info.samples *= parallel_->world_size();  // every rank takes an equal share
     }
     model_->train();
-    optimizer_->zero_grad(/*set_to_none=*/true);
+    zero_grads();
     double loss_sum = 0.0;
     // The first non-finite loss of the step; with more than one rank, the step goes on to the
     // point where the ranks agree (so a NaN anywhere drops the step everywhere).
@@ -385,7 +409,7 @@ class Trainer {
       }
     }
     if (bad) {
-      optimizer_->zero_grad(true);
+      zero_grads();
       ++nonfinite_;
       const bool here = !step_bad_agreed_only_;
       if (o_.on_nan == NanPolicy::stop)
@@ -404,12 +428,21 @@ class Trainer {
     {
       RECORD_USER_SCOPE("difftrain::clip");
       if constexpr (!std::is_same_v<ClippingT, NoClipping>) scaler_.unscale_(*optimizer_);
-      info.grad_norm = clipping_.apply(params_, step_);
+      if constexpr (sharded)
+        info.grad_norm = clipping_.apply(parallel_->owned_params(), step_, across_ranks());
+      else
+        info.grad_norm = clipping_.apply(params_, step_);
     }
     {
       RECORD_USER_SCOPE("difftrain::optimizer_step");
       info.stepped = scaler_.step(*optimizer_);
       scaler_.update();
+    }
+    if constexpr (sharded) {
+      // Every rank skips the same steps (the overflow flags were combined), so every rank takes
+      // part in sending the parameters it updated, or none does.
+      RECORD_USER_SCOPE("difftrain::gather_parameters");
+      if (info.stepped) parallel_->after_optimizer_step();
     }
     if (info.stepped) {
       scheduler_->step();
@@ -506,7 +539,12 @@ class Trainer {
     for (const auto& item : model_->named_buffers(true))
       model.insert(item.key(), item.value().detach().cpu().clone());
     root.insert("model", model);
-    root.insert("optimizer", trainer_detail::bytes_tensor(optimizer_state_bytes(*optimizer_)));
+    // A sharded optimizer state is in one file per rank beside this one (save_checkpoint); here
+    // is only the index of which rank holds which parameters' state.
+    if (shards_state())
+      js["sharding"] = sharding_index();
+    else
+      root.insert("optimizer", trainer_detail::bytes_tensor(optimizer_state_bytes(*optimizer_)));
     if constexpr (has_ema) {
       auto [scalars, shadows] = ema_->state();
       js["ema"] = scalars;
@@ -547,7 +585,9 @@ class Trainer {
     nlohmann::json js;
     std::int64_t step = 0;
     std::map<std::string, at::Tensor> model_tensors, ema_shadows;
-    std::string opt_bytes;
+    /// The optimizer state this rank needs: the whole state of a checkpoint written by one
+    /// optimizer, or the shards of a sharded one holding this rank's parameters.
+    std::vector<trainer_detail::OptimizerShard> opt_shards;
     at::Tensor rng_cpu;
     std::vector<at::Tensor> rng_cuda;
   };
@@ -560,7 +600,9 @@ class Trainer {
   }
 
   /// The checking half of load_state (a multi-model trainer checks every model before applying).
-  [[nodiscard]] CheckedState check_state(const io::TorchValue& root) const {
+  /// `file`: where `root` was read from; the shards of a sharded checkpoint lie beside it.
+  [[nodiscard]] CheckedState check_state(const io::TorchValue& root,
+                                         const std::filesystem::path& file = {}) const {
     const std::string where = root.where();
     if (root.at("format").string() != "difftrain.checkpoint")
       throw FormatError(
@@ -632,12 +674,21 @@ class Trainer {
       ema_shadows = root.at("ema").tensor_map();
       ema_->check_state(js.at("ema"), ema_shadows);
     }
-    const std::string opt_bytes =
-        trainer_detail::tensor_bytes(root.at("optimizer").tensor(), where + " optimizer");
-    {
+    std::vector<trainer_detail::OptimizerShard> opt_shards;
+    if (js.contains("sharding")) {
+      opt_shards = read_optimizer_shards(js["sharding"], saved_step, file, where);
+    } else {
+      trainer_detail::OptimizerShard whole;
+      for (const auto& g : groups_) whole.names.push_back(g.names);
+      whole.bytes =
+          trainer_detail::tensor_bytes(root.at("optimizer").tensor(), where + " optimizer");
+      whole.where = where + " optimizer";
+      opt_shards.push_back(std::move(whole));
+    }
+    for (const auto& shard : opt_shards) {
       // LibTorch's reader of the inner archive checks no CRC-32: every record is checked here,
       // so a damaged optimizer state is refused instead of loading with different numbers.
-      const io::ZipArchive inner({opt_bytes.data(), opt_bytes.size()}, where + " optimizer");
+      const io::ZipArchive inner({shard.bytes.data(), shard.bytes.size()}, shard.where);
       std::vector<char> buffer;
       for (const auto& [name, record] : inner.records()) {
         buffer.resize(static_cast<std::size_t>(record.size));
@@ -666,8 +717,9 @@ class Trainer {
     }
     std::vector<at::Tensor> rng_cuda;
     for (const auto& t : root.at("rng_cuda").elements()) rng_cuda.push_back(t.tensor());
-    return {where,     std::move(js), saved_step,         model_tensors, std::move(ema_shadows),
-            opt_bytes, rng_cpu,       std::move(rng_cuda)};
+    return {where,         std::move(js),          saved_step,
+            model_tensors, std::move(ema_shadows), std::move(opt_shards),
+            rng_cpu,       std::move(rng_cuda)};
   }
 
   /// The applying half of load_state; `s` must come from check_state on this trainer.
@@ -675,7 +727,6 @@ class Trainer {
     const std::string& where = s.where;
     const auto& js = s.js;
     const auto& model_tensors = s.model_tensors;
-    const auto& opt_bytes = s.opt_bytes;
     // The optimizer first: its archive is the part that can still refuse. Its current state is
     // kept and put back if the saved one does not load, so a refusal changes nothing.
     const std::string before = optimizer_state_bytes(*optimizer_);
@@ -683,15 +734,16 @@ class Trainer {
     // a checkpoint written on a GPU resumes on the CPU and the other way round.
     const std::optional<c10::Device> device =
         params_.empty() ? std::nullopt : std::optional<c10::Device>(params_.front().device());
-    auto load_optimizer = [&](const std::string& bytes) {
+    auto load_optimizer = [&](torch::optim::Optimizer& optimizer, const std::string& bytes) {
       torch::serialize::InputArchive archive;
       archive.load_from(bytes.data(), bytes.size(), device);
-      optimizer_->load(archive);
+      optimizer.load(archive);
     };
     try {
-      load_optimizer(opt_bytes);
+      load_optimizer_shards(s.opt_shards, load_optimizer);
     } catch (const std::exception& e) {  // c10::Error, or std::out_of_range from a damaged pickle
-      load_optimizer(before);
+      optimizer_->state().clear();
+      load_optimizer(*optimizer_, before);
       const auto* c10e = dynamic_cast<const c10::Error*>(&e);
       throw FormatError(std::string("optimizer state does not load: ") +
                             (c10e != nullptr ? c10e->what_without_backtrace() : e.what()),
@@ -736,6 +788,24 @@ class Trainer {
           path.string());
     const c10::IValue st = state();
     std::exception_ptr failed;
+    if (shards_state()) {
+      // Every rank writes its shard of the optimizer state; rank 0's file, written only once all
+      // of them are on disk, commits the set: a run stopped in between leaves the previous set
+      // whole (its own files), and resume_latest takes that one.
+      try {
+        io::save_torch_file(shard_path(path, parallel_->rank(), parallel_->world_size()),
+                            optimizer_shard_state());
+      } catch (...) {
+        failed = std::current_exception();
+      }
+      if (!parallel_->all_ok(!failed)) {
+        if (failed) std::rethrow_exception(failed);
+        throw IoError(
+            "another rank could not write its shard of the optimizer state (its error "
+            "says why); the previous checkpoint stays the latest",
+            path.string());
+      }
+    }
     if (parallel_->rank() == 0) {
       try {
         io::save_torch_file(path, st);
@@ -749,6 +819,12 @@ class Trainer {
     }
   }
 
+  /// The file beside checkpoint `path` holding rank `rank`'s shard of a sharded optimizer state.
+  [[nodiscard]] static std::filesystem::path shard_path(const std::filesystem::path& path,
+                                                        std::int64_t rank, std::int64_t world) {
+    return path.string() + ".shard-" + std::to_string(rank) + "-of-" + std::to_string(world);
+  }
+
   /// This process's rank in a distributed run (0 otherwise) and the number of ranks.
   [[nodiscard]] std::int64_t rank() const { return parallel_->rank(); }
   [[nodiscard]] std::int64_t world_size() const { return parallel_->world_size(); }
@@ -756,7 +832,8 @@ class Trainer {
   /// Every rank of a distributed run reads the file; all of them go on only when all could use
   /// it (the others' error says another rank refused), so they resume from the same one.
   void load_checkpoint(const std::filesystem::path& path) {
-    load_agreed(path.string(), [&] { return checked_naming_file(io::load_torch_file(path)); });
+    load_agreed(path.string(),
+                [&] { return checked_naming_file(io::load_torch_file(path), path); });
   }
 
   [[nodiscard]] bool all_finite() const {
@@ -908,9 +985,10 @@ class Trainer {
   }
 
   // check_state, with the file named in a FormatError whose part did not name it.
-  CheckedState checked_naming_file(const io::TorchValue& root) const {
+  CheckedState checked_naming_file(const io::TorchValue& root,
+                                   const std::filesystem::path& file = {}) const {
     try {
-      return check_state(root);
+      return check_state(root, file);
     } catch (const FormatError& e) {
       if (e.where().find(root.where()) != std::string::npos) throw;
       throw FormatError(e.message(), root.where() + ": " + e.where());
@@ -941,6 +1019,194 @@ class Trainer {
     call([&](auto& cb) {
       if constexpr (requires { cb.on_resume(*this); }) cb.on_resume(*this);
     });
+  }
+
+  // Every gradient this rank holds dropped (a sharded optimizer's zero_grad reaches only the
+  // parameters it steps).
+  void zero_grads() {
+    optimizer_->zero_grad(/*set_to_none=*/true);
+    if constexpr (sharded) parallel_->zero_grad();
+  }
+
+  // Whether this rank's optimizer holds only part of the state (a sharding policy at stage 1 or
+  // more; at stage 0 it replicates, as DataParallel).
+  [[nodiscard]] bool shards_state() const {
+    if constexpr (sharded)
+      return parallel_->stage() > 0;
+    else
+      return false;
+  }
+
+  [[nodiscard]] AcrossRanks across_ranks() {
+    if (!shards_state()) return {};
+    if constexpr (sharded) {
+      auto* p = parallel_.get();
+      return {[p](at::Tensor& t) { p->sum_across(t); }, [p](at::Tensor& t) { p->max_across(t); }};
+    } else {
+      return {};
+    }
+  }
+
+  // Which rank's optimizer holds which parameters' state: stage, world size and, per rank, the
+  // names of its parameters in each group.
+  [[nodiscard]] nlohmann::json sharding_index() const {
+    nlohmann::json ranks = nlohmann::json::array();
+    if constexpr (sharded) {
+      for (std::int64_t r = 0; r < parallel_->world_size(); ++r) {
+        nlohmann::json groups = nlohmann::json::array();
+        for (const auto& g : parallel_->groups_of_rank(groups_, r)) groups.push_back(g.names);
+        ranks.push_back(groups);
+      }
+      return {
+          {"stage", parallel_->stage()}, {"world_size", parallel_->world_size()}, {"ranks", ranks}};
+    }
+    return {};
+  }
+
+  // This rank's shard file: what it holds and its optimizer's archive.
+  [[nodiscard]] c10::IValue optimizer_shard_state() const {
+    auto root = io::torch_dict();
+    root.insert("format", std::string("difftrain.optimizer_shard"));
+    root.insert("version", std::int64_t{kFormatVersion});
+    root.insert("step", step_);
+    root.insert("rank", parallel_->rank());
+    root.insert("world_size", parallel_->world_size());
+    nlohmann::json names = nlohmann::json::array();
+    for (const auto& g : local_groups_) names.push_back(g.names);
+    root.insert("json", names.dump());
+    root.insert("optimizer", trainer_detail::bytes_tensor(optimizer_state_bytes(*optimizer_)));
+    return root;
+  }
+
+  // The shards of a sharded checkpoint that hold state of this rank's parameters, read and
+  // checked against the checkpoint's index. A shard that is missing is an IoError, one that does
+  // not belong to this checkpoint a FormatError (resume_latest then falls back to an older set).
+  [[nodiscard]] std::vector<trainer_detail::OptimizerShard> read_optimizer_shards(
+      const nlohmann::json& index, std::int64_t step, const std::filesystem::path& file,
+      const std::string& where) const {
+    const std::string at = where + " json sharding";
+    if (file.empty())
+      throw ConfigError(
+          "holds a sharded optimizer state, whose shards are files beside it: load "
+          "it with load_checkpoint(path)",
+          where);
+    if (!index.is_object() || !index.contains("world_size") ||
+        !index["world_size"].is_number_integer() || !index.contains("ranks") ||
+        !index["ranks"].is_array())
+      throw FormatError("is not an index of optimizer shards", at);
+    const auto world = index["world_size"].get<std::int64_t>();
+    if (world < 1 || static_cast<std::int64_t>(index["ranks"].size()) != world)
+      throw FormatError("lists " + std::to_string(index["ranks"].size()) + " shards for " +
+                            std::to_string(world) + " ranks",
+                        at);
+    std::set<std::string> mine;
+    for (const auto& g : local_groups_) mine.insert(g.names.begin(), g.names.end());
+    std::vector<trainer_detail::OptimizerShard> out;
+    for (std::int64_t r = 0; r < world; ++r) {
+      trainer_detail::OptimizerShard shard;
+      try {
+        shard.names = index["ranks"][static_cast<std::size_t>(r)]
+                          .get<std::vector<std::vector<std::string>>>();
+      } catch (const nlohmann::json::exception&) {
+        throw FormatError("rank " + std::to_string(r) + "'s entry is not a list of name lists", at);
+      }
+      if (shard.names.size() != groups_.size())
+        throw FormatError("rank " + std::to_string(r) + "'s entry has " +
+                              std::to_string(shard.names.size()) + " groups, the trainer " +
+                              std::to_string(groups_.size()),
+                          at);
+      bool needed = false;
+      for (std::size_t g = 0; g < groups_.size(); ++g) {
+        const std::set<std::string> known(groups_[g].names.begin(), groups_[g].names.end());
+        for (const auto& n : shard.names[g]) {
+          if (known.count(n) == 0)
+            throw FormatError("rank " + std::to_string(r) + " holds '" + n +
+                                  "', not a parameter "
+                                  "of group " +
+                                  std::to_string(g),
+                              at);
+          needed = needed || mine.count(n) != 0;
+        }
+      }
+      if (!needed) continue;
+      const std::filesystem::path shard_file = shard_path(file, r, world);
+      const io::TorchValue root = io::load_torch_file(shard_file);
+      const std::string w = shard_file.string();
+      if (root.at("format").string() != "difftrain.optimizer_shard")
+        throw FormatError("is not a shard of an optimizer state", w);
+      if (root.at("step").integer() != step || root.at("rank").integer() != r ||
+          root.at("world_size").integer() != world)
+        throw FormatError("belongs to another checkpoint (step " +
+                              std::to_string(root.at("step").integer()) + ", rank " +
+                              std::to_string(root.at("rank").integer()) + " of " +
+                              std::to_string(root.at("world_size").integer()) + "; expected step " +
+                              std::to_string(step) + ", rank " + std::to_string(r) + " of " +
+                              std::to_string(world) + ")",
+                          w);
+      nlohmann::json names;
+      try {
+        names = nlohmann::json::parse(root.at("json").string());
+      } catch (const nlohmann::json::exception& e) {
+        throw FormatError(std::string("has unreadable names: ") + e.what(), w);
+      }
+      if (names != index["ranks"][static_cast<std::size_t>(r)])
+        throw FormatError("holds other parameters than the checkpoint's index lists for rank " +
+                              std::to_string(r),
+                          w);
+      shard.bytes = trainer_detail::tensor_bytes(root.at("optimizer").tensor(), w + " optimizer");
+      shard.where = w + " optimizer";
+      out.push_back(std::move(shard));
+    }
+    return out;
+  }
+
+  // The optimizer state of `shards` into this rank's optimizer. A state written by an optimizer
+  // over exactly this rank's parameters loads directly; otherwise (another world size, another
+  // stage, a sharded state read by one optimizer or the other way round) each shard loads into
+  // a temporary optimizer over its own parameters, and the states of this rank's parameters move
+  // over. Parameters are matched by name, so any partition reads any other.
+  template <class Load>
+  void load_optimizer_shards(const std::vector<trainer_detail::OptimizerShard>& shards,
+                             Load&& load_into) {
+    std::vector<std::vector<std::string>> local;
+    for (const auto& g : local_groups_) local.push_back(g.names);
+    if (shards.size() == 1 && shards.front().names == local) {
+      load_into(*optimizer_, shards.front().bytes);
+      return;
+    }
+    std::map<std::string, at::Tensor> by_name;
+    for (const auto& g : groups_)
+      for (std::size_t i = 0; i < g.names.size(); ++i) by_name.emplace(g.names[i], g.params[i]);
+    std::set<const void*> mine;
+    for (const auto& g : local_groups_)
+      for (const auto& p : g.params) mine.insert(p.unsafeGetTensorImpl());
+    optimizer_->state().clear();
+    bool options_taken = false;
+    for (const auto& shard : shards) {
+      std::vector<ParamGroup> gs;
+      for (std::size_t g = 0; g < groups_.size(); ++g) {
+        ParamGroup pg = groups_[g];
+        pg.names = shard.names[g];
+        pg.params.clear();
+        for (const auto& n : pg.names) pg.params.push_back(by_name.at(n));
+        gs.push_back(std::move(pg));
+      }
+      const auto temp = OptimizerPolicyT::make(gs, o_.optimizer);
+      torch::optim::Optimizer& t = *temp;
+      load_into(t, shard.bytes);
+      for (auto& group : t.param_groups())
+        for (const auto& p : group.params()) {
+          void* key = p.unsafeGetTensorImpl();
+          const auto it = t.state().find(key);
+          if (mine.count(key) != 0 && it != t.state().end())
+            optimizer_->state()[key] = std::move(it->second);
+        }
+      if (!options_taken) {  // the groups' settings (lr, betas, ...) as the checkpoint has them
+        for (std::size_t g = 0; g < groups_.size(); ++g)
+          optimizer_->param_groups()[g].set_options(t.param_groups()[g].options().clone());
+        options_taken = true;
+      }
+    }
   }
 
   [[nodiscard]] std::string rank_suffix() const {
@@ -1120,6 +1386,7 @@ class Trainer {
   Model* model_;
   Options o_;
   std::vector<ParamGroup> groups_;
+  std::vector<ParamGroup> local_groups_;  // the groups this rank's optimizer steps (all unsharded)
   std::vector<at::Tensor> params_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   std::optional<schedule::LrScheduler<ScheduleT>> scheduler_;

@@ -1,0 +1,417 @@
+#pragma once
+// Config::Parallel = distributed::ShardedDataParallel: data parallelism whose training state is
+// sharded over the ranks, as DeepSpeed's ZeRO and torch's ZeroRedundancyOptimizer do:
+//
+//   stage 1  the optimizer state: each rank's optimizer steps only the parameters it owns, so
+//            its moments take 1/N of the memory; gradients are averaged by all-reduce as in
+//            DataParallel, and after the step every owner sends the parameters it updated;
+//   stage 2  and the gradients: each bucket of gradients is reduced to the rank that owns it,
+//            and the other ranks drop theirs as soon as they have sent them.
+//
+// Stage 0 is DataParallel itself (every rank keeps everything; c10d's reducer overlaps the
+// all-reduce with backward), so that a program can choose the stage at run time.
+//
+// Ownership is by whole parameters: the parameters, in the trainer's group order, are cut into
+// N contiguous runs of about equal size (ZeroRedundancyOptimizer also keeps parameters whole).
+// So every rank's optimizer is an ordinary optimizer over ordinary tensors and every optimizer
+// policy works and steps exactly as on one process; the price is a balance within one tensor.
+//
+// What DataParallel guarantees holds here too: every rank starts from rank 0's weights, buffers
+// are rank 0's before every forward, accumulation micro-batches before the last communicate
+// nothing, a NaN on one rank skips the step on all. Clipping computes the global norm from each
+// rank's share (one scalar all-reduce), and the fp16 scaler's overflow flags are summed so that
+// every rank skips the same steps. A parameter that no rank used in a step keeps no gradient and
+// its optimizer skips it, as on one process (each bucket carries a used-flag per parameter, so
+// unused parameters need no option and no graph search).
+//
+// Communication is bucketed (bucket_cap_mb, DDP's 25 MiB) and pipelined: while one bucket is on
+// the wire the next is packed. It runs after the step's last backward, not during it.
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+#include <torch/optim/adagrad.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/optimizer.h>
+#include <torch/optim/rmsprop.h>
+#include <torch/optim/sgd.h>
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "difftrain/core/error.hpp"
+#include "difftrain/distributed/data_parallel.hpp"
+#include "difftrain/distributed/replicas.hpp"
+#include "difftrain/distributed/world.hpp"
+#include "difftrain/train/optimizer.hpp"
+
+namespace difftrain::distributed {
+
+class ShardedDataParallel {
+ public:
+  static constexpr std::string_view name = "sharded-data-parallel";
+
+  struct Options {
+    /// The processes to share steps with; null reads them from the launcher's environment.
+    std::shared_ptr<World> world{};
+    WorldOptions world_options{};
+    /// ZeRO's stage: 1 shards the optimizer state, 2 also the gradients; 0 shards nothing
+    /// (DataParallel).
+    int stage = 1;
+    /// The size of a bucket of gradients or parameters on the wire (a larger parameter travels
+    /// alone).
+    double bucket_cap_mb = 25.0;
+    /// Rank 0's buffers before every forward, as DataParallel.
+    bool broadcast_buffers = true;
+    /// Stage 0 only (DataParallel's option): stages 1 and 2 find unused parameters by
+    /// themselves, without a graph search.
+    bool find_unused_parameters = false;
+  };
+
+  ShardedDataParallel(torch::nn::Module& model, const std::vector<at::Tensor>& params,
+                      const Options& o)
+      : model_(&model), params_(params), o_(o) {
+    if (o_.stage == 3)
+      throw ConfigError(
+          "is 3 (parameters sharded as well); this version shards the optimizer "
+          "state (1) and the gradients (2)",
+          "ShardedDataParallel options: stage");
+    if (o_.stage < 0 || o_.stage > 2)
+      throw ConfigError("is " + std::to_string(o_.stage) +
+                            "; the stages are 0 (replicated, DataParallel), 1 and 2",
+                        "ShardedDataParallel options: stage");
+    if (!(o_.bucket_cap_mb > 0.0))
+      throw ConfigError("must be positive", "ShardedDataParallel options: bucket_cap_mb");
+    world_ = o_.world ? o_.world : World::from_environment(o_.world_options);
+    for (std::size_t i = 0; i < params_.size(); ++i)
+      index_.emplace(params_[i].unsafeGetTensorImpl(), i);
+    if (o_.stage == 0) {
+      replicated_ = std::make_unique<DataParallel>(
+          model, params,
+          DataParallel::Options{.world = world_,
+                                .world_options = o_.world_options,
+                                .bucket_cap_mb = o_.bucket_cap_mb,
+                                .broadcast_buffers = o_.broadcast_buffers,
+                                .find_unused_parameters = o_.find_unused_parameters});
+      owner_.assign(params_.size(), -1);  // everyone's
+      return;
+    }
+    partition();
+    make_buckets();
+    if (!world_->distributed()) return;
+    check_same_model(*world_, params_, *model_, "ShardedDataParallel");
+    start();
+  }
+
+  ShardedDataParallel(const ShardedDataParallel&) = delete;
+  ShardedDataParallel& operator=(const ShardedDataParallel&) = delete;
+
+  [[nodiscard]] std::int64_t rank() const { return world_->rank(); }
+  [[nodiscard]] std::int64_t world_size() const { return world_->size(); }
+  [[nodiscard]] const World& world() const { return *world_; }
+  [[nodiscard]] int stage() const { return o_.stage; }
+
+  /// The rank whose optimizer steps parameter `i` (an index into the trainer's parameters); -1
+  /// at stage 0, where every rank steps every parameter.
+  [[nodiscard]] std::int64_t owner(std::size_t i) const { return owner_.at(i); }
+
+  // ---- the trainer's hooks (train/parallel.hpp) ---------------------------------------------
+
+  /// Every parameter and buffer becomes rank 0's.
+  void start() {
+    if (replicated_) return replicated_->start();
+    if (!world_->distributed()) return;
+    std::vector<at::Tensor> all(params_.begin(), params_.end());
+    for (const auto& b : model_->buffers()) all.push_back(b);
+    broadcast_from_rank0(*world_, all);
+  }
+
+  void before_forward(bool sync) {
+    if (replicated_) return replicated_->before_forward(sync);
+    if (world_->distributed() && o_.broadcast_buffers)
+      broadcast_from_rank0(*world_, model_->buffers());
+  }
+
+  [[nodiscard]] bool all_ok(bool ok) {
+    if (replicated_) return replicated_->all_ok(ok);
+    if (!world_->distributed()) return ok;
+    at::Tensor flag = at::full({1}, ok ? 0.0 : 1.0, at::kDouble);
+    world_->all_reduce_sum(flag);
+    return flag.item<double>() == 0.0;
+  }
+
+  void before_backward(const at::Tensor& loss) {
+    if (replicated_) replicated_->before_backward(loss);
+  }
+
+  /// Runs the step's last backward, then shares its gradients: all-reduced (stage 1) or reduced
+  /// to their owners (stage 2). A failure of the group is a DistributedError.
+  template <class F>
+  void guard(F&& f) {
+    if (replicated_) return replicated_->guard(std::forward<F>(f));
+    if (!world_->distributed()) return std::forward<F>(f)();
+    world_->guarded("sharing gradients", [&] {
+      std::forward<F>(f)();
+      reduce_gradients();
+    });
+  }
+
+  [[nodiscard]] double mean(double x) {
+    if (!world_->distributed()) return x;
+    at::Tensor t = at::full({1}, x, at::kDouble);
+    world_->all_reduce_sum(t);
+    return t.item<double>() / static_cast<double>(world_->size());
+  }
+
+  [[nodiscard]] std::vector<at::Tensor> gather(const at::Tensor& t) {
+    return world_->all_gather(t);
+  }
+
+  [[nodiscard]] bool decide(bool ok) {
+    if (!world_->distributed()) return ok;
+    std::vector<at::Tensor> flag{at::full({1}, ok ? 1.0 : 0.0, at::kDouble)};
+    world_->broadcast(flag, 0);
+    return flag[0].item<double>() != 0.0;
+  }
+
+  // ---- sharding (train::ShardingParallel) ---------------------------------------------------
+
+  /// `groups` with only the parameters rank `r` owns, in the same order.
+  [[nodiscard]] std::vector<train::ParamGroup> groups_of_rank(
+      const std::vector<train::ParamGroup>& groups, std::int64_t r) const {
+    std::vector<train::ParamGroup> out;
+    for (const auto& g : groups) {
+      train::ParamGroup mine = g;
+      mine.names.clear();
+      mine.params.clear();
+      for (std::size_t i = 0; i < g.params.size(); ++i) {
+        const auto it = index_.find(g.params[i].unsafeGetTensorImpl());
+        if (it == index_.end())
+          throw ConfigError("parameter '" + g.names[i] + "' is not one the trainer shares",
+                            "ShardedDataParallel");
+        if (owner_[it->second] != r && owner_[it->second] != -1) continue;
+        mine.names.push_back(g.names[i]);
+        mine.params.push_back(g.params[i]);
+      }
+      out.push_back(std::move(mine));
+    }
+    return out;
+  }
+
+  [[nodiscard]] std::vector<at::Tensor> owned_params() const {
+    std::vector<at::Tensor> out;
+    for (std::size_t i = 0; i < params_.size(); ++i)
+      if (owner_[i] == world_->rank() || owner_[i] == -1) out.push_back(params_[i]);
+    return out;
+  }
+
+  void sum_across(at::Tensor& t) { world_->all_reduce_sum(t); }
+  void max_across(at::Tensor& t) { world_->all_reduce_max(t); }
+
+  void zero_grad() {
+    for (auto& p : params_) p.mutable_grad().reset();
+  }
+
+  /// Every owner sends the parameters its optimizer updated, bucket by bucket.
+  void after_optimizer_step() {
+    if (replicated_ || !world_->distributed()) return;
+    at::NoGradGuard no_grad;
+    world_->guarded("sending updated parameters", [&] {
+      pipeline(
+          [&](const Bucket& b) {
+            at::Tensor flat;
+            if (b.owner == world_->rank()) {
+              std::vector<at::Tensor> parts;
+              for (const std::size_t i : b.params)
+                parts.push_back(params_[i].detach().reshape({-1}));
+              flat = at::cat(parts);
+            } else {
+              flat = at::empty({b.numel}, params_[b.params.front()].options().requires_grad(false));
+            }
+            std::vector<at::Tensor> v{flat};
+            c10d::BroadcastOptions bo;
+            bo.rootRank = b.owner;
+            return std::make_pair(world_->group()->broadcast(v, bo), flat);
+          },
+          [&](const Bucket& b, const at::Tensor& flat) {
+            if (b.owner == world_->rank()) return;
+            std::int64_t at_ = 0;
+            for (const std::size_t i : b.params) {
+              const at::Tensor& p = params_[i];
+              p.detach().copy_(flat.narrow(0, at_, p.numel()).view(p.sizes()));
+              at_ += p.numel();
+            }
+          });
+    });
+  }
+
+  /// Bytes this rank holds in parameters, gradients and the optimizer's state (ZeRO's memory
+  /// accounting; the optimizer's state is counted for torch's Adam, AdamW, SGD, RMSprop and
+  /// Adagrad and everything derived from them).
+  struct Memory {
+    std::int64_t parameters = 0, gradients = 0, optimizer = 0;
+  };
+  [[nodiscard]] static Memory memory(const std::vector<at::Tensor>& params,
+                                     torch::optim::Optimizer& optimizer) {
+    Memory m;
+    auto bytes = [](const at::Tensor& t) {
+      return t.defined() ? static_cast<std::int64_t>(t.numel() * t.element_size())
+                         : std::int64_t{0};
+    };
+    for (const auto& p : params) {
+      m.parameters += bytes(p);
+      m.gradients += bytes(p.grad());
+    }
+    for (const auto& [key, state] : optimizer.state()) {
+      (void)key;
+      if (const auto* s = dynamic_cast<const torch::optim::AdamWParamState*>(state.get()))
+        m.optimizer += bytes(s->exp_avg()) + bytes(s->exp_avg_sq()) + bytes(s->max_exp_avg_sq());
+      else if (const auto* a = dynamic_cast<const torch::optim::AdamParamState*>(state.get()))
+        m.optimizer += bytes(a->exp_avg()) + bytes(a->exp_avg_sq()) + bytes(a->max_exp_avg_sq());
+      else if (const auto* g = dynamic_cast<const torch::optim::SGDParamState*>(state.get()))
+        m.optimizer += bytes(g->momentum_buffer());
+      else if (const auto* r = dynamic_cast<const torch::optim::RMSpropParamState*>(state.get()))
+        m.optimizer += bytes(r->square_avg()) + bytes(r->momentum_buffer()) + bytes(r->grad_avg());
+      else if (const auto* d = dynamic_cast<const torch::optim::AdagradParamState*>(state.get()))
+        m.optimizer += bytes(d->sum());
+    }
+    return m;
+  }
+
+ private:
+  // Consecutive parameters with one owner and one dtype and device, at most bucket_cap_mb.
+  struct Bucket {
+    std::int64_t owner = 0;
+    std::vector<std::size_t> params;
+    std::int64_t numel = 0;
+  };
+
+  // Parameter i goes to the rank whose share of the total size holds its middle: N contiguous
+  // runs of about equal size, the same on every rank.
+  void partition() {
+    const std::int64_t n = world_->size();
+    std::int64_t total = 0;
+    for (const auto& p : params_) total += p.numel();
+    owner_.assign(params_.size(), 0);
+    std::int64_t before = 0;
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      const std::int64_t middle2 = 2 * before + params_[i].numel();  // twice the middle
+      std::int64_t r = total > 0 ? (middle2 * n) / (2 * total) : 0;
+      owner_[i] = std::min<std::int64_t>(r, n - 1);
+      before += params_[i].numel();
+    }
+  }
+
+  void make_buckets() {
+    const auto cap = static_cast<std::int64_t>(o_.bucket_cap_mb * 1024.0 * 1024.0);
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      const at::Tensor& p = params_[i];
+      bool fits = !buckets_.empty();
+      if (fits) {
+        const Bucket& last = buckets_.back();
+        const at::Tensor& q = params_[last.params.front()];
+        fits = last.owner == owner_[i] && q.scalar_type() == p.scalar_type() &&
+               q.device() == p.device() &&
+               (last.numel + p.numel()) * static_cast<std::int64_t>(p.element_size()) <= cap;
+      }
+      if (!fits) buckets_.push_back({owner_[i], {}, 0});
+      buckets_.back().params.push_back(i);
+      buckets_.back().numel += p.numel();
+    }
+  }
+
+  // Starts `send(bucket)` -> (work, buffer) for each bucket in order with at most two on the wire,
+  // and `receive(bucket, buffer)` for each as it completes, in the same order on every rank.
+  template <class Send, class Receive>
+  void pipeline(Send&& send, Receive&& receive) {
+    struct InFlight {
+      const Bucket* bucket;
+      c10::intrusive_ptr<c10d::Work> work;
+      at::Tensor buffer;
+    };
+    std::deque<InFlight> flying;
+    auto finish_one = [&] {
+      InFlight f = std::move(flying.front());
+      flying.pop_front();
+      f.work->wait(world_->timeout());
+      receive(*f.bucket, f.buffer);
+    };
+    for (const Bucket& b : buckets_) {
+      auto [work, buffer] = send(b);
+      flying.push_back({&b, std::move(work), std::move(buffer)});
+      if (flying.size() > 2) finish_one();
+    }
+    while (!flying.empty()) finish_one();
+  }
+
+  // Each bucket: its gradients (zeros where this rank has none) followed by one used-flag per
+  // parameter, summed over the ranks on every rank (stage 1) or on the owner (stage 2), then
+  // divided by the number of ranks. A parameter no rank used keeps no gradient.
+  void reduce_gradients() {
+    at::NoGradGuard no_grad;
+    const std::int64_t me = world_->rank();
+    pipeline(
+        [&](const Bucket& b) {
+          const at::Tensor& first = params_[b.params.front()];
+          at::Tensor flat = at::zeros({b.numel + static_cast<std::int64_t>(b.params.size())},
+                                      first.options().requires_grad(false));
+          std::int64_t at_ = 0;
+          for (std::size_t k = 0; k < b.params.size(); ++k) {
+            at::Tensor& p = params_[b.params[k]];
+            if (p.grad().defined()) {
+              flat.narrow(0, at_, p.numel()).copy_(p.grad().reshape({-1}));
+              flat[b.numel + static_cast<std::int64_t>(k)] = 1.0;
+              // Stage 2: a gradient this rank does not own is gone once it is packed.
+              if (o_.stage == 2 && b.owner != me) p.mutable_grad().reset();
+            }
+            at_ += p.numel();
+          }
+          // Divided before the sum, as DDP's default communication hook does.
+          flat.narrow(0, 0, b.numel).div_(static_cast<double>(world_->size()));
+          std::vector<at::Tensor> v{flat};
+          if (o_.stage == 1) return std::make_pair(world_->group()->allreduce(v), flat);
+          c10d::ReduceOptions ro;
+          ro.rootRank = b.owner;
+          return std::make_pair(world_->group()->reduce(v, ro), flat);
+        },
+        [&](const Bucket& b, const at::Tensor& flat) {
+          if (o_.stage == 2 && b.owner != me) return;
+          const at::Tensor used =
+              flat.narrow(0, b.numel, static_cast<std::int64_t>(b.params.size()))
+                  .to(at::kCPU, at::kDouble)
+                  .contiguous();
+          const double* used_by = used.data_ptr<double>();
+          std::int64_t at_ = 0;
+          for (std::size_t k = 0; k < b.params.size(); ++k) {
+            at::Tensor& p = params_[b.params[k]];
+            if (!(used_by[k] > 0.0)) {
+              p.mutable_grad().reset();
+            } else {
+              const at::Tensor mean = flat.narrow(0, at_, p.numel()).view(p.sizes());
+              if (p.grad().defined())
+                p.mutable_grad().copy_(mean);
+              else
+                p.mutable_grad() = mean.clone(at::MemoryFormat::Preserve);
+            }
+            at_ += p.numel();
+          }
+        });
+  }
+
+  torch::nn::Module* model_;
+  std::vector<at::Tensor> params_;
+  Options o_;
+  std::shared_ptr<World> world_;
+  std::unordered_map<const void*, std::size_t> index_;
+  std::vector<std::int64_t> owner_;
+  std::vector<Bucket> buckets_;
+  std::unique_ptr<DataParallel> replicated_;  // stage 0
+};
+
+}  // namespace difftrain::distributed
