@@ -302,20 +302,24 @@ def check_sharded(worker, tmp):
         return args + (["--decay-groups"] if groups else [])
 
     # Stage 0 is DataParallel inside the sharding policy (a program picks the stage at run time).
-    sweep = [(0, 2, "adamw", 2, 3, True, 0.5), (0, 4, "sgd", 1, 0, False, 0.05)]
+    # The optimizer offloaded to host memory (the same path a GPU run takes) changes nothing.
+    sweep = [(0, 2, "adamw", 2, 3, True, 0.5, False), (0, 4, "sgd", 1, 0, False, 0.05, False)]
     for stage in (1, 2):
         for world in (2, 4):
             for acc, chunk in ((1, 0), (2, 3), (3, 0)):
-                sweep.append((stage, world, "adamw", acc, chunk, world == 2, 0.5))
-        sweep += [(stage, 2, "sgd", 2, 0, True, 0.5), (stage, 4, "adamw", 1, 0, True, 1e9),
-                  (stage, 4, "sgd", 1, 3, False, 0.05)]
-    for stage, world, opt, acc, chunk, groups, clip in sweep:
+                sweep.append((stage, world, "adamw", acc, chunk, world == 2, 0.5, False))
+        sweep += [(stage, 2, "sgd", 2, 0, True, 0.5, False), (stage, 4, "adamw", 1, 0, True, 1e9, False),
+                  (stage, 4, "sgd", 1, 3, False, 0.05, False), (stage, 2, "adamw", 2, 3, True, 0.5, True),
+                  (stage, 4, "sgd", 3, 0, False, 0.05, True)]
+    for stage, world, opt, acc, chunk, groups, clip, offload in sweep:
         what = (f"stage {stage}, {world} ranks, {opt}, accumulation {acc}, chunk {chunk or 'none'}, "
-                f"{'two groups' if groups else 'one group'}, max_norm {clip:g}")
+                f"{'two groups' if groups else 'one group'}, max_norm {clip:g}"
+                f"{', offloaded optimizer' if offload else ''}")
         one = reference(opt, acc, chunk, groups, clip)
-        many, _ = launch(worker, world, f"{tmp}/s-{len(refs)}-{stage}-{world}",
+        many, _ = launch(worker, world, f"{tmp}/s-{len(refs)}-{stage}-{world}-{offload}",
                          *common(opt, acc, chunk, groups, clip), "--sharding", stage,
-                         "--sharded-policy", "--bucket-cap-mb", 0.0005)
+                         "--sharded-policy", "--bucket-cap-mb", 0.0005,
+                         *(["--offload"] if offload else []))
         no_errors(many, what)
         d = max_diff(one["weights"], many[0]["weights"])
         ok(d <= 1e-10, f"{what}: weights equal 1 process x whole batch (max diff {d:.2e})")
@@ -382,16 +386,24 @@ def check_sharded_resume(worker, tmp):
     plain = [a for a in base if a != "--noise"]
     ref = (single(worker, f"{tmp}/ref", *plain, "--steps", 20, "--sharding", 0))[0]
     no_errors(ref, "reference")
+    # (an offloaded optimizer's checkpoint and the other way round: the same files)
     for first, then in (((2, 2), (4, 1)), ((2, 2), (1, 0)), ((2, 0), (4, 2)), ((4, 1), (2, 0)),
-                        ((4, 2), (2, 2))):
+                        ((4, 2), (2, 2)), ((2, "2o"), (4, 1)), ((4, 1), (2, "2o")),
+                        ((2, "1o"), (1, "1o"))):
         d = f"{tmp}/x-{first[0]}{first[1]}-{then[0]}{then[1]}"
-        what = (f"{first[0]} ranks {'stage ' + str(first[1]) if first[1] else 'DataParallel'} -> "
-                f"{then[0]} ranks {'stage ' + str(then[1]) if then[1] else 'DataParallel'}")
-        a = (single(worker, f"{d}-a", *plain, "--steps", 10, "--sharding", first[1], "--save-every",
+        def layout(stage):
+            if stage == 0:
+                return "DataParallel", ["--sharding", 0]
+            text = str(stage)
+            off = text.endswith("o")
+            return (f"stage {text[0]}{', offloaded' if off else ''}",
+                    ["--sharding", text[0], *(["--offload"] if off else [])])
+        what = f"{first[0]} ranks {layout(first[1])[0]} -> {then[0]} ranks {layout(then[1])[0]}"
+        a = (single(worker, f"{d}-a", *plain, "--steps", 10, *layout(first[1])[1], "--save-every",
                     10, "--checkpoint-dir", d) if first[0] == 1 else
-             launch(worker, first[0], f"{d}-a", *plain, "--steps", 10, "--sharding", first[1],
+             launch(worker, first[0], f"{d}-a", *plain, "--steps", 10, *layout(first[1])[1],
                     "--save-every", 10, "--checkpoint-dir", d))[0]
-        args = [*plain, "--steps", 20, "--sharding", then[1], "--checkpoint-dir", d, "--resume",
+        args = [*plain, "--steps", 20, *layout(then[1])[1], "--checkpoint-dir", d, "--resume",
                 "--allow-world-size-change"]
         b = (single(worker, f"{d}-b", *args) if then[0] == 1 else
              launch(worker, then[0], f"{d}-b", *args))[0]

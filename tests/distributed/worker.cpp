@@ -62,6 +62,7 @@ struct Settings {
   std::int64_t disagree_at = -1;  // --multi: rank 1 steps the other model at this step
   int sharding = 0;               // 0: DataParallel; 1, 2: ShardedDataParallel's stage
   bool sharded_policy = false;    // ShardedDataParallel even at stage 0
+  bool offload = false;           // the optimizer in host memory (offload_optimizer)
   bool decay_groups = false;      // two parameter groups (weights; biases without decay)
   std::string optimizer = "adamw";
   double max_norm = 0.5;
@@ -261,6 +262,7 @@ nlohmann::json run_single(const Settings& s, std::int64_t& rank_out) {
     o.parallel.stage = s.sharding;
     o.parallel.bucket_cap_mb = s.bucket_cap_mb;
     o.parallel.find_unused_parameters = s.unused;
+    o.parallel.offload_optimizer = s.offload;
   } else {
     o.parallel.find_unused_parameters = s.unused;
   }
@@ -373,6 +375,7 @@ int main(int argc, char** argv) {
   app.add_option("--disagree-at", s.disagree_at);
   app.add_option("--sharding", s.sharding);
   app.add_flag("--sharded-policy", s.sharded_policy);
+  app.add_flag("--offload", s.offload);
   app.add_flag("--decay-groups", s.decay_groups);
   app.add_option("--optimizer", s.optimizer)->check(CLI::IsMember({"adamw", "sgd"}));
   app.add_option("--max-norm", s.max_norm);

@@ -26,6 +26,11 @@
 //
 // Communication is bucketed (bucket_cap_mb, DDP's 25 MiB) and pipelined: while one bucket is on
 // the wire the next is packed. It runs after the step's last backward, not during it.
+//
+// offload_optimizer (ZeRO-Offload, FSDP's CPUOffload for the optimizer): the optimizer steps
+// copies of this rank's parameters kept in host memory (pinned when the parameters are on a GPU),
+// so its state lives there too; the reduced gradients are copied to host memory and dropped on
+// the device, and the updated values are copied back before they are sent to the other ranks.
 
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
@@ -72,6 +77,9 @@ class ShardedDataParallel {
     /// Stage 0 only (DataParallel's option): stages 1 and 2 find unused parameters by
     /// themselves, without a graph search.
     bool find_unused_parameters = false;
+    /// Keep this rank's optimizer (its copies of the parameters it owns, their gradients and the
+    /// optimizer's state) in host memory; stages 1 and 2.
+    bool offload_optimizer = false;
   };
 
   ShardedDataParallel(torch::nn::Module& model, const std::vector<at::Tensor>& params,
@@ -91,6 +99,9 @@ class ShardedDataParallel {
     world_ = o_.world ? o_.world : World::from_environment(o_.world_options);
     for (std::size_t i = 0; i < params_.size(); ++i)
       index_.emplace(params_[i].unsafeGetTensorImpl(), i);
+    if (o_.offload_optimizer && o_.stage == 0)
+      throw ConfigError("needs stage 1 or 2 (at stage 0 every rank steps every parameter)",
+                        "ShardedDataParallel options: offload_optimizer");
     if (o_.stage == 0) {
       replicated_ = std::make_unique<DataParallel>(
           model, params,
@@ -104,8 +115,17 @@ class ShardedDataParallel {
     }
     partition();
     make_buckets();
-    if (!world_->distributed()) return;
-    check_same_model(*world_, params_, *model_, "ShardedDataParallel");
+    if (o_.offload_optimizer) {
+      host_.resize(params_.size());
+      for (std::size_t i = 0; i < params_.size(); ++i) {
+        if (owner_[i] != world_->rank()) continue;
+        const at::Tensor& p = params_[i];
+        host_[i] =
+            at::empty(p.sizes(),
+                      p.options().device(at::kCPU).requires_grad(false).pinned_memory(p.is_cuda()));
+      }
+    }
+    if (world_->distributed()) check_same_model(*world_, params_, *model_, "ShardedDataParallel");
     start();
   }
 
@@ -124,12 +144,18 @@ class ShardedDataParallel {
   // ---- the trainer's hooks (train/parallel.hpp) ---------------------------------------------
 
   /// Every parameter and buffer becomes rank 0's.
+  /// Every parameter and buffer becomes rank 0's (and the host copies of an offloaded
+  /// optimizer take the parameters' values: at start and after a resume).
   void start() {
     if (replicated_) return replicated_->start();
-    if (!world_->distributed()) return;
-    std::vector<at::Tensor> all(params_.begin(), params_.end());
-    for (const auto& b : model_->buffers()) all.push_back(b);
-    broadcast_from_rank0(*world_, all);
+    if (world_->distributed()) {
+      std::vector<at::Tensor> all(params_.begin(), params_.end());
+      for (const auto& b : model_->buffers()) all.push_back(b);
+      broadcast_from_rank0(*world_, all);
+    }
+    at::NoGradGuard no_grad;
+    for (std::size_t i = 0; i < host_.size(); ++i)
+      if (host_[i].defined()) host_[i].copy_(params_[i].detach());
   }
 
   void before_forward(bool sync) {
@@ -155,7 +181,10 @@ class ShardedDataParallel {
   template <class F>
   void guard(F&& f) {
     if (replicated_) return replicated_->guard(std::forward<F>(f));
-    if (!world_->distributed()) return std::forward<F>(f)();
+    if (!world_->distributed()) {
+      std::forward<F>(f)();
+      return offload_gradients();
+    }
     world_->guarded("sharing gradients", [&] {
       std::forward<F>(f)();
       reduce_gradients();
@@ -197,7 +226,9 @@ class ShardedDataParallel {
                             "ShardedDataParallel");
         if (owner_[it->second] != r && owner_[it->second] != -1) continue;
         mine.names.push_back(g.names[i]);
-        mine.params.push_back(g.params[i]);
+        // This rank's optimizer steps the host copies when it is offloaded.
+        const bool host = r == world_->rank() && !host_.empty();
+        mine.params.push_back(host ? host_[it->second] : g.params[i]);
       }
       out.push_back(std::move(mine));
     }
@@ -207,7 +238,8 @@ class ShardedDataParallel {
   [[nodiscard]] std::vector<at::Tensor> owned_params() const {
     std::vector<at::Tensor> out;
     for (std::size_t i = 0; i < params_.size(); ++i)
-      if (owner_[i] == world_->rank() || owner_[i] == -1) out.push_back(params_[i]);
+      if (owner_[i] == world_->rank() || owner_[i] == -1)
+        out.push_back(host_.empty() ? params_[i] : host_[i]);
     return out;
   }
 
@@ -216,12 +248,17 @@ class ShardedDataParallel {
 
   void zero_grad() {
     for (auto& p : params_) p.mutable_grad().reset();
+    for (auto& h : host_)
+      if (h.defined()) h.mutable_grad().reset();
   }
 
   /// Every owner sends the parameters its optimizer updated, bucket by bucket.
   void after_optimizer_step() {
-    if (replicated_ || !world_->distributed()) return;
+    if (replicated_) return;
     at::NoGradGuard no_grad;
+    for (std::size_t i = 0; i < host_.size(); ++i)  // the updated host copies back
+      if (host_[i].defined()) params_[i].detach().copy_(host_[i], /*non_blocking=*/true);
+    if (!world_->distributed()) return;
     world_->guarded("sending updated parameters", [&] {
       pipeline(
           [&](const Bucket& b) {
@@ -354,6 +391,7 @@ class ShardedDataParallel {
   // parameter, summed over the ranks on every rank (stage 1) or on the owner (stage 2), then
   // divided by the number of ranks. A parameter no rank used keeps no gradient.
   void reduce_gradients() {
+    if (!world_->distributed()) return offload_gradients();
     at::NoGradGuard no_grad;
     const std::int64_t me = world_->rank();
     pipeline(
@@ -402,6 +440,23 @@ class ShardedDataParallel {
             at_ += p.numel();
           }
         });
+    offload_gradients();
+  }
+
+  // An offloaded optimizer's gradients: this rank's averaged gradients into the host copies,
+  // dropped on the device.
+  void offload_gradients() {
+    for (std::size_t i = 0; i < host_.size(); ++i) {
+      if (!host_[i].defined()) continue;
+      at::Tensor& p = params_[i];
+      if (!p.grad().defined()) {
+        host_[i].mutable_grad().reset();
+        continue;
+      }
+      if (!host_[i].grad().defined()) host_[i].mutable_grad() = at::empty_like(host_[i]);
+      host_[i].mutable_grad().copy_(p.grad());
+      p.mutable_grad().reset();
+    }
   }
 
   torch::nn::Module* model_;
@@ -412,6 +467,7 @@ class ShardedDataParallel {
   std::vector<std::int64_t> owner_;
   std::vector<Bucket> buckets_;
   std::unique_ptr<DataParallel> replicated_;  // stage 0
+  std::vector<at::Tensor> host_;  // offload_optimizer: host copies of the parameters owned here
 };
 
 }  // namespace difftrain::distributed

@@ -732,8 +732,11 @@ class Trainer {
     const std::string before = optimizer_state_bytes(*optimizer_);
     // The moments go where the parameters are now, as torch.optim's load_state_dict moves them:
     // a checkpoint written on a GPU resumes on the CPU and the other way round.
-    const std::optional<c10::Device> device =
-        params_.empty() ? std::nullopt : std::optional<c10::Device>(params_.front().device());
+    // (This rank's optimizer may step copies elsewhere: an offloaded one's are in host memory.)
+    std::optional<c10::Device> device;
+    for (const auto& g : local_groups_)
+      if (!device && !g.params.empty()) device = g.params.front().device();
+    if (!device && !params_.empty()) device = params_.front().device();
     auto load_optimizer = [&](torch::optim::Optimizer& optimizer, const std::string& bytes) {
       torch::serialize::InputArchive archive;
       archive.load_from(bytes.data(), bytes.size(), device);
@@ -1174,12 +1177,11 @@ class Trainer {
       load_into(*optimizer_, shards.front().bytes);
       return;
     }
-    std::map<std::string, at::Tensor> by_name;
+    std::map<std::string, at::Tensor> by_name, mine;
     for (const auto& g : groups_)
       for (std::size_t i = 0; i < g.names.size(); ++i) by_name.emplace(g.names[i], g.params[i]);
-    std::set<const void*> mine;
-    for (const auto& g : local_groups_)
-      for (const auto& p : g.params) mine.insert(p.unsafeGetTensorImpl());
+    for (const auto& g : local_groups_)  // what this rank's optimizer steps, by name
+      for (std::size_t i = 0; i < g.names.size(); ++i) mine.emplace(g.names[i], g.params[i]);
     optimizer_->state().clear();
     bool options_taken = false;
     for (const auto& shard : shards) {
@@ -1194,12 +1196,12 @@ class Trainer {
       const auto temp = OptimizerPolicyT::make(gs, o_.optimizer);
       torch::optim::Optimizer& t = *temp;
       load_into(t, shard.bytes);
-      for (auto& group : t.param_groups())
-        for (const auto& p : group.params()) {
-          void* key = p.unsafeGetTensorImpl();
-          const auto it = t.state().find(key);
-          if (mine.count(key) != 0 && it != t.state().end())
-            optimizer_->state()[key] = std::move(it->second);
+      for (std::size_t g = 0; g < gs.size(); ++g)
+        for (std::size_t i = 0; i < gs[g].names.size(); ++i) {
+          const auto it = t.state().find(t.param_groups()[g].params()[i].unsafeGetTensorImpl());
+          const auto own = mine.find(gs[g].names[i]);
+          if (own != mine.end() && it != t.state().end())
+            optimizer_->state()[own->second.unsafeGetTensorImpl()] = std::move(it->second);
         }
       if (!options_taken) {  // the groups' settings (lr, betas, ...) as the checkpoint has them
         for (std::size_t g = 0; g < groups_.size(); ++g)
