@@ -90,6 +90,7 @@ def main():
     with open(f"{a.out}.rank{rank}.json", "w") as f:
         json.dump({"rank": rank, "world_size": world, "step": a.steps, "weights": weights,
                    "losses": losses, "error": None}, f)
+    dist.barrier()  # no rank leaves while another still talks to it
     dist.destroy_process_group()
 
 

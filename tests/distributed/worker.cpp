@@ -63,6 +63,7 @@ struct Settings {
   int sharding = 0;               // 0: DataParallel; 1, 2: ShardedDataParallel's stage
   bool sharded_policy = false;    // ShardedDataParallel even at stage 0
   bool offload = false;           // the optimizer in host memory (offload_optimizer)
+  bool no_overlap = false;        // gradients sent after backward (overlap_backward off)
   bool decay_groups = false;      // two parameter groups (weights; biases without decay)
   std::string optimizer = "adamw";
   double max_norm = 0.5;
@@ -263,6 +264,7 @@ nlohmann::json run_single(const Settings& s, std::int64_t& rank_out) {
     o.parallel.bucket_cap_mb = s.bucket_cap_mb;
     o.parallel.find_unused_parameters = s.unused;
     o.parallel.offload_optimizer = s.offload;
+    o.parallel.overlap_backward = !s.no_overlap;
   } else {
     o.parallel.find_unused_parameters = s.unused;
   }
@@ -328,6 +330,8 @@ nlohmann::json run_single(const Settings& s, std::int64_t& rank_out) {
   const auto memory = dt::distributed::ShardedDataParallel::memory(params, trainer.optimizer());
   std::int64_t numel = 0;
   for (const auto& q : params) numel += q.numel();
+  std::int64_t overlapped = 0;
+  if constexpr (TrainerT::sharded) overlapped = trainer.parallel().buckets_sent_during_backward();
   return {{"step", trainer.global_step()},
           {"world_size", world_size},
           {"weights", weights},
@@ -337,6 +341,7 @@ nlohmann::json run_single(const Settings& s, std::int64_t& rank_out) {
           {"resumed_from", resumed_from},
           {"skipped_checkpoints", skipped_files},
           {"numel", numel},
+          {"buckets_sent_during_backward", overlapped},
           {"memory",
            {{"parameters", memory.parameters},
             {"gradients", memory.gradients},
@@ -376,6 +381,7 @@ int main(int argc, char** argv) {
   app.add_option("--sharding", s.sharding);
   app.add_flag("--sharded-policy", s.sharded_policy);
   app.add_flag("--offload", s.offload);
+  app.add_flag("--no-overlap", s.no_overlap);
   app.add_flag("--decay-groups", s.decay_groups);
   app.add_option("--optimizer", s.optimizer)->check(CLI::IsMember({"adamw", "sgd"}));
   app.add_option("--max-norm", s.max_norm);

@@ -24,8 +24,11 @@
 // its optimizer skips it, as on one process (each bucket carries a used-flag per parameter, so
 // unused parameters need no option and no graph search).
 //
-// Communication is bucketed (bucket_cap_mb, DDP's 25 MiB) and pipelined: while one bucket is on
-// the wire the next is packed. It runs after the step's last backward, not during it.
+// Communication is bucketed (bucket_cap_mb, DDP's 25 MiB) and pipelined, as DDP's reducer: a hook
+// on each parameter's gradient accumulator counts the gradients of the step's last backward, and
+// a bucket goes out as soon as all of its are there (buckets in the same order on every rank,
+// last to first), while backward goes on; at stage 2 a rank drops each gradient it does not own
+// as soon as it is packed.
 //
 // offload_optimizer (ZeRO-Offload, FSDP's CPUOffload for the optimizer): the optimizer steps
 // copies of this rank's parameters kept in host memory (pinned when the parameters are on a GPU),
@@ -33,6 +36,8 @@
 // the device, and the updated values are copied back before they are sent to the other ranks.
 
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/nn/module.h>
 #include <torch/optim/adagrad.h>
 #include <torch/optim/adam.h>
@@ -41,9 +46,12 @@
 #include <torch/optim/rmsprop.h>
 #include <torch/optim/sgd.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <deque>
+#include <exception>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -80,6 +88,9 @@ class ShardedDataParallel {
     /// Keep this rank's optimizer (its copies of the parameters it owns, their gradients and the
     /// optimizer's state) in host memory; stages 1 and 2.
     bool offload_optimizer = false;
+    /// Send each bucket of gradients as soon as backward has produced all of them, while the
+    /// rest of backward runs (as DDP's reducer); off: all of them after backward.
+    bool overlap_backward = true;
   };
 
   ShardedDataParallel(torch::nn::Module& model, const std::vector<at::Tensor>& params,
@@ -127,15 +138,36 @@ class ShardedDataParallel {
     }
     if (world_->distributed()) check_same_model(*world_, params_, *model_, "ShardedDataParallel");
     start();
+    bucket_of_.assign(params_.size(), 0);
+    for (std::size_t b = 0; b < buckets_.size(); ++b)
+      for (const std::size_t i : buckets_[b].params) bucket_of_[i] = b;
+    waiting_.assign(buckets_.size(), 0);
+    ready_.assign(params_.size(), false);
+    if (!world_->distributed() || !o_.overlap_backward) return;
+    // As the reducer: a hook on each parameter's gradient accumulator says when it is ready.
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
+      acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+          [this, i, alive = alive_](const torch::autograd::variable_list& outputs,
+                                    const torch::autograd::variable_list& /*inputs*/) {
+            if (*alive) on_gradient(i);
+            return outputs;
+          }));
+      accumulators_.push_back(std::move(acc));
+    }
   }
 
   ShardedDataParallel(const ShardedDataParallel&) = delete;
   ShardedDataParallel& operator=(const ShardedDataParallel&) = delete;
+  ~ShardedDataParallel() { *alive_ = false; }  // hooks outliving this object do nothing
 
   [[nodiscard]] std::int64_t rank() const { return world_->rank(); }
   [[nodiscard]] std::int64_t world_size() const { return world_->size(); }
   [[nodiscard]] const World& world() const { return *world_; }
   [[nodiscard]] int stage() const { return o_.stage; }
+
+  /// How many buckets went out while backward was still running, over the run (overlap).
+  [[nodiscard]] std::int64_t buckets_sent_during_backward() const { return sent_during_backward_; }
 
   /// The rank whose optimizer steps parameter `i` (an index into the trainer's parameters); -1
   /// at stage 0, where every rank steps every parameter.
@@ -172,8 +204,10 @@ class ShardedDataParallel {
     return flag.item<double>() == 0.0;
   }
 
+  /// Before the backward that shares gradients: buckets go out as their gradients arrive.
   void before_backward(const at::Tensor& loss) {
-    if (replicated_) replicated_->before_backward(loss);
+    if (replicated_) return replicated_->before_backward(loss);
+    if (world_->distributed() && o_.overlap_backward) arm();
   }
 
   /// Runs the step's last backward, then shares its gradients: all-reduced (stage 1) or reduced
@@ -389,57 +423,122 @@ class ShardedDataParallel {
 
   // Each bucket: its gradients (zeros where this rank has none) followed by one used-flag per
   // parameter, summed over the ranks on every rank (stage 1) or on the owner (stage 2), then
-  // divided by the number of ranks. A parameter no rank used keeps no gradient.
+  // divided by the number of ranks. A parameter no rank used keeps no gradient. Buckets go out
+  // from the last to the first, the order backward produces them, the same on every rank.
+  void launch(std::size_t index) {
+    at::NoGradGuard no_grad;
+    const Bucket& b = buckets_[index];
+    const std::int64_t me = world_->rank();
+    const at::Tensor& first = params_[b.params.front()];
+    at::Tensor flat = at::zeros({b.numel + static_cast<std::int64_t>(b.params.size())},
+                                first.options().requires_grad(false));
+    std::int64_t at_ = 0;
+    for (std::size_t k = 0; k < b.params.size(); ++k) {
+      at::Tensor& p = params_[b.params[k]];
+      if (p.grad().defined()) {
+        flat.narrow(0, at_, p.numel()).copy_(p.grad().reshape({-1}));
+        flat[b.numel + static_cast<std::int64_t>(k)] = 1.0;
+        // Stage 2: a gradient this rank does not own is gone once it is packed.
+        if (o_.stage == 2 && b.owner != me) p.mutable_grad().reset();
+      }
+      at_ += p.numel();
+    }
+    // Divided before the sum, as DDP's default communication hook does.
+    flat.narrow(0, 0, b.numel).div_(static_cast<double>(world_->size()));
+    std::vector<at::Tensor> v{flat};
+    c10::intrusive_ptr<c10d::Work> work;
+    if (o_.stage == 1) {
+      work = world_->group()->allreduce(v);
+    } else {
+      c10d::ReduceOptions ro;
+      ro.rootRank = b.owner;
+      work = world_->group()->reduce(v, ro);
+    }
+    flying_.push_back({index, std::move(work), std::move(flat)});
+  }
+
+  // Waits for the oldest bucket on the wire and gives its owner (every rank at stage 1) the mean.
+  void finish_oldest() {
+    at::NoGradGuard no_grad;
+    Flying f = std::move(flying_.front());
+    flying_.pop_front();
+    f.work->wait(world_->timeout());
+    const Bucket& b = buckets_[f.bucket];
+    if (o_.stage == 2 && b.owner != world_->rank()) return;
+    const at::Tensor used = f.buffer.narrow(0, b.numel, static_cast<std::int64_t>(b.params.size()))
+                                .to(at::kCPU, at::kDouble)
+                                .contiguous();
+    const double* used_by = used.data_ptr<double>();
+    std::int64_t at_ = 0;
+    for (std::size_t k = 0; k < b.params.size(); ++k) {
+      at::Tensor& p = params_[b.params[k]];
+      if (!(used_by[k] > 0.0)) {
+        p.mutable_grad().reset();
+      } else {
+        const at::Tensor mean = f.buffer.narrow(0, at_, p.numel()).view(p.sizes());
+        if (p.grad().defined())
+          p.mutable_grad().copy_(mean);
+        else
+          p.mutable_grad() = mean.clone(at::MemoryFormat::Preserve);
+      }
+      at_ += p.numel();
+    }
+  }
+
+  // Launches every bucket whose turn it is and whose gradients are all there, keeping at most
+  // two on the wire.
+  void launch_ready(bool all) {
+    while (next_ > 0 && (all || waiting_[next_ - 1] == 0)) {
+      if (!all) ++sent_during_backward_;
+      launch(--next_);
+      if (flying_.size() > 2) finish_oldest();
+    }
+  }
+
+  // From the autograd engine: parameter `i`'s gradient is accumulated.
+  void on_gradient(std::size_t i) {
+    if (!armed_ || failed_) return;
+    try {
+      const std::size_t b = bucket_of_[i];
+      if (next_ <= b) {  // its bucket already left: this gradient arrived twice
+        late_ = i;
+        return;
+      }
+      if (!ready_[i]) {
+        ready_[i] = true;
+        --waiting_[b];
+      }
+      launch_ready(false);
+    } catch (...) {  // raised after backward, where the trainer can see it
+      failed_ = std::current_exception();
+    }
+  }
+
+  void arm() {
+    armed_ = true;
+    failed_ = nullptr;
+    late_.reset();
+    next_ = buckets_.size();
+    std::fill(ready_.begin(), ready_.end(), false);
+    for (std::size_t b = 0; b < buckets_.size(); ++b)
+      waiting_[b] = static_cast<std::int64_t>(buckets_[b].params.size());
+  }
+
+  // After the step's last backward: what is left goes out (parameters that got no gradient with
+  // zeros and a zero flag), and every bucket is received.
   void reduce_gradients() {
     if (!world_->distributed()) return offload_gradients();
-    at::NoGradGuard no_grad;
-    const std::int64_t me = world_->rank();
-    pipeline(
-        [&](const Bucket& b) {
-          const at::Tensor& first = params_[b.params.front()];
-          at::Tensor flat = at::zeros({b.numel + static_cast<std::int64_t>(b.params.size())},
-                                      first.options().requires_grad(false));
-          std::int64_t at_ = 0;
-          for (std::size_t k = 0; k < b.params.size(); ++k) {
-            at::Tensor& p = params_[b.params[k]];
-            if (p.grad().defined()) {
-              flat.narrow(0, at_, p.numel()).copy_(p.grad().reshape({-1}));
-              flat[b.numel + static_cast<std::int64_t>(k)] = 1.0;
-              // Stage 2: a gradient this rank does not own is gone once it is packed.
-              if (o_.stage == 2 && b.owner != me) p.mutable_grad().reset();
-            }
-            at_ += p.numel();
-          }
-          // Divided before the sum, as DDP's default communication hook does.
-          flat.narrow(0, 0, b.numel).div_(static_cast<double>(world_->size()));
-          std::vector<at::Tensor> v{flat};
-          if (o_.stage == 1) return std::make_pair(world_->group()->allreduce(v), flat);
-          c10d::ReduceOptions ro;
-          ro.rootRank = b.owner;
-          return std::make_pair(world_->group()->reduce(v, ro), flat);
-        },
-        [&](const Bucket& b, const at::Tensor& flat) {
-          if (o_.stage == 2 && b.owner != me) return;
-          const at::Tensor used =
-              flat.narrow(0, b.numel, static_cast<std::int64_t>(b.params.size()))
-                  .to(at::kCPU, at::kDouble)
-                  .contiguous();
-          const double* used_by = used.data_ptr<double>();
-          std::int64_t at_ = 0;
-          for (std::size_t k = 0; k < b.params.size(); ++k) {
-            at::Tensor& p = params_[b.params[k]];
-            if (!(used_by[k] > 0.0)) {
-              p.mutable_grad().reset();
-            } else {
-              const at::Tensor mean = flat.narrow(0, at_, p.numel()).view(p.sizes());
-              if (p.grad().defined())
-                p.mutable_grad().copy_(mean);
-              else
-                p.mutable_grad() = mean.clone(at::MemoryFormat::Preserve);
-            }
-            at_ += p.numel();
-          }
-        });
+    if (!armed_) arm();  // no hooks ran (overlap off): everything goes now
+    armed_ = false;
+    if (failed_) std::rethrow_exception(std::exchange(failed_, nullptr));
+    if (late_)
+      throw ConfigError("parameter " + std::to_string(*late_) +
+                            " received its gradient after its bucket was sent (twice in one "
+                            "backward, as reentrant checkpointing does); set overlap_backward = "
+                            "false",
+                        "ShardedDataParallel");
+    launch_ready(true);
+    while (!flying_.empty()) finish_oldest();
     offload_gradients();
   }
 
@@ -468,6 +567,23 @@ class ShardedDataParallel {
   std::vector<Bucket> buckets_;
   std::unique_ptr<DataParallel> replicated_;  // stage 0
   std::vector<at::Tensor> host_;  // offload_optimizer: host copies of the parameters owned here
+  // Gradients sent while backward runs: buckets on the wire, and this backward's progress.
+  struct Flying {
+    std::size_t bucket;
+    c10::intrusive_ptr<c10d::Work> work;
+    at::Tensor buffer;
+  };
+  std::deque<Flying> flying_;
+  std::vector<std::size_t> bucket_of_;
+  std::vector<std::int64_t> waiting_;  // per bucket, gradients not yet accumulated
+  std::vector<bool> ready_;
+  std::size_t next_ = 0;  // buckets below this index are not sent yet
+  std::int64_t sent_during_backward_ = 0;
+  bool armed_ = false;
+  std::exception_ptr failed_;
+  std::optional<std::size_t> late_;
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
 };
 
 }  // namespace difftrain::distributed

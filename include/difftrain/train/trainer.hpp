@@ -500,6 +500,8 @@ class Trainer {
   [[nodiscard]] std::int64_t global_step() const { return step_; }
   [[nodiscard]] Model& model() { return *model_; }
   [[nodiscard]] torch::optim::Optimizer& optimizer() { return *optimizer_; }
+  /// The Config::Parallel policy this trainer shares its steps through.
+  [[nodiscard]] ParallelT& parallel() { return *parallel_; }
   [[nodiscard]] schedule::LrScheduler<ScheduleT>& scheduler() { return *scheduler_; }
   [[nodiscard]] GradScaler& scaler() { return scaler_; }
   [[nodiscard]] const std::vector<ParamGroup>& param_groups() const { return groups_; }
