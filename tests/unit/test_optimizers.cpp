@@ -450,7 +450,7 @@ TEST(Optimizers, MultiTensorClippingMatchesPythonOnEverySweptSetting) {
 // makes every rank skip the step when any rank saw an overflow.
 TEST(Optimizers, GradScalerSkipsWhenAnotherRankOverflowed) {
   for (const bool elsewhere : {false, true}) {
-    at::Tensor w = at::ones({3}, at::TensorOptions().requires_grad(true));
+    at::Tensor w = at::ones({3}).requires_grad_(true);
     auto opt = std::make_unique<torch::optim::SGD>(std::vector<at::Tensor>{w},
                                                    torch::optim::SGDOptions(0.1));
     tr::GradScaler scaler({.enabled = true});
