@@ -55,26 +55,27 @@ expect_rc 0 take-new -- "${launch[@]}" "${tiny[@]}" --batch-size 16 --steps 6 --
   --take-new-settings --out "$work/q"
 grep_in "$work/q/results.json" '"resumed_from": 4'
 
-# ZeRO stage 2: the same run as the DataParallel one above (same seed, data and settings) ends
+# ZeRO stage 2: the paused DataParallel run above again (same seed, data, settings and pause),
 # with the same losses up to float rounding; its checkpoint is a set; one process resumes it.
-expect_rc 0 sharded -- "${launch[@]}" "${tiny[@]}" --batch-size 16 --steps 4 --sharding 2 \
-  --out "$work/z"
-for f in results.json checkpoints/checkpoint-4.pt checkpoints/checkpoint-4.pt.shard-0-of-2 \
+expect_rc 0 sharded -- "${launch[@]}" "${tiny[@]}" --batch-size 16 --steps 6 --stop-at-step 4 \
+  --sharding 2 --out "$work/z"
+for f in checkpoints/checkpoint-4.pt checkpoints/checkpoint-4.pt.shard-0-of-2 \
          checkpoints/checkpoint-4.pt.shard-1-of-2; do
   [ -s "$work/z/$f" ] || fail "the stage-2 run did not write $f"
 done
-"$(dirname "$torchrun")/python" - "$work/a/loss.csv" "$work/z/loss.csv" <<'PY' || fail "stage 2's losses differ from DataParallel's"
+"$(dirname "$torchrun")/python" - "$work/p/loss.csv" "$work/z/loss.csv" <<'PY' || fail "stage 2's losses differ from DataParallel's"
 import csv, sys
-a, z = ([float(r["loss"]) for r in csv.DictReader(open(f))] for f in sys.argv[1:])
+a, z = ([float(r["loss"]) for r in csv.DictReader(open(f))][:4] for f in sys.argv[1:])
 worst = max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, z))
 print(f"stage 2 vs DataParallel, 4 steps: largest relative loss difference {worst:.1e}")
 sys.exit(0 if len(a) == len(z) == 4 and worst <= 1e-4 else 1)
 PY
-expect_rc 1 one-rank-refused -- "$bin" "${tiny[@]}" --batch-size 16 --steps 6 --resume --out "$work/z"
+expect_rc 2 one-rank-refused -- "$bin" "${tiny[@]}" --batch-size 16 --steps 6 --resume --out "$work/z"
 grep_in "$work/one-rank-refused.err" "2 ranks"
 expect_rc 0 one-rank -- "$bin" "${tiny[@]}" --batch-size 16 --steps 6 --resume \
   --allow-world-size-change --out "$work/z"
 grep_in "$work/z/results.json" '"resumed_from": 4'
+[ "$(wc -l <"$work/z/loss.csv")" -eq 7 ] || fail "the resumed stage-2 loss.csv should have 6 rows"
 
 [ "$failures" -eq 0 ] && echo "fashion_mnist under torchrun: all checks passed"
 exit $((failures > 0))

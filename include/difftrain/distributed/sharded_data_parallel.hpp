@@ -51,6 +51,7 @@
 #include <deque>
 #include <exception>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -497,6 +498,8 @@ class ShardedDataParallel {
 
   // From the autograd engine: parameter `i`'s gradient is accumulated.
   void on_gradient(std::size_t i) {
+    // The engine may run accumulators of several devices on several threads, as for DDP.
+    const std::lock_guard<std::mutex> lock(hook_mutex_);
     if (!armed_ || failed_) return;
     try {
       const std::size_t b = bucket_of_[i];
@@ -584,6 +587,7 @@ class ShardedDataParallel {
   std::optional<std::size_t> late_;
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
   std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
+  std::mutex hook_mutex_;
 };
 
 }  // namespace difftrain::distributed
