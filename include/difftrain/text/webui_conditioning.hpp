@@ -119,7 +119,19 @@ at::Tensor encode_webui_prompts(Encoder& encoder, const std::vector<TokenizedPro
           at::tensor(mults, at::kDouble).view({b, -1, 1}).to(z.device(), z.scalar_type());
       const at::Tensor original_mean = z.mean();
       z = z * m;
-      if (o.emphasis == Emphasis::original) z = z * (original_mean / z.mean());
+      if (o.emphasis == Emphasis::original) {
+        // The web UI's original_mean / new_mean, except where both are the same number: then
+        // the ratio is 1 (x / x for any other x), where the web UI's 0 / 0 would be NaN. A mean
+        // of exactly 0 happens (layer-normed states of a small encoder summed in another order)
+        // and would turn the whole batch's conditioning into NaN. Both operands are made safe,
+        // not only the result: a division by 0 left in the graph sends NaN back through where.
+        // (When they are equal, all multipliers are 1 and the web UI's ratio has no gradient
+        // either.)
+        const at::Tensor new_mean = z.mean();
+        const at::Tensor same = new_mean == original_mean;
+        const at::Tensor one = at::ones_like(new_mean);
+        z = z * (at::where(same, one, original_mean) / at::where(same, one, new_mean));
+      }
     }
     zs.push_back(z);
   }
