@@ -21,6 +21,7 @@
 #include <filesystem>
 
 #include "golden.hpp"
+#include "unet_inputs.hpp"
 #include "xy_batch.hpp"
 
 namespace dt = difftrain;
@@ -285,19 +286,17 @@ TEST(Cuda, UNetAndVaeMatchDiffusersOnTheGpu) {
         models::from_pretrained<models::UNet2DConditionModel<Backend, dt::nn::activation::SiLU>>(
             golden_models() / name, l);
     unet->train();
-    models::UNetConditions cond;
-    if (t.contains("input.class_labels")) cond.class_labels = t.at("input.class_labels").to(kGpu);
-    if (t.contains("input.timestep_cond"))
-      cond.timestep_cond = t.at("input.timestep_cond").to(kGpu);
-    const at::Tensor out =
-        unet->forward(t.at("input.sample").to(kGpu), t.at("input.timestep").to(kGpu),
-                      t.at("input.encoder_hidden_states").to(kGpu), cond);
+    const at::Tensor out = unet->forward(
+        t.at("input.sample").to(kGpu), t.at("input.timestep").to(kGpu),
+        t.at("input.encoder_hidden_states").to(kGpu), dt::test::unet_conditions(t, kGpu));
     EXPECT_TRUE(out.is_cuda());
-    EXPECT_LE(scaled_error(out, t.at("output")), 1e-5) << "output";
+    const bool masked = dt::test::masks_text(t);
+    EXPECT_LE(scaled_error(out, t.at("output")), masked ? 2e-4 : 1e-5) << "output";
     (out * t.at("weight").to(kGpu)).sum().backward();
     for (const auto& p : unet->named_parameters()) {
       ASSERT_TRUE(p.value().grad().defined()) << p.key();
-      EXPECT_LE(scaled_error(p.value().grad(), t.at("grad." + p.key())), 1e-4) << p.key();
+      EXPECT_LE(scaled_error(p.value().grad(), t.at("grad." + p.key())), masked ? 2e-3 : 1e-4)
+          << p.key();
     }
   };
   for (const auto& c : cases["unet"]) {
@@ -328,10 +327,12 @@ TEST(Cuda, DiffusionTransformersMatchDiffusersOnTheGpu) {
   models::LoadOptions lo;
   lo.device = kGpu;
   using Tanh = dt::nn::activation::GELUTanh;
+  // PixArt's case masks its caption (one row fully): see masks_text for the looser bound.
   auto check_grads = [](torch::nn::Module& m, const auto& t) {
+    const double tolerance = dt::test::masks_text(t) ? 2e-3 : 1e-4;
     for (const auto& p : m.named_parameters()) {
       ASSERT_TRUE(p.value().grad().defined()) << p.key();
-      EXPECT_LE(scaled_error(p.value().grad(), t.at("grad." + p.key())), 1e-4) << p.key();
+      EXPECT_LE(scaled_error(p.value().grad(), t.at("grad." + p.key())), tolerance) << p.key();
     }
   };
   auto check = [&](auto backend_tag) {
@@ -587,7 +588,16 @@ TEST(Cuda, ClipTextEncodersMatchTransformersOnTheGpu) {
       ASSERT_TRUE(p.value().grad().defined()) << p.key();
       const at::Tensor& want = t.at("grad." + p.key());
       const at::Tensor got = p.value().grad().cpu().to(at::kDouble);
-      const double scale = std::max(want.abs().max().item<double>(), 1e-3);
+      double scale = std::max(want.abs().max().item<double>(), 1e-3);
+      // The key's bias adds q·b to every score of a row, which softmax ignores: its gradient is
+      // zero (1e-15 in the float64 reference) and what float32 leaves of the cancellation (a few
+      // 1e-6 on the GPU) is measured against the layer's key-weight gradient instead.
+      const std::string k_bias = "k_proj.bias";
+      if (p.key().ends_with(k_bias)) {
+        const std::string weight =
+            "grad." + p.key().substr(0, p.key().size() - k_bias.size()) + "k_proj.weight";
+        scale = std::max(scale, t.at(weight).abs().max().item<double>());
+      }
       EXPECT_LE((got - want).abs().max().item<double>() / scale, 1e-4) << p.key();
     }
   };
@@ -659,7 +669,16 @@ TEST(Cuda, T5EncodersMatchTransformersOnTheGpu) {
       ASSERT_TRUE(p.value().grad().defined()) << p.key();
       const at::Tensor& want = t.at("grad." + p.key());
       const at::Tensor got = p.value().grad().cpu().to(at::kDouble);
-      const double scale = std::max(want.abs().max().item<double>(), 1e-3);
+      double scale = std::max(want.abs().max().item<double>(), 1e-3);
+      // The key's bias adds q·b to every score of a row, which softmax ignores: its gradient is
+      // zero (1e-15 in the float64 reference) and what float32 leaves of the cancellation (a few
+      // 1e-6 on the GPU) is measured against the layer's key-weight gradient instead.
+      const std::string k_bias = "k_proj.bias";
+      if (p.key().ends_with(k_bias)) {
+        const std::string weight =
+            "grad." + p.key().substr(0, p.key().size() - k_bias.size()) + "k_proj.weight";
+        scale = std::max(scale, t.at(weight).abs().max().item<double>());
+      }
       EXPECT_LE((got - want).abs().max().item<double>() / scale, 1e-4) << p.key();
     }
   };

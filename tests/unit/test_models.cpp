@@ -16,6 +16,7 @@
 #include <functional>
 
 #include "golden.hpp"
+#include "unet_inputs.hpp"
 
 namespace dt = difftrain;
 namespace fs = std::filesystem;
@@ -71,15 +72,7 @@ void check_unet_case(const std::string& name) {
       EXPECT_EQ(count, c["parameters"].get<std::int64_t>());
     }
   }
-  models::UNetConditions cond;
-  if (t.contains("input.class_labels")) cond.class_labels = t.at("input.class_labels");
-  if (t.contains("input.timestep_cond")) cond.timestep_cond = t.at("input.timestep_cond");
-  if (t.contains("input.encoder_attention_mask"))
-    cond.encoder_attention_mask = t.at("input.encoder_attention_mask");
-  if (t.contains("input.text_embeds")) {
-    cond.text_embeds = t.at("input.text_embeds");
-    cond.time_ids = t.at("input.time_ids");
-  }
+  const models::UNetConditions cond = tst::unet_conditions(t);
   const at::Tensor out = unet->forward(t.at("input.sample"), t.at("input.timestep"),
                                        t.at("input.encoder_hidden_states"), cond);
   expect_close(out, t.at("output"), 1e-5, "output");

@@ -475,10 +475,14 @@ TEST(Optimizers, FusedAndMultiTensorKernelsOnTheGpuMatchTorchsCpuRun) {
     const std::string name = c["name"];
     SCOPED_TRACE(name);
     if (c["kind"] == "sgd") {
+      // Momentum SGD with weight decay (lr 0.05) amplifies rounding: torch's own float32 run on
+      // the CPU leaves its float64 run by at most 4.5e-7 at step 50 and 3.5e-6 at step 100, but by
+      // 4.3e-3 at step 200. A GPU rounds the network's sums differently, so the comparison stops
+      // at step 100, where float32 is still the tolerance.
       for (const auto kernel : {tr::SgdKernel::foreach, tr::SgdKernel::automatic}) {
         auto net = net_for(name, c10::Device(c10::kCUDA, 0));
         auto opt = make(*net, c, Kernel{.sgd = kernel});
-        EXPECT_LT(run_and_compare(*net, *opt, name, "foreach", 1, 200), 1e-5);
+        EXPECT_LT(run_and_compare(*net, *opt, name, "foreach", 1, 100), 1e-5);
       }
       continue;
     }
