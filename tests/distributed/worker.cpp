@@ -281,6 +281,12 @@ nlohmann::json run_single(const Settings& s, std::int64_t& rank_out) {
   const auto world = dt::distributed::World::from_environment(o.parallel.world_options);
   o.parallel.world = world;
   rank_out = world->rank();
+  // The World's scalar collectives, on which the trainer's decisions rest (skip a step, save).
+  const std::int64_t last = world->size() - 1;
+  if (world->all_true(world->rank() != last) || !world->all_true(true) ||
+      world->mean(static_cast<double>(world->rank())) != static_cast<double>(last) / 2.0 ||
+      !world->rank0_decides(world->rank() == 0) || world->rank0_decides(world->rank() != 0))
+    throw std::runtime_error("a scalar collective of World gave a wrong answer");
   if (world->rank() != 0) {
     at::NoGradGuard no_grad;
     for (auto& p : net.parameters()) p.add_(0.5);

@@ -105,6 +105,11 @@ TEST(World, WithoutTheLauncherItIsOneProcessWithNoGroup) {
   EXPECT_TRUE(at::equal(t, at::arange(4, at::kDouble)));
   w->barrier();
   EXPECT_EQ(w->all_gather(t).size(), 1U);
+  for (const bool ok : {false, true}) {
+    EXPECT_EQ(w->all_true(ok), ok);
+    EXPECT_EQ(w->rank0_decides(ok), ok);
+  }
+  EXPECT_EQ(w->mean(2.5), 2.5);
 }
 
 TEST(World, AWorldOfOneFromTorchrunNeedsNoRendezvous) {

@@ -115,12 +115,7 @@ class DataParallel {
   }
 
   /// True when `ok` on every rank.
-  [[nodiscard]] bool all_ok(bool ok) {
-    if (!world_->distributed()) return ok;
-    at::Tensor flag = at::full({1}, ok ? 0.0 : 1.0, at::kDouble);
-    world_->all_reduce_sum(flag);
-    return flag.item<double>() == 0.0;
-  }
+  [[nodiscard]] bool all_ok(bool ok) { return world_->all_true(ok); }
 
   /// Before the backward of `loss` that shares gradients.
   void before_backward(const at::Tensor& loss) {
@@ -138,24 +133,14 @@ class DataParallel {
     world_->guarded("sharing gradients", std::forward<F>(f));
   }
 
-  [[nodiscard]] double mean(double x) {
-    if (!world_->distributed()) return x;
-    at::Tensor t = at::full({1}, x, at::kDouble);
-    world_->all_reduce_sum(t);
-    return t.item<double>() / static_cast<double>(world_->size());
-  }
+  [[nodiscard]] double mean(double x) { return world_->mean(x); }
 
   [[nodiscard]] std::vector<at::Tensor> gather(const at::Tensor& t) {
     return world_->all_gather(t);
   }
 
   /// Rank 0's `ok`, known on every rank (and a barrier: nobody goes on before rank 0 decided).
-  [[nodiscard]] bool decide(bool ok) {
-    if (!world_->distributed()) return ok;
-    std::vector<at::Tensor> flag{at::full({1}, ok ? 1.0 : 0.0, at::kDouble)};
-    world_->broadcast(flag, 0);
-    return flag[0].item<double>() != 0.0;
-  }
+  [[nodiscard]] bool decide(bool ok) { return world_->rank0_decides(ok); }
 
  private:
   static std::int64_t mib(double m) { return static_cast<std::int64_t>(m * 1024.0 * 1024.0); }

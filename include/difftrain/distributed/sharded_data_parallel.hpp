@@ -197,13 +197,8 @@ class ShardedDataParallel {
       broadcast_from_rank0(*world_, model_->buffers());
   }
 
-  [[nodiscard]] bool all_ok(bool ok) {
-    if (replicated_) return replicated_->all_ok(ok);
-    if (!world_->distributed()) return ok;
-    at::Tensor flag = at::full({1}, ok ? 0.0 : 1.0, at::kDouble);
-    world_->all_reduce_sum(flag);
-    return flag.item<double>() == 0.0;
-  }
+  /// True when `ok` on every rank.
+  [[nodiscard]] bool all_ok(bool ok) { return world_->all_true(ok); }
 
   /// Before the backward that shares gradients: buckets go out as their gradients arrive.
   void before_backward(const at::Tensor& loss) {
@@ -226,23 +221,14 @@ class ShardedDataParallel {
     });
   }
 
-  [[nodiscard]] double mean(double x) {
-    if (!world_->distributed()) return x;
-    at::Tensor t = at::full({1}, x, at::kDouble);
-    world_->all_reduce_sum(t);
-    return t.item<double>() / static_cast<double>(world_->size());
-  }
+  [[nodiscard]] double mean(double x) { return world_->mean(x); }
 
   [[nodiscard]] std::vector<at::Tensor> gather(const at::Tensor& t) {
     return world_->all_gather(t);
   }
 
-  [[nodiscard]] bool decide(bool ok) {
-    if (!world_->distributed()) return ok;
-    std::vector<at::Tensor> flag{at::full({1}, ok ? 1.0 : 0.0, at::kDouble)};
-    world_->broadcast(flag, 0);
-    return flag[0].item<double>() != 0.0;
-  }
+  /// Rank 0's `ok`, known on every rank (and a barrier).
+  [[nodiscard]] bool decide(bool ok) { return world_->rank0_decides(ok); }
 
   // ---- sharding (train::ShardingParallel) ---------------------------------------------------
 

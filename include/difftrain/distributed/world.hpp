@@ -183,6 +183,30 @@ class World {
     return out[0];
   }
 
+  /// True when `ok` on every rank.
+  [[nodiscard]] bool all_true(bool ok) const {
+    if (!distributed()) return ok;
+    at::Tensor flag = at::full({1}, ok ? 0.0 : 1.0, at::kDouble);
+    all_reduce_sum(flag);
+    return flag.item<double>() == 0.0;
+  }
+
+  /// The mean of `x` over the ranks.
+  [[nodiscard]] double mean(double x) const {
+    if (!distributed()) return x;
+    at::Tensor t = at::full({1}, x, at::kDouble);
+    all_reduce_sum(t);
+    return t.item<double>() / static_cast<double>(size_);
+  }
+
+  /// Rank 0's `ok`, known on every rank (and a barrier: nobody goes on before rank 0 decided).
+  [[nodiscard]] bool rank0_decides(bool ok) const {
+    if (!distributed()) return ok;
+    std::vector<at::Tensor> flag{at::full({1}, ok ? 1.0 : 0.0, at::kDouble)};
+    broadcast(flag, 0);
+    return flag[0].item<double>() != 0.0;
+  }
+
   /// Waits until every rank is here.
   void barrier() const {
     if (!distributed()) return;
