@@ -213,7 +213,9 @@ struct RunFolders {
 /// The run's folders. A fresh run into a folder with checkpoints is refused (they would be
 /// replaced); a fresh run starts a fresh TensorBoard folder (one named with --logging_dir is left
 /// as it is: it may hold other runs).
-inline RunFolders prepare_run_folders(const SdRunFlags& f) {
+/// The run's folders. `main` (rank 0 of a distributed run, or the one process) clears a fresh
+/// run's TensorBoard folder; the other ranks only check.
+inline RunFolders prepare_run_folders(const SdRunFlags& f, bool main = true) {
   RunFolders r{fs::path(f.out) / "checkpoints", f.tensorboard_folder(),
                !f.resume_from_checkpoint.empty()};
   if (!r.resume && !tr::CheckpointEvery::list(r.checkpoints).empty())
@@ -221,7 +223,7 @@ inline RunFolders prepare_run_folders(const SdRunFlags& f) {
         "holds checkpoints of an earlier run; pass --resume_from_checkpoint latest to continue "
         "it, or choose another --output_dir",
         r.checkpoints.string());
-  if (!r.resume && !r.tensorboard.empty() && f.tensorboard.empty())
+  if (main && !r.resume && !r.tensorboard.empty() && f.tensorboard.empty())
     difftrain::io::remove_tree(r.tensorboard);
   return r;
 }

@@ -22,6 +22,13 @@
 // frozen text encoder's outputs are cached the same way. --enable_bucket trains on kohya's
 // aspect-ratio buckets instead of square crops. Ctrl-C stops after the current step and saves a
 // checkpoint.
+//
+// Under torchrun (`torchrun --nproc-per-node N --no-python train_text_to_image ...`) every rank
+// trains on its own batches of --train_batch_size (accelerate's rule: rank r takes batches r,
+// r + N, ... of the epoch order), the gradients are averaged, and --sharding 1|2 shards the
+// optimizer state (and the gradients) as ZeRO does. Rank 0 builds the caches, validates, writes
+// the outputs; a checkpoint written by N ranks resumes on another count with
+// --allow_world_size_change.
 
 #include <CLI/CLI.hpp>
 #include <difftrain/adapters/text_encoder_adapters.hpp>
@@ -30,6 +37,7 @@
 #include <difftrain/diffusion/ddim.hpp>
 #include <difftrain/diffusion/sample.hpp>
 #include <difftrain/diffusion/weighting.hpp>
+#include <difftrain/distributed/sharded_data_parallel.hpp>
 #include <difftrain/ema/ema.hpp>
 #include <difftrain/io/atomic_file.hpp>
 #include <difftrain/io/image_grid.hpp>
@@ -91,6 +99,10 @@ struct Settings : SdRunFlags {
   double lora_alpha = 0.0;  // 0: the rank (diffusers' default)
   bool cache_latents = false;
   std::string cache_dir;  // default OUT/cache
+  // under torchrun
+  std::int64_t sharding = 0;  // ZeRO's stage: 0 replicates (DataParallel)
+  double rank_timeout = 1800;
+  bool allow_world_size_change = false;
   Settings() { out = "runs/train_text_to_image"; }
 };
 
@@ -165,6 +177,9 @@ struct NoEmaConfig : tr::DefaultConfig {
   using Precision = tr::PrecisionByName;  // --mixed_precision
   using Schedule = dt::schedule::ByName;  // --lr_scheduler, diffusers' names
   using Clipping = tr::ClipByNorm;
+  // --sharding picks the stage at run time; 0 is DataParallel itself (and one process without
+  // torchrun).
+  using Parallel = dt::distributed::ShardedDataParallel;
   using Callbacks = std::tuple<tr::ProgressBar, tr::CheckpointEvery, tr::TensorBoard,
                                tr::SampleEvery<Validation>, StopOnInterrupt, LossRecord>;
 };
@@ -200,8 +215,10 @@ class BatchStream {
  public:
   BatchStream(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
               const data::BucketManager& buckets, data::LatentCache* cache, bool encoder_trains,
-              at::Device device)
-      : s_(s),
+              at::Device device, std::int64_t rank = 0, std::int64_t ranks = 1)
+      : rank_(rank),
+        ranks_(ranks),
+        s_(s),
         p_(p),
         folder_(folder),
         buckets_(buckets),
@@ -218,7 +235,23 @@ class BatchStream {
   [[nodiscard]] std::size_t batches_per_epoch() const { return per_epoch_; }
   [[nodiscard]] double data_seconds() const { return data_seconds_; }
 
-  TextToImageImpl::Batch at_place(std::int64_t place) {
+  /// Encodes every caption of the folder into the text cache now and writes it, so that the
+  /// ranks of a distributed run only read it (rank 0 calls this before the others open it).
+  void encode_every_caption() {
+    if (!text_cache_) return;
+    std::vector<std::string> captions;
+    for (const auto& r : folder_.images) captions.push_back(r.caption);
+    std::sort(captions.begin(), captions.end());
+    captions.erase(std::unique(captions.begin(), captions.end()), captions.end());
+    (void)text_cache_->entries_for_texts(
+        captions, [&](const auto& texts) { return encode_entry(texts); },
+        static_cast<std::size_t>(s_.train_batch_size));
+    text_cache_->flush();
+  }
+
+  /// Micro-batch `place` of this rank: batch place · ranks + rank of the run's order.
+  TextToImageImpl::Batch at_place(std::int64_t local_place) {
+    const std::int64_t place = local_place * ranks_ + rank_;
     const auto t0 = std::chrono::steady_clock::now();
     const auto epoch = static_cast<std::uint64_t>(place) / per_epoch_;
     const auto pos = static_cast<std::size_t>(static_cast<std::uint64_t>(place) % per_epoch_);
@@ -262,13 +295,8 @@ class BatchStream {
       b.captions = std::move(captions);
     } else {
       std::vector<at::Tensor> hidden, pooled;
-      for (const auto& e : text_cache_->entries_for_texts(captions, [&](const auto& texts) {
-             at::NoGradGuard no_grad;
-             const TextConditioning t = encode_captions(p_, texts);
-             data::TensorCache::Entry entry{{"hidden", t.hidden}};
-             if (t.pooled.defined()) entry.emplace("pooled", t.pooled);
-             return entry;
-           })) {
+      for (const auto& e : text_cache_->entries_for_texts(
+               captions, [&](const auto& texts) { return encode_entry(texts); })) {
         hidden.push_back(e.at("hidden"));
         if (p_.xl) pooled.push_back(e.at("pooled"));
       }
@@ -294,11 +322,19 @@ class BatchStream {
     o.pin_memory = device_.is_cuda();
     return o;
   }
+  data::TensorCache::Entry encode_entry(const std::vector<std::string>& texts) {
+    at::NoGradGuard no_grad;
+    const TextConditioning t = encode_captions(p_, texts);
+    data::TensorCache::Entry entry{{"hidden", t.hidden}};
+    if (t.pooled.defined()) entry.emplace("pooled", t.pooled);
+    return entry;
+  }
   at::Tensor scale(const at::Tensor& z) const {
     const auto& c = p_.vae->config();
     return (c.shift_factor ? z - *c.shift_factor : z) * c.scaling_factor;
   }
 
+  std::int64_t rank_, ranks_;
   const Settings& s_;
   Pipeline& p_;
   const data::ImageFolder& folder_;
@@ -352,15 +388,18 @@ data::BucketOptions bucket_options(const Settings& s) {
 /// out/unet), so `out` is a pipeline folder of its own.
 template <class Config>
 int train(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
-          const data::BucketManager& buckets, std::chrono::steady_clock::time_point t0) {
+          const data::BucketManager& buckets, const std::shared_ptr<dt::distributed::World>& world,
+          at::Device device, std::chrono::steady_clock::time_point t0) {
   using Trainer = tr::Trainer<TextToImageImpl, Config>;
   const fs::path out(s.out);
-  const at::Device device(s.device);
   const df::NoiseSchedule schedule(p.scheduler.schedule);
+  const bool main_rank = world->is_main();
 
-  // Latents, once, when asked (the VAE stays frozen).
+  // Latents, once, when asked (the VAE stays frozen). Rank 0 encodes; the other ranks open the
+  // cache once it is written and find every entry there.
   std::optional<data::LatentCache> cache;
   data::LatentCacheReport cache_report;
+  if (s.cache_latents && !main_rank) world->barrier();
   if (s.cache_latents) {
     data::LatentCacheOptions co;
     co.flipped = s.random_flip;
@@ -383,6 +422,7 @@ int train(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
     std::fprintf(stderr, "latent cache: %zu entries, %zu reused, %zu encoded (%.1f s) in %s\n",
                  cache_report.entries, cache_report.reused, cache_report.encoded,
                  cache_report.seconds, cache->store().folder().string().c_str());
+    if (main_rank) world->barrier();
   }
 
   // LoRA: frozen base, new branches; full: the UNet trains.
@@ -420,8 +460,11 @@ int train(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
   set_optimizer_and_schedule(o, s, s.learning_rate);
   o.clipping.max_norm = s.max_grad_norm;
   if constexpr (Trainer::has_ema) o.ema.rule.decay = s.ema_decay;
+  o.parallel.world = world;
+  o.parallel.stage = s.sharding;
+  o.allow_world_size_change = s.allow_world_size_change;
 
-  const RunFolders folders = prepare_run_folders(s);
+  const RunFolders folders = prepare_run_folders(s, main_rank);
   const nlohmann::json run_settings = {
       {"pretrained_model_name_or_path", s.model},
       {"train_data_dir", s.data_dir},
@@ -443,6 +486,8 @@ int train(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
       {"cache_latents", s.cache_latents},
       {"mixed_precision", s.mixed_precision},
       {"gradient_checkpointing", s.gradient_checkpointing},
+      {"ranks", world->size()},
+      {"sharding", s.sharding},
       {"seed", s.seed}};
   std::vector<double> losses;
   const ValidationOptions vo = validation_options(s, s.resolution);
@@ -454,15 +499,22 @@ int train(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
           tr::TensorBoard({.dir = folders.tensorboard, .config = run_settings}),
           validation_every(s, validation), StopOnInterrupt{s.stop_at}, LossRecord{&losses}});
   const std::int64_t resumed_from = resume_if_asked(trainer, s, folders);
+  // Each rank its own noise (a resumed run restores each rank's generator).
+  if (world->rank() > 0 && resumed_from == 0) tr::set_seed(s.seed + 7919 * world->rank());
 
-  BatchStream stream(s, p, folder, buckets, cache ? &*cache : nullptr, s.train_text_encoder,
-                     device);
-  {
+  // A frozen text encoder's outputs: rank 0 fills the cache before the other ranks open it.
+  if (!main_rank) world->barrier();
+  BatchStream stream(s, p, folder, buckets, cache ? &*cache : nullptr, s.train_text_encoder, device,
+                     world->rank(), world->size());
+  if (main_rank && world->distributed()) stream.encode_every_caption();
+  if (main_rank) world->barrier();
+  if (main_rank) {
     const auto [assigned, repeats] = assigned_buckets(folder, buckets);
     std::fprintf(stderr, "%s", data::describe_buckets(assigned, repeats).c_str());
   }
   const FitResult fit = fit_until_done_or_stopped(
       trainer, s, [&](std::int64_t place) { return stream.at_place(place); });
+  if (!main_rank) return fit.finished ? 0 : 130;  // rank 0 writes what the run leaves
 
   // What the run leaves: weights (EMA when kept), validation images, results.
   nlohmann::json files;
@@ -538,6 +590,15 @@ int run(Settings s) {
   check_sd_run_flags(s);
   check_flags(s);
   examples::apply_threads(s);
+  // The ranks of a torchrun launch (a world of one without it). Every rank checks the same flags
+  // and so fails the same way before this point.
+  const auto world = dt::distributed::World::from_environment(
+      {.timeout = std::chrono::milliseconds(static_cast<std::int64_t>(s.rank_timeout * 1000))});
+  // With CUDA, each rank of a node uses its own GPU.
+  const at::Device device =
+      s.device == "cuda" && world->distributed()
+          ? at::Device(at::kCUDA, static_cast<at::DeviceIndex>(world->local_rank()))
+          : at::Device(s.device);
   const data::BucketManager buckets(bucket_options(s));
   // The images first: a wrong folder or caption column is found before the models load.
   data::ImageFolderOptions fo;
@@ -550,8 +611,14 @@ int run(Settings s) {
     folder.images.resize(static_cast<std::size_t>(s.limit));
   std::fprintf(stderr, "%zu images (%lld with repeats), %zu skipped\n", folder.images.size(),
                static_cast<long long>(folder.epoch_size()), folder.skipped.size());
-  // The epoch's batches (one bucket each) decide the steps of --num_train_epochs.
-  resolve_max_train_steps(s, static_cast<std::int64_t>(epoch_batch_count(folder, buckets, s)));
+  // The epoch's batches (one bucket each) decide the steps of --num_train_epochs; the ranks share
+  // them.
+  const auto batches = static_cast<std::int64_t>(epoch_batch_count(folder, buckets, s));
+  if (batches < world->size())
+    throw ConfigError("make " + std::to_string(batches) + " batches an epoch, fewer than the " +
+                          std::to_string(world->size()) + " ranks",
+                      "--train_data_dir / --train_batch_size");
+  resolve_max_train_steps(s, (batches + world->size() - 1) / world->size());
   dt::io::ensure_writable_folder(s.out);
   tr::set_seed(s.seed);
   Pipeline p = load_pipeline(s.model, s.prediction_type);
@@ -559,8 +626,8 @@ int run(Settings s) {
     throw ConfigError(
         "must be a multiple of the VAE's downscale " + std::to_string(p.vae->downscale()),
         "--resolution");
-  return s.use_ema ? train<EmaConfig>(s, p, folder, buckets, t0)
-                   : train<NoEmaConfig>(s, p, folder, buckets, t0);
+  return s.use_ema ? train<EmaConfig>(s, p, folder, buckets, world, device, t0)
+                   : train<NoEmaConfig>(s, p, folder, buckets, world, device, t0);
 }
 
 }  // namespace
@@ -616,7 +683,19 @@ int main(int argc, char** argv) {
       ->check(number_in(0, 1e6))
       ->capture_default_str();
   t->add_flag("--train_text_encoder", s.train_text_encoder, "LoRA on the text encoders too");
-  last_value_wins({g.run, g.training, g.saving, img});
+  auto* d = app.add_option_group("torchrun");
+  d->add_option("--sharding", s.sharding,
+                "ZeRO's stage: 0 keeps everything on every rank (DataParallel), 1 shards the "
+                "optimizer state, 2 the gradients too")
+      ->check(count_in(0, 2))
+      ->capture_default_str();
+  d->add_option("--rank_timeout", s.rank_timeout,
+                "seconds a rank waits for the others (caching included) before it stops")
+      ->check(number_in(1, 1e7))
+      ->capture_default_str();
+  d->add_flag("--allow_world_size_change", s.allow_world_size_change,
+              "resume a checkpoint written by another number of ranks");
+  last_value_wins({g.run, g.training, g.saving, img, d});
   CLI11_PARSE(app, argc, argv);
   return examples::run_reporting_errors([&] { return run(s); });
 }

@@ -7,6 +7,8 @@
 # with EMA and min-SNR writes a pipeline folder; diffusers loads both (load_lora_weights with
 # peft, StableDiffusionPipeline.from_pretrained) and generates with them. The same for SDXL: LoRA
 # on the UNet and both text encoders over aspect-ratio buckets, loaded by StableDiffusionXLPipeline.
+# Under torchrun with 2 ranks: DataParallel, and ZeRO stages 2 and 1 across a stop and a resume,
+# end with the same LoRA; one process resumes the 2-rank checkpoint set when told to.
 #
 #   train_text_to_image.sh PROGRAM PYTHON GOLDEN_DIR WORKDIR [FASHION_MNIST_DIR]
 set -uo pipefail
@@ -81,6 +83,33 @@ expect_rc 0 xl -- "$bin" "${base[@]}" --pretrained_model_name_or_path "$xl" --us
   --cache_latents --enable_bucket --min_bucket_reso 16 --max_bucket_reso 64 --bucket_reso_steps 16 \
   --learning_rate 2e-3 --max_train_steps 30 --validation_prompt "a photo of a trouser" --output_dir "$work/xl"
 
+# Under torchrun with 2 ranks (each its own batches of 2; rank 0 caches the latents and the text
+# encoder's outputs, the other rank reads them): DataParallel straight through; ZeRO stage 2
+# stopped at step 6, its checkpoint set resumed by 2 ranks at stage 1, ending where DataParallel
+# ends; one process refuses the set unless told that the world size changes.
+export GLOO_SOCKET_IFNAME=lo
+launch=("$(dirname "$py")/torchrun" --standalone --nproc-per-node 2 --no-python "$bin")
+ranks=("${base[@]}" --train_batch_size 2 --use_lora --rank 4 --cache_latents --center_crop
+       --learning_rate 2e-3 --max_train_steps 12 --checkpointing_steps 4 --rank_timeout 120
+       --validation_prompt "a photo of a sneaker")
+expect_rc 0 dp -- "${launch[@]}" "${ranks[@]}" --output_dir "$work/dp"
+grep_in "$work/dp/results.json" '"ranks": 2'
+grep_in "$work/dp.err" "24 reused, 0 encoded"
+expect_rc 1 zero2-stopped -- "${launch[@]}" "${ranks[@]}" --sharding 2 --stop_at 6 --output_dir "$work/zero"
+grep_in "$work/zero2-stopped.err" "stopped at step 6"
+for f in checkpoint-6.pt checkpoint-6.pt.shard-0-of-2 checkpoint-6.pt.shard-1-of-2; do
+  [ -s "$work/zero/checkpoints/$f" ] || fail "the stage-2 run did not write $f"
+done
+cp -r "$work/zero" "$work/zero-one"
+expect_rc 0 zero1-resumed -- "${launch[@]}" "${ranks[@]}" --sharding 1 --output_dir "$work/zero" \
+  --resume_from_checkpoint latest
+grep_in "$work/zero/results.json" '"resumed_from": 6'
+expect_rc 2 one-rank-refused -- "$bin" "${ranks[@]}" --output_dir "$work/zero-one" --resume_from_checkpoint latest
+grep_in "$work/one-rank-refused.err" "written by 2 ranks"
+expect_rc 0 one-rank -- "$bin" "${ranks[@]}" --output_dir "$work/zero-one" --resume_from_checkpoint latest \
+  --allow_world_size_change
+grep_in "$work/zero-one/results.json" '"resumed_from": 6'
+
 "$py" - "$work" "$sd" "$xl" >"$work/python.out" 2>&1 <<'PY' || { fail "Python check"; }
 import json, math, pathlib, sys
 import numpy as np
@@ -90,7 +119,7 @@ from diffusers import StableDiffusionPipeline
 from diffusers.utils import logging as dlogging
 dlogging.set_verbosity_error()
 work, sd = pathlib.Path(sys.argv[1]), sys.argv[2]
-for run in ("lora", "lora-resumed", "full", "xl"):
+for run in ("lora", "lora-resumed", "full", "xl", "dp"):
     r = json.loads((work / run / "results.json").read_text())
     assert r["finished"] and math.isfinite(r["last_loss"]), (run, r)
     print(f"{run}: loss {r['first_loss']:.4f} -> {r['last_loss']:.4f}, data {100 * r['data_share']:.1f}%")
@@ -101,6 +130,13 @@ b = load_file(work / "lora-resumed" / "pytorch_lora_weights.safetensors")
 assert a.keys() == b.keys()
 assert all(torch.equal(a[k], b[k]) for k in a), "the resumed run's LoRA differs"
 assert any(k.startswith("text_encoder.") for k in a) and any(k.startswith("unet.") for k in a)
+# 2 ranks: ZeRO stage 2, stopped, resumed at stage 1, ends where DataParallel ends.
+a = load_file(work / "dp" / "pytorch_lora_weights.safetensors")
+b = load_file(work / "zero" / "pytorch_lora_weights.safetensors")
+assert a.keys() == b.keys()
+worst = max(float((a[k] - b[k]).abs().max()) for k in a)
+assert worst <= 1e-6, f"the sharded, resumed run ends {worst} from DataParallel's"
+print(f"torchrun, 2 ranks: stage 2 stopped and resumed at stage 1 ends {worst:.1e} from DataParallel")
 
 def generate(pipe):
     out = pipe("a photo of a sneaker", num_inference_steps=2, height=32, width=32,
