@@ -53,6 +53,21 @@ struct SdFlagGroups {
   CLI::Option_group *run, *training, *saving;
 };
 
+/// An image folder's flags (diffusers' names), shared by the programs that train on one.
+struct ImageFolderFlags {
+  std::string image_column = "file_name", caption_column = "text";
+  std::int64_t resolution = 512;
+  bool center_crop = false, random_flip = false;
+  double max_grad_norm = 1.0;
+};
+
+/// LoRA's flags: whether, rank and alpha.
+struct LoraFlags {
+  bool use_lora = false;
+  std::int64_t rank = 4;
+  double lora_alpha = 0.0;  // 0: the rank (diffusers' default)
+};
+
 /// Adds SdRunFlags' options in three groups, which the program extends with its own.
 inline SdFlagGroups add_sd_run_flags(CLI::App& app, SdRunFlags& f, const std::string& data_help) {
   SdFlagGroups g{app.add_option_group("data and run"), app.add_option_group("training"),
@@ -136,6 +151,40 @@ inline SdFlagGroups add_sd_run_flags(CLI::App& app, SdRunFlags& f, const std::st
                 "stop with a checkpoint after this step, as Ctrl-C does (0: never)")
       ->check(count_in(0, 100'000'000));
   return g;
+}
+
+/// Adds ImageFolderFlags' options (and --max_train_samples, `limit`) to `g`'s groups and a new
+/// "images" group, which it returns for the program's own image flags.
+inline CLI::Option_group* add_image_folder_flags(CLI::App& app, const SdFlagGroups& g,
+                                                 ImageFolderFlags& f, std::int64_t& limit,
+                                                 const std::string& resolution_help) {
+  g.run->add_option("--image_column", f.image_column, "metadata file's image column")
+      ->capture_default_str();
+  g.run->add_option("--caption_column", f.caption_column, "metadata file's caption column")
+      ->capture_default_str();
+  g.run->add_option("--max_train_samples", limit, "use only the first N images (0: all)")
+      ->check(count_in(0, 100'000'000));
+  g.training->add_option("--max_grad_norm", f.max_grad_norm)
+      ->check(number_in(0, 1e9, true))
+      ->capture_default_str();
+  auto* img = app.add_option_group("images");
+  img->add_option("--resolution", f.resolution, resolution_help)
+      ->check(count_in(8, 8192))
+      ->capture_default_str();
+  img->add_flag("--center_crop", f.center_crop, "crop the center (default: a random crop)");
+  img->add_flag("--random_flip", f.random_flip, "mirror half the images");
+  return img;
+}
+
+/// Adds LoraFlags' options to the training group; `instead_of` names what full training trains.
+inline void add_lora_flags(const SdFlagGroups& g, LoraFlags& f, const std::string& instead_of) {
+  g.training->add_flag("--use_lora", f.use_lora, "train LoRA branches, not the " + instead_of);
+  g.training->add_option("--rank", f.rank, "LoRA rank")
+      ->check(count_in(1, 4096))
+      ->capture_default_str();
+  g.training->add_option("--lora_alpha", f.lora_alpha, "LoRA alpha (0: the rank)")
+      ->check(number_in(0, 1e6))
+      ->capture_default_str();
 }
 
 /// Refuses what these programs cannot do, naming the flag, before anything is loaded.

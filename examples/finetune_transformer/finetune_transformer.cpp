@@ -91,18 +91,11 @@ using Transformer = models::SD3Transformer2DModel<>;
 using Clip = models::CLIPTextModel<>;
 using T5 = models::T5EncoderModel<>;
 
-struct Settings : SdRunFlags {
-  std::string image_column = "file_name", caption_column = "text";
-  std::int64_t resolution = 512;
-  bool center_crop = false, random_flip = false;
-  bool use_lora = false;
-  std::int64_t rank = 4;
-  double lora_alpha = 0.0;  // 0: the rank (diffusers' default)
+struct Settings : SdRunFlags, ImageFolderFlags, LoraFlags {
   std::string weighting_scheme = "logit_normal";
   double logit_mean = 0.0, logit_std = 1.0, mode_scale = 1.29;
   bool precondition_outputs = true;
   std::int64_t max_sequence_length = 77;
-  double max_grad_norm = 1.0;
   // CogVideoX folders (diffusers' train_cogvideox_lora.py flags).
   std::string video_column = "video";
   std::int64_t height = 480, width = 720, max_num_frames = 49;
@@ -786,15 +779,19 @@ class VideoBatchStream {
  public:
   VideoBatchStream(const Settings& s, CogPipeline& p, const std::vector<VideoClip>& clips,
                    at::Device device)
-      : s_(s), p_(p), clips_(clips), device_(device) {}
+      : s_(s), p_(p), clips_(clips), device_(device), epoch_batches_(batches(0)) {}
 
-  [[nodiscard]] std::size_t batches_per_epoch() const { return batches(0).size(); }
+  [[nodiscard]] std::size_t batches_per_epoch() const { return epoch_batches_.size(); }
 
   CogTraineeImpl::Batch at_place(std::int64_t place) {
     const std::size_t per_epoch = batches_per_epoch();
     const auto epoch = static_cast<std::uint64_t>(place) / per_epoch;
+    if (epoch != epoch_) {  // one shuffle per epoch, not per micro-batch
+      epoch_batches_ = batches(epoch);
+      epoch_ = epoch;
+    }
     const std::vector<std::size_t> batch =
-        batches(epoch).at(static_cast<std::size_t>(place) % per_epoch);
+        epoch_batches_.at(static_cast<std::size_t>(place) % per_epoch);
     std::vector<at::Tensor> latents, embeds;
     for (const std::size_t i : batch) {
       // The flip draw belongs to (seed, place, clip), so a resumed run flips as the first did.
@@ -846,6 +843,8 @@ class VideoBatchStream {
   CogPipeline& p_;
   const std::vector<VideoClip>& clips_;
   at::Device device_;
+  std::vector<std::vector<std::size_t>> epoch_batches_;  // epoch_'s order
+  std::uint64_t epoch_ = 0;
   std::map<std::pair<std::size_t, bool>, std::pair<at::Tensor, at::Tensor>> posteriors_;
   std::map<std::string, at::Tensor> text_;
 };
@@ -1049,27 +1048,9 @@ int main(int argc, char** argv) {
   using examples::count_in;
   using examples::number_in;
   const SdFlagGroups g = add_sd_run_flags(app, s, "folder of images with captions");
-  g.run->add_option("--image_column", s.image_column, "metadata file's image column")
-      ->capture_default_str();
-  g.run->add_option("--caption_column", s.caption_column, "metadata file's caption column")
-      ->capture_default_str();
-  g.run->add_option("--max_train_samples", s.limit, "use only the first N images (0: all)")
-      ->check(count_in(0, 100'000'000));
-  auto* img = app.add_option_group("images");
-  img->add_option("--resolution", s.resolution, "training size (square)")
-      ->check(count_in(8, 8192))
-      ->capture_default_str();
-  img->add_flag("--center_crop", s.center_crop, "crop the center (default: a random crop)");
-  img->add_flag("--random_flip", s.random_flip, "mirror half the images");
+  auto* img = add_image_folder_flags(app, g, s, s.limit, "training size (square)");
   auto* t = g.training;
-  t->add_option("--max_grad_norm", s.max_grad_norm)
-      ->check(number_in(0, 1e9, true))
-      ->capture_default_str();
-  t->add_flag("--use_lora", s.use_lora, "train LoRA branches, not the transformer");
-  t->add_option("--rank", s.rank, "LoRA rank")->check(count_in(1, 4096))->capture_default_str();
-  t->add_option("--lora_alpha", s.lora_alpha, "LoRA alpha (0: the rank)")
-      ->check(number_in(0, 1e6))
-      ->capture_default_str();
+  add_lora_flags(g, s, "transformer");
   t->add_option("--weighting_scheme", s.weighting_scheme,
                 "sigma_sqrt, logit_normal, mode, cosmap or none")
       ->capture_default_str();

@@ -83,20 +83,14 @@ using dt::ConfigError;
 
 using namespace examples::sd;  // the pipeline folder, validation, callbacks
 
-struct Settings : SdRunFlags {
-  std::string image_column = "file_name", caption_column = "text";
-  std::int64_t resolution = 512;
-  bool center_crop = false, random_flip = false;
+struct Settings : SdRunFlags, ImageFolderFlags, LoraFlags {
   bool enable_bucket = false, bucket_no_upscale = false;
   std::int64_t min_bucket_reso = 256, max_bucket_reso = 1024, bucket_reso_steps = 64;
-  double max_grad_norm = 1.0;
   double snr_gamma = 0.0, noise_offset = 0.0;
   std::string prediction_type;  // empty: the scheduler's
   bool use_ema = false;
   double ema_decay = 0.9999;
-  bool use_lora = false, train_text_encoder = false;
-  std::int64_t rank = 4;
-  double lora_alpha = 0.0;  // 0: the rank (diffusers' default)
+  bool train_text_encoder = false;
   bool cache_latents = false;
   std::string cache_dir;  // default OUT/cache
   // under torchrun
@@ -640,18 +634,8 @@ int main(int argc, char** argv) {
   using examples::count_in;
   using examples::number_in;
   const SdFlagGroups g = add_sd_run_flags(app, s, "folder of images with captions");
-  g.run->add_option("--image_column", s.image_column, "metadata file's image column")
-      ->capture_default_str();
-  g.run->add_option("--caption_column", s.caption_column, "metadata file's caption column")
-      ->capture_default_str();
-  g.run->add_option("--max_train_samples", s.limit, "use only the first N images (0: all)")
-      ->check(count_in(0, 100'000'000));
-  auto* img = app.add_option_group("images");
-  img->add_option("--resolution", s.resolution, "training size (bucket area with --enable_bucket)")
-      ->check(count_in(8, 8192))
-      ->capture_default_str();
-  img->add_flag("--center_crop", s.center_crop, "crop the center (default: a random crop)");
-  img->add_flag("--random_flip", s.random_flip, "mirror half the images");
+  auto* img = add_image_folder_flags(app, g, s, s.limit,
+                                     "training size (bucket area with --enable_bucket)");
   img->add_flag("--enable_bucket", s.enable_bucket, "kohya's aspect-ratio buckets");
   img->add_option("--min_bucket_reso", s.min_bucket_reso)
       ->check(count_in(8, 8192))
@@ -666,9 +650,6 @@ int main(int argc, char** argv) {
   img->add_flag("--cache_latents", s.cache_latents, "encode each image once (a cache on disk)");
   img->add_option("--cache_dir", s.cache_dir, "latent and text cache (default OUTPUT_DIR/cache)");
   auto* t = g.training;
-  t->add_option("--max_grad_norm", s.max_grad_norm)
-      ->check(number_in(0, 1e9, true))
-      ->capture_default_str();
   t->add_option("--snr_gamma", s.snr_gamma, "min-SNR γ (0: plain MSE)")
       ->check(number_in(0, 1e6))
       ->capture_default_str();
@@ -677,11 +658,7 @@ int main(int argc, char** argv) {
                 "epsilon or v_prediction (default: the scheduler's)");
   t->add_flag("--use_ema", s.use_ema, "keep an EMA of the trained weights and save it");
   t->add_option("--ema_decay", s.ema_decay)->check(number_in(0, 1))->capture_default_str();
-  t->add_flag("--use_lora", s.use_lora, "train LoRA branches, not the UNet");
-  t->add_option("--rank", s.rank, "LoRA rank")->check(count_in(1, 4096))->capture_default_str();
-  t->add_option("--lora_alpha", s.lora_alpha, "LoRA alpha (0: the rank)")
-      ->check(number_in(0, 1e6))
-      ->capture_default_str();
+  add_lora_flags(g, s, "UNet");
   t->add_flag("--train_text_encoder", s.train_text_encoder, "LoRA on the text encoders too");
   auto* d = app.add_option_group("torchrun");
   d->add_option("--sharding", s.sharding,
