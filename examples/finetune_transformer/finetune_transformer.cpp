@@ -707,12 +707,11 @@ std::vector<VideoClip> scan_videos(const Settings& s) {
     const std::string where = (root / s.video_column).string() + " line " + std::to_string(i + 1);
     if (fs::is_directory(c.source)) {
       for (const auto& e : fs::directory_iterator(c.source))
-        if (e.is_regular_file() && data::folder_detail::is_image_name(e.path()))
-          c.frames.push_back(e.path());
+        if (e.is_regular_file() && data::is_image_name(e.path())) c.frames.push_back(e.path());
       std::sort(c.frames.begin(), c.frames.end());
       if (c.frames.empty())
         throw ConfigError("names " + c.source.string() + ", a folder without frames", where);
-    } else if (fs::is_regular_file(c.source) && data::folder_detail::is_image_name(c.source)) {
+    } else if (fs::is_regular_file(c.source) && data::is_image_name(c.source)) {
       c.frames.push_back(c.source);
     } else {
       throw ConfigError("names " + c.source.string() +

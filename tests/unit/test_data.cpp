@@ -142,6 +142,17 @@ const data::ImageRecord& find(const data::ImageFolder& f, const std::string& nam
 // UI's [filewords] (leading digits and dashes dropped; a word regex joined), kohya's "N_words"
 // folders (N repeats, the words as the caption when nothing else gives one). Sizes come from the
 // headers, after the EXIF orientation; files that are not images are skipped and reported.
+// The names the scan reads (and programs that list images themselves use): the four formats, in
+// any case; a caption, a metadata file, an unsupported image format or a name without a dot is not.
+TEST(ImageFolder, ImageNamesAreTheFourFormatsInAnyCase) {
+  for (const char* yes : {"a.jpg", "b.JPG", "c.jpeg", "d.JpEg", "e.png", "f.PNG", "g.webp",
+                          "dir.png/h.WebP", "x.tar.png"})
+    EXPECT_TRUE(data::is_image_name(yes)) << yes;
+  for (const char* no : {"a.txt", "a.caption", "metadata.jsonl", "a.gif", "a.bmp", "a.tiff", "png",
+                         "a.png.txt", ".png/a", "a.jpg~"})
+    EXPECT_FALSE(data::is_image_name(no)) << no;
+}
+
 TEST(ImageFolder, CaptionsRepeatsAndSizesFollowEachToolsRules) {
   ScratchFolder f("captions");
   f.image("meta/a.jpg", "baseline_420.jpg");

@@ -89,10 +89,15 @@ inline std::string lower(std::string s) {
   return s;
 }
 
+}  // namespace folder_detail
+
+/// Whether `p` names a file the folder scan reads: .jpg, .jpeg, .png or .webp, in any case.
 inline bool is_image_name(const std::filesystem::path& p) {
-  const std::string e = lower(p.extension().string());
+  const std::string e = folder_detail::lower(p.extension().string());
   return e == ".jpg" || e == ".jpeg" || e == ".png" || e == ".webp";
 }
+
+namespace folder_detail {
 
 /// One CSV record per line of `text` (RFC 4180: quoted fields, doubled quotes, quoted newlines).
 inline std::vector<std::vector<std::string>> parse_csv(const std::string& text,
