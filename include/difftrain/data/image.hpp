@@ -228,11 +228,18 @@ struct PngSource {
   std::size_t at;
 };
 
+/// The image header the caller sized its rows for.
+struct PngHeader {
+  std::uint32_t width = 0, height = 0;
+  int depth = 0, color_type = 0;
+};
+
 /// Reads a 16-bit PNG's rows as stored (big-endian samples, interlacing undone) with libpng's
-/// full API. Its errors longjmp: this frame holds only trivially destructible objects, and the
-/// message is copied out before returning false.
-inline bool read_png_rows(const char* data, std::size_t size, unsigned char** rows,
-                          char (&message)[256]) {
+/// full API into `rows`, sized for `expected`: a header libpng reads differently is an error, not
+/// rows written past the buffers. Its errors longjmp: this frame holds only trivially
+/// destructible objects, and the message is copied out before returning false.
+inline bool read_png_rows(const char* data, std::size_t size, const PngHeader& expected,
+                          unsigned char** rows, char (&message)[256]) {
   png_structp png = png_create_read_struct(
       PNG_LIBPNG_VER_STRING, message,
       [](png_structp p, png_const_charp msg) {
@@ -257,6 +264,11 @@ inline bool read_png_rows(const char* data, std::size_t size, unsigned char** ro
     s->at += n;
   });
   png_read_info(png, info);
+  if (png_get_image_width(png, info) != expected.width ||
+      png_get_image_height(png, info) != expected.height ||
+      png_get_bit_depth(png, info) != expected.depth ||
+      png_get_color_type(png, info) != expected.color_type)
+    png_error(png, "the image header libpng reads differs from the one at the file's start");
   (void)png_set_interlace_handling(png);
   png_read_update_info(png, info);
   png_read_image(png, rows);
@@ -268,6 +280,10 @@ inline bool read_png_rows(const char* data, std::size_t size, unsigned char** ro
 inline at::Tensor decode_png(std::span<const char> bytes, const ImageLimits& limits,
                              const std::string& where) {
   if (bytes.size() < 33) throw FormatError("is truncated before its image header", where);
+  // The standard puts IHDR first; its sizes decide the buffers below, so no other chunk may
+  // stand in for it (a colour-management chunk before it would be dropped and the real IHDR read).
+  if (std::memcmp(bytes.data() + 12, "IHDR", 4) != 0)
+    throw FormatError("does not start with its image header (IHDR must be the first chunk)", where);
   const auto* ihdr = reinterpret_cast<const unsigned char*>(bytes.data()) + 16;
   const std::uint64_t w = get32(ihdr, false), h = get32(ihdr + 4, false);
   check_size(w, h, limits, where);
@@ -291,7 +307,9 @@ inline at::Tensor decode_png(std::span<const char> bytes, const ImageLimits& lim
   std::vector<unsigned char*> rows(static_cast<std::size_t>(h));
   for (std::uint64_t y = 0; y < h; ++y) rows[y] = raw.data() + y * w * channels * 2;
   char message[256] = {0};
-  if (!read_png_rows(plain.data(), plain.size(), rows.data(), message))
+  const PngHeader header{static_cast<std::uint32_t>(w), static_cast<std::uint32_t>(h), depth,
+                         color_type};
+  if (!read_png_rows(plain.data(), plain.size(), header, rows.data(), message))
     throw FormatError(std::string("cannot be decoded: ") + message, where);
   at::Tensor out =
       at::empty({static_cast<std::int64_t>(h), static_cast<std::int64_t>(w), 3}, at::kByte);
