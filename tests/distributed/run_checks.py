@@ -58,18 +58,33 @@ def env_for(rank, world, port):
 
 def launch(worker, world, out, *args, timeout=120, grace=None):
     """Runs `world` ranks of the worker; returns each rank's JSON (or None) and exit codes. With
-    `grace`, the others are killed that many seconds after rank 0 ended (a hung rank)."""
-    port = free_port()
-    procs = [subprocess.Popen([worker, "--out", out, *map(str, args)],
-                              env=env_for(r, world, port), stderr=subprocess.PIPE, text=True)
-             for r in range(world)]
-    if grace is not None:
-        try:
-            procs[0].wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            pass
-        timeout = grace
-    return collect(procs, out, world, timeout)
+    `grace`, the others are killed that many seconds after rank 0 ended (a hung rank).
+
+    The port is free when chosen but may be taken before rank 0 listens on it (other tests launch
+    ranks and torchrun at the same time): a rendezvous that finds its port in use is launched again
+    on another port, up to three times."""
+    for attempt in range(3):
+        for r in range(world):
+            pathlib.Path(f"{out}.rank{r}.json").unlink(missing_ok=True)
+        port = free_port()
+        procs = [subprocess.Popen([worker, "--out", out, *map(str, args)],
+                                  env=env_for(r, world, port), stderr=subprocess.PIPE, text=True)
+                 for r in range(world)]
+        wait = timeout
+        if grace is not None:
+            try:
+                procs[0].wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                pass
+            wait = grace
+        results, codes = collect(procs, out, world, wait)
+        messages = [(r or {}).get("error") or {} for r in results]
+        taken = any("rendezvous" in m.get("message", "") and
+                    "address already in use" in m.get("message", "") for m in messages)
+        if not taken:
+            break
+        print(f"note: port {port} was taken before the rendezvous; launching again", flush=True)
+    return results, codes
 
 
 def single(worker, out, *args, timeout=120):
