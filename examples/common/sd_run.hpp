@@ -203,8 +203,10 @@ inline void check_sd_run_flags(SdRunFlags& f) {
 }
 
 /// diffusers' rule: --max_train_steps when given, else epochs × optimizer steps per epoch
-/// (micro-batches per epoch ÷ accumulation, rounded up). Says what it chose.
-inline void resolve_max_train_steps(SdRunFlags& f, std::int64_t micro_batches_per_epoch) {
+/// (micro-batches per epoch ÷ accumulation, rounded up). Says what it chose when `say` (rank 0 of
+/// a distributed run says it for all).
+inline void resolve_max_train_steps(SdRunFlags& f, std::int64_t micro_batches_per_epoch,
+                                    bool say = true) {
   if (micro_batches_per_epoch < 1)
     throw ConfigError(
         "leave no batch of " + std::to_string(f.train_batch_size) + " in an epoch (too few images)",
@@ -212,9 +214,10 @@ inline void resolve_max_train_steps(SdRunFlags& f, std::int64_t micro_batches_pe
   const std::int64_t per_epoch =
       (micro_batches_per_epoch + f.gradient_accumulation_steps - 1) / f.gradient_accumulation_steps;
   if (f.max_train_steps == 0) f.max_train_steps = f.num_train_epochs * per_epoch;
-  std::fprintf(stderr, "%lld optimizer steps (%lld per epoch, %.2f epochs)\n",
-               static_cast<long long>(f.max_train_steps), static_cast<long long>(per_epoch),
-               static_cast<double>(f.max_train_steps) / static_cast<double>(per_epoch));
+  if (say)
+    std::fprintf(stderr, "%lld optimizer steps (%lld per epoch, %.2f epochs)\n",
+                 static_cast<long long>(f.max_train_steps), static_cast<long long>(per_epoch),
+                 static_cast<double>(f.max_train_steps) / static_cast<double>(per_epoch));
 }
 
 /// As argparse: a flag given twice takes its last value (a command line a script extends); the

@@ -413,9 +413,10 @@ int train(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
       const auto posterior = p.vae->encode(px.to(device));
       return std::make_pair(posterior.mean.cpu(), posterior.std.cpu());
     });
-    std::fprintf(stderr, "latent cache: %zu entries, %zu reused, %zu encoded (%.1f s) in %s\n",
-                 cache_report.entries, cache_report.reused, cache_report.encoded,
-                 cache_report.seconds, cache->store().folder().string().c_str());
+    if (main_rank || cache_report.encoded > 0)  // another rank finds rank 0's entries
+      std::fprintf(stderr, "latent cache: %zu entries, %zu reused, %zu encoded (%.1f s) in %s\n",
+                   cache_report.entries, cache_report.reused, cache_report.encoded,
+                   cache_report.seconds, cache->store().folder().string().c_str());
     if (main_rank) world->barrier();
   }
 
@@ -599,12 +600,16 @@ int run(Settings s) {
   fo.image_column = s.image_column;
   fo.caption_column = s.caption_column;
   data::ImageFolder folder = data::scan_image_folder(s.data_dir, fo);
-  for (const auto& skipped : folder.skipped)
-    std::fprintf(stderr, "skipped %s: %s\n", skipped.path.string().c_str(), skipped.reason.c_str());
+  const bool say = world->is_main();  // every rank scans the same folder; rank 0 reports it
+  if (say)
+    for (const auto& skipped : folder.skipped)
+      std::fprintf(stderr, "skipped %s: %s\n", skipped.path.string().c_str(),
+                   skipped.reason.c_str());
   if (s.limit > 0 && static_cast<std::int64_t>(folder.images.size()) > s.limit)
     folder.images.resize(static_cast<std::size_t>(s.limit));
-  std::fprintf(stderr, "%zu images (%lld with repeats), %zu skipped\n", folder.images.size(),
-               static_cast<long long>(folder.epoch_size()), folder.skipped.size());
+  if (say)
+    std::fprintf(stderr, "%zu images (%lld with repeats), %zu skipped\n", folder.images.size(),
+                 static_cast<long long>(folder.epoch_size()), folder.skipped.size());
   // The epoch's batches (one bucket each) decide the steps of --num_train_epochs; the ranks share
   // them.
   const auto batches = static_cast<std::int64_t>(epoch_batch_count(folder, buckets, s));
@@ -612,7 +617,7 @@ int run(Settings s) {
     throw ConfigError("make " + std::to_string(batches) + " batches an epoch, fewer than the " +
                           std::to_string(world->size()) + " ranks",
                       "--train_data_dir / --train_batch_size");
-  resolve_max_train_steps(s, (batches + world->size() - 1) / world->size());
+  resolve_max_train_steps(s, (batches + world->size() - 1) / world->size(), say);
   dt::io::ensure_writable_folder(s.out);
   tr::set_seed(s.seed);
   Pipeline p = load_pipeline(s.model, s.prediction_type);

@@ -94,7 +94,11 @@ ranks=("${base[@]}" --train_batch_size 2 --use_lora --rank 4 --cache_latents --c
        --validation_prompt "a photo of a sneaker")
 expect_rc 0 dp -- "${launch[@]}" "${ranks[@]}" --output_dir "$work/dp"
 grep_in "$work/dp/results.json" '"ranks": 2'
-grep_in "$work/dp.err" "24 reused, 0 encoded"
+# Rank 0 encoded the 24 latents; rank 1 found them all (it reports only when it had to encode),
+# and the folder is reported once.
+[ "$(grep -c "latent cache: 24 entries, 0 reused, 24 encoded" "$work/dp.err")" -eq 1 ] &&
+  [ "$(grep -c "latent cache:" "$work/dp.err")" -eq 1 ] || fail "the latent cache was not built once"
+[ "$(grep -c "24 images" "$work/dp.err")" -eq 1 ] || fail "the image folder should be reported once"
 expect_rc 1 zero2-stopped -- "${launch[@]}" "${ranks[@]}" --sharding 2 --stop_at 6 --output_dir "$work/zero"
 grep_in "$work/zero2-stopped.err" "stopped at step 6"
 for f in checkpoint-6.pt checkpoint-6.pt.shard-0-of-2 checkpoint-6.pt.shard-1-of-2; do
