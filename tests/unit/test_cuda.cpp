@@ -130,6 +130,25 @@ double scaled_error(const at::Tensor& a, const at::Tensor& b) {
 
 fs::path golden_models() { return fs::path(DIFFTRAIN_GOLDEN_DIR) / "models"; }
 
+/// A text encoder's gradient of parameter `key` against the float64 reference `t`: max |got −
+/// want| over the reference's scale (at least 1e-3). An attention key's bias adds q·b to every
+/// score of a row, which softmax ignores: its gradient is zero (1e-15 in the reference) and what
+/// float32 leaves of the cancellation (a few 1e-6 on the GPU) is measured against the layer's
+/// key-weight gradient instead.
+double text_encoder_grad_error(const std::string& key, const at::Tensor& grad,
+                               const std::map<std::string, at::Tensor>& t) {
+  const at::Tensor& want = t.at("grad." + key);
+  double scale = std::max(want.abs().max().item<double>(), 1e-3);
+  const std::string k_bias = "k_proj.bias";
+  if (key.ends_with(k_bias))
+    scale =
+        std::max(scale, t.at("grad." + key.substr(0, key.size() - k_bias.size()) + "k_proj.weight")
+                            .abs()
+                            .max()
+                            .item<double>());
+  return (grad.cpu().to(at::kDouble) - want).abs().max().item<double>() / scale;
+}
+
 }  // namespace
 
 // The CPU parity test's 200 steps (AdamW with decay groups, cosine warm-up, EMA with warm-up,
@@ -586,19 +605,7 @@ TEST(Cuda, ClipTextEncodersMatchTransformersOnTheGpu) {
     loss.backward();
     for (const auto& p : te->named_parameters(true)) {
       ASSERT_TRUE(p.value().grad().defined()) << p.key();
-      const at::Tensor& want = t.at("grad." + p.key());
-      const at::Tensor got = p.value().grad().cpu().to(at::kDouble);
-      double scale = std::max(want.abs().max().item<double>(), 1e-3);
-      // The key's bias adds q·b to every score of a row, which softmax ignores: its gradient is
-      // zero (1e-15 in the float64 reference) and what float32 leaves of the cancellation (a few
-      // 1e-6 on the GPU) is measured against the layer's key-weight gradient instead.
-      const std::string k_bias = "k_proj.bias";
-      if (p.key().ends_with(k_bias)) {
-        const std::string weight =
-            "grad." + p.key().substr(0, p.key().size() - k_bias.size()) + "k_proj.weight";
-        scale = std::max(scale, t.at(weight).abs().max().item<double>());
-      }
-      EXPECT_LE((got - want).abs().max().item<double>() / scale, 1e-4) << p.key();
+      EXPECT_LE(text_encoder_grad_error(p.key(), p.value().grad(), t), 1e-4) << p.key();
     }
   };
   for (const auto& c : dt::test::golden("text_encoders.json")["cases"]) {
@@ -667,19 +674,7 @@ TEST(Cuda, T5EncodersMatchTransformersOnTheGpu) {
     loss.backward();
     for (const auto& p : te->named_parameters(true)) {
       ASSERT_TRUE(p.value().grad().defined()) << p.key();
-      const at::Tensor& want = t.at("grad." + p.key());
-      const at::Tensor got = p.value().grad().cpu().to(at::kDouble);
-      double scale = std::max(want.abs().max().item<double>(), 1e-3);
-      // The key's bias adds q·b to every score of a row, which softmax ignores: its gradient is
-      // zero (1e-15 in the float64 reference) and what float32 leaves of the cancellation (a few
-      // 1e-6 on the GPU) is measured against the layer's key-weight gradient instead.
-      const std::string k_bias = "k_proj.bias";
-      if (p.key().ends_with(k_bias)) {
-        const std::string weight =
-            "grad." + p.key().substr(0, p.key().size() - k_bias.size()) + "k_proj.weight";
-        scale = std::max(scale, t.at(weight).abs().max().item<double>());
-      }
-      EXPECT_LE((got - want).abs().max().item<double>() / scale, 1e-4) << p.key();
+      EXPECT_LE(text_encoder_grad_error(p.key(), p.value().grad(), t), 1e-4) << p.key();
     }
   };
   for (const auto& c : dt::test::golden("t5_encoders.json")["cases"]) {
