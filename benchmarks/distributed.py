@@ -7,8 +7,9 @@ Prints both sides' timings (local forward + backward; then one all-reduce after 
 all-reduce from hooks; a whole step with AdamW and clip_grad_norm_), the share of all-reduce time
 hidden behind backward by the buckets, (after - buckets) / (after - local) (goal >= 0.5; 0 by
 construction for all-reduce after backward), and the step time ratio difftrain / Python DDP.
-Then the sharded steps (ShardedDataParallel stage 1 and 2) against DataParallel's step in the same
-run (goal: stage 1 <= 1.1x) and stage 1 against Python's DDP + ZeroRedundancyOptimizer.
+Then the sharded steps (ShardedDataParallel stages 1 to 3) against DataParallel's step in the same
+run (goals: stage 1 <= 1.1x, stage 3 <= 1.5x), stage 1 against Python's DDP +
+ZeroRedundancyOptimizer and stage 3 against FSDP2's fully_shard (each layer a unit).
 """
 
 import argparse
@@ -77,6 +78,14 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 opt = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4,
                               weight_decay=1e-2)
 r["zero1"] = timed(step)
+from torch.distributed.fsdp import fully_shard
+net = Mlp()
+for l in net.fc:
+    fully_shard(l)
+fully_shard(net)
+opt = torch.optim.AdamW(net.parameters(), lr=1e-4, weight_decay=1e-2)
+ddp = net
+r["zero3"] = timed(step)
 r["hidden"] = (r["after"] - r["buckets"]) / (r["after"] - r["local"])
 if dist.get_rank() == 0:
     print(json.dumps(r))
@@ -120,10 +129,12 @@ def main():
     print(f"  step vs Python DDP: {cpp['step'] * 1e3:.1f} ms / {py['step'] * 1e3:.1f} ms = "
           f"ratio {cpp['step'] / py['step']:.3f}")
     print(f"  sharded steps ({a.ranks} ranks), against DataParallel's step {cpp['step'] * 1e3:.1f} ms:")
-    for k, goal in (("zero1", " (goal <= 1.1)"), ("zero2", "")):
+    for k, goal in (("zero1", " (goal <= 1.1)"), ("zero2", ""), ("zero3", " (goal <= 1.5)")):
         print(f"    stage {k[-1]}: {cpp[k] * 1e3:7.1f} ms, ratio {cpp[k] / cpp['step']:.3f}{goal}")
     print(f"  stage 1 vs Python DDP + ZeroRedundancyOptimizer: {cpp['zero1'] * 1e3:.1f} ms / "
           f"{py['zero1'] * 1e3:.1f} ms = ratio {cpp['zero1'] / py['zero1']:.3f}")
+    print(f"  stage 3 vs Python FSDP2 (fully_shard per layer): {cpp['zero3'] * 1e3:.1f} ms / "
+          f"{py['zero3'] * 1e3:.1f} ms = ratio {cpp['zero3'] / py['zero3']:.3f}")
     print(json.dumps({"difftrain": cpp, "python_ddp": py}))
 
 

@@ -7,6 +7,7 @@
 //   step      a whole Trainer<Net, DataParallel> step (AdamW, clipping at 1.0)
 //   zero1     the same step with ShardedDataParallel, stage 1 (optimizer state sharded)
 //   zero2     ... stage 2 (gradients sharded too)
+//   zero3     ... stage 3 (parameters sharded too: each layer a unit, prefetched)
 // and hidden = (after - buckets) / (after - local): the share of the all-reduce time that
 // the buckets hide behind backward (0 when nothing overlaps, 1 when all of it does).
 #include <ATen/ATen.h>
@@ -20,6 +21,7 @@
 #include <cstdio>
 #include <difftrain/distributed/data_parallel.hpp>
 #include <difftrain/distributed/sharded_data_parallel.hpp>
+#include <difftrain/nn/unit_scope.hpp>
 #include <difftrain/train/trainer.hpp>
 #include <nlohmann/json.hpp>
 #include <vector>
@@ -40,7 +42,8 @@ struct Mlp : torch::nn::Module {
   }
   at::Tensor loss(const Batch& b) {
     at::Tensor h = b.x;
-    for (auto& l : fc) h = at::tanh(l->forward(h));
+    // Each layer a unit (stage 3 gathers it; a no-op otherwise), as FSDP wraps each layer.
+    for (auto& l : fc) h = difftrain::nn::in_unit(*l, [&] { return at::tanh(l->forward(h)); });
     return (h - b.y).pow(2).mean();
   }
   std::vector<torch::nn::Linear> fc;
@@ -139,6 +142,7 @@ int main(int argc, char** argv) {
   };
   const double zero1 = sharded_step(1);
   const double zero2 = sharded_step(2);
+  const double zero3 = sharded_step(3);
 
   if (world->is_main()) {
     const nlohmann::json out = {
@@ -152,6 +156,7 @@ int main(int argc, char** argv) {
         {"step", step},
         {"zero1", zero1},
         {"zero2", zero2},
+        {"zero3", zero3},
         {"hidden", after > local ? (after - buckets) / (after - local) : 0.0}};
     std::printf("%s\n", out.dump().c_str());
   }

@@ -264,9 +264,8 @@ struct RunFolders {
 
 /// The run's folders. A fresh run into a folder with checkpoints is refused (they would be
 /// replaced); a fresh run starts a fresh TensorBoard folder (one named with --logging_dir is left
-/// as it is: it may hold other runs).
-/// The run's folders. `main` (rank 0 of a distributed run, or the one process) clears a fresh
-/// run's TensorBoard folder; the other ranks only check.
+/// as it is: it may hold other runs), which `main` (rank 0 of a distributed run, or the one
+/// process) clears while the other ranks only check.
 inline RunFolders prepare_run_folders(const SdRunFlags& f, bool main = true) {
   RunFolders r{fs::path(f.out) / "checkpoints", f.tensorboard_folder(),
                !f.resume_from_checkpoint.empty()};

@@ -325,6 +325,10 @@ int run(const Settings& s) {
   o.clipping.max_norm = s.clip;
   o.parallel.world = world;
   o.parallel.stage = s.sharding;
+  // Stage 3 frees each UNet or DiT block's parameters on the ranks that do not own them during
+  // forward and backward; between steps every rank holds them whole, since the sample grids and
+  // the EMA's files are made on rank 0 alone.
+  o.parallel.reshard_after_step = false;
   o.allow_world_size_change = s.allow_world_size_change;
   // A checkpoint written with another LR, schedule (--steps, --warmup), weight decay, clipping or
   // EMA decay is refused by name, unless the run is told to train on with this command line's.
@@ -650,8 +654,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   g->add_option("--sharding", s.sharding,
                 "under torchrun, ZeRO's stage: 0 keeps everything on every rank (DataParallel), 1 "
-                "shards the optimizer state over the ranks, 2 also the gradients")
-      ->check(CLI::IsMember({0, 1, 2}))
+                "shards the optimizer state over the ranks, 2 also the gradients, 3 also the "
+                "parameters during forward and backward (each model block a unit)")
+      ->check(CLI::IsMember({0, 1, 2, 3}))
       ->capture_default_str();
   g->add_flag("--allow-world-size-change", s.allow_world_size_change,
               "with --resume: continue a checkpoint written by another number of ranks (the "

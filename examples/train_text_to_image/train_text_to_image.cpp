@@ -25,8 +25,9 @@
 //
 // Under torchrun (`torchrun --nproc-per-node N --no-python train_text_to_image ...`) every rank
 // trains on its own batches of --train_batch_size (accelerate's rule: rank r takes batches r,
-// r + N, ... of the epoch order), the gradients are averaged, and --sharding 1|2 shards the
-// optimizer state (and the gradients) as ZeRO does. Rank 0 builds the caches, validates, writes
+// r + N, ... of the epoch order), the gradients are averaged, and --sharding 1|2|3 shards the
+// optimizer state (and the gradients, and the trained parameters during forward and backward) as
+// ZeRO does. Rank 0 builds the caches, validates, writes
 // the outputs; a checkpoint written by N ranks resumes on another count with
 // --allow_world_size_change.
 
@@ -393,32 +394,32 @@ int train(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
   // cache once it is written and find every entry there.
   std::optional<data::LatentCache> cache;
   data::LatentCacheReport cache_report;
-  if (s.cache_latents && !main_rank) world->barrier();
-  if (s.cache_latents) {
-    data::LatentCacheOptions co;
-    co.flipped = s.random_flip;
-    co.workers = static_cast<std::size_t>(s.dataloader_num_workers);
-    co.batch_size = static_cast<std::size_t>(s.train_batch_size);
-    co.progress = [](std::size_t done, std::size_t total) {
-      std::fprintf(stderr, "\rcaching latents: %zu/%zu", done, total);
-      if (done == total) std::fprintf(stderr, "\n");
-    };
-    cache.emplace(BatchStream::cache_root(s) / "latents", vae_fingerprint(p), folder, buckets, co);
-    for (const auto& d : cache->store().damaged())
-      std::fprintf(stderr, "latent cache: %s was damaged (%s); its entries are encoded again\n",
-                   d.path.string().c_str(), d.reason.c_str());
-    p.vae->eval();
-    cache_report = cache->build([&](const at::Tensor& px) {
-      at::NoGradGuard no_grad;
-      const auto posterior = p.vae->encode(px.to(device));
-      return std::make_pair(posterior.mean.cpu(), posterior.std.cpu());
+  if (s.cache_latents)
+    world->rank0_first([&] {
+      data::LatentCacheOptions co;
+      co.flipped = s.random_flip;
+      co.workers = static_cast<std::size_t>(s.dataloader_num_workers);
+      co.batch_size = static_cast<std::size_t>(s.train_batch_size);
+      co.progress = [](std::size_t done, std::size_t total) {
+        std::fprintf(stderr, "\rcaching latents: %zu/%zu", done, total);
+        if (done == total) std::fprintf(stderr, "\n");
+      };
+      cache.emplace(BatchStream::cache_root(s) / "latents", vae_fingerprint(p), folder, buckets,
+                    co);
+      for (const auto& d : cache->store().damaged())
+        std::fprintf(stderr, "latent cache: %s was damaged (%s); its entries are encoded again\n",
+                     d.path.string().c_str(), d.reason.c_str());
+      p.vae->eval();
+      cache_report = cache->build([&](const at::Tensor& px) {
+        at::NoGradGuard no_grad;
+        const auto posterior = p.vae->encode(px.to(device));
+        return std::make_pair(posterior.mean.cpu(), posterior.std.cpu());
+      });
+      if (main_rank || cache_report.encoded > 0)  // another rank finds rank 0's entries
+        std::fprintf(stderr, "latent cache: %zu entries, %zu reused, %zu encoded (%.1f s) in %s\n",
+                     cache_report.entries, cache_report.reused, cache_report.encoded,
+                     cache_report.seconds, cache->store().folder().string().c_str());
     });
-    if (main_rank || cache_report.encoded > 0)  // another rank finds rank 0's entries
-      std::fprintf(stderr, "latent cache: %zu entries, %zu reused, %zu encoded (%.1f s) in %s\n",
-                   cache_report.entries, cache_report.reused, cache_report.encoded,
-                   cache_report.seconds, cache->store().folder().string().c_str());
-    if (main_rank) world->barrier();
-  }
 
   // LoRA: frozen base, new branches; full: the UNet trains.
   std::vector<TextEncoder> encoders{p.text_encoder};
@@ -457,6 +458,10 @@ int train(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
   if constexpr (Trainer::has_ema) o.ema.rule.decay = s.ema_decay;
   o.parallel.world = world;
   o.parallel.stage = s.sharding;
+  // Stage 3 frees each UNet block's trained parameters on the ranks that do not own them during
+  // forward and backward; between steps every rank holds them whole, since validation and the
+  // outputs are made on rank 0 alone.
+  o.parallel.reshard_after_step = false;
   o.allow_world_size_change = s.allow_world_size_change;
 
   const RunFolders folders = prepare_run_folders(s, main_rank);
@@ -498,17 +503,18 @@ int train(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
   if (world->rank() > 0 && resumed_from == 0) tr::set_seed(s.seed + 7919 * world->rank());
 
   // A frozen text encoder's outputs: rank 0 fills the cache before the other ranks open it.
-  if (!main_rank) world->barrier();
-  BatchStream stream(s, p, folder, buckets, cache ? &*cache : nullptr, s.train_text_encoder, device,
-                     world->rank(), world->size());
-  if (main_rank && world->distributed()) stream.encode_every_caption();
-  if (main_rank) world->barrier();
+  std::optional<BatchStream> stream;
+  world->rank0_first([&] {
+    stream.emplace(s, p, folder, buckets, cache ? &*cache : nullptr, s.train_text_encoder, device,
+                   world->rank(), world->size());
+    if (main_rank && world->distributed()) stream->encode_every_caption();
+  });
   if (main_rank) {
     const auto [assigned, repeats] = assigned_buckets(folder, buckets);
     std::fprintf(stderr, "%s", data::describe_buckets(assigned, repeats).c_str());
   }
   const FitResult fit = fit_until_done_or_stopped(
-      trainer, s, [&](std::int64_t place) { return stream.at_place(place); });
+      trainer, s, [&](std::int64_t place) { return stream->at_place(place); });
   if (!main_rank) return fit.finished ? 0 : 130;  // rank 0 writes what the run leaves
 
   // What the run leaves: weights (EMA when kept), validation images, results.
@@ -560,10 +566,10 @@ int train(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
   results["first_loss"] = mean_of(losses, tenth, false);
   results["last_loss"] = mean_of(losses, tenth, true);
   results["lora_layers"] = {{"unet", unet_lora.size()}, {"text_encoder", te_lora.size()}};
-  results["batches_per_epoch"] = stream.batches_per_epoch();
+  results["batches_per_epoch"] = stream->batches_per_epoch();
   results["train_seconds"] = fit.seconds;
-  results["data_seconds"] = stream.data_seconds();
-  results["data_share"] = fit.seconds > 0 ? stream.data_seconds() / fit.seconds : 0.0;
+  results["data_seconds"] = stream->data_seconds();
+  results["data_share"] = fit.seconds > 0 ? stream->data_seconds() / fit.seconds : 0.0;
   results["skipped_images"] = folder.skipped.size();
   if (cache)
     results["latent_cache"] = {{"entries", cache_report.entries},
@@ -668,8 +674,9 @@ int main(int argc, char** argv) {
   auto* d = app.add_option_group("torchrun");
   d->add_option("--sharding", s.sharding,
                 "ZeRO's stage: 0 keeps everything on every rank (DataParallel), 1 shards the "
-                "optimizer state, 2 the gradients too")
-      ->check(count_in(0, 2))
+                "optimizer state, 2 the gradients too, 3 the trained parameters too during forward "
+                "and backward (each UNet block a unit)")
+      ->check(count_in(0, 3))
       ->capture_default_str();
   d->add_option("--rank_timeout", s.rank_timeout,
                 "seconds a rank waits for the others (caching included) before it stops")

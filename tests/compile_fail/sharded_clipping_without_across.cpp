@@ -25,6 +25,7 @@ struct Sharding : difftrain::train::SingleProcess {
   void sum_across(at::Tensor& /*t*/) {}
   void max_across(at::Tensor& /*t*/) {}
   void after_optimizer_step() {}
+  void after_skipped_step() {}
   void zero_grad() {}
   [[nodiscard]] int stage() const { return 1; }
 };

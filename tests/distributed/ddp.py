@@ -2,8 +2,11 @@
 
 Run under torchrun (one process per rank); writes <out>.rank<r>.json with the weights it ends
 with. With --zero the optimizer is torch's ZeroRedundancyOptimizer (ZeRO stage 1: each rank
-steps its own parameters, then they are broadcast), the reference of ShardedDataParallel. Gradient accumulation uses DDP's no_sync for every micro-batch but the last, as the
-difftrain trainer does; clipping by the global norm after the all-reduce.
+steps its own parameters, then they are broadcast), the reference of ShardedDataParallel's
+stages 1 and 2. With --fsdp the model is FSDP2's fully_shard instead (each --wide hidden layer a
+unit, then the root), the reference of stage 3. Gradient accumulation uses DDP's no_sync (FSDP's
+set_requires_gradient_sync(False)) for every micro-batch but the last, as the difftrain trainer
+does; clipping by the global norm after the reduction.
 """
 
 import argparse
@@ -25,10 +28,15 @@ def global_batch(step, micro):
 
 
 class Net(nn.Module):
-    def __init__(self, dtype):
+    def __init__(self, dtype, wide=0):
         super().__init__()
-        self.fc1 = nn.Linear(IN, 16)
-        self.fc2 = nn.Linear(16, OUT)
+        width = 32 if wide > 0 else 16
+        self.fc1 = nn.Linear(IN, width)
+        self.hidden = []
+        for i in range(wide):  # registered between fc1 and fc2, as worker.cpp's
+            self.add_module(f"hidden{i}", nn.Linear(width, width))
+            self.hidden.append(getattr(self, f"hidden{i}"))
+        self.fc2 = nn.Linear(width, OUT)
         self.register_buffer("scale", torch.ones(OUT, dtype=torch.float64))
         self.to(dtype)
         with torch.no_grad():
@@ -37,7 +45,10 @@ class Net(nn.Module):
                 p.copy_(v.reshape(p.shape))
 
     def forward(self, x, y):
-        pred = self.fc2(torch.tanh(self.fc1(x))) * self.scale
+        h = torch.tanh(self.fc1(x))
+        for layer in self.hidden:
+            h = torch.tanh(layer(h))
+        pred = self.fc2(h) * self.scale
         return (pred - y).pow(2).mean()
 
 
@@ -48,17 +59,28 @@ def main():
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", required=True)
     ap.add_argument("--zero", action="store_true")
+    ap.add_argument("--fsdp", action="store_true")
+    ap.add_argument("--wide", type=int, default=0)
     a = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     dtype = torch.float32 if a.dtype == "float32" else torch.float64
-    net = Net(dtype)
+    net = Net(dtype, a.wide)
     if rank != 0:  # as worker.cpp: other ranks start elsewhere; DDP makes them rank 0's
         with torch.no_grad():
             for p in net.parameters():
                 p.add_(0.5)
             net.scale.fill_(2.0)
-    ddp = nn.parallel.DistributedDataParallel(net)
+    if a.fsdp:
+        from torch.distributed.fsdp import fully_shard
+        with torch.no_grad():  # fully_shard keeps each rank's values: rank 0's first
+            for t in [*net.parameters(), *net.buffers()]:
+                dist.broadcast(t, 0)
+        for layer in net.hidden:
+            fully_shard(layer)
+        ddp = fully_shard(net)
+    else:
+        ddp = nn.parallel.DistributedDataParallel(net)
     settings = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
     if a.zero:
         from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -75,7 +97,11 @@ def main():
             x, y = global_batch(step, m)
             x = x[rank * rows:(rank + 1) * rows].to(dtype)
             y = y[rank * rows:(rank + 1) * rows].to(dtype)
-            if m + 1 < a.accumulation:
+            if a.fsdp:
+                ddp.set_requires_gradient_sync(m + 1 == a.accumulation)
+                loss = ddp(x, y)
+                (loss / a.accumulation).backward()
+            elif m + 1 < a.accumulation:
                 with ddp.no_sync():
                     loss = ddp(x, y)
                     (loss / a.accumulation).backward()
@@ -86,7 +112,8 @@ def main():
         torch.nn.utils.clip_grad_norm_(net.parameters(), 0.5)
         opt.step()
         losses.append(total / a.accumulation)
-    weights = torch.cat([p.detach().double().reshape(-1) for p in net.parameters()]).tolist()
+    whole = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in net.parameters()]
+    weights = torch.cat([p.detach().double().reshape(-1) for p in whole]).tolist()
     with open(f"{a.out}.rank{rank}.json", "w") as f:
         json.dump({"rank": rank, "world_size": world, "step": a.steps, "weights": weights,
                    "losses": losses, "error": None}, f)

@@ -7,11 +7,15 @@
 // Faults are injected on request: a rank that exits, one that hangs, a NaN loss on one rank.
 // With --multi, two such networks train in turn under one MultiTrainer (model step % 2), saved in
 // one multi-model checkpoint; --disagree-at makes rank 1 pick the other model at that step.
-// With --sharding 1|2 the trainer shards its optimizer state (and gradients) over the ranks
-// (ShardedDataParallel, ZeRO's stages) instead of replicating it; the result also says how many
-// bytes of parameters, gradients and optimizer state this rank held after the last step.
+// With --sharding 1|2|3 the trainer shards its optimizer state (and gradients, and parameters)
+// over the ranks (ShardedDataParallel, ZeRO's stages) instead of replicating it; the result also
+// says how many bytes of parameters, gradients and optimizer state this rank held after the last
+// step, and at stage 3 how its units' parameters travelled. The --wide hidden layers are units
+// (nn::in_unit); fc1 and fc2 lie outside every unit.
 
 #include <ATen/ATen.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/linear.h>
 
@@ -19,16 +23,20 @@
 #include <chrono>
 #include <csignal>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <thread>
+#include <unordered_map>
 
 #include "difftrain/core/error.hpp"
 #include "difftrain/distributed/data_parallel.hpp"
 #include "difftrain/distributed/sharded_data_parallel.hpp"
+#include "difftrain/nn/unit_scope.hpp"
 #include "difftrain/train/callbacks.hpp"
 #include "difftrain/train/multi_trainer.hpp"
 #include "difftrain/train/trainer.hpp"
@@ -68,8 +76,68 @@ struct Settings {
   std::string optimizer = "adamw";
   double max_norm = 0.5;
   double bucket_cap_mb = 25.0;
-  std::int64_t wide = 0;             // hidden 32x32 layers between fc1 and fc2 (memory checks)
+  std::int64_t wide = 0;             // hidden 32x32 layers between fc1 and fc2, each a unit
+  std::string wrap;                  // stage 3: a name pattern for the units (empty: every one)
+  bool no_reshard = false;           // stage 3: reshard_after_forward off
+  bool no_prefetch = false;          // stage 3: prefetch off
+  bool whole_between = false;        // stage 3: reshard_after_step off
+  bool eval_on_rank0 = false;        // rank 0 alone runs the model after every step (a sampler)
   std::int64_t die_in_save_at = -1;  // rank 1 exits as the checkpoint of this step is saved
+  std::int64_t budget_kb = -1;       // >= 0: CPU memory counted, and refused past this (0: never)
+};
+
+// The CPU allocator, counted: the peak of the bytes held, and an out-of-memory error past a
+// budget (a device's memory, on the CPU), as for a model that does not fit.
+class BudgetAllocator final : public c10::Allocator {
+ public:
+  BudgetAllocator(c10::Allocator* inner, std::size_t budget)
+      : inner_(inner), inner_delete_(inner->raw_deleter()), budget_(budget) {
+    instance_ = this;
+  }
+  c10::DataPtr allocate(size_t n) override {
+    {
+      std::lock_guard<std::mutex> lock(m_);
+      if (budget_ > 0 && current_ + n > budget_)
+        TORCH_CHECK_WITH(OutOfMemoryError, false, "out of memory: ", n, " bytes asked with ",
+                         current_, " of ", budget_, " held");
+    }
+    void* d = inner_->raw_allocate(n);
+    std::lock_guard<std::mutex> lock(m_);
+    sizes_[d] = n;
+    current_ += n;
+    peak_ = std::max(peak_, current_);
+    return {d, d, &BudgetAllocator::release, c10::Device(c10::DeviceType::CPU)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &BudgetAllocator::release; }
+  void copy_data(void* dst, const void* src, std::size_t n) const override {
+    std::memcpy(dst, src, n);
+  }
+  [[nodiscard]] std::size_t peak() {
+    std::lock_guard<std::mutex> lock(m_);
+    return peak_;
+  }
+  static BudgetAllocator* instance() { return instance_; }
+
+ private:
+  static void release(void* d) {
+    if (d == nullptr) return;
+    BudgetAllocator* self = instance_;
+    {
+      std::lock_guard<std::mutex> lock(self->m_);
+      if (auto it = self->sizes_.find(d); it != self->sizes_.end()) {
+        self->current_ -= it->second;
+        self->sizes_.erase(it);
+      }
+    }
+    self->inner_delete_(d);
+  }
+  static inline BudgetAllocator* instance_ = nullptr;
+  c10::Allocator* inner_;
+  c10::DeleterFnPtr inner_delete_;
+  std::size_t budget_;
+  std::mutex m_;
+  std::unordered_map<void*, std::size_t> sizes_;
+  std::size_t current_ = 0, peak_ = 0;
 };
 
 struct Batch {
@@ -124,7 +192,8 @@ struct Net : torch::nn::Module {
   }
   at::Tensor loss(const Batch& b) {
     at::Tensor h = at::tanh(fc1->forward(b.x));
-    for (auto& layer : hidden) h = at::tanh(layer->forward(h));
+    for (auto& layer : hidden)
+      h = dt::nn::in_unit(*layer, [&] { return at::tanh(layer->forward(h)); });
     at::Tensor pred = fc2->forward(h) * scale;
     if (unused_) {
       if (step_ % 2 == 0) pred = pred + 0.5 * branch->forward(b.x);
@@ -265,6 +334,11 @@ nlohmann::json run_single(const Settings& s, std::int64_t& rank_out) {
     o.parallel.find_unused_parameters = s.unused;
     o.parallel.offload_optimizer = s.offload;
     o.parallel.overlap_backward = !s.no_overlap;
+    if (!s.wrap.empty())
+      o.parallel.wrap = dt::distributed::ShardedDataParallel::units_named(s.wrap);
+    o.parallel.reshard_after_forward = !s.no_reshard;
+    o.parallel.prefetch = !s.no_prefetch;
+    o.parallel.reshard_after_step = !s.whole_between;
   } else {
     o.parallel.find_unused_parameters = s.unused;
   }
@@ -327,17 +401,34 @@ nlohmann::json run_single(const Settings& s, std::int64_t& rank_out) {
     poisoned = poisoned || net.poison_;
     const auto info = trainer.step(rank_batches(s, step, world->rank(), world_size, dtype));
     losses.push_back(info.loss);
+    if (s.eval_on_rank0 && world->rank() == 0) {
+      at::NoGradGuard no_grad;
+      (void)net.loss(rank_batches(s, step, 0, world_size, dtype).front());
+    }
   }
-  nlohmann::json weights = nlohmann::json::array();
-  append_weights(weights, net);
   std::vector<at::Tensor> params;
   for (const auto& g : trainer.param_groups())
     params.insert(params.end(), g.params.begin(), g.params.end());
   const auto memory = dt::distributed::ShardedDataParallel::memory(params, trainer.optimizer());
+  nlohmann::json weights = nlohmann::json::array();
+  {
+    const auto whole = trainer.whole_parameters();  // stage 3 holds a share between steps
+    append_weights(weights, net);
+  }
   std::int64_t numel = 0;
   for (const auto& q : params) numel += q.numel();
   std::int64_t overlapped = 0;
-  if constexpr (TrainerT::sharded) overlapped = trainer.parallel().buckets_sent_during_backward();
+  nlohmann::json units = nullptr;
+  if constexpr (TrainerT::sharded) {
+    overlapped = trainer.parallel().buckets_sent_during_backward();
+    const auto u = trainer.parallel().unit_stats();
+    units = {{"units", u.units},
+             {"gathers", u.gathers},
+             {"prefetched", u.prefetched},
+             {"releases", u.releases},
+             {"peak_parameter_bytes", u.peak_parameter_bytes},
+             {"largest_unit_bytes", u.largest_unit_bytes}};
+  }
   return {{"step", trainer.global_step()},
           {"world_size", world_size},
           {"weights", weights},
@@ -348,6 +439,10 @@ nlohmann::json run_single(const Settings& s, std::int64_t& rank_out) {
           {"skipped_checkpoints", skipped_files},
           {"numel", numel},
           {"buckets_sent_during_backward", overlapped},
+          {"units", units},
+          {"peak_bytes", BudgetAllocator::instance() != nullptr
+                             ? nlohmann::json(BudgetAllocator::instance()->peak())
+                             : nlohmann::json(nullptr)},
           {"memory",
            {{"parameters", memory.parameters},
             {"gradients", memory.gradients},
@@ -393,10 +488,20 @@ int main(int argc, char** argv) {
   app.add_option("--max-norm", s.max_norm);
   app.add_option("--bucket-cap-mb", s.bucket_cap_mb);
   app.add_option("--wide", s.wide);
+  app.add_option("--wrap", s.wrap);
+  app.add_flag("--no-reshard", s.no_reshard);
+  app.add_flag("--no-prefetch", s.no_prefetch);
+  app.add_flag("--whole-between", s.whole_between);
+  app.add_flag("--eval-on-rank0", s.eval_on_rank0);
   app.add_option("--die-in-save-at", s.die_in_save_at);
+  app.add_option("--budget-kb", s.budget_kb);
   CLI11_PARSE(app, argc, argv);
   const auto start = std::chrono::steady_clock::now();
   std::int64_t rank = std::getenv("RANK") != nullptr ? std::atoll(std::getenv("RANK")) : 0;
+  if (s.budget_kb >= 0)  // before any tensor: every allocation after it is counted
+    c10::SetCPUAllocator(
+        new BudgetAllocator(c10::GetCPUAllocator(), static_cast<std::size_t>(s.budget_kb) * 1024),
+        /*priority=*/100);
   nlohmann::json result;
   int rc = 0;
   try {
@@ -404,6 +509,9 @@ int main(int argc, char** argv) {
     result["error"] = nullptr;
   } catch (const dt::Error& e) {
     result["error"] = {{"type", e.kind()}, {"message", e.what()}};
+    rc = 3;
+  } catch (const c10::OutOfMemoryError& e) {
+    result["error"] = {{"type", "out of memory"}, {"message", e.what_without_backtrace()}};
     rc = 3;
   }
   result["rank"] = rank;

@@ -4,7 +4,8 @@
 # step; a batch the ranks cannot share is refused by every rank before any work; a run paused by
 # rank 0 stops on every rank and resumes under torchrun (a changed LR refused unless taken);
 # --sharding 2 (ZeRO) trains as DataParallel does, writes its checkpoint as one file per rank
-# beside rank 0's, and one process resumes it when allowed to change the number of ranks.
+# beside rank 0's, and one process resumes it when allowed to change the number of ranks;
+# --sharding 3 trains as DataParallel does too, and its set resumes at stage 1.
 #
 #   fashion_mnist_distributed.sh PROGRAM TORCHRUN WORKDIR [DATA_DIR]
 set -uo pipefail
@@ -76,6 +77,21 @@ expect_rc 0 one-rank -- "$bin" "${tiny[@]}" --batch-size 16 --steps 6 --resume \
   --allow-world-size-change --out "$work/z"
 grep_in "$work/z/results.json" '"resumed_from": 4'
 [ "$(wc -l <"$work/z/loss.csv")" -eq 7 ] || fail "the resumed stage-2 loss.csv should have 6 rows"
+
+# ZeRO stage 3 (each UNet block a unit): the same paused run, the same losses; its set resumes
+# at stage 1.
+expect_rc 0 stage3 -- "${launch[@]}" "${tiny[@]}" --batch-size 16 --steps 6 --stop-at-step 4 \
+  --sharding 3 --out "$work/z3"
+"$(dirname "$torchrun")/python" - "$work/p/loss.csv" "$work/z3/loss.csv" <<'PY' || fail "stage 3's losses differ from DataParallel's"
+import csv, sys
+a, z = ([float(r["loss"]) for r in csv.DictReader(open(f))][:4] for f in sys.argv[1:])
+worst = max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, z))
+print(f"stage 3 vs DataParallel, 4 steps: largest relative loss difference {worst:.1e}")
+sys.exit(0 if len(a) == len(z) == 4 and worst <= 1e-4 else 1)
+PY
+expect_rc 0 stage3-resumed -- "${launch[@]}" "${tiny[@]}" --batch-size 16 --steps 6 --resume \
+  --sharding 1 --out "$work/z3"
+grep_in "$work/z3/results.json" '"resumed_from": 4'
 
 [ "$failures" -eq 0 ] && echo "fashion_mnist under torchrun: all checks passed"
 exit $((failures > 0))

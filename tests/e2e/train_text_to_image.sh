@@ -85,8 +85,8 @@ expect_rc 0 xl -- "$bin" "${base[@]}" --pretrained_model_name_or_path "$xl" --us
 
 # Under torchrun with 2 ranks (each its own batches of 2; rank 0 caches the latents and the text
 # encoder's outputs, the other rank reads them): DataParallel straight through; ZeRO stage 2
-# stopped at step 6, its checkpoint set resumed by 2 ranks at stage 1, ending where DataParallel
-# ends; one process refuses the set unless told that the world size changes.
+# stopped at step 6, its checkpoint set resumed by 2 ranks at stage 3 (each UNet block a unit
+# whose LoRA parameters the other rank frees), ending where DataParallel ends; one process refuses the set unless told that the world size changes.
 export GLOO_SOCKET_IFNAME=lo
 launch=("$(dirname "$py")/torchrun" --standalone --nproc-per-node 2 --no-python "$bin")
 ranks=("${base[@]}" --train_batch_size 2 --use_lora --rank 4 --cache_latents --center_crop
@@ -105,7 +105,7 @@ for f in checkpoint-6.pt checkpoint-6.pt.shard-0-of-2 checkpoint-6.pt.shard-1-of
   [ -s "$work/zero/checkpoints/$f" ] || fail "the stage-2 run did not write $f"
 done
 cp -r "$work/zero" "$work/zero-one"
-expect_rc 0 zero1-resumed -- "${launch[@]}" "${ranks[@]}" --sharding 1 --output_dir "$work/zero" \
+expect_rc 0 zero3-resumed -- "${launch[@]}" "${ranks[@]}" --sharding 3 --output_dir "$work/zero" \
   --resume_from_checkpoint latest
 grep_in "$work/zero/results.json" '"resumed_from": 6'
 expect_rc 2 one-rank-refused -- "$bin" "${ranks[@]}" --output_dir "$work/zero-one" --resume_from_checkpoint latest
@@ -134,13 +134,13 @@ b = load_file(work / "lora-resumed" / "pytorch_lora_weights.safetensors")
 assert a.keys() == b.keys()
 assert all(torch.equal(a[k], b[k]) for k in a), "the resumed run's LoRA differs"
 assert any(k.startswith("text_encoder.") for k in a) and any(k.startswith("unet.") for k in a)
-# 2 ranks: ZeRO stage 2, stopped, resumed at stage 1, ends where DataParallel ends.
+# 2 ranks: ZeRO stage 2, stopped, resumed at stage 3, ends where DataParallel ends.
 a = load_file(work / "dp" / "pytorch_lora_weights.safetensors")
 b = load_file(work / "zero" / "pytorch_lora_weights.safetensors")
 assert a.keys() == b.keys()
 worst = max(float((a[k] - b[k]).abs().max()) for k in a)
 assert worst <= 1e-6, f"the sharded, resumed run ends {worst} from DataParallel's"
-print(f"torchrun, 2 ranks: stage 2 stopped and resumed at stage 1 ends {worst:.1e} from DataParallel")
+print(f"torchrun, 2 ranks: stage 2 stopped and resumed at stage 3 ends {worst:.1e} from DataParallel")
 
 def generate(pipe):
     out = pipe("a photo of a sneaker", num_inference_steps=2, height=32, width=32,

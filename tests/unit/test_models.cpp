@@ -16,6 +16,7 @@
 #include <functional>
 
 #include "golden.hpp"
+#include "poison_units.hpp"
 #include "unet_inputs.hpp"
 
 namespace dt = difftrain;
@@ -65,6 +66,8 @@ void check_unet_case(const std::string& name) {
   auto unet = models::from_pretrained<models::UNet2DConditionModel<Backend, Act>>(
       golden_models() / name, lo);
   unet->train();
+  // Each down, mid and up block is a unit (stage 3): no parameter is used outside its block.
+  const tst::PoisonUnits units;
   std::int64_t count = 0;
   for (const auto& p : unet->parameters()) count += p.numel();
   for (const auto& c : cases) {
@@ -75,6 +78,9 @@ void check_unet_case(const std::string& name) {
   const models::UNetConditions cond = tst::unet_conditions(t);
   const at::Tensor out = unet->forward(t.at("input.sample"), t.at("input.timestep"),
                                        t.at("input.encoder_hidden_states"), cond);
+  EXPECT_EQ(units.entered(),
+            static_cast<std::int64_t>(unet->down_blocks->size() + unet->up_blocks->size()) +
+                (unet->mid_block ? 1 : 0));
   expect_close(out, t.at("output"), 1e-5, "output");
   (out * t.at("weight")).sum().backward();
   std::size_t checked = 0;
@@ -240,6 +246,8 @@ TEST(Models, GradientCheckpointingGivesTheSameGradients) {
         models::from_pretrained<models::UNet2DConditionModel<>>(golden_models() / "unet_conv_proj");
     unet->train();
     unet->set_gradient_checkpointing(checkpointing);
+    // Checkpointed blocks recompute inside backward: their parameters must be back by then.
+    const tst::PoisonUnits units;
     const at::Tensor out = unet->forward(t.at("input.sample"), t.at("input.timestep"),
                                          t.at("input.encoder_hidden_states"));
     (out * t.at("weight")).sum().backward();

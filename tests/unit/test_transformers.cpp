@@ -27,6 +27,7 @@
 #include <map>
 
 #include "golden.hpp"
+#include "poison_units.hpp"
 
 namespace dt = difftrain;
 namespace fs = std::filesystem;
@@ -74,6 +75,7 @@ void check_dit_case(const std::string& name, std::int64_t parameters) {
   const auto& t = io.tensors;
   auto model = models::from_pretrained<DiT<Act>>(golden_transformers() / name);
   model->eval();
+  const tst::PoisonUnits units;  // every block a unit: no parameter is used outside its block
   std::int64_t count = 0;
   for (const auto& p : model->parameters()) count += p.numel();
   EXPECT_EQ(count, parameters);
@@ -169,6 +171,7 @@ void check_pixart_case(const std::string& name, std::int64_t parameters) {
   const auto& t = io.tensors;
   auto model = models::from_pretrained<PixArt<Act>>(golden_transformers() / name);
   model->train();
+  const tst::PoisonUnits units;  // every block a unit: no parameter is used outside its block
   std::int64_t count = 0;
   for (const auto& p : model->parameters()) count += p.numel();
   EXPECT_EQ(count, parameters);
@@ -568,6 +571,7 @@ TEST(Transformers, SD3MatchesDiffusersOnEverySweptConfig) {
     auto model = models::from_pretrained<models::SD3Transformer2DModel<Backend>>(
         golden_transformers() / name);
     model->train();
+    const tst::PoisonUnits units;  // every block a unit: no parameter is used outside its block
     auto run = [&] {
       return model->forward(t.at("input.sample"), t.at("input.encoder_hidden_states"),
                             t.at("input.pooled_projections"), t.at("input.timestep"));
@@ -653,6 +657,7 @@ void check_cogvideox_case(const nlohmann::json& c) {
   const auto& t = io.tensors;
   auto model = models::from_pretrained<Model>(golden_transformers() / name);
   model->train();
+  const tst::PoisonUnits units;  // every block a unit: no parameter is used outside its block
   models::CogVideoXConditions cond;
   if (t.contains("input.ofs")) cond.ofs = t.at("input.ofs");
   if (t.contains("input.rotary_cos")) {
@@ -1165,4 +1170,52 @@ TEST(CogVideoXVae, SavedFolderRoundTripsAndLatentsScale) {
     dt::io::save_safetensors(fs::path(dir) / "outputs_cogvideox_vae.safetensors", io);
   }
   dt::io::remove_tree(out);
+}
+
+TEST(Units, InUnitTellsTheOneListenerWhatTheBlockReturned) {
+  struct Recorder final : dt::nn::UnitListener {
+    std::vector<std::size_t> outputs;
+    std::int64_t entered = 0;
+    void enter(const torch::nn::Module& /*unit*/) override { ++entered; }
+    void leave(const torch::nn::Module& /*unit*/, const std::vector<at::Tensor>& o) override {
+      outputs.push_back(o.size());
+    }
+  } recorder, other;
+  torch::nn::Linear block(2, 2);
+  const at::Tensor x = at::ones({1, 2});
+  // Without a listener the block just runs.
+  EXPECT_TRUE(at::equal(dt::nn::in_unit(*block, [&] { return x * 2; }), x * 2));
+  ASSERT_TRUE(dt::nn::listen_to_units(&recorder));
+  EXPECT_FALSE(dt::nn::listen_to_units(&other)) << "one listener per process";
+  // Every defined tensor of a pair, vector or tuple is an output; the result passes through.
+  const auto pair = dt::nn::in_unit(*block, [&] {
+    return std::make_pair(x, std::vector<at::Tensor>{x + 1, at::Tensor(), x + 2});
+  });
+  EXPECT_TRUE(at::equal(pair.second[2], x + 2));
+  (void)dt::nn::in_unit(*block, [&] { return std::make_tuple(x, x, x); });
+  EXPECT_THROW(
+      (void)dt::nn::in_unit(*block, [&]() -> at::Tensor { throw std::runtime_error("!"); }),
+      std::runtime_error);
+  dt::nn::stop_listening_to_units(&other);  // not the listener: changes nothing
+  (void)dt::nn::in_unit(*block, [&] { return x; });
+  dt::nn::stop_listening_to_units(&recorder);
+  (void)dt::nn::in_unit(*block, [&] { return x; });
+  EXPECT_EQ(recorder.entered, 4);
+  EXPECT_EQ(recorder.outputs, (std::vector<std::size_t>{3, 3, 0, 1}))
+      << "a block that threw leaves with no outputs";
+  ASSERT_TRUE(dt::nn::listen_to_units(&other));  // free again
+  dt::nn::stop_listening_to_units(&other);
+}
+
+TEST(Units, TheDiTRunsEveryBlockAsAUnitAndItsFirstAgainForTheFinalModulation) {
+  DiT<GELUTanh> model(small_dit());
+  model->set_class_dropout_prob(0.0);
+  const at::Tensor x = at::randn({2, 4, 8, 8});
+  const at::Tensor t = at::tensor({10, 500});
+  const at::Tensor labels = at::tensor({0, 4}, at::kLong);
+  const at::Tensor plain = model->forward(x, t, labels);
+  const tst::PoisonUnits units;
+  const at::Tensor poisoned = model->forward(x, t, labels);
+  EXPECT_EQ(units.entered(), 3);  // two blocks, and the first again
+  EXPECT_TRUE(at::allclose(plain, poisoned, 1e-6, 1e-6));
 }

@@ -6,7 +6,18 @@
 //            its moments take 1/N of the memory; gradients are averaged by all-reduce as in
 //            DataParallel, and after the step every owner sends the parameters it updated;
 //   stage 2  and the gradients: each bucket of gradients is reduced to the rank that owns it,
-//            and the other ranks drop theirs as soon as they have sent them.
+//            and the other ranks drop theirs as soon as they have sent them;
+//   stage 3  and the parameters during forward and backward (FSDP's fully_shard): the model runs
+//            its blocks as units (nn::in_unit, nn/unit_scope.hpp); a unit's parameters are sent
+//            by their owners to every rank before the unit runs, freed by the others after it
+//            (reshard_after_forward), sent again when backward reaches the unit and freed once
+//            the unit's gradients are in. The next unit's parameters are on the wire while the
+//            current one computes (prefetch, in the order of the last forward and its reverse).
+//            A rank keeps whole only the parameters it owns and those outside every unit, also
+//            between steps (reshard_after_step): what reads the model then (sampling, saving)
+//            takes a whole_parameters() scope on every rank; the trainer takes one for its
+//            checkpoints and its EMA update. Parameters that do not train (a frozen base under
+//            LoRA) are not sharded.
 //
 // Stage 0 is DataParallel itself (every rank keeps everything; c10d's reducer overlaps the
 // all-reduce with backward), so that a program can choose the stage at run time.
@@ -50,9 +61,11 @@
 #include <cstdint>
 #include <deque>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <regex>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -63,11 +76,12 @@
 #include "difftrain/distributed/data_parallel.hpp"
 #include "difftrain/distributed/replicas.hpp"
 #include "difftrain/distributed/world.hpp"
+#include "difftrain/nn/unit_scope.hpp"
 #include "difftrain/train/optimizer.hpp"
 
 namespace difftrain::distributed {
 
-class ShardedDataParallel {
+class ShardedDataParallel : nn::UnitListener {
  public:
   static constexpr std::string_view name = "sharded-data-parallel";
 
@@ -83,28 +97,55 @@ class ShardedDataParallel {
     double bucket_cap_mb = 25.0;
     /// Rank 0's buffers before every forward, as DataParallel.
     bool broadcast_buffers = true;
-    /// Stage 0 only (DataParallel's option): stages 1 and 2 find unused parameters by
+    /// Stage 0 only (DataParallel's option): stages 1 to 3 find unused parameters by
     /// themselves, without a graph search.
     bool find_unused_parameters = false;
     /// Keep this rank's optimizer (its copies of the parameters it owns, their gradients and the
-    /// optimizer's state) in host memory; stages 1 and 2.
+    /// optimizer's state) in host memory; stages 1 to 3.
     bool offload_optimizer = false;
     /// Send each bucket of gradients as soon as backward has produced all of them, while the
     /// rest of backward runs (as DDP's reducer); off: all of them after backward.
     bool overlap_backward = true;
+    /// Stage 3: which of the modules the model runs through nn::in_unit are units, by their
+    /// name in the model (named_modules': "down_blocks.1") and the module; empty: all of them.
+    /// A unit's parameters are those of its module that no unit inside it holds.
+    std::function<bool(const std::string& name, const torch::nn::Module& module)> wrap{};
+    /// Stage 3: free a unit's parameters after its forward (FSDP's reshard_after_forward); off:
+    /// keep them until its backward is done (less communication, the memory of every unit).
+    bool reshard_after_forward = true;
+    /// Stage 3: send the next unit's parameters while the current unit computes.
+    bool prefetch = true;
+    /// Stage 3: between steps too, each rank holds only its own share of the units' parameters
+    /// (and those outside every unit); whatever reads the model between steps (sampling,
+    /// saving) takes a whole_parameters() scope on every rank. Off: every rank holds every
+    /// parameter between steps (stage 2's memory at that point, nothing to take).
+    bool reshard_after_step = true;
   };
+
+  /// Units whose name matches `pattern` (std::regex_match over named_modules' names), for
+  /// Options::wrap: "(down|up)_blocks\\.\\d+|mid_block" or "transformer_blocks\\.\\d+".
+  [[nodiscard]] static std::function<bool(const std::string&, const torch::nn::Module&)>
+  units_named(const std::string& pattern) {
+    return [re = std::regex(pattern)](const std::string& name, const torch::nn::Module&) {
+      return std::regex_match(name, re);
+    };
+  }
+  /// Units whose module is a `M` (a ModuleHolder's Impl, e.g. models::DiTBlockImpl).
+  template <class M>
+  [[nodiscard]] static std::function<bool(const std::string&, const torch::nn::Module&)>
+  units_of_type() {
+    return [](const std::string&, const torch::nn::Module& m) {
+      return dynamic_cast<const M*>(&m) != nullptr;
+    };
+  }
 
   ShardedDataParallel(torch::nn::Module& model, const std::vector<at::Tensor>& params,
                       const Options& o)
       : model_(&model), params_(params), o_(o) {
-    if (o_.stage == 3)
-      throw ConfigError(
-          "is 3 (parameters sharded as well); this version shards the optimizer "
-          "state (1) and the gradients (2)",
-          "ShardedDataParallel options: stage");
-    if (o_.stage < 0 || o_.stage > 2)
+    if (o_.stage < 0 || o_.stage > 3)
       throw ConfigError("is " + std::to_string(o_.stage) +
-                            "; the stages are 0 (replicated, DataParallel), 1 and 2",
+                            "; the stages are 0 (replicated, DataParallel), 1 (optimizer state "
+                            "sharded), 2 (and gradients) and 3 (and parameters)",
                         "ShardedDataParallel options: stage");
     if (!(o_.bucket_cap_mb > 0.0))
       throw ConfigError("must be positive", "ShardedDataParallel options: bucket_cap_mb");
@@ -112,7 +153,7 @@ class ShardedDataParallel {
     for (std::size_t i = 0; i < params_.size(); ++i)
       index_.emplace(params_[i].unsafeGetTensorImpl(), i);
     if (o_.offload_optimizer && o_.stage == 0)
-      throw ConfigError("needs stage 1 or 2 (at stage 0 every rank steps every parameter)",
+      throw ConfigError("needs stage 1, 2 or 3 (at stage 0 every rank steps every parameter)",
                         "ShardedDataParallel options: offload_optimizer");
     if (o_.stage == 0) {
       replicated_ = std::make_unique<DataParallel>(
@@ -144,7 +185,8 @@ class ShardedDataParallel {
       for (const std::size_t i : buckets_[b].params) bucket_of_[i] = b;
     waiting_.assign(buckets_.size(), 0);
     ready_.assign(params_.size(), false);
-    if (!world_->distributed() || !o_.overlap_backward) return;
+    if (o_.stage == 3 && world_->distributed()) listen();
+    if (!world_->distributed() || (!o_.overlap_backward && o_.stage < 3)) return;
     // As the reducer: a hook on each parameter's gradient accumulator says when it is ready.
     for (std::size_t i = 0; i < params_.size(); ++i) {
       auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
@@ -160,7 +202,10 @@ class ShardedDataParallel {
 
   ShardedDataParallel(const ShardedDataParallel&) = delete;
   ShardedDataParallel& operator=(const ShardedDataParallel&) = delete;
-  ~ShardedDataParallel() { *alive_ = false; }  // hooks outliving this object do nothing
+  ~ShardedDataParallel() override {
+    *alive_ = false;  // hooks outliving this object do nothing
+    nn::stop_listening_to_units(this);
+  }
 
   [[nodiscard]] std::int64_t rank() const { return world_->rank(); }
   [[nodiscard]] std::int64_t world_size() const { return world_->size(); }
@@ -169,6 +214,29 @@ class ShardedDataParallel {
 
   /// How many buckets went out while backward was still running, over the run (overlap).
   [[nodiscard]] std::int64_t buckets_sent_during_backward() const { return sent_during_backward_; }
+
+  /// Stage 3: how the parameters travelled, over the run.
+  struct UnitStats {
+    std::int64_t units = 0;       ///< modules that are units
+    std::int64_t gathers = 0;     ///< units whose parameters were sent to every rank
+    std::int64_t prefetched = 0;  ///< of those, sent ahead while another unit computed
+    std::int64_t releases = 0;    ///< units whose parameters were freed on the other ranks
+    /// The most bytes of parameters this rank held during a forward or backward, from the
+    /// second on (the first finds the units, starting from whole weights).
+    std::int64_t peak_parameter_bytes = 0;
+    std::int64_t largest_unit_bytes = 0;  ///< the largest unit, whole
+  };
+  [[nodiscard]] UnitStats unit_stats() const {
+    UnitStats s = stats_;
+    s.units = static_cast<std::int64_t>(units_.size());
+    return s;
+  }
+
+  /// Stage 3 gathers parameters inside forward and backward: every rank must run every one of
+  /// them (the trainer keeps ranks in step even after a non-finite loss).
+  [[nodiscard]] bool communicates_in_passes() const {
+    return o_.stage == 3 && world_->distributed();
+  }
 
   /// The rank whose optimizer steps parameter `i` (an index into the trainer's parameters); -1
   /// at stage 0, where every rank steps every parameter.
@@ -193,6 +261,7 @@ class ShardedDataParallel {
 
   void before_forward(bool sync) {
     if (replicated_) return replicated_->before_forward(sync);
+    if (listening_) begin_pass();
     if (world_->distributed() && o_.broadcast_buffers)
       broadcast_from_rank0(*world_, model_->buffers());
   }
@@ -218,6 +287,7 @@ class ShardedDataParallel {
     world_->guarded("sharing gradients", [&] {
       std::forward<F>(f)();
       reduce_gradients();
+      if (listening_) release_all();  // what backward left gathered (unused parameters)
     });
   }
 
@@ -273,40 +343,103 @@ class ShardedDataParallel {
       if (h.defined()) h.mutable_grad().reset();
   }
 
-  /// Every owner sends the parameters its optimizer updated, bucket by bucket.
+  /// Every owner sends the parameters its optimizer updated, bucket by bucket. At stage 3 the
+  /// other ranks' shares of the units stay with their owners (reshard_after_step), or arrive
+  /// whole as at the other stages.
   void after_optimizer_step() {
     if (replicated_) return;
     at::NoGradGuard no_grad;
     for (std::size_t i = 0; i < host_.size(); ++i)  // the updated host copies back
       if (host_[i].defined()) params_[i].detach().copy_(host_[i], /*non_blocking=*/true);
     if (!world_->distributed()) return;
+    std::unique_lock<std::recursive_mutex> units_lock(unit_mutex_, std::defer_lock);
+    const bool sharded_between = listening_ && o_.reshard_after_step;
+    if (listening_) {
+      units_lock.lock();
+      world_->guarded("freeing parameters after the step", [&] {
+        for (std::size_t u = 0; u < units_.size(); ++u) {
+          release_unit(u);  // what backward left (and a prefetch left over)
+          if (sharded_between) continue;
+          for (const std::size_t i : units_[u].remote) materialize(i);
+          units_[u].gathered = true;
+        }
+      });
+      in_passes_ = false;
+      fresh_ = !sharded_between;
+    }
+    // At stage 3 between steps, only parameters outside every unit travel.
+    const auto travels = [&](std::size_t i) { return !sharded_between || unit_of_param_[i] < 0; };
     world_->guarded("sending updated parameters", [&] {
       pipeline(
           [&](const Bucket& b) {
-            at::Tensor flat;
-            if (b.owner == world_->rank()) {
-              std::vector<at::Tensor> parts;
-              for (const std::size_t i : b.params)
-                parts.push_back(params_[i].detach().reshape({-1}));
-              flat = at::cat(parts);
-            } else {
-              flat = at::empty({b.numel}, params_[b.params.front()].options().requires_grad(false));
+            std::vector<at::Tensor> parts;
+            std::int64_t numel = 0;
+            for (const std::size_t i : b.params) {
+              if (!travels(i)) continue;
+              numel += params_[i].numel();
+              if (b.owner == world_->rank()) parts.push_back(params_[i].detach().reshape({-1}));
             }
+            if (numel == 0) return std::make_pair(c10::intrusive_ptr<c10d::Work>(), at::Tensor());
+            at::Tensor flat =
+                b.owner == world_->rank()
+                    ? at::cat(parts)
+                    : at::empty({numel}, params_[b.params.front()].options().requires_grad(false));
             std::vector<at::Tensor> v{flat};
             c10d::BroadcastOptions bo;
             bo.rootRank = b.owner;
             return std::make_pair(world_->group()->broadcast(v, bo), flat);
           },
           [&](const Bucket& b, const at::Tensor& flat) {
-            if (b.owner == world_->rank()) return;
+            if (b.owner == world_->rank() || !flat.defined()) return;
             std::int64_t at_ = 0;
             for (const std::size_t i : b.params) {
+              if (!travels(i)) continue;
               const at::Tensor& p = params_[i];
-              p.detach().copy_(flat.narrow(0, at_, p.numel()).view(p.sizes()));
+              p.variable_data().copy_(flat.narrow(0, at_, p.numel()).view(p.sizes()));
               at_ += p.numel();
             }
           });
     });
+  }
+
+  /// A step that changed nothing: every parameter as after a step (stage 3 frees parameters in
+  /// forward and backward; the other stages hold them whole throughout).
+  void after_skipped_step() {
+    if (!listening_) return;
+    world_->guarded("gathering parameters after a skipped step", [&] {
+      const std::lock_guard<std::recursive_mutex> lock(unit_mutex_);
+      for (std::size_t u = 0; u < units_.size(); ++u) {
+        if (o_.reshard_after_step)
+          release_unit(u);
+        else
+          finish_gather(u, false);
+      }
+      in_passes_ = false;
+      fresh_ = !o_.reshard_after_step;
+    });
+  }
+
+  /// Every parameter whole on every rank while it lives: for sampling, saving, an EMA update or
+  /// anything else that reads the model between steps at stage 3. Every rank makes one (the
+  /// parameters travel); nothing happens at the other stages or when they are whole already.
+  class WholeParameters {
+   public:
+    explicit WholeParameters(ShardedDataParallel* p) : p_(p) {
+      if (p_ != nullptr && !p_->gather_whole()) p_ = nullptr;
+    }
+    WholeParameters(const WholeParameters&) = delete;
+    WholeParameters& operator=(const WholeParameters&) = delete;
+    WholeParameters(WholeParameters&& o) noexcept : p_(std::exchange(o.p_, nullptr)) {}
+    WholeParameters& operator=(WholeParameters&&) = delete;
+    ~WholeParameters() {
+      if (p_ != nullptr) p_->release_all();
+    }
+
+   private:
+    ShardedDataParallel* p_;
+  };
+  [[nodiscard]] WholeParameters whole_parameters() {
+    return WholeParameters(listening_ && o_.reshard_after_step ? this : nullptr);
   }
 
   /// Bytes this rank holds in parameters, gradients and the optimizer's state (ZeRO's memory
@@ -323,7 +456,9 @@ class ShardedDataParallel {
                          : std::int64_t{0};
     };
     for (const auto& p : params) {
-      m.parameters += bytes(p);
+      // What the parameter holds now: nothing for a share stage 3 has freed.
+      if (p.defined())
+        m.parameters += std::min(bytes(p), static_cast<std::int64_t>(p.storage().nbytes()));
       m.gradients += bytes(p.grad());
     }
     for (const auto& [key, state] : optimizer.state()) {
@@ -397,7 +532,7 @@ class ShardedDataParallel {
     auto finish_one = [&] {
       InFlight f = std::move(flying.front());
       flying.pop_front();
-      f.work->wait(world_->timeout());
+      if (f.work) f.work->wait(world_->timeout());
       receive(*f.bucket, f.buffer);
     };
     for (const Bucket& b : buckets_) {
@@ -425,8 +560,8 @@ class ShardedDataParallel {
       if (p.grad().defined()) {
         flat.narrow(0, at_, p.numel()).copy_(p.grad().reshape({-1}));
         flat[b.numel + static_cast<std::int64_t>(k)] = 1.0;
-        // Stage 2: a gradient this rank does not own is gone once it is packed.
-        if (o_.stage == 2 && b.owner != me) p.mutable_grad().reset();
+        // Stages 2 and 3: a gradient this rank does not own is gone once it is packed.
+        if (o_.stage >= 2 && b.owner != me) p.mutable_grad().reset();
       }
       at_ += p.numel();
     }
@@ -451,7 +586,7 @@ class ShardedDataParallel {
     flying_.pop_front();
     f.work->wait(world_->timeout());
     const Bucket& b = buckets_[f.bucket];
-    if (o_.stage == 2 && b.owner != world_->rank()) return;
+    if (o_.stage >= 2 && b.owner != world_->rank()) return;
     const at::Tensor used = f.buffer.narrow(0, b.numel, static_cast<std::int64_t>(b.params.size()))
                                 .to(at::kCPU, at::kDouble)
                                 .contiguous();
@@ -486,6 +621,7 @@ class ShardedDataParallel {
   void on_gradient(std::size_t i) {
     // The engine may run accumulators of several devices on several threads, as for DDP.
     const std::lock_guard<std::mutex> lock(hook_mutex_);
+    if (listening_) unit_gradient_in(i);
     if (!armed_ || failed_) return;
     try {
       const std::size_t b = bucket_of_[i];
@@ -547,6 +683,291 @@ class ShardedDataParallel {
     }
   }
 
+  // ---- stage 3: units -----------------------------------------------------------------------
+
+  // One broadcast of a unit's parameters owned by one rank (a flat buffer when they are many).
+  struct Gather {
+    std::int64_t owner = 0;
+    std::vector<std::size_t> params;
+    c10::intrusive_ptr<c10d::Work> work;
+    at::Tensor flat;  // undefined: the parameter itself travelled
+  };
+  struct Unit {
+    const torch::nn::Module* module = nullptr;
+    std::string name;
+    std::vector<std::size_t> params;  // indices into params_, owned by any rank
+    std::vector<std::size_t> remote;  // those another rank owns: freed here between uses
+    std::int64_t whole_bytes = 0;
+    bool gathered = true;         // every rank holds all of its parameters
+    bool in_backward = false;     // backward reached it in this pass
+    std::int64_t waiting = 0;     // its gradients not yet in, in this backward
+    std::vector<Gather> gathers;  // on the wire
+  };
+
+  void listen() {
+    for (const auto& item : model_->named_modules("", /*include_self=*/false))
+      module_names_.emplace(item.value().get(), item.key());
+    unit_of_param_.assign(params_.size(), -1);
+    arrived_.assign(params_.size(), false);
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      const at::Tensor& p = params_[i];
+      const auto& storage = p.storage();
+      if (p.storage_offset() != 0 || !p.is_contiguous() ||
+          storage.nbytes() != static_cast<std::size_t>(p.numel() * p.element_size()))
+        throw ConfigError("parameter " + std::to_string(i) +
+                              " is a view into a larger tensor; stage 3 frees each parameter's "
+                              "memory on its own and needs parameters that own theirs",
+                          "ShardedDataParallel options: stage");
+      resident_bytes_ += static_cast<std::int64_t>(storage.nbytes());
+    }
+    if (!nn::listen_to_units(this))
+      throw ConfigError(
+          "is 3, but another stage-3 ShardedDataParallel in this process listens to the "
+          "model's units already (one per process)",
+          "ShardedDataParallel options: stage");
+    listening_ = true;
+  }
+
+  // The unit `m` is, or none: decided at its first entry, the same on every rank.
+  std::optional<std::size_t> unit_for(const torch::nn::Module& m) {
+    if (const auto it = unit_of_module_.find(&m); it != unit_of_module_.end()) return it->second;
+    std::optional<std::size_t> found;
+    const auto named = module_names_.find(&m);
+    if (named != module_names_.end() && (!o_.wrap || o_.wrap(named->second, m))) {
+      Unit u;
+      u.module = &m;
+      u.name = named->second;
+      for (const at::Tensor& q : m.parameters(/*recurse=*/true)) {
+        const auto at_ = index_.find(q.unsafeGetTensorImpl());
+        if (at_ == index_.end() || unit_of_param_[at_->second] >= 0) continue;
+        const std::size_t i = at_->second;
+        unit_of_param_[i] = static_cast<std::int64_t>(units_.size());
+        u.params.push_back(i);
+        if (owner_[i] != world_->rank()) u.remote.push_back(i);
+        u.whole_bytes += params_[i].numel() * static_cast<std::int64_t>(params_[i].element_size());
+      }
+      stats_.largest_unit_bytes = std::max(stats_.largest_unit_bytes, u.whole_bytes);
+      if (!u.params.empty()) {
+        found = units_.size();
+        units_.push_back(std::move(u));
+      }
+    }
+    unit_of_module_.emplace(&m, found);
+    return found;
+  }
+
+  c10::StorageImpl* storage_of(std::size_t i) {
+    return params_[i].unsafeGetTensorImpl()->storage().unsafeGetStorageImpl();
+  }
+  void materialize(std::size_t i) {
+    c10::StorageImpl* s = storage_of(i);
+    if (s->nbytes() != 0) return;
+    const auto n = static_cast<std::size_t>(params_[i].numel() * params_[i].element_size());
+    s->set_data_ptr_noswap(s->allocator()->allocate(n));
+    s->set_nbytes(n);
+    resident_bytes_ += static_cast<std::int64_t>(n);
+    if (in_passes_ && !units_.empty())
+      stats_.peak_parameter_bytes = std::max(stats_.peak_parameter_bytes, resident_bytes_);
+  }
+  void release(std::size_t i) {
+    c10::StorageImpl* s = storage_of(i);
+    resident_bytes_ -= static_cast<std::int64_t>(s->nbytes());
+    s->set_data_ptr_noswap(at::DataPtr(nullptr, params_[i].device()));
+    s->set_nbytes(0);
+  }
+
+  // Puts unit u's parameters on the wire (nothing when they are whole or already travelling):
+  // each owner sends its share, one broadcast per owner, in the same order on every rank.
+  void start_gather(std::size_t u, bool ahead) {
+    Unit& unit = units_[u];
+    if (unit.gathered || !unit.gathers.empty()) return;
+    at::NoGradGuard no_grad;
+    for (const std::size_t i : unit.remote) materialize(i);
+    const std::int64_t me = world_->rank();
+    for (std::size_t k = 0; k < unit.params.size();) {
+      Gather g;
+      g.owner = owner_[unit.params[k]];
+      while (k < unit.params.size() && owner_[unit.params[k]] == g.owner)
+        g.params.push_back(unit.params[k++]);
+      c10d::BroadcastOptions bo;
+      bo.rootRank = g.owner;
+      std::vector<at::Tensor> v;
+      if (g.params.size() == 1) {
+        v.push_back(params_[g.params.front()].variable_data());
+      } else {
+        std::int64_t numel = 0;
+        std::vector<at::Tensor> parts;
+        for (const std::size_t i : g.params) {
+          numel += params_[i].numel();
+          if (g.owner == me) parts.push_back(params_[i].variable_data().reshape({-1}));
+        }
+        g.flat = g.owner == me
+                     ? at::cat(parts)
+                     : at::empty({numel}, params_[g.params.front()].options().requires_grad(false));
+        v.push_back(g.flat);
+      }
+      g.work = world_->group()->broadcast(v, bo);
+      unit.gathers.push_back(std::move(g));
+    }
+    ++stats_.gathers;
+    if (ahead) ++stats_.prefetched;
+  }
+
+  // Unit u's parameters whole on this rank (waiting for what is on the wire).
+  void finish_gather(std::size_t u, bool ahead) {
+    start_gather(u, ahead);
+    Unit& unit = units_[u];
+    if (unit.gathered) return;
+    at::NoGradGuard no_grad;
+    const std::int64_t me = world_->rank();
+    for (Gather& g : unit.gathers) {
+      g.work->wait(world_->timeout());
+      if (!g.flat.defined() || g.owner == me) continue;
+      std::int64_t at_ = 0;
+      for (const std::size_t i : g.params) {
+        const at::Tensor& p = params_[i];
+        p.variable_data().copy_(g.flat.narrow(0, at_, p.numel()).view(p.sizes()));
+        at_ += p.numel();
+      }
+    }
+    unit.gathers.clear();
+    unit.gathered = true;
+  }
+
+  // The other ranks' parameters of unit u freed here.
+  void release_unit(std::size_t u) {
+    Unit& unit = units_[u];
+    for (auto& g : unit.gathers) g.work->wait(world_->timeout());  // never free what is arriving
+    unit.gathers.clear();
+    unit.in_backward = false;
+    if (!unit.gathered) return;
+    for (const std::size_t i : unit.remote) release(i);
+    unit.gathered = false;
+    ++stats_.releases;
+  }
+
+  void release_all() {
+    const std::lock_guard<std::recursive_mutex> lock(unit_mutex_);
+    for (std::size_t u = 0; u < units_.size(); ++u) release_unit(u);
+  }
+
+  // Every unit whole (WholeParameters); false when they were whole already.
+  bool gather_whole() {
+    const std::lock_guard<std::recursive_mutex> lock(unit_mutex_);
+    bool any = false;
+    world_->guarded("gathering every parameter", [&] {
+      for (std::size_t u = 0; u < units_.size(); ++u) {
+        any = any || !units_[u].gathered;
+        finish_gather(u, false);
+      }
+    });
+    return any;
+  }
+
+  // Before each forward: what the last backward left gathered is freed (except at a step's
+  // first forward, where every parameter is whole from the step before and each unit is freed
+  // as it is done with).
+  void begin_pass() {
+    const std::lock_guard<std::recursive_mutex> lock(unit_mutex_);
+    world_->guarded("freeing parameters", [&] {
+      if (!fresh_) release_all();
+    });
+    fresh_ = false;
+    in_passes_ = true;
+    // The first forward finds the units, on weights whole as they were loaded: counted after it.
+    if (!units_.empty())
+      stats_.peak_parameter_bytes = std::max(stats_.peak_parameter_bytes, resident_bytes_);
+    for (Unit& u : units_) u.in_backward = false;
+    previous_order_ = std::move(order_);
+    order_.clear();
+  }
+
+  // The unit to send ahead. In forward: the one that came after this entry in the last forward
+  // (entries are counted, since a unit may run twice). In backward: the one before the last entry
+  // of `u` in this forward, whose backward comes next.
+  std::optional<std::size_t> neighbour(std::size_t u, bool forward) const {
+    if (forward) {
+      const std::size_t pos = order_.size() - 1;  // this entry
+      if (pos + 1 < previous_order_.size() && previous_order_[pos] == u)
+        return previous_order_[pos + 1];
+      return std::nullopt;
+    }
+    for (std::size_t k = order_.size(); k-- > 0;)
+      if (order_[k] == u) return k > 0 ? std::optional<std::size_t>(order_[k - 1]) : std::nullopt;
+    return std::nullopt;
+  }
+
+  // Outside a training step's forward and backward (sampling, validation: maybe on one rank
+  // alone) nothing travels: a unit runs as it is if it is whole, and one that is not is an error
+  // that says what to do (a rank alone cannot gather). Units are found in steps only, so that
+  // every rank has the same ones in the same order.
+  void enter(const torch::nn::Module& m) override {
+    const std::lock_guard<std::recursive_mutex> lock(unit_mutex_);
+    if (!in_passes_) {
+      const auto it = unit_of_module_.find(&m);
+      if (it != unit_of_module_.end() && it->second && !units_[*it->second].gathered)
+        throw ConfigError(
+            "runs outside a training step while stage 3 holds only this rank's share of its "
+            "parameters; take trainer.whole_parameters() on every rank first (or set "
+            "reshard_after_step = false)",
+            "ShardedDataParallel: " + units_[*it->second].name);
+      return;
+    }
+    const auto u = unit_for(m);
+    if (!u) return;
+    order_.push_back(*u);
+    world_->guarded("gathering the parameters of " + units_[*u].name, [&] {
+      finish_gather(*u, false);
+      if (!o_.prefetch) return;
+      if (const auto n = neighbour(*u, true); n && *n != *u) start_gather(*n, true);
+    });
+  }
+
+  void leave(const torch::nn::Module& m, const std::vector<at::Tensor>& outputs) override {
+    const std::lock_guard<std::recursive_mutex> lock(unit_mutex_);
+    if (!in_passes_) return;
+    const auto it = unit_of_module_.find(&m);
+    if (it == unit_of_module_.end() || !it->second) return;
+    const std::size_t u = *it->second;
+    bool backward_comes = false;
+    for (const at::Tensor& t : outputs) {
+      if (!t.requires_grad()) continue;
+      backward_comes = true;
+      at::Tensor(t).register_hook([this, u, alive = alive_](const at::Tensor& /*grad*/) {
+        if (*alive) before_unit_backward(u);
+      });
+    }
+    if (units_[u].in_backward) return;  // recomputed inside backward: needed right after
+    if (o_.reshard_after_forward || !backward_comes)
+      world_->guarded("freeing the parameters of " + units_[u].name, [&] { release_unit(u); });
+  }
+
+  // From the autograd engine: a gradient reached an output of unit u, so its backward is next.
+  void before_unit_backward(std::size_t u) {
+    const std::lock_guard<std::recursive_mutex> lock(unit_mutex_);
+    Unit& unit = units_[u];
+    if (unit.in_backward) return;
+    world_->guarded("gathering the parameters of " + unit.name + " for backward", [&] {
+      finish_gather(u, false);
+      if (o_.prefetch)
+        if (const auto n = neighbour(u, false); n && *n != u) start_gather(*n, true);
+    });
+    unit.in_backward = true;
+    unit.waiting = static_cast<std::int64_t>(unit.params.size());
+    for (const std::size_t i : unit.params) arrived_[i] = false;
+  }
+
+  // Parameter i's gradient is in: its unit is freed once all of them are.
+  void unit_gradient_in(std::size_t i) {
+    const std::lock_guard<std::recursive_mutex> lock(unit_mutex_);
+    const std::int64_t u = unit_of_param_[i];
+    if (u < 0) return;
+    Unit& unit = units_[static_cast<std::size_t>(u)];
+    if (!unit.in_backward || arrived_[i]) return;
+    arrived_[i] = true;
+    if (--unit.waiting == 0) release_unit(static_cast<std::size_t>(u));
+  }
+
   torch::nn::Module* model_;
   std::vector<at::Tensor> params_;
   Options o_;
@@ -574,6 +995,19 @@ class ShardedDataParallel {
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
   std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
   std::mutex hook_mutex_;
+  // stage 3
+  bool listening_ = false;
+  std::recursive_mutex unit_mutex_;
+  std::unordered_map<const torch::nn::Module*, std::string> module_names_;
+  std::unordered_map<const torch::nn::Module*, std::optional<std::size_t>> unit_of_module_;
+  std::vector<Unit> units_;
+  std::vector<std::int64_t> unit_of_param_;  // -1: outside every unit (always whole)
+  std::vector<bool> arrived_;
+  std::vector<std::size_t> order_, previous_order_;  // units entered, this forward and the last
+  bool fresh_ = true;       // every parameter whole (a step's first forward comes)
+  bool in_passes_ = false;  // between a step's first forward and its optimizer step
+  std::int64_t resident_bytes_ = 0;
+  UnitStats stats_;
 };
 
 }  // namespace difftrain::distributed

@@ -213,6 +213,16 @@ class World {
     run("barrier", [&] { return group_->barrier(); });
   }
 
+  /// Runs `f` on rank 0, then on the other ranks once rank 0 has finished (what rank 0 writes,
+  /// a cache, the others then find). A rank 0 that fails leaves the others waiting until the
+  /// timeout, which ends them with a DistributedError.
+  template <class F>
+  void rank0_first(F&& f) const {
+    if (!is_main()) barrier();
+    std::forward<F>(f)();
+    if (is_main()) barrier();
+  }
+
   /// Runs `f`; a failure of the group in it (a c10d or Gloo error) becomes a DistributedError
   /// naming `what` and this rank. difftrain's own errors pass through unchanged.
   template <class F>

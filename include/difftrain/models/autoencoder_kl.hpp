@@ -87,31 +87,9 @@ struct AutoencoderKLConfig {
   bool mid_block_add_attention = true;
 
   void resolve(const std::string& where) {
-    const std::size_t n = block_out_channels.size();
-    if (n == 0) throw ConfigError("'block_out_channels' is empty", where);
-    if (down_block_types.size() != n || up_block_types.size() != n)
-      throw ConfigError(
-          "'down_block_types' and 'up_block_types' need one entry per "
-          "'block_out_channels' entry (" +
-              std::to_string(n) + ")",
-          where);
-    for (const auto& t : down_block_types)
-      if (t != "DownEncoderBlock2D")
-        throw ConfigError("'down_block_types' has \"" + t +
-                              "\", which difftrain does not build (DownEncoderBlock2D)",
-                          where);
-    for (const auto& t : up_block_types)
-      if (t != "UpDecoderBlock2D")
-        throw ConfigError(
-            "'up_block_types' has \"" + t + "\", which difftrain does not build (UpDecoderBlock2D)",
-            where);
-    // Every size in range before anything divides by one or allocates with one.
-    check_conv_model_sizes("block_out_channels", n, in_channels, out_channels, norm_num_groups,
-                           block_out_channels, where);
-    check_config_range("latent_channels", latent_channels, 1, ConfigLimits::channels, where);
-    check_config_range("layers_per_block", layers_per_block, 1, ConfigLimits::layers, where);
-    if (!std::isfinite(scaling_factor) || scaling_factor == 0.0)
-      throw ConfigError("'scaling_factor' must be finite and non-zero", where);
+    check_vae_config(block_out_channels, down_block_types, up_block_types, "DownEncoderBlock2D",
+                     "UpDecoderBlock2D", in_channels, out_channels, norm_num_groups,
+                     latent_channels, layers_per_block, scaling_factor, where);
   }
 
   /// What this config implies about a weight file: block and layer counts, and the convolutions

@@ -73,28 +73,11 @@ struct AutoencoderKLCogVideoXConfig {
   }
 
   void resolve(const std::string& where) {
+    check_vae_config(block_out_channels, down_block_types, up_block_types,
+                     std::string(down_block_type), std::string(up_block_type), in_channels,
+                     out_channels, norm_num_groups, latent_channels, layers_per_block,
+                     scaling_factor, where);
     const std::size_t n = block_out_channels.size();
-    if (n == 0) throw ConfigError("'block_out_channels' is empty", where);
-    if (down_block_types.size() != n || up_block_types.size() != n)
-      throw ConfigError(
-          "'down_block_types' and 'up_block_types' need one entry per "
-          "'block_out_channels' entry (" +
-              std::to_string(n) + ")",
-          where);
-    for (const auto& t : down_block_types)
-      if (t != down_block_type)
-        throw ConfigError("'down_block_types' has \"" + t + "\"; diffusers builds only " +
-                              std::string(down_block_type),
-                          where);
-    for (const auto& t : up_block_types)
-      if (t != up_block_type)
-        throw ConfigError("'up_block_types' has \"" + t + "\"; diffusers builds only " +
-                              std::string(up_block_type),
-                          where);
-    check_conv_model_sizes("block_out_channels", n, in_channels, out_channels, norm_num_groups,
-                           block_out_channels, where);
-    check_config_range("latent_channels", latent_channels, 1, ConfigLimits::channels, where);
-    check_config_range("layers_per_block", layers_per_block, 1, ConfigLimits::layers, where);
     if (!(norm_eps > 0.0) || !std::isfinite(norm_eps))
       throw ConfigError("'norm_eps' must be positive and finite", where);
     // diffusers truncates log2 silently (3 would compress by 2) and compresses at most once per
@@ -112,8 +95,6 @@ struct AutoencoderKLCogVideoXConfig {
                         where);
     check_config_range("sample_height", sample_height, 1, ConfigLimits::spatial, where);
     check_config_range("sample_width", sample_width, 1, ConfigLimits::spatial, where);
-    if (!std::isfinite(scaling_factor) || scaling_factor == 0.0)
-      throw ConfigError("'scaling_factor' must be finite and non-zero", where);
     // diffusers sizes quant_conv from out_channels but runs it on the encoder's 2·latent_channels.
     if (use_quant_conv && out_channels != latent_channels)
       throw ConfigError("'use_quant_conv' with out_channels " + std::to_string(out_channels) +

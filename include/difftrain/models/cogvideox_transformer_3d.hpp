@@ -48,6 +48,7 @@
 #include "difftrain/nn/attention/sdpa.hpp"
 #include "difftrain/nn/blocks/checkpoint.hpp"
 #include "difftrain/nn/layers/adaptable.hpp"
+#include "difftrain/nn/unit_scope.hpp"
 
 namespace difftrain::models {
 
@@ -741,9 +742,11 @@ class CogVideoXTransformer3DModelImpl : public torch::nn::Module {
         auto [v, c] = impl->forward(in[0], in[1], in[2], cos, sin);
         return at::cat({c, v}, 1);
       };
-      const at::Tensor both = checkpointing_ && is_training()
-                                  ? nn::checkpoint(body, {video, context, emb}, block->parameters())
-                                  : body({video, context, emb});
+      const at::Tensor both = nn::in_unit(*block, [&] {
+        return checkpointing_ && is_training()
+                   ? nn::checkpoint(body, {video, context, emb}, block->parameters())
+                   : body({video, context, emb});
+      });
       context = both.slice(1, 0, l);
       video = both.slice(1, l);
     }

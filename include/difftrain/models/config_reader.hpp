@@ -5,11 +5,13 @@
 // the file describes). Fields starting with "_" (`_class_name`, `_diffusers_version`, ...) are
 // bookkeeping and always accepted.
 
+#include <cmath>
 #include <cstdint>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -86,6 +88,41 @@ inline void check_conv_model_sizes(const std::string& blocks_field, std::size_t 
                             " is not a positive multiple of norm_num_groups " +
                             std::to_string(norm_num_groups),
                         where);
+}
+
+/// What every diffusers VAE config states (AutoencoderKL, CogVideoX's): one down and one up block
+/// per `block_out_channels` entry, each of the one type the model builds, every size in range
+/// (check_conv_model_sizes, latent_channels, layers_per_block) and a usable scaling factor.
+inline void check_vae_config(const std::vector<std::int64_t>& block_out_channels,
+                             const std::vector<std::string>& down_block_types,
+                             const std::vector<std::string>& up_block_types,
+                             const std::string& down_type, const std::string& up_type,
+                             std::int64_t in_channels, std::int64_t out_channels,
+                             std::int64_t norm_num_groups, std::int64_t latent_channels,
+                             std::int64_t layers_per_block, double scaling_factor,
+                             const std::string& where) {
+  const std::size_t n = block_out_channels.size();
+  if (n == 0) throw ConfigError("'block_out_channels' is empty", where);
+  if (down_block_types.size() != n || up_block_types.size() != n)
+    throw ConfigError(
+        "'down_block_types' and 'up_block_types' need one entry per 'block_out_channels' entry (" +
+            std::to_string(n) + ")",
+        where);
+  for (const auto& [field, types, want] :
+       {std::tuple{"down_block_types", &down_block_types, &down_type},
+        std::tuple{"up_block_types", &up_block_types, &up_type}})
+    for (const auto& t : *types)
+      if (t != *want)
+        throw ConfigError(std::string("'") + field + "' has \"" + t + "\"; difftrain builds only " +
+                              *want + " here",
+                          where);
+  // Every size in range before anything divides by one or allocates with one.
+  check_conv_model_sizes("block_out_channels", n, in_channels, out_channels, norm_num_groups,
+                         block_out_channels, where);
+  check_config_range("latent_channels", latent_channels, 1, ConfigLimits::channels, where);
+  check_config_range("layers_per_block", layers_per_block, 1, ConfigLimits::layers, where);
+  if (!std::isfinite(scaling_factor) || scaling_factor == 0.0)
+    throw ConfigError("'scaling_factor' must be finite and non-zero", where);
 }
 
 /// What a config implies about its weights, compared with the weights' names and shapes before the

@@ -45,6 +45,7 @@
 #include "difftrain/nn/attention/sdpa.hpp"
 #include "difftrain/nn/blocks/checkpoint.hpp"
 #include "difftrain/nn/blocks/cross_attention.hpp"
+#include "difftrain/nn/unit_scope.hpp"
 
 namespace difftrain::models {
 
@@ -382,11 +383,15 @@ class DiTTransformer2DModelImpl : public torch::nn::Module {
       auto body = [impl = block.ptr(), projected, labels](const std::vector<at::Tensor>& in) {
         return impl->forward(in[0], projected, labels);
       };
-      x = checkpointing_ && is_training() ? nn::checkpoint(body, {x}, block->parameters())
-                                          : body({x});
+      x = nn::in_unit(*block, [&] {
+        return checkpointing_ && is_training() ? nn::checkpoint(body, {x}, block->parameters())
+                                               : body({x});
+      });
     }
-    const at::Tensor cond =
-        blocks_.front()->norm1->emb->forward(projected, labels, x.scalar_type());
+    // diffusers takes the final modulation from the first block's embedding: its unit again.
+    const at::Tensor cond = nn::in_unit(*blocks_.front(), [&] {
+      return blocks_.front()->norm1->emb->forward(projected, labels, x.scalar_type());
+    });
     const auto ss = proj_out_1->forward(at::silu(cond)).chunk(2, 1);
     x = norm_out->forward(x) * (1 + ss[1].unsqueeze(1)) + ss[0].unsqueeze(1);
     x = proj_out_2->forward(x);

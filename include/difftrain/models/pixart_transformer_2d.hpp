@@ -40,6 +40,7 @@
 #include "difftrain/nn/attention/sdpa.hpp"
 #include "difftrain/nn/blocks/checkpoint.hpp"
 #include "difftrain/nn/blocks/cross_attention.hpp"
+#include "difftrain/nn/unit_scope.hpp"
 
 namespace difftrain::models {
 
@@ -454,9 +455,11 @@ class PixArtTransformer2DModelImpl : public torch::nn::Module {
       auto body = [impl = block.ptr(), text_bias](const std::vector<at::Tensor>& in) {
         return impl->forward(in[0], in[1], in[2], text_bias);
       };
-      x = checkpointing_ && is_training()
-              ? nn::checkpoint(body, {x, modulation, context}, block->parameters())
-              : body({x, modulation, context});
+      x = nn::in_unit(*block, [&] {
+        return checkpointing_ && is_training()
+                   ? nn::checkpoint(body, {x, modulation, context}, block->parameters())
+                   : body({x, modulation, context});
+      });
     }
     const auto ss = (scale_shift_table.unsqueeze(0) + embedded.unsqueeze(1)).chunk(2, 1);
     x = norm_out->forward(x) * (1 + ss[1]) + ss[0];

@@ -45,6 +45,7 @@
 #include "difftrain/nn/attention/sdpa.hpp"
 #include "difftrain/nn/blocks/checkpoint.hpp"
 #include "difftrain/nn/layers/adaptable.hpp"
+#include "difftrain/nn/unit_scope.hpp"
 
 namespace difftrain::models {
 
@@ -486,9 +487,11 @@ class SD3Transformer2DModelImpl : public torch::nn::Module {
         auto [t_out, x_out] = impl->forward(in[0], in[1], in[2]);
         return t_out.defined() ? at::cat({x_out, t_out}, 1) : x_out;
       };
-      const at::Tensor both = checkpointing_ && is_training()
-                                  ? nn::checkpoint(body, {x, context, temb}, block->parameters())
-                                  : body({x, context, temb});
+      const at::Tensor both = nn::in_unit(*block, [&] {
+        return checkpointing_ && is_training()
+                   ? nn::checkpoint(body, {x, context, temb}, block->parameters())
+                   : body({x, context, temb});
+      });
       const std::int64_t n = x.size(1);
       x = both.slice(1, 0, n);
       context = last ? at::Tensor() : both.slice(1, n);

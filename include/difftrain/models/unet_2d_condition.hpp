@@ -32,6 +32,7 @@
 #include "difftrain/models/config_reader.hpp"
 #include "difftrain/models/embeddings.hpp"
 #include "difftrain/models/unet_blocks.hpp"
+#include "difftrain/nn/unit_scope.hpp"
 
 namespace difftrain::models {
 
@@ -596,14 +597,27 @@ class UNet2DConditionModelImpl : public torch::nn::Module {
 
     at::Tensor h = conv_in->forward(sample);
     std::vector<at::Tensor> skips{h};
-    for (auto& d : down_) h = d->forward(h, emb, encoder_hidden_states, &skips, mask);
-    if (mid_block) h = mid_block->forward(h, emb, encoder_hidden_states, mask);
+    // Each block is a unit (nn/unit_scope.hpp); a down block's outputs include its skips.
+    for (auto& d : down_) {
+      const std::size_t before = skips.size();
+      h = nn::in_unit(*d, [&] {
+            at::Tensor out = d->forward(h, emb, encoder_hidden_states, &skips, mask);
+            return std::make_pair(
+                out, std::vector<at::Tensor>(skips.begin() + static_cast<std::ptrdiff_t>(before),
+                                             skips.end()));
+          }).first;
+    }
+    if (mid_block)
+      h = nn::in_unit(*mid_block,
+                      [&] { return mid_block->forward(h, emb, encoder_hidden_states, mask); });
     for (std::size_t i = 0; i < up_.size(); ++i) {
       std::optional<std::vector<std::int64_t>> size;
       const std::size_t take = up_[i]->num_resnets();
       if (i + 1 < up_.size() && forward_upsample_size)
         size = skips[skips.size() - take - 1].sizes().slice(2).vec();
-      h = up_[i]->forward(h, emb, encoder_hidden_states, &skips, size, mask);
+      h = nn::in_unit(*up_[i], [&] {
+        return up_[i]->forward(h, emb, encoder_hidden_states, &skips, size, mask);
+      });
     }
     h = Act::forward(conv_norm_out->forward(h), typename Act::Options{});
     return conv_out->forward(h);

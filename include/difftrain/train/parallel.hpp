@@ -64,6 +64,8 @@ concept ParallelPolicy = requires {
 ///                           unscale and check
 ///   sum_across(t), max_across(t)   combine a small CPU tensor over the ranks, in place
 ///   after_optimizer_step()  every rank holds every updated parameter again
+///   after_skipped_step()    every rank holds every parameter again, the step having changed
+///                           none (stage 3 frees parameters during forward and backward)
 ///   zero_grad()             drops every gradient this rank holds (its optimizer's and others')
 ///   stage()                 the ZeRO stage, recorded in checkpoints
 template <class P>
@@ -74,6 +76,7 @@ concept ShardingParallel = ParallelPolicy<P> &&
   p.sum_across(t);
   p.max_across(t);
   p.after_optimizer_step();
+  p.after_skipped_step();
   p.zero_grad();
   { cp.stage() } -> std::convertible_to<int>;
 };

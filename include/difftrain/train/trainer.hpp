@@ -158,6 +158,15 @@ enum class NanPolicy {
 };
 
 namespace trainer_detail {
+
+/// What Trainer::whole_parameters returns where the parameters are always whole (a scope like
+/// the others: not trivially destructible, so holding one is no unused variable).
+struct AlwaysWhole {
+  AlwaysWhole() = default;
+  AlwaysWhole(const AlwaysWhole&) = default;
+  AlwaysWhole& operator=(const AlwaysWhole&) = default;
+  ~AlwaysWhole() {}  // NOLINT(modernize-use-equals-default)
+};
 // AnySchedule is the value a schedule chosen at run time becomes, not a policy type: a trainer
 // given it is told which policy does that job, before the generic "has no name".
 template <class S>
@@ -410,6 +419,7 @@ class Trainer {
     }
     if (bad) {
       zero_grads();
+      if constexpr (sharded) parallel_->after_skipped_step();  // every rank agreed to skip
       ++nonfinite_;
       const bool here = !step_bad_agreed_only_;
       if (o_.on_nan == NanPolicy::stop)
@@ -442,12 +452,16 @@ class Trainer {
       // Every rank skips the same steps (the overflow flags were combined), so every rank takes
       // part in sending the parameters it updated, or none does.
       RECORD_USER_SCOPE("difftrain::gather_parameters");
-      if (info.stepped) parallel_->after_optimizer_step();
+      if (info.stepped)
+        parallel_->after_optimizer_step();
+      else
+        parallel_->after_skipped_step();  // whole again for EMA, callbacks and checkpoints
     }
     if (info.stepped) {
       scheduler_->step();
       if constexpr (has_ema) {
         RECORD_USER_SCOPE("difftrain::ema_update");
+        const auto whole = whole_parameters();
         ema_->update();
       }
       ++step_;
@@ -502,6 +516,15 @@ class Trainer {
   [[nodiscard]] torch::optim::Optimizer& optimizer() { return *optimizer_; }
   /// The Config::Parallel policy this trainer shares its steps through.
   [[nodiscard]] ParallelT& parallel() { return *parallel_; }
+  /// Every parameter whole on every rank while the returned scope lives. Stage 3 of
+  /// ShardedDataParallel keeps only a share of them on each rank between steps: sampling,
+  /// saving or reading the model then takes one, on every rank. Free under other policies.
+  [[nodiscard]] auto whole_parameters() {
+    if constexpr (requires(ParallelT & p) { p.whole_parameters(); })
+      return parallel_->whole_parameters();
+    else
+      return trainer_detail::AlwaysWhole{};
+  }
   [[nodiscard]] schedule::LrScheduler<ScheduleT>& scheduler() { return *scheduler_; }
   [[nodiscard]] GradScaler& scaler() { return scaler_; }
   [[nodiscard]] const std::vector<ParamGroup>& param_groups() const { return groups_; }
@@ -787,6 +810,7 @@ class Trainer {
   /// In a distributed run every rank calls it (the state gathers each rank's generator); rank 0
   /// writes and the others wait until it has, and learn whether it could.
   void save_checkpoint(const std::filesystem::path& path) {
+    const auto whole = whole_parameters();
     if (!all_finite())
       throw NumericError(
           "the model holds non-finite weights; not saving them over a good checkpoint",
@@ -1019,8 +1043,11 @@ class Trainer {
 
   // Applies a state every rank agreed on, then rank 0's weights everywhere and on_resume.
   void resume_from(const CheckedState& checked) {
-    apply_state(checked);
-    parallel_->start();
+    {
+      const auto whole = whole_parameters();
+      apply_state(checked);
+      parallel_->start();
+    }
     call([&](auto& cb) {
       if constexpr (requires { cb.on_resume(*this); }) cb.on_resume(*this);
     });
@@ -1283,9 +1310,9 @@ class Trainer {
 
   // `sync`: the step's last backward. With several ranks, before it the ranks agree that every
   // loss of the step was finite; a rank that already saw a non-finite one computes nothing more
-  // until then.
+  // until then (unless the policy communicates inside forward and backward: see lockstep).
   double backward_one(const Batch& b, double weight, bool sync, LossSlot slot) {
-    if (step_bad_) {
+    if (step_bad_ && !lockstep()) {
       if (sync) (void)parallel_->all_ok(false);
       return std::nan("");
     }
@@ -1329,8 +1356,10 @@ class Trainer {
     }
     const double value = loss.detach().item<double>();
     step_bad_agreed_only_ = false;
-    if (!std::isfinite(value)) {
-      step_bad_ = true;
+    if (!std::isfinite(value)) step_bad_ = true;
+    if (step_bad_) {
+      // Its gradients are dropped with the step; the backward only meets the other ranks'.
+      if (lockstep() && !sync) scaled_backward(loss, weight);
       if (sync) (void)parallel_->all_ok(false);
       return value;
     }
@@ -1350,6 +1379,17 @@ class Trainer {
       scaled_backward(loss, weight);
     });
     return value;
+  }
+
+  // Whether every rank must run every forward and backward of a step, even after a non-finite
+  // loss: the policy communicates inside them (stage 3 gathers parameters unit by unit).
+  [[nodiscard]] bool lockstep() const {
+    if constexpr (requires(const ParallelT& p) {
+                    { p.communicates_in_passes() } -> std::convertible_to<bool>;
+                  })
+      return parallel_->communicates_in_passes();
+    else
+      return false;
   }
 
   // backward of loss * weight (* the gradient scale): without a scaler the weight enters as the
