@@ -36,6 +36,12 @@
 //                tensorboard/, validation/ (images, or every frame of each video, of
 //                --validation_prompt), validation.png and results.json.
 // Ctrl-C stops after the current step and saves a checkpoint.
+//
+// Under torchrun (`torchrun --nproc-per-node N --no-python finetune_transformer ...`) every rank
+// trains on its own batches (rank r takes batches r, r + N, ... of the epoch order), the
+// gradients are averaged, and --sharding 1|2|3 shards the optimizer state, the gradients and the
+// trained parameters (each transformer block a unit) as ZeRO and FSDP do; rank 0 validates and
+// writes the outputs.
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <CLI/CLI.hpp>
@@ -74,6 +80,7 @@
 #include "../common/scheduler_config.hpp"
 #include "../common/sd_pipeline.hpp"
 #include "../common/sd_run.hpp"
+#include "../common/sd_torchrun.hpp"
 
 namespace {
 namespace dt = difftrain;
@@ -91,7 +98,7 @@ using Transformer = models::SD3Transformer2DModel<>;
 using Clip = models::CLIPTextModel<>;
 using T5 = models::T5EncoderModel<>;
 
-struct Settings : SdRunFlags, ImageFolderFlags, LoraFlags {
+struct Settings : SdRunFlags, ImageFolderFlags, LoraFlags, TorchrunFlags {
   std::string weighting_scheme = "logit_normal";
   double logit_mean = 0.0, logit_std = 1.0, mode_scale = 1.29;
   bool precondition_outputs = true;
@@ -270,6 +277,9 @@ struct Sd3Config : tr::DefaultConfig {
   using Precision = tr::PrecisionByName;  // --mixed_precision
   using Schedule = dt::schedule::ByName;  // --lr_scheduler, diffusers' names
   using Clipping = tr::ClipByNorm;
+  // --sharding picks the stage at run time; 0 is DataParallel itself (one process without
+  // torchrun).
+  using Parallel = dt::distributed::ShardedDataParallel;
   using Callbacks = std::tuple<tr::ProgressBar, tr::CheckpointEvery, tr::TensorBoard,
                                StopOnInterrupt, LossRecord>;
 };
@@ -464,11 +474,37 @@ void check_flags(const Settings& s) {
   if (s.resolution % 8 != 0) throw ConfigError("must be a multiple of 8", "--resolution");
 }
 
-int run_sd3(Settings s) {
+/// The ranks of a torchrun launch (a world of one without it) and this rank's device.
+struct Ranks {
+  std::shared_ptr<dt::distributed::World> world;
+  at::Device device;
+  [[nodiscard]] bool main() const { return world->is_main(); }
+  /// The steps of an epoch of `batches` shared by the ranks; a ConfigError when some rank would
+  /// have none.
+  [[nodiscard]] std::int64_t batches_each(std::size_t batches, const std::string& what) const {
+    const auto n = static_cast<std::int64_t>(batches);
+    if (n < world->size())
+      throw ConfigError("make " + std::to_string(n) + " batches an epoch, fewer than the " +
+                            std::to_string(world->size()) + " ranks",
+                        what);
+    return (n + world->size() - 1) / world->size();
+  }
+  /// Batch `place` of this rank: batch place · ranks + rank of the run's order.
+  [[nodiscard]] std::int64_t place(std::int64_t local) const {
+    return local * world->size() + world->rank();
+  }
+  /// Each rank its own noise (a resumed run restores each rank's generator).
+  void seed(std::int64_t seed, std::int64_t resumed_from) const {
+    if (world->rank() > 0 && resumed_from == 0) tr::set_seed(seed + 7919 * world->rank());
+  }
+};
+
+int run_sd3(Settings s, const Ranks& ranks) {
   const auto t0 = std::chrono::steady_clock::now();
   check_sd_run_flags(s);
   check_flags(s);
   examples::apply_threads(s);
+  const bool main_rank = ranks.main();
   data::BucketOptions bo;  // diffusers' square: the shorter side resized, then cropped
   bo.max_width = bo.max_height = bo.min_size = bo.max_size = s.resolution;
   bo.steps = 8;
@@ -479,8 +515,10 @@ int run_sd3(Settings s) {
   fo.image_column = s.image_column;
   fo.caption_column = s.caption_column;
   data::ImageFolder folder = data::scan_image_folder(s.data_dir, fo);
-  for (const auto& skipped : folder.skipped)
-    std::fprintf(stderr, "skipped %s: %s\n", skipped.path.string().c_str(), skipped.reason.c_str());
+  if (main_rank)  // every rank scans the same folder; rank 0 reports it
+    for (const auto& skipped : folder.skipped)
+      std::fprintf(stderr, "skipped %s: %s\n", skipped.path.string().c_str(),
+                   skipped.reason.c_str());
   if (s.limit > 0 && static_cast<std::int64_t>(folder.images.size()) > s.limit)
     folder.images.resize(static_cast<std::size_t>(s.limit));
   dt::io::ensure_writable_folder(s.out);
@@ -492,7 +530,7 @@ int run_sd3(Settings s) {
                           std::to_string(p.vae->downscale() * p.transformer->config().patch_size) +
                           ")",
                       "--resolution");
-  const at::Device device(s.device);
+  const at::Device device = ranks.device;
 
   // Frozen: the VAE and the text encoders; LoRA: the base transformer too.
   freeze(*p.vae);
@@ -522,14 +560,17 @@ int run_sd3(Settings s) {
   if (s.gradient_checkpointing) p.transformer->set_gradient_checkpointing(true);
 
   BatchStream stream(s, p, folder, buckets, device);
-  resolve_max_train_steps(s, static_cast<std::int64_t>(stream.batches_per_epoch()));
+  resolve_max_train_steps(
+      s, ranks.batches_each(stream.batches_per_epoch(), "--train_data_dir / --train_batch_size"),
+      main_rank);
   Sd3TraineeImpl trainee(p.transformer, p.flow, s);
   trainee.train();
   using Trainer = tr::Trainer<Sd3TraineeImpl, Sd3Config>;
   Trainer::Options o;
   set_optimizer_and_schedule(o, s, s.learning_rate);
   o.clipping.max_norm = s.max_grad_norm;
-  const RunFolders folders = prepare_run_folders(s);
+  set_parallel(o, s, ranks.world);
+  const RunFolders folders = prepare_run_folders(s, main_rank);
   const nlohmann::json run_settings = {
       {"pretrained_model_name_or_path", s.model},
       {"train_data_dir", s.data_dir},
@@ -548,6 +589,8 @@ int run_sd3(Settings s) {
       {"t5", static_cast<bool>(p.text_encoder_3)},
       {"mixed_precision", s.mixed_precision},
       {"gradient_checkpointing", s.gradient_checkpointing},
+      {"ranks", ranks.world->size()},
+      {"sharding", s.sharding},
       {"seed", s.seed}};
   std::vector<double> losses;
   Trainer trainer(
@@ -556,8 +599,10 @@ int run_sd3(Settings s) {
                            tr::TensorBoard({.dir = folders.tensorboard, .config = run_settings}),
                            StopOnInterrupt{s.stop_at}, LossRecord{&losses}});
   const std::int64_t resumed_from = resume_if_asked(trainer, s, folders);
+  ranks.seed(s.seed, resumed_from);
   const FitResult fit = fit_until_done_or_stopped(
-      trainer, s, [&](std::int64_t place) { return stream.at_place(place); });
+      trainer, s, [&](std::int64_t place) { return stream.at_place(ranks.place(place)); });
+  if (!main_rank) return fit.finished ? 0 : 130;  // rank 0 writes what the run leaves
 
   const fs::path out(s.out);
   nlohmann::json files;
@@ -924,10 +969,11 @@ void write_validation_videos(const at::Tensor& videos, const Settings& s, const 
                     {{"Description", "one row per validation video, frames left to right"}});
 }
 
-int run_cogvideox(Settings s) {
+int run_cogvideox(Settings s, const Ranks& ranks) {
   const auto t0 = std::chrono::steady_clock::now();
   check_sd_run_flags(s);
   examples::apply_threads(s);
+  const bool main_rank = ranks.main();
   // The videos first: a wrong data folder is found before the models load.
   const std::vector<VideoClip> clips = scan_videos(s);
   dt::io::ensure_writable_folder(s.out);
@@ -951,7 +997,7 @@ int run_cogvideox(Settings s) {
                           " latent frames, not a multiple of patch_size_t " +
                           std::to_string(tc.frame_patch()) + "; choose another --max_num_frames",
                       "--max_num_frames");
-  const at::Device device(s.device);
+  const at::Device device = ranks.device;
 
   freeze(*p.vae);
   freeze(*p.text_encoder);
@@ -971,14 +1017,17 @@ int run_cogvideox(Settings s) {
   if (s.gradient_checkpointing) p.transformer->set_gradient_checkpointing(true);
 
   VideoBatchStream stream(s, p, clips, device);
-  resolve_max_train_steps(s, static_cast<std::int64_t>(stream.batches_per_epoch()));
+  resolve_max_train_steps(
+      s, ranks.batches_each(stream.batches_per_epoch(), "--train_data_dir / --train_batch_size"),
+      main_rank);
   CogTraineeImpl trainee(p.transformer, p.scheduler);
   trainee.train();
   using Trainer = tr::Trainer<CogTraineeImpl, Sd3Config>;
   Trainer::Options o;
   set_optimizer_and_schedule(o, s, s.learning_rate);
   o.clipping.max_norm = s.max_grad_norm;
-  const RunFolders folders = prepare_run_folders(s);
+  set_parallel(o, s, ranks.world);
+  const RunFolders folders = prepare_run_folders(s, main_rank);
   const nlohmann::json run_settings = {
       {"pretrained_model_name_or_path", s.model},
       {"train_data_dir", s.data_dir},
@@ -998,10 +1047,13 @@ int run_cogvideox(Settings s) {
       {"snr_shift_scale", p.scheduler.schedule.snr_shift_scale.value_or(1.0)},
       {"mixed_precision", s.mixed_precision},
       {"gradient_checkpointing", s.gradient_checkpointing},
+      {"ranks", ranks.world->size()},
+      {"sharding", s.sharding},
       {"seed", s.seed}};
-  std::printf("%zu videos of %lld frames (%lld latent frames) at %lldx%lld\n", clips.size(),
-              static_cast<long long>(frames), static_cast<long long>(latent_frames),
-              static_cast<long long>(s.width), static_cast<long long>(s.height));
+  if (main_rank)
+    std::printf("%zu videos of %lld frames (%lld latent frames) at %lldx%lld\n", clips.size(),
+                static_cast<long long>(frames), static_cast<long long>(latent_frames),
+                static_cast<long long>(s.width), static_cast<long long>(s.height));
   std::vector<double> losses;
   Trainer trainer(
       trainee, o,
@@ -1009,8 +1061,10 @@ int run_cogvideox(Settings s) {
                            tr::TensorBoard({.dir = folders.tensorboard, .config = run_settings}),
                            StopOnInterrupt{s.stop_at}, LossRecord{&losses}});
   const std::int64_t resumed_from = resume_if_asked(trainer, s, folders);
+  ranks.seed(s.seed, resumed_from);
   const FitResult fit = fit_until_done_or_stopped(
-      trainer, s, [&](std::int64_t place) { return stream.at_place(place); });
+      trainer, s, [&](std::int64_t place) { return stream.at_place(ranks.place(place)); });
+  if (!main_rank) return fit.finished ? 0 : 130;  // rank 0 writes what the run leaves
 
   const fs::path out(s.out);
   nlohmann::json files;
@@ -1032,8 +1086,13 @@ int run(const Settings& s) {
     throw dt::IoError("is not a folder (name a diffusers pipeline folder)",
                       "--pretrained_model_name_or_path " + s.model);
   const nlohmann::json index = read_json_file(root / "model_index.json");
-  if (index.value("_class_name", std::string()) == "CogVideoXPipeline") return run_cogvideox(s);
-  return run_sd3(s);
+  // The ranks of a torchrun launch. Every rank checks the same flags and folders, and so fails
+  // the same way before this point.
+  auto [world, device] = torchrun_world(s, s.device);
+  const Ranks ranks{std::move(world), device};
+  if (index.value("_class_name", std::string()) == "CogVideoXPipeline")
+    return run_cogvideox(s, ranks);
+  return run_sd3(s, ranks);
 }
 
 }  // namespace
@@ -1082,7 +1141,8 @@ int main(int argc, char** argv) {
   video->add_option("--skip_frames_end", s.skip_frames_end)
       ->check(count_in(0, 100'000))
       ->capture_default_str();
-  last_value_wins({g.run, g.training, g.saving, img, video});
+  auto* d = add_torchrun_flags(app, s, "each transformer block");
+  last_value_wins({g.run, g.training, g.saving, img, video, d});
   CLI11_PARSE(app, argc, argv);
   return examples::run_reporting_errors([&] { return run(s); });
 }

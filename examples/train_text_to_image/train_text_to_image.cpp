@@ -70,6 +70,7 @@
 #include "../common/scheduler_config.hpp"
 #include "../common/sd_pipeline.hpp"
 #include "../common/sd_run.hpp"
+#include "../common/sd_torchrun.hpp"
 
 namespace {
 namespace dt = difftrain;
@@ -84,7 +85,7 @@ using dt::ConfigError;
 
 using namespace examples::sd;  // the pipeline folder, validation, callbacks
 
-struct Settings : SdRunFlags, ImageFolderFlags, LoraFlags {
+struct Settings : SdRunFlags, ImageFolderFlags, LoraFlags, TorchrunFlags {
   bool enable_bucket = false, bucket_no_upscale = false;
   std::int64_t min_bucket_reso = 256, max_bucket_reso = 1024, bucket_reso_steps = 64;
   double snr_gamma = 0.0, noise_offset = 0.0;
@@ -95,9 +96,6 @@ struct Settings : SdRunFlags, ImageFolderFlags, LoraFlags {
   bool cache_latents = false;
   std::string cache_dir;  // default OUT/cache
   // under torchrun
-  std::int64_t sharding = 0;  // ZeRO's stage: 0 replicates (DataParallel)
-  double rank_timeout = 1800;
-  bool allow_world_size_change = false;
   Settings() { out = "runs/train_text_to_image"; }
 };
 
@@ -456,13 +454,7 @@ int train(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
   set_optimizer_and_schedule(o, s, s.learning_rate);
   o.clipping.max_norm = s.max_grad_norm;
   if constexpr (Trainer::has_ema) o.ema.rule.decay = s.ema_decay;
-  o.parallel.world = world;
-  o.parallel.stage = s.sharding;
-  // Stage 3 frees each UNet block's trained parameters on the ranks that do not own them during
-  // forward and backward; between steps every rank holds them whole, since validation and the
-  // outputs are made on rank 0 alone.
-  o.parallel.reshard_after_step = false;
-  o.allow_world_size_change = s.allow_world_size_change;
+  set_parallel(o, s, world);
 
   const RunFolders folders = prepare_run_folders(s, main_rank);
   const nlohmann::json run_settings = {
@@ -593,13 +585,9 @@ int run(Settings s) {
   examples::apply_threads(s);
   // The ranks of a torchrun launch (a world of one without it). Every rank checks the same flags
   // and so fails the same way before this point.
-  const auto world = dt::distributed::World::from_environment(
-      {.timeout = std::chrono::milliseconds(static_cast<std::int64_t>(s.rank_timeout * 1000))});
-  // With CUDA, each rank of a node uses its own GPU.
-  const at::Device device =
-      s.device == "cuda" && world->distributed()
-          ? at::Device(at::kCUDA, static_cast<at::DeviceIndex>(world->local_rank()))
-          : at::Device(s.device);
+  const auto ranks = torchrun_world(s, s.device);
+  const auto& world = ranks.first;
+  const at::Device device = ranks.second;
   const data::BucketManager buckets(bucket_options(s));
   // The images first: a wrong folder or caption column is found before the models load.
   data::ImageFolderOptions fo;
@@ -671,19 +659,7 @@ int main(int argc, char** argv) {
   t->add_option("--ema_decay", s.ema_decay)->check(number_in(0, 1))->capture_default_str();
   add_lora_flags(g, s, "UNet");
   t->add_flag("--train_text_encoder", s.train_text_encoder, "LoRA on the text encoders too");
-  auto* d = app.add_option_group("torchrun");
-  d->add_option("--sharding", s.sharding,
-                "ZeRO's stage: 0 keeps everything on every rank (DataParallel), 1 shards the "
-                "optimizer state, 2 the gradients too, 3 the trained parameters too during forward "
-                "and backward (each UNet block a unit)")
-      ->check(count_in(0, 3))
-      ->capture_default_str();
-  d->add_option("--rank_timeout", s.rank_timeout,
-                "seconds a rank waits for the others (caching included) before it stops")
-      ->check(number_in(1, 1e7))
-      ->capture_default_str();
-  d->add_flag("--allow_world_size_change", s.allow_world_size_change,
-              "resume a checkpoint written by another number of ranks");
+  auto* d = add_torchrun_flags(app, s, "each UNet block");
   last_value_wins({g.run, g.training, g.saving, img, d});
   CLI11_PARSE(app, argc, argv);
   return examples::run_reporting_errors([&] { return run(s); });

@@ -14,12 +14,13 @@ checks:
                  DistributedError within the timeout
   nan            a NaN loss on one rank skips the step on both (or stops both)
   world_size     a 2-rank checkpoint resumed by 1 process is a ConfigError unless allowed
-  sharded        ShardedDataParallel (ZeRO stages 0 to 3): N ranks equal 1 process (float64,
+  sharded        ShardedDataParallel (ZeRO stages 0, 1 and 2): N ranks equal 1 process (float64,
                  1e-10) over stage x accumulation x chunks x clipping x parameter groups x
-                 optimizer x offload x 2 and 4 ranks, and stage 3's own switches; per-rank memory
-                 against ZeRO's formulas; a memory budget DataParallel exceeds and stage 3 keeps;
-                 stage 3 through a NaN and a dead rank; Python's ZeroRedundancyOptimizer (stages
-                 1, 2) and fully_shard (stage 3) under torchrun (float32, 1e-6)
+                 optimizer x offload x 2 and 4 ranks; per-rank memory against ZeRO's formulas
+                 (stage 3's too); Python's ZeroRedundancyOptimizer under torchrun (float32, 1e-6)
+  sharded3       stage 3 (units): the same sweep and its own switches; a memory budget that
+                 DataParallel exceeds and stage 3 keeps; a NaN, a dead rank, a forward on rank 0
+                 alone; Python's fully_shard under torchrun (float32, 1e-6)
   sharded_resume sharded checkpoints (stages 2 and 3): resumed bit-identical on the same ranks and stage; across
                  world sizes and stages and to and from DataParallel's checkpoints (1e-10); a rank
                  that dies in a save leaves the previous set, which resume falls back to, as it
@@ -299,7 +300,9 @@ def check_multi(worker, tmp):
            f"rank {r}: a rank stepping another model is a ConfigError on every rank ({e})")
 
 
-def check_sharded(worker, tmp):
+def sharded_sweep(worker, tmp, sweep):
+    """Runs each (stage, world, optimizer, accumulation, chunk, groups, max_norm, switch) of `sweep`
+    against one process's run of the same settings."""
     refs = {}
 
     def reference(opt, acc, chunk, groups, clip, wide):
@@ -318,27 +321,6 @@ def check_sharded(worker, tmp):
                 "--optimizer", opt, "--max-norm", clip, "--wide", wide]
         return args + (["--decay-groups"] if groups else [])
 
-    # Stage 0 is DataParallel inside the sharding policy (a program picks the stage at run time).
-    # The optimizer offloaded to host memory (the same path a GPU run takes) changes nothing.
-    sweep = [(0, 2, "adamw", 2, 3, True, 0.5, False), (0, 4, "sgd", 1, 0, False, 0.05, False)]
-    for stage in (1, 2):
-        for world in (2, 4):
-            for acc, chunk in ((1, 0), (2, 3), (3, 0)):
-                sweep.append((stage, world, "adamw", acc, chunk, world == 2, 0.5, False))
-        sweep += [(stage, 2, "sgd", 2, 0, True, 0.5, False), (stage, 4, "adamw", 1, 0, True, 1e9, False),
-                  (stage, 4, "sgd", 1, 3, False, 0.05, False), (stage, 2, "adamw", 2, 3, True, 0.5, True),
-                  (stage, 4, "sgd", 3, 0, False, 0.05, True), (stage, 2, "adamw", 2, 0, True, 0.5, "after")]
-    # Stage 3 on a network whose three hidden layers are units (fc1 and fc2 lie outside them): the
-    # same sweep, and its own switches: parameters kept from forward to backward, no prefetch, and
-    # a wrapping policy that makes two of the three layers units.
-    for world in (2, 4):
-        for acc, chunk in ((1, 0), (2, 3), (3, 0)):
-            sweep.append((3, world, "adamw", acc, chunk, world == 2, 0.5, False))
-    sweep += [(3, 2, "sgd", 2, 0, True, 0.5, False), (3, 4, "adamw", 1, 0, True, 1e9, False),
-              (3, 4, "sgd", 1, 3, False, 0.05, False), (3, 2, "adamw", 2, 3, True, 0.5, True),
-              (3, 4, "sgd", 3, 0, False, 0.05, True), (3, 2, "adamw", 2, 0, True, 0.5, "after"),
-              (3, 2, "adamw", 2, 3, False, 0.5, "noreshard"), (3, 4, "adamw", 2, 0, True, 0.5, "noprefetch"),
-              (3, 4, "sgd", 2, 3, True, 0.5, "wrap")]
     switches = {"after": (["--no-overlap"], ", sent after backward"),
                 "noreshard": (["--no-reshard"], ", parameters kept from forward to backward"),
                 "noprefetch": (["--no-prefetch"], ", no prefetch"),
@@ -375,8 +357,22 @@ def check_sharded(worker, tmp):
                f"{what}: {u['units']} units, gathered {u['gathers']} times, freed {u['releases']} times")
             ok((u["prefetched"] == 0) == ("prefetch" in label),
                f"{what}: {u['prefetched']} of them sent ahead")
+
+
+def check_sharded(worker, tmp):
+    # Stage 0 is DataParallel inside the sharding policy (a program picks the stage at run time).
+    # The optimizer offloaded to host memory (the same path a GPU run takes) changes nothing.
+    sweep = [(0, 2, "adamw", 2, 3, True, 0.5, False), (0, 4, "sgd", 1, 0, False, 0.05, False)]
+    for stage in (1, 2):
+        for world in (2, 4):
+            for acc, chunk in ((1, 0), (2, 3), (3, 0)):
+                sweep.append((stage, world, "adamw", acc, chunk, world == 2, 0.5, False))
+        sweep += [(stage, 2, "sgd", 2, 0, True, 0.5, False), (stage, 4, "adamw", 1, 0, True, 1e9, False),
+                  (stage, 4, "sgd", 1, 3, False, 0.05, False), (stage, 2, "adamw", 2, 3, True, 0.5, True),
+                  (stage, 4, "sgd", 3, 0, False, 0.05, True), (stage, 2, "adamw", 2, 0, True, 0.5, "after")]
+    sharded_sweep(worker, tmp, sweep)
     # Memory per rank (float32 AdamW, many equal layers): ZeRO's formulas in bytes per parameter.
-    # Stage 3 holds every parameter between steps; during forward and backward it holds its own,
+    # Stage 3 holds its share between steps too; during forward and backward it holds its own,
     # those outside the units, and at most two units whole (the one running, the one arriving).
     for world in (1, 2, 4):
         for stage in (0, 1, 2, 3):
@@ -404,6 +400,40 @@ def check_sharded(worker, tmp):
                    f"memory, stage 3, {world} ranks: parameters during forward and backward at most "
                    f"{peak / (4 * p):.3f} of the model ({peak} bytes; 4P/N + outside + 2 units = "
                    f"{bound:.0f})")
+    # Python's ZeroRedundancyOptimizer (stage 1) under torchrun.
+    for acc in (1, 2):
+        args = ["--steps", "50", "--accumulation", str(acc), "--dtype", "float32"]
+        p = torchrun([str(HERE / "ddp.py"), "--out", f"{tmp}/zpy{acc}", "--zero", *args], 2)
+        if p.returncode != 0:  # PyTorch's reference itself, once more: a launch that failed
+            print(f"     the reference failed once, run again: {p.stderr[-1500:]}", flush=True)
+            p = torchrun([str(HERE / "ddp.py"), "--out", f"{tmp}/zpy{acc}", "--zero", *args], 2)
+        ok(p.returncode == 0, f"accumulation {acc}: ZeroRedundancyOptimizer ran ({p.stderr[-2000:]})")
+        for stage in (1, 2):
+            c = torchrun(["--no-python", worker, "--out", f"{tmp}/zc{stage}{acc}", *args,
+                          "--sharding", str(stage)], 2)
+            ok(c.returncode == 0, f"stage {stage}: difftrain under torchrun ran ({c.stderr[-2000:]})")
+            for r in range(2):
+                cpp = json.loads(pathlib.Path(f"{tmp}/zc{stage}{acc}.rank{r}.json").read_text())
+                py = json.loads(pathlib.Path(f"{tmp}/zpy{acc}.rank{r}.json").read_text())
+                d = max_diff(cpp["weights"], py["weights"])
+                ok(d <= 1e-6, f"stage {stage}, accumulation {acc}, rank {r}: weights equal "
+                              f"ZeroRedundancyOptimizer's (max diff {d:.2e})")
+
+
+def check_sharded3(worker, tmp):
+    sweep = []
+    # Stage 3 on a network whose three hidden layers are units (fc1 and fc2 lie outside them): the
+    # same sweep, and its own switches: parameters kept from forward to backward, no prefetch, and
+    # a wrapping policy that makes two of the three layers units.
+    for world in (2, 4):
+        for acc, chunk in ((1, 0), (2, 3), (3, 0)):
+            sweep.append((3, world, "adamw", acc, chunk, world == 2, 0.5, False))
+    sweep += [(3, 2, "sgd", 2, 0, True, 0.5, False), (3, 4, "adamw", 1, 0, True, 1e9, False),
+              (3, 4, "sgd", 1, 3, False, 0.05, False), (3, 2, "adamw", 2, 3, True, 0.5, True),
+              (3, 4, "sgd", 3, 0, False, 0.05, True), (3, 2, "adamw", 2, 0, True, 0.5, "after"),
+              (3, 2, "adamw", 2, 3, False, 0.5, "noreshard"), (3, 4, "adamw", 2, 0, True, 0.5, "noprefetch"),
+              (3, 4, "sgd", 2, 3, True, 0.5, "wrap")]
+    sharded_sweep(worker, tmp, sweep)
     # What matters to users: under a per-rank memory budget (an allocator that refuses past it), a
     # model that DataParallel cannot train trains at stage 3. The budget: 15 % over stage 3's
     # peak, measured first (CPU bytes of everything: weights, gradients, state, activations).
@@ -452,24 +482,6 @@ def check_sharded(worker, tmp):
     e = res[0] and res[0]["error"]
     ok(e is not None and e["type"] == "difftrain::ConfigError" and "whole_parameters" in e["message"],
        f"stage 3, shares between steps: a forward on rank 0 alone is a ConfigError ({e})")
-    # Python's ZeroRedundancyOptimizer (stage 1) under torchrun.
-    for acc in (1, 2):
-        args = ["--steps", "50", "--accumulation", str(acc), "--dtype", "float32"]
-        p = torchrun([str(HERE / "ddp.py"), "--out", f"{tmp}/zpy{acc}", "--zero", *args], 2)
-        if p.returncode != 0:  # PyTorch's reference itself, once more: a launch that failed
-            print(f"     the reference failed once, run again: {p.stderr[-1500:]}", flush=True)
-            p = torchrun([str(HERE / "ddp.py"), "--out", f"{tmp}/zpy{acc}", "--zero", *args], 2)
-        ok(p.returncode == 0, f"accumulation {acc}: ZeroRedundancyOptimizer ran ({p.stderr[-2000:]})")
-        for stage in (1, 2):
-            c = torchrun(["--no-python", worker, "--out", f"{tmp}/zc{stage}{acc}", *args,
-                          "--sharding", str(stage)], 2)
-            ok(c.returncode == 0, f"stage {stage}: difftrain under torchrun ran ({c.stderr[-2000:]})")
-            for r in range(2):
-                cpp = json.loads(pathlib.Path(f"{tmp}/zc{stage}{acc}.rank{r}.json").read_text())
-                py = json.loads(pathlib.Path(f"{tmp}/zpy{acc}.rank{r}.json").read_text())
-                d = max_diff(cpp["weights"], py["weights"])
-                ok(d <= 1e-6, f"stage {stage}, accumulation {acc}, rank {r}: weights equal "
-                              f"ZeroRedundancyOptimizer's (max diff {d:.2e})")
     # Python's FSDP2 (fully_shard on each hidden layer, then the root) for stage 3, over 20 steps:
     # float32 rounding grows with the steps (at 50, FSDP2 and DDP themselves differ by 1.2e-6).
     for acc in (1, 2):

@@ -8,7 +8,8 @@
 # generates with them. Then the same for two tiny CogVideoX pipelines and a folder of videos as
 # frames: mistakes refused, LoRA resumed to the bit, full fine-tuning with the DPM scheduler, and
 # diffusers' CogVideoXPipeline, given difftrain's LoRA or folder and the same starting noise,
-# draws the validation video difftrain drew (within 2/255).
+# draws the validation video difftrain drew (within 2/255). Under torchrun with 2 ranks, full
+# fine-tuning with DataParallel and with ZeRO stage 3 end with the same transformer.
 #
 #   finetune_transformer.sh PROGRAM PYTHON GOLDEN_DIR WORKDIR [FASHION_MNIST_DIR]
 set -uo pipefail
@@ -107,6 +108,33 @@ for run in lora full; do
   [ -s "$work/$run/validation.png" ] || fail "$run wrote no validation.png"
   ls "$work/$run/tensorboard"/events.out.tfevents.* >/dev/null 2>&1 || fail "$run wrote no event file"
 done
+
+# Under torchrun with 2 ranks (each its own batches of 2): full fine-tuning, where every
+# transformer block is a unit, with DataParallel and with ZeRO stage 3 (the other rank's share of
+# each block freed outside its forward and backward) ends with the same transformer; rank 0 alone
+# writes the outputs.
+export GLOO_SOCKET_IFNAME=lo
+launch=("$(dirname "$py")/torchrun" --standalone --nproc-per-node 2 --no-python "$bin")
+ranks=("${base[@]}" --train_batch_size 2 --learning_rate 5e-4 --max_train_steps 6 --rank_timeout 120)
+expect_rc 0 ranks-dp -- "${launch[@]}" "${ranks[@]}" --output_dir "$work/ranks-dp"
+expect_rc 0 ranks-zero3 -- "${launch[@]}" "${ranks[@]}" --sharding 3 --output_dir "$work/ranks-zero3"
+[ "$(grep -c "full fine-tuning: 6 steps" "$work/ranks-zero3.out")" -eq 1 ] ||
+  fail "the stage-3 run should report once (rank 0)"
+"$py" - "$work" >"$work/python-ranks.out" 2>&1 <<'PY' || { cat "$work/python-ranks.out"; fail "torchrun check"; }
+import json, pathlib, sys
+from safetensors.torch import load_file
+work = pathlib.Path(sys.argv[1])
+for run in ("ranks-dp", "ranks-zero3"):
+    r = json.loads((work / run / "results.json").read_text())
+    assert r["finished"] and r["ranks"] == 2, (run, r)
+a, b = (load_file(work / run / "transformer" / "diffusion_pytorch_model.safetensors")
+        for run in ("ranks-dp", "ranks-zero3"))
+assert a.keys() == b.keys()
+worst = max(float((a[k] - b[k]).abs().max()) for k in a)
+assert worst <= 1e-5, f"stage 3 ends {worst} from DataParallel"
+print(f"torchrun, 2 ranks: stage 3 ends {worst:.1e} from DataParallel ({len(a)} tensors)")
+PY
+cat "$work/python-ranks.out"
 
 # ---- CogVideoX: two tiny pipelines (rotary + DDIM, sine-cosine table + DPM) and a video folder.
 "$py" "$here/make_cogvideox_data.py" "$work/cog" "$golden" "$fmnist" >"$work/make-cog.out" 2>&1 ||

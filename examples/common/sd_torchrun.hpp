@@ -1,0 +1,74 @@
+#pragma once
+// What the Stable Diffusion programs share under torchrun: the flags (ZeRO's stage, a rank's
+// timeout, a change of world size on resume), the world and this rank's device, and the trainer's
+// parallel options.
+
+#include <CLI/CLI.hpp>
+#include <difftrain/distributed/sharded_data_parallel.hpp>
+#include <difftrain/distributed/world.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "cli_checks.hpp"
+
+namespace examples::sd {
+
+/// What a program takes under torchrun: ZeRO's stage, how long a rank waits for the others, and
+/// whether a checkpoint of another number of ranks may be resumed.
+struct TorchrunFlags {
+  std::int64_t sharding = 0;  // 0 replicates (DataParallel)
+  double rank_timeout = 1800;
+  bool allow_world_size_change = false;
+};
+
+/// The "torchrun" group of flags; `units` says what stage 3 shares ("each UNet block").
+inline CLI::Option_group* add_torchrun_flags(CLI::App& app, TorchrunFlags& f,
+                                             const std::string& units) {
+  auto* d = app.add_option_group("torchrun");
+  d->add_option("--sharding", f.sharding,
+                "ZeRO's stage: 0 keeps everything on every rank (DataParallel), 1 shards the "
+                "optimizer state, 2 the gradients too, 3 the trained parameters too during "
+                "forward and backward (" +
+                    units + " a unit)")
+      ->check(count_in(0, 3))
+      ->capture_default_str();
+  d->add_option("--rank_timeout", f.rank_timeout,
+                "seconds a rank waits for the others (caching included) before it stops")
+      ->check(number_in(1, 1e7))
+      ->capture_default_str();
+  d->add_flag("--allow_world_size_change", f.allow_world_size_change,
+              "resume a checkpoint written by another number of ranks");
+  return d;
+}
+
+/// The ranks of a torchrun launch (a world of one without it) and this rank's device: with CUDA,
+/// each rank of a node its own GPU.
+inline std::pair<std::shared_ptr<difftrain::distributed::World>, at::Device> torchrun_world(
+    const TorchrunFlags& f, const std::string& device) {
+  auto world = difftrain::distributed::World::from_environment(
+      {.timeout = std::chrono::milliseconds(static_cast<std::int64_t>(f.rank_timeout * 1000))});
+  const at::Device d =
+      device == "cuda" && world->distributed()
+          ? at::Device(at::kCUDA, static_cast<at::DeviceIndex>(world->local_rank()))
+          : at::Device(device);
+  return {std::move(world), d};
+}
+
+/// The trainer's share of the run: the ranks, the stage, and a world size change if allowed.
+/// Stage 3 frees the units' parameters on the ranks that do not own them during forward and
+/// backward; between steps every rank holds them whole, since validation and the outputs are
+/// made on rank 0 alone (reshard_after_step off).
+template <class Options>
+void set_parallel(Options& o, const TorchrunFlags& f,
+                  const std::shared_ptr<difftrain::distributed::World>& world) {
+  o.parallel.world = world;
+  o.parallel.stage = static_cast<int>(f.sharding);
+  o.parallel.reshard_after_step = false;
+  o.allow_world_size_change = f.allow_world_size_change;
+}
+
+}  // namespace examples::sd
