@@ -9,7 +9,7 @@
 # frames: mistakes refused, LoRA resumed to the bit, full fine-tuning with the DPM scheduler, and
 # diffusers' CogVideoXPipeline, given difftrain's LoRA or folder and the same starting noise,
 # draws the validation video difftrain drew (within 2/255). Under torchrun with 2 ranks, full
-# fine-tuning with DataParallel and with ZeRO stage 3 end with the same transformer.
+# fine-tuning of either with DataParallel and with ZeRO stage 3 ends with the same transformer.
 #
 #   finetune_transformer.sh PROGRAM PYTHON GOLDEN_DIR WORKDIR [FASHION_MNIST_DIR]
 set -uo pipefail
@@ -109,13 +109,14 @@ for run in lora full; do
   ls "$work/$run/tensorboard"/events.out.tfevents.* >/dev/null 2>&1 || fail "$run wrote no event file"
 done
 
-# Under torchrun with 2 ranks (each its own batches of 2): full fine-tuning, where every
-# transformer block is a unit, with DataParallel and with ZeRO stage 3 (the other rank's share of
-# each block freed outside its forward and backward) ends with the same transformer; rank 0 alone
-# writes the outputs.
+# Under torchrun with 2 ranks (each its own batches of 2): full fine-tuning with checkpointed
+# blocks, where every transformer block is a unit, with DataParallel and with ZeRO stage 3 (the
+# other rank's share of each block freed outside its forward and backward and gathered again for
+# its recompute) ends with the same transformer; rank 0 alone writes the outputs.
 export GLOO_SOCKET_IFNAME=lo
 launch=("$(dirname "$py")/torchrun" --standalone --nproc-per-node 2 --no-python "$bin")
-ranks=("${base[@]}" --train_batch_size 2 --learning_rate 5e-4 --max_train_steps 6 --rank_timeout 120)
+ranks=("${base[@]}" --train_batch_size 2 --learning_rate 5e-4 --max_train_steps 6 --rank_timeout 120
+       --gradient_checkpointing)
 expect_rc 0 ranks-dp -- "${launch[@]}" "${ranks[@]}" --output_dir "$work/ranks-dp"
 expect_rc 0 ranks-zero3 -- "${launch[@]}" "${ranks[@]}" --sharding 3 --output_dir "$work/ranks-zero3"
 [ "$(grep -c "full fine-tuning: 6 steps" "$work/ranks-zero3.out")" -eq 1 ] ||
@@ -163,6 +164,10 @@ expect_rc 0 cog-lora-resumed -- "$bin" "${cog_lora[@]}" --output_dir "$work/cog-
 expect_rc 0 cog-full -- "$bin" "${cog[@]}" --pretrained_model_name_or_path "$work/cog/cogvideox_2b" \
   --gradient_checkpointing --mixed_precision bf16 --random_flip --learning_rate 5e-4 \
   --max_train_steps 8 --output_dir "$work/cog-full"
+# Under torchrun with 2 ranks: DataParallel and stage 3 end with the same transformer.
+cog_ranks=("${cog[@]}" --train_batch_size 1 --learning_rate 5e-4 --max_train_steps 3 --rank_timeout 120)
+expect_rc 0 cog-ranks-dp -- "${launch[@]}" "${cog_ranks[@]}" --output_dir "$work/cog-ranks-dp"
+expect_rc 0 cog-ranks-zero3 -- "${launch[@]}" "${cog_ranks[@]}" --sharding 3 --output_dir "$work/cog-ranks-zero3"
 "$py" - "$work" >"$work/python-cog.out" 2>&1 <<'PY' || { fail "CogVideoX Python check"; }
 import json, math, pathlib, sys
 import numpy as np
@@ -184,6 +189,14 @@ a = load_file(work / "cog-lora" / "pytorch_lora_weights.safetensors")
 b = load_file(work / "cog-lora-resumed" / "pytorch_lora_weights.safetensors")
 assert a.keys() == b.keys() and all(k.startswith("transformer.") for k in a)
 assert all(torch.equal(a[k], b[k]) for k in a), "the resumed CogVideoX run's LoRA differs"
+# 2 ranks: stage 3 ends where DataParallel ends.
+a, b = (load_file(work / run / "transformer" / "diffusion_pytorch_model.safetensors")
+        for run in ("cog-ranks-dp", "cog-ranks-zero3"))
+assert all(json.loads((work / run / "results.json").read_text())["ranks"] == 2
+           for run in ("cog-ranks-dp", "cog-ranks-zero3"))
+worst = max(float((a[k] - b[k]).abs().max()) for k in a)
+assert worst <= 1e-5, f"CogVideoX at stage 3 ends {worst} from DataParallel"
+print(f"CogVideoX, torchrun, 2 ranks: stage 3 ends {worst:.1e} from DataParallel")
 
 def frames_of(run):
     folder = work / run / "validation" / "video-0"
