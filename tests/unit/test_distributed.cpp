@@ -2,7 +2,10 @@
 // world read from the launcher's environment. Ranks talking to each other are checked by
 // tests/distributed/run_checks.py, which starts several processes.
 #include <gtest/gtest.h>
+#include <torch/nn/modules/conv.h>
+#include <torch/nn/modules/linear.h>
 #include <difftrain/distributed/sampler.hpp>
+#include <difftrain/distributed/sharded_data_parallel.hpp>
 #include <difftrain/distributed/world.hpp>
 
 #include <chrono>
@@ -163,5 +166,30 @@ TEST(World, EveryMalformedVariableIsAConfigErrorNamingIt) {
     LauncherEnv env({});
     EXPECT_THROW((void)dist::World::from_environment({.timeout = std::chrono::milliseconds(0)}),
                  difftrain::ConfigError);
+  }
+}
+
+TEST(ShardedDataParallel, WrappingPoliciesPickUnitsByWholeNameOrByType) {
+  using Sharded = dist::ShardedDataParallel;
+  torch::nn::Linear linear(2, 2);
+  torch::nn::Conv2d conv(torch::nn::Conv2dOptions(1, 1, 3));
+  const auto by_name = Sharded::units_named(R"((down|up)_blocks\.\d+|mid_block)");
+  EXPECT_TRUE(by_name("down_blocks.0", *linear));
+  EXPECT_TRUE(by_name("up_blocks.12", *conv));
+  EXPECT_TRUE(by_name("mid_block", *linear));
+  EXPECT_FALSE(by_name("down_blocks.0.resnets.1", *linear)) << "the whole name must match";
+  EXPECT_FALSE(by_name("conv_in", *linear));
+  const auto by_type = Sharded::units_of_type<torch::nn::LinearImpl>();
+  EXPECT_TRUE(by_type("any", *linear));
+  EXPECT_FALSE(by_type("any", *conv));
+  // A stage that does not exist is refused before anything is reached, naming the stages.
+  const std::vector<at::Tensor> params = linear->parameters();
+  for (const int stage : {-1, 4}) {
+    try {
+      Sharded bad(*linear, params, {.stage = stage});
+      ADD_FAILURE() << "stage " << stage << " accepted";
+    } catch (const difftrain::ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("3 (and parameters)"), std::string::npos) << e.what();
+    }
   }
 }

@@ -130,7 +130,7 @@ class ShardedDataParallel : nn::UnitListener {
       return std::regex_match(name, re);
     };
   }
-  /// Units whose module is a `M` (a ModuleHolder's Impl, e.g. models::DiTBlockImpl).
+  /// Units whose module is a `M` (a ModuleHolder's Impl, e.g. models::DiTBlockImpl<Backend, Act>).
   template <class M>
   [[nodiscard]] static std::function<bool(const std::string&, const torch::nn::Module&)>
   units_of_type() {
