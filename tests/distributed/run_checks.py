@@ -300,6 +300,27 @@ def check_multi(worker, tmp):
            f"rank {r}: a rank stepping another model is a ConfigError on every rank ({e})")
 
 
+def python_reference(out, flag, args, what):
+    """tests/distributed/ddp.py under torchrun with `flag` (--zero, --fsdp), launched once more if
+    the launch itself failed."""
+    p = torchrun([str(HERE / "ddp.py"), "--out", out, flag, *args], 2)
+    if p.returncode != 0:  # PyTorch's reference itself, once more: a launch that failed
+        print(f"     the reference failed once, run again: {p.stderr[-1500:]}", flush=True)
+        p = torchrun([str(HERE / "ddp.py"), "--out", out, flag, *args], 2)
+    ok(p.returncode == 0, f"{what} ran ({p.stderr[-2000:]})")
+
+
+def against_reference(worker, out, reference, args, stage, what, whose):
+    """The worker under torchrun at `stage` ends, on each rank, within 1e-6 of the reference."""
+    c = torchrun(["--no-python", worker, "--out", out, *args, "--sharding", str(stage)], 2)
+    ok(c.returncode == 0, f"stage {stage}: difftrain under torchrun ran ({c.stderr[-2000:]})")
+    for r in range(2):
+        cpp = json.loads(pathlib.Path(f"{out}.rank{r}.json").read_text())
+        py = json.loads(pathlib.Path(f"{reference}.rank{r}.json").read_text())
+        d = max_diff(cpp["weights"], py["weights"])
+        ok(d <= 1e-6, f"{what}, rank {r}: weights equal {whose} (max diff {d:.2e})")
+
+
 def sharded_sweep(worker, tmp, sweep):
     """Runs each (stage, world, optimizer, accumulation, chunk, groups, max_norm, switch) of `sweep`
     against one process's run of the same settings."""
@@ -403,21 +424,10 @@ def check_sharded(worker, tmp):
     # Python's ZeroRedundancyOptimizer (stage 1) under torchrun.
     for acc in (1, 2):
         args = ["--steps", "50", "--accumulation", str(acc), "--dtype", "float32"]
-        p = torchrun([str(HERE / "ddp.py"), "--out", f"{tmp}/zpy{acc}", "--zero", *args], 2)
-        if p.returncode != 0:  # PyTorch's reference itself, once more: a launch that failed
-            print(f"     the reference failed once, run again: {p.stderr[-1500:]}", flush=True)
-            p = torchrun([str(HERE / "ddp.py"), "--out", f"{tmp}/zpy{acc}", "--zero", *args], 2)
-        ok(p.returncode == 0, f"accumulation {acc}: ZeroRedundancyOptimizer ran ({p.stderr[-2000:]})")
+        python_reference(f"{tmp}/zpy{acc}", "--zero", args, f"accumulation {acc}: ZeroRedundancyOptimizer")
         for stage in (1, 2):
-            c = torchrun(["--no-python", worker, "--out", f"{tmp}/zc{stage}{acc}", *args,
-                          "--sharding", str(stage)], 2)
-            ok(c.returncode == 0, f"stage {stage}: difftrain under torchrun ran ({c.stderr[-2000:]})")
-            for r in range(2):
-                cpp = json.loads(pathlib.Path(f"{tmp}/zc{stage}{acc}.rank{r}.json").read_text())
-                py = json.loads(pathlib.Path(f"{tmp}/zpy{acc}.rank{r}.json").read_text())
-                d = max_diff(cpp["weights"], py["weights"])
-                ok(d <= 1e-6, f"stage {stage}, accumulation {acc}, rank {r}: weights equal "
-                              f"ZeroRedundancyOptimizer's (max diff {d:.2e})")
+            against_reference(worker, f"{tmp}/zc{stage}{acc}", f"{tmp}/zpy{acc}", args, stage,
+                              f"stage {stage}, accumulation {acc}", "ZeroRedundancyOptimizer's")
 
 
 def check_sharded3(worker, tmp):
@@ -486,19 +496,9 @@ def check_sharded3(worker, tmp):
     # float32 rounding grows with the steps (at 50, FSDP2 and DDP themselves differ by 1.2e-6).
     for acc in (1, 2):
         args = ["--steps", "20", "--accumulation", str(acc), "--dtype", "float32", "--wide", "3"]
-        p = torchrun([str(HERE / "ddp.py"), "--out", f"{tmp}/fpy{acc}", "--fsdp", *args], 2)
-        if p.returncode != 0:
-            print(f"     the reference failed once, run again: {p.stderr[-1500:]}", flush=True)
-            p = torchrun([str(HERE / "ddp.py"), "--out", f"{tmp}/fpy{acc}", "--fsdp", *args], 2)
-        ok(p.returncode == 0, f"accumulation {acc}: fully_shard ran ({p.stderr[-2000:]})")
-        c = torchrun(["--no-python", worker, "--out", f"{tmp}/fc{acc}", *args, "--sharding", "3"], 2)
-        ok(c.returncode == 0, f"stage 3: difftrain under torchrun ran ({c.stderr[-2000:]})")
-        for r in range(2):
-            cpp = json.loads(pathlib.Path(f"{tmp}/fc{acc}.rank{r}.json").read_text())
-            py = json.loads(pathlib.Path(f"{tmp}/fpy{acc}.rank{r}.json").read_text())
-            d = max_diff(cpp["weights"], py["weights"])
-            ok(d <= 1e-6, f"stage 3, accumulation {acc}, rank {r}: weights equal fully_shard's "
-                          f"(max diff {d:.2e})")
+        python_reference(f"{tmp}/fpy{acc}", "--fsdp", args, f"accumulation {acc}: fully_shard")
+        against_reference(worker, f"{tmp}/fc{acc}", f"{tmp}/fpy{acc}", args, 3,
+                          f"stage 3, accumulation {acc}", "fully_shard's")
 
 
 def check_sharded_resume(worker, tmp):
