@@ -14,7 +14,6 @@
 //    gradient checkpointing.
 
 #include <benchmark/benchmark.h>
-#include <c10/core/CPUAllocator.h>
 #include <torch/torch.h>
 
 #include <torch/cuda.h>
@@ -22,6 +21,7 @@
 #include <difftrain/models/unet_2d_condition.hpp>
 #include <difftrain/nn/attention/math.hpp>
 #include <difftrain/train/precision.hpp>
+#include "../tests/unit/counting_allocator.hpp"
 #include "python_baseline.hpp"
 
 #if __has_include(<c10/cuda/CUDACachingAllocator.h>)
@@ -32,10 +32,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <cstring>
-#include <mutex>
 #include <string>
-#include <unordered_map>
 
 namespace {
 namespace models = difftrain::models;
@@ -90,63 +87,8 @@ void difftrain_timed(benchmark::State& state) {
 
 /// Counts the bytes the CPU allocator hands out: current and peak. Data and context stay the same
 /// pointer (LibTorch's raw_allocate asks for that), so the sizes live in a map.
-class CountingAllocator final : public c10::Allocator {
- public:
-  explicit CountingAllocator(c10::Allocator* inner)
-      : inner_(inner), inner_delete_(inner->raw_deleter()) {
-    instance_ = this;
-  }
-  c10::DataPtr allocate(size_t n) override {
-    void* d = inner_->raw_allocate(n);
-    {
-      std::lock_guard<std::mutex> lock(m_);
-      sizes_[d] = n;
-      current_ += n;
-      peak_ = std::max(peak_, current_);
-    }
-    return {d, d, &CountingAllocator::release, c10::Device(c10::DeviceType::CPU)};
-  }
-  c10::DeleterFnPtr raw_deleter() const override { return &CountingAllocator::release; }
-  void copy_data(void* dst, const void* src, std::size_t n) const override {
-    std::memcpy(dst, src, n);
-  }
-  void reset_peak() {
-    std::lock_guard<std::mutex> lock(m_);
-    peak_ = current_;
-  }
-  std::size_t peak() {
-    std::lock_guard<std::mutex> lock(m_);
-    return peak_;
-  }
-
- private:
-  static void release(void* d) {
-    if (d == nullptr) return;
-    CountingAllocator* self = instance_;
-    {
-      std::lock_guard<std::mutex> lock(self->m_);
-      if (auto it = self->sizes_.find(d); it != self->sizes_.end()) {
-        self->current_ -= it->second;
-        self->sizes_.erase(it);
-      }
-    }
-    self->inner_delete_(d);
-  }
-  static inline CountingAllocator* instance_ = nullptr;
-  c10::Allocator* inner_;
-  c10::DeleterFnPtr inner_delete_;
-  std::mutex m_;
-  std::unordered_map<void*, std::size_t> sizes_;
-  std::size_t current_ = 0, peak_ = 0;
-};
-
-CountingAllocator& counting() {
-  static CountingAllocator* a = [] {
-    auto* c = new CountingAllocator(c10::GetCPUAllocator());
-    c10::SetCPUAllocator(c, /*priority=*/100);
-    return c;
-  }();
-  return *a;
+difftrain::test::CountingAllocator& counting() {
+  return difftrain::test::CountingAllocator::install();
 }
 
 template <bool On>

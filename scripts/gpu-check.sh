@@ -42,6 +42,11 @@ fi
 "$python" benchmarks/distributed.py "$build/benchmarks/difftrain_bench_distributed" 2>&1 |
   tee "$out/bench_distributed.log" | tail -9
 
+# Data-parallel and sharded training on CUDA tensors: 2 ranks on GPU 0 (Gloo), each rank's CUDA
+# generator through a resume.
+"$python" tests/distributed/run_checks.py "$build/tests/difftrain_dist_worker" cuda 2>&1 |
+  tee "$out/distributed_cuda.log" | tail -3
+
 # The main job on the GPU: a longer Fashion-MNIST run (needs the IDX files; CLI11's headers via
 # CLI11_PREFIX in CMAKE_PREFIX_PATH where no package is installed).
 data=${FASHION_MNIST_DIR:-/usr/share/datasets/fashion-mnist}

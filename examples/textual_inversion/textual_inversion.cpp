@@ -23,6 +23,13 @@
 //                                the placeholder without its angle brackets; for SDXL
 //                                NAME.safetensors with clip_l and clip_g;
 //   checkpoints/, tensorboard/, validation/ and results.json, as train_text_to_image.
+//
+// Under torchrun (`torchrun --nproc-per-node N --no-python textual_inversion ...`) every rank
+// trains on its own batches of --train_batch_size (accelerate's rule, as diffusers' script under
+// `accelerate launch`: rank r takes batches r, r + N, ... of the epoch order), the token tables'
+// gradients are averaged, and every rank puts the other rows back after each step. Rank 0
+// validates and writes the outputs; --sharding 1|2 shards the tables' optimizer state (and
+// gradients) as ZeRO does (3 acts as 2: the tables lie in no unit).
 
 #include <CLI/CLI.hpp>
 #include <difftrain/adapters/embedding.hpp>
@@ -54,6 +61,7 @@
 #include "../common/run_skeleton.hpp"
 #include "../common/sd_pipeline.hpp"
 #include "../common/sd_run.hpp"
+#include "../common/sd_torchrun.hpp"
 
 namespace {
 namespace ad = difftrain::adapters;
@@ -64,7 +72,7 @@ std::string fill(const std::string& pattern, const std::string& word) {
   return pattern.substr(0, at) + word + pattern.substr(at + 2);
 }
 
-struct Settings : SdRunFlags {
+struct Settings : SdRunFlags, TorchrunFlags {
   std::string placeholder_token, initializer_token, learnable_property = "object";
   std::int64_t num_vectors = 1, repeats = 100, resolution = 512;
   bool center_crop = false, scale_lr = false;
@@ -127,8 +135,10 @@ struct InversionImpl : torch::nn::Module {
   df::Prediction prediction_;
 };
 
-/// After every optimizer step: every row of the token tables but the new word's is put back.
+/// After every optimizer step: every row of the token tables but the new word's is put back (on
+/// every rank: each holds the tables).
 struct KeepOtherRows {
+  static constexpr bool every_rank = true;
   std::vector<text::TokenRowsKeeper*> keepers;
   template <class T>
   void on_step_end(T& /*trainer*/, const tr::StepInfo& s) {
@@ -168,6 +178,7 @@ struct SaveEvery {
 };
 
 struct InversionConfig : tr::DefaultConfig {
+  using Parallel = dt::distributed::ShardedDataParallel;  // --sharding: 0 is DataParallel
   using Optimizer = tr::AdamW;
   using Precision = tr::PrecisionByName;  // --mixed_precision
   using Schedule = dt::schedule::ByName;
@@ -183,8 +194,14 @@ using InversionTrainer = tr::Trainer<InversionImpl, InversionConfig>;
 class Samples {
  public:
   Samples(const Settings& s, const data::ImageFolder& folder, std::string word, Pipeline& p,
-          at::Device device)
-      : s_(s), folder_(folder), word_(std::move(word)), p_(p), device_(device) {
+          at::Device device, std::int64_t rank = 0, std::int64_t ranks = 1)
+      : s_(s),
+        folder_(folder),
+        word_(std::move(word)),
+        p_(p),
+        device_(device),
+        rank_(rank),
+        ranks_(ranks) {
     per_epoch_ = static_cast<std::int64_t>(folder.images.size()) * s.repeats / s.train_batch_size;
     if (per_epoch_ < 1)
       throw ConfigError("leave no full batch of " + std::to_string(s.train_batch_size) + " (" +
@@ -194,24 +211,28 @@ class Samples {
   }
   [[nodiscard]] double data_seconds() const { return data_seconds_; }
 
-  InversionImpl::Batch at_place(std::int64_t place) {
+  /// Micro-batch `local_place` of this rank: batch local_place · ranks + rank of the run's order.
+  InversionImpl::Batch at_place(std::int64_t local_place) {
     const auto t0 = std::chrono::steady_clock::now();
+    const std::int64_t place = local_place * ranks_ + rank_;
     const std::int64_t epoch = place / per_epoch_, pos = place % per_epoch_;
     if (!loader_ || epoch != epoch_ || pos != next_) {
+      // This rank's batches of the epoch from `pos` on: every ranks-th.
       const auto order = epoch_order(epoch);
       const std::size_t bs = static_cast<std::size_t>(s_.train_batch_size);
+      const std::int64_t stride = ranks_;
       loader_.emplace(
-          static_cast<std::size_t>(per_epoch_ - pos),
-          [this, order, bs, epoch, pos](std::size_t b) {
+          static_cast<std::size_t>((per_epoch_ - pos + stride - 1) / stride),
+          [this, order, bs, epoch, pos, stride](std::size_t b) {
             return make(order, bs, static_cast<std::uint64_t>(epoch),
-                        static_cast<std::size_t>(pos) + b);
+                        static_cast<std::size_t>(pos + static_cast<std::int64_t>(b) * stride));
           },
           static_cast<std::size_t>(s_.dataloader_num_workers), 2);
       epoch_ = epoch;
       next_ = pos;
     }
     Made m = *loader_->next();
-    ++next_;
+    next_ += ranks_;
     InversionImpl::Batch b;
     {
       at::NoGradGuard no_grad;
@@ -286,6 +307,7 @@ class Samples {
   std::string word_;
   Pipeline& p_;
   at::Device device_;
+  std::int64_t rank_, ranks_;
   std::int64_t per_epoch_ = 1, epoch_ = -1, next_ = 0;
   std::optional<data::ParallelLoader<Made>> loader_;
   double data_seconds_ = 0;
@@ -316,18 +338,29 @@ int run(Settings s) {
   check_sd_run_flags(s);
   check_flags(s);
   examples::apply_threads(s);
+  // The ranks of a torchrun launch (a world of one without it); every rank checks the same flags.
+  const auto ranks = torchrun_world(s, s.device);
+  const auto& world = ranks.first;
+  const at::Device device = ranks.second;
+  const bool main_rank = world->is_main();
   data::ImageFolderOptions fo;
   data::ImageFolder folder = data::scan_image_folder(s.data_dir, fo);
-  for (const auto& skipped : folder.skipped)
-    std::fprintf(stderr, "skipped %s: %s\n", skipped.path.string().c_str(), skipped.reason.c_str());
+  if (main_rank)
+    for (const auto& skipped : folder.skipped)
+      std::fprintf(stderr, "skipped %s: %s\n", skipped.path.string().c_str(),
+                   skipped.reason.c_str());
   if (folder.images.empty()) throw ConfigError("holds no image", s.data_dir);
-  resolve_max_train_steps(
-      s, static_cast<std::int64_t>(folder.images.size()) * s.repeats / s.train_batch_size);
+  const std::int64_t batches =
+      static_cast<std::int64_t>(folder.images.size()) * s.repeats / s.train_batch_size;
+  if (batches < world->size())
+    throw ConfigError("make " + std::to_string(batches) + " batches an epoch, fewer than the " +
+                          std::to_string(world->size()) + " ranks",
+                      "--train_data_dir / --repeats / --train_batch_size");
+  resolve_max_train_steps(s, (batches + world->size() - 1) / world->size(), main_rank);
   const fs::path out(s.out);
   dt::io::ensure_writable_folder(out);
   tr::set_seed(s.seed);
   Pipeline p = load_pipeline(s.model, "");
-  const at::Device device(s.device);
 
   // The new word: tokens and rows, each row the initializer's embedding (in both tokenizers and
   // tables of an SDXL pipeline). Every check comes before the first table grows.
@@ -393,8 +426,9 @@ int run(Settings s) {
       s.scale_lr ? s.learning_rate *
                        static_cast<double>(s.gradient_accumulation_steps * s.train_batch_size)
                  : s.learning_rate);
+  set_parallel(o, s, world);
 
-  const RunFolders folders = prepare_run_folders(s);
+  const RunFolders folders = prepare_run_folders(s, main_rank);
   const nlohmann::json run_settings = {{"pretrained_model_name_or_path", s.model},
                                        {"train_data_dir", s.data_dir},
                                        {"images", folder.images.size()},
@@ -408,6 +442,8 @@ int run(Settings s) {
                                        {"max_train_steps", s.max_train_steps},
                                        {"learning_rate", o.optimizer.lr},
                                        {"lr_scheduler", s.lr_scheduler},
+                                       {"ranks", world->size()},
+                                       {"sharding", s.sharding},
                                        {"seed", s.seed}};
   const LearnedEmbeds embeds{p.text_encoder, ids, s.placeholder_token};
   std::optional<LearnedEmbeds> embeds_2;
@@ -426,10 +462,13 @@ int run(Settings s) {
           tr::TensorBoard({.dir = folders.tensorboard, .config = run_settings}),
           validation_every(s, validation), StopOnInterrupt{s.stop_at}, LossRecord{&losses}});
   const std::int64_t resumed_from = resume_if_asked(trainer, s, folders);
+  // Each rank its own noise (a resumed run restores each rank's generator).
+  if (world->rank() > 0 && resumed_from == 0) tr::set_seed(s.seed + 7919 * world->rank());
 
-  Samples samples(s, folder, word, p, device);
+  Samples samples(s, folder, word, p, device, world->rank(), world->size());
   const FitResult fit = fit_until_done_or_stopped(
       trainer, s, [&](std::int64_t place) { return samples.at_place(place); });
+  if (!main_rank) return fit.finished ? 0 : 130;  // rank 0 writes what the run leaves
   nlohmann::json files;
   if (fit.finished) {
     embeds.save(out / "learned_embeds.safetensors");
@@ -485,6 +524,7 @@ int main(int argc, char** argv) {
   using examples::count_in;
   using examples::number_in;
   const SdFlagGroups g = add_sd_run_flags(app, s, "folder of images of the concept");
+  auto* d = add_torchrun_flags(app, s, "here no module is");
   auto* w = app.add_option_group("the word");
   w->add_option("--placeholder_token", s.placeholder_token, "the new word, e.g. \"<cat-toy>\"")
       ->required();
@@ -509,7 +549,7 @@ int main(int argc, char** argv) {
       ->add_option("--save_steps", s.save_steps, "learned_embeds-steps-N every N steps (0: none)")
       ->check(count_in(0, 100'000'000))
       ->capture_default_str();
-  last_value_wins({g.run, g.training, g.saving, w, img});
+  last_value_wins({g.run, g.training, g.saving, w, img, d});
   CLI11_PARSE(app, argc, argv);
   return examples::run_reporting_errors([&] { return run(s); });
 }

@@ -4,7 +4,8 @@ Run under torchrun (one process per rank); writes <out>.rank<r>.json with the we
 with. With --zero the optimizer is torch's ZeroRedundancyOptimizer (ZeRO stage 1: each rank
 steps its own parameters, then they are broadcast), the reference of ShardedDataParallel's
 stages 1 and 2. With --fsdp the model is FSDP2's fully_shard instead (each --wide hidden layer a
-unit, then the root), the reference of stage 3. Gradient accumulation uses DDP's no_sync (FSDP's
+unit, then the root), the reference of stage 3; --param-dtype and --reduce-dtype give every
+fully_shard a MixedPrecisionPolicy (the reference of stage 3's mixed precision). Gradient accumulation uses DDP's no_sync (FSDP's
 set_requires_gradient_sync(False)) for every micro-batch but the last, as the difftrain trainer
 does; clipping by the global norm after the reduction.
 """
@@ -61,6 +62,8 @@ def main():
     ap.add_argument("--zero", action="store_true")
     ap.add_argument("--fsdp", action="store_true")
     ap.add_argument("--wide", type=int, default=0)
+    ap.add_argument("--param-dtype")
+    ap.add_argument("--reduce-dtype")
     a = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -72,13 +75,16 @@ def main():
                 p.add_(0.5)
             net.scale.fill_(2.0)
     if a.fsdp:
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         with torch.no_grad():  # fully_shard keeps each rank's values: rank 0's first
             for t in [*net.parameters(), *net.buffers()]:
                 dist.broadcast(t, 0)
+        named = lambda n: getattr(torch, n) if n else None  # noqa: E731
+        mp = MixedPrecisionPolicy(param_dtype=named(a.param_dtype),
+                                  reduce_dtype=named(a.reduce_dtype))
         for layer in net.hidden:
-            fully_shard(layer)
-        ddp = fully_shard(net)
+            fully_shard(layer, mp_policy=mp)
+        ddp = fully_shard(net, mp_policy=mp)
     else:
         ddp = nn.parallel.DistributedDataParallel(net)
     settings = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)

@@ -21,10 +21,20 @@ checks:
   sharded3       stage 3 (units): the same sweep and its own switches; a memory budget that
                  DataParallel exceeds and stage 3 keeps; a NaN, a dead rank, a forward on rank 0
                  alone; Python's fully_shard under torchrun (float32, 1e-6)
+  mixed_precision stages 1-3 with param_dtype and reduce_dtype (FSDP's MixedPrecisionPolicy):
+                 equal to Python's fully_shard with the same policy under torchrun (1e-6; float64
+                 masters computing in float32, float32 masters computing in bfloat16), offloaded
+                 and resharding variants, one process, resumed bit-identical; masters keep their
+                 precision; stage 0 refuses it
   sharded_resume sharded checkpoints (stages 2 and 3): resumed bit-identical on the same ranks and stage; across
                  world sizes and stages and to and from DataParallel's checkpoints (1e-10); a rank
                  that dies in a save leaves the previous set, which resume falls back to, as it
                  does past a damaged shard
+  cuda           (where a CUDA device is; skipped, exit 77, elsewhere) 2 ranks training on GPU 0
+                 equal 1 process on the GPU and on the CPU (float64, 1e-10), with DataParallel
+                 and ShardedDataParallel's stages 1-3 (offloaded too); stopped and resumed,
+                 bit-identical, each rank's noise drawn by its own CUDA generator, which the
+                 checkpoint holds per rank
   multi          two models in turn under one MultiTrainer: N ranks equal one process (float64,
                  1e-10; accumulation, chunks, 2 and 4 ranks); stopped and resumed from one multi
                  checkpoint, bit-identical; a rank that steps another model is a ConfigError on
@@ -138,7 +148,8 @@ def one_equals_many(worker, tmp, what, world, tag, args):
     process's weights (float64, 1e-10) and with each other's. Returns both runs' results."""
     one, _ = single(worker, f"{tmp}/one-{tag}", *args)
     many, _ = launch(worker, world, f"{tmp}/many-{tag}", *args)
-    no_errors(one + many, what)
+    no_errors(one, f"{what}, 1 process")
+    no_errors(many, f"{what}, {world} ranks")
     d = max_diff(one[0]["weights"], many[0]["weights"])
     ok(d <= 1e-10, f"{what}: weights equal 1 process x whole batch (max diff {d:.2e})")
     ok(all(m["weights"] == many[0]["weights"] for m in many),
@@ -215,6 +226,57 @@ def check_resume(worker, tmp):
     names = sorted(p.name for p in pathlib.Path(f"{tmp}/b").iterdir())
     ok(names == ["checkpoint-10.pt", "checkpoint-20.pt", "checkpoint-30.pt"],
        f"rank 0 wrote each checkpoint once, nothing else ({names})")
+
+
+def check_cuda(worker, tmp):
+    import torch
+    if not torch.cuda.is_available():
+        print("SKIP no CUDA device on this machine", flush=True)
+        sys.exit(77)
+    for acc, chunk in ((1, 0), (2, 3)):
+        what = f"on the GPU, accumulation {acc}, chunk {chunk or 'none'}"
+        args = ["--steps", 30, "--accumulation", acc, "--chunk", chunk, "--dtype", "float64"]
+        one, many = one_equals_many(worker, tmp, what, 2, f"cuda-{acc}-{chunk}",
+                                    [*args, "--device", "cuda"])
+        cpu, _ = single(worker, f"{tmp}/cpu-{acc}-{chunk}", *args)
+        no_errors(cpu, f"{what}: the CPU run")
+        d = max_diff(cpu[0]["weights"], many[0]["weights"])
+        ok(d <= 1e-10, f"{what}: 2 ranks end with the CPU's weights (max diff {d:.2e})")
+    # ShardedDataParallel's stages on CUDA tensors (its reduces, gathers and broadcasts through
+    # Gloo), the optimizer in the GPU's memory and offloaded to pinned host memory.
+    for stage, extra in ((1, []), (2, []), (2, ["--offload"]), (3, []), (3, ["--offload"])):
+        what = f"on the GPU, stage {stage}{' offloaded' if extra else ''}"
+        one_equals_many(worker, tmp, what, 2, f"cuda-s{stage}{len(extra)}",
+                        ["--steps", 10, "--accumulation", 2, "--dtype", "float64", "--sharding",
+                         stage, "--wide", 2, "--device", "cuda", *extra])
+    # Mixed precision on the GPU: float32 masters computing in bfloat16 (stage 3, gradients
+    # reduced in float32), against one process on the GPU with the same policy.
+    what = "on the GPU, stage 3 in bfloat16"
+    args = ["--steps", 10, "--accumulation", 2, "--dtype", "float32", "--sharding", 3, "--wide",
+            2, "--device", "cuda", "--param-dtype", "bfloat16", "--reduce-dtype", "float32"]
+    many, _ = launch(worker, 2, f"{tmp}/cuda-mp", *args)
+    one, _ = single(worker, f"{tmp}/cuda-mp-one", *args)
+    no_errors(many + one, what)
+    ok(many[0]["compute_dtype"] == "BFloat16" and many[0]["weights"] == many[1]["weights"],
+       f"{what}: computed in bfloat16, both ranks alike")
+    d = max_diff(one[0]["weights"], many[0]["weights"])
+    ok(d <= 5e-2, f"{what}: near one process with the same policy (max diff {d:.2e})")
+    common = ["--noise", "--save-every", 10, "--accumulation", 2, "--device", "cuda"]
+    full, _ = launch(worker, 2, f"{tmp}/full", "--steps", 30, "--checkpoint-dir", f"{tmp}/a", *common)
+    part, _ = launch(worker, 2, f"{tmp}/part", "--steps", 10, "--checkpoint-dir", f"{tmp}/b", *common)
+    rest, _ = launch(worker, 2, f"{tmp}/rest", "--steps", 30, "--checkpoint-dir", f"{tmp}/b",
+                     "--resume", *common)
+    no_errors(full + part + rest, "resume on the GPU")
+    for r in range(2):
+        ok(rest[r]["weights"] == full[r]["weights"],
+           f"rank {r}: resumed on the GPU, weights bit-identical to the uninterrupted run")
+        ok(rest[r]["losses"] == full[r]["losses"][10:],
+           f"rank {r}: resumed losses bit-identical (its own CUDA generator's noise continues)")
+    state = torch.load(f"{tmp}/b/checkpoint-10.pt", weights_only=True)
+    ranks = state["rng_cuda_ranks"]
+    ok(len(ranks) == 2 and all(len(r) == torch.cuda.device_count() for r in ranks),
+       f"the checkpoint holds each rank's CUDA generator states ({[len(r) for r in ranks]})")
+    ok(not torch.equal(ranks[0][0], ranks[1][0]), "and the two ranks' states differ")
 
 
 def check_faults(worker, tmp):
@@ -499,6 +561,63 @@ def check_sharded3(worker, tmp):
         python_reference(f"{tmp}/fpy{acc}", "--fsdp", args, f"accumulation {acc}: fully_shard")
         against_reference(worker, f"{tmp}/fc{acc}", f"{tmp}/fpy{acc}", args, 3,
                           f"stage 3, accumulation {acc}", "fully_shard's")
+
+
+def check_mixed_precision(worker, tmp):
+    import struct
+    policies = (("float64", "float32", "float64"), ("float32", "bfloat16", "float32"))
+    for model, param, reduce in policies:
+        for acc in ((1, 2) if param == "bfloat16" else (2,)):
+            what = f"{model} masters computing in {param}, reduced in {reduce}, accumulation {acc}"
+            args = ["--steps", "20", "--accumulation", str(acc), "--dtype", model, "--wide", "3",
+                    "--param-dtype", param, "--reduce-dtype", reduce]
+            ref = f"{tmp}/mpy-{param}-{acc}"
+            python_reference(ref, "--fsdp", args, f"{what}: fully_shard")
+            for stage in (1, 2, 3):
+                against_reference(worker, f"{tmp}/mc-{param}-{acc}-{stage}", ref, args, stage,
+                                  f"{what}, stage {stage}", "fully_shard's")
+            res = json.loads(pathlib.Path(f"{tmp}/mc-{param}-{acc}-3.rank0.json").read_text())
+            ok(res["compute_dtype"] == {"float32": "Float", "bfloat16": "BFloat16"}[param],
+               f"{what}: the model computed in {param} ({res['compute_dtype']})")
+            if model == "float64":
+                rounded = sum(struct.unpack("f", struct.pack("f", w))[0] != w for w in res["weights"])
+                ok(rounded > len(res["weights"]) // 2,
+                   f"{what}: the weights are float64 masters, not float32 values "
+                   f"({rounded} of {len(res['weights'])} not float32)")
+    # The variants of the float64 / float32 policy against its reference (stage 2 and 3 runs
+    # launched directly): offloaded, parameters whole between steps, no resharding, no overlap.
+    args = ["--steps", 20, "--accumulation", 2, "--dtype", "float64", "--wide", 3,
+            "--param-dtype", "float32", "--reduce-dtype", "float64"]
+    ref = json.loads(pathlib.Path(f"{tmp}/mpy-float32-2.rank0.json").read_text())["weights"]
+    for stage, extra in ((2, ["--offload"]), (3, ["--offload"]), (3, ["--whole-between"]),
+                         (3, ["--no-reshard", "--no-prefetch"]), (2, ["--no-overlap"])):
+        what = f"mixed precision, stage {stage} {' '.join(extra)}"
+        res, _ = launch(worker, 2, f"{tmp}/mv-{stage}-{extra[0]}", *args, "--sharding", stage, *extra)
+        no_errors(res, what)
+        d = max_diff(ref, res[0]["weights"])
+        ok(d <= 1e-6 and res[0]["weights"] == res[1]["weights"],
+           f"{what}: equals fully_shard's (max diff {d:.2e}); both ranks alike")
+    # One process with the policy (no reduction: the gradients reach the masters directly).
+    one, _ = single(worker, f"{tmp}/mone", *args, "--sharding", 3, "--sharded-policy")
+    no_errors(one, "mixed precision, one process")
+    d = max_diff(ref, one[0]["weights"])
+    ok(d <= 1e-5, f"mixed precision, one process x whole batch: near 2 ranks (max diff {d:.2e})")
+    # Stopped at a checkpoint and resumed: bit-identical (the checkpoint holds the masters).
+    common = [*args[2:], "--sharding", 3, "--save-every", 10, "--noise"]  # without --steps
+    full, _ = launch(worker, 2, f"{tmp}/mfull", *common, "--steps", 20, "--checkpoint-dir",
+                     f"{tmp}/ma")
+    part, _ = launch(worker, 2, f"{tmp}/mpart", *common, "--steps", 10, "--checkpoint-dir",
+                     f"{tmp}/mb")
+    rest, _ = launch(worker, 2, f"{tmp}/mrest", *common, "--steps", 20, "--checkpoint-dir",
+                     f"{tmp}/mb", "--resume")
+    no_errors(full + part + rest, "mixed precision, resume")
+    for r in range(2):
+        ok(rest[r]["weights"] == full[r]["weights"] and rest[r]["losses"] == full[r]["losses"][10:],
+           f"rank {r}: mixed precision at stage 3, resumed: weights and losses bit-identical")
+    res, _ = launch(worker, 2, f"{tmp}/mstage0", *args, "--sharding", 0, "--sharded-policy")
+    e = res[0] and res[0]["error"]
+    ok(e is not None and e["type"] == "difftrain::ConfigError" and "param_dtype" in e["message"],
+       f"stage 0 with param_dtype is a ConfigError naming it ({e})")
 
 
 def check_sharded_resume(worker, tmp):

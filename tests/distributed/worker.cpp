@@ -11,10 +11,10 @@
 // over the ranks (ShardedDataParallel, ZeRO's stages) instead of replicating it; the result also
 // says how many bytes of parameters, gradients and optimizer state this rank held after the last
 // step, and at stage 3 how its units' parameters travelled. The --wide hidden layers are units
-// (nn::in_unit); fc1 and fc2 lie outside every unit.
+// (nn::in_unit); fc1 and fc2 lie outside every unit. With --device cuda every rank trains on
+// GPU 0 (Gloo reduces CUDA tensors through host memory), its noise drawn by its CUDA generator.
 
 #include <ATen/ATen.h>
-#include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/linear.h>
@@ -23,16 +23,14 @@
 #include <chrono>
 #include <csignal>
 #include <cstdlib>
-#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
-#include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <thread>
-#include <unordered_map>
 
+#include "../unit/counting_allocator.hpp"
 #include "difftrain/core/error.hpp"
 #include "difftrain/distributed/data_parallel.hpp"
 #include "difftrain/distributed/sharded_data_parallel.hpp"
@@ -84,61 +82,18 @@ struct Settings {
   bool eval_on_rank0 = false;        // rank 0 alone runs the model after every step (a sampler)
   std::int64_t die_in_save_at = -1;  // rank 1 exits as the checkpoint of this step is saved
   std::int64_t budget_kb = -1;       // >= 0: CPU memory counted, and refused past this (0: never)
+  std::string device = "cpu";        // cuda: the model and batches on GPU 0 (every rank's)
+  std::string param_dtype;           // mixed precision: the dtype parameters compute in
+  std::string reduce_dtype;          // and the one gradients are reduced in
 };
 
-// The CPU allocator, counted: the peak of the bytes held, and an out-of-memory error past a
-// budget (a device's memory, on the CPU), as for a model that does not fit.
-class BudgetAllocator final : public c10::Allocator {
- public:
-  BudgetAllocator(c10::Allocator* inner, std::size_t budget)
-      : inner_(inner), inner_delete_(inner->raw_deleter()), budget_(budget) {
-    instance_ = this;
-  }
-  c10::DataPtr allocate(size_t n) override {
-    {
-      std::lock_guard<std::mutex> lock(m_);
-      if (budget_ > 0 && current_ + n > budget_)
-        TORCH_CHECK_WITH(OutOfMemoryError, false, "out of memory: ", n, " bytes asked with ",
-                         current_, " of ", budget_, " held");
-    }
-    void* d = inner_->raw_allocate(n);
-    std::lock_guard<std::mutex> lock(m_);
-    sizes_[d] = n;
-    current_ += n;
-    peak_ = std::max(peak_, current_);
-    return {d, d, &BudgetAllocator::release, c10::Device(c10::DeviceType::CPU)};
-  }
-  c10::DeleterFnPtr raw_deleter() const override { return &BudgetAllocator::release; }
-  void copy_data(void* dst, const void* src, std::size_t n) const override {
-    std::memcpy(dst, src, n);
-  }
-  [[nodiscard]] std::size_t peak() {
-    std::lock_guard<std::mutex> lock(m_);
-    return peak_;
-  }
-  static BudgetAllocator* instance() { return instance_; }
-
- private:
-  static void release(void* d) {
-    if (d == nullptr) return;
-    BudgetAllocator* self = instance_;
-    {
-      std::lock_guard<std::mutex> lock(self->m_);
-      if (auto it = self->sizes_.find(d); it != self->sizes_.end()) {
-        self->current_ -= it->second;
-        self->sizes_.erase(it);
-      }
-    }
-    self->inner_delete_(d);
-  }
-  static inline BudgetAllocator* instance_ = nullptr;
-  c10::Allocator* inner_;
-  c10::DeleterFnPtr inner_delete_;
-  std::size_t budget_;
-  std::mutex m_;
-  std::unordered_map<void*, std::size_t> sizes_;
-  std::size_t current_ = 0, peak_ = 0;
-};
+std::optional<at::ScalarType> dtype_named(const std::string& name) {
+  if (name.empty()) return std::nullopt;
+  if (name == "float64") return at::kDouble;
+  if (name == "float32") return at::kFloat;
+  if (name == "bfloat16") return at::kBFloat16;
+  return at::kHalf;
+}
 
 struct Batch {
   at::Tensor x, y;
@@ -199,6 +154,7 @@ struct Net : torch::nn::Module {
       if (step_ % 2 == 0) pred = pred + 0.5 * branch->forward(b.x);
       pred = frozen->forward(pred);
     }
+    compute_dtype = fc1->weight.scalar_type();
     at::Tensor y = b.y;
     if (noise_) y = y + 0.01 * at::randn_like(y);
     at::Tensor l = (pred - y).pow(2).mean();
@@ -212,6 +168,7 @@ struct Net : torch::nn::Module {
   bool unused_;
   bool poison_ = false;
   std::int64_t step_ = 0;
+  at::ScalarType compute_dtype = at::kDouble;  // fc1's dtype in the last forward
 };
 
 struct Config : dt::train::DefaultConfig {
@@ -250,8 +207,8 @@ std::vector<Batch> rank_batches(const Settings& s, std::int64_t step, std::int64
   std::vector<Batch> micro;
   for (std::int64_t m = 0; m < s.accumulation; ++m) {
     auto [x, y] = global_batch(step, m);
-    micro.push_back(
-        {x.narrow(0, rank * rows, rows).to(dtype), y.narrow(0, rank * rows, rows).to(dtype)});
+    const at::TensorOptions to = at::TensorOptions().dtype(dtype).device(at::Device(s.device));
+    micro.push_back({x.narrow(0, rank * rows, rows).to(to), y.narrow(0, rank * rows, rows).to(to)});
   }
   return micro;
 }
@@ -327,6 +284,7 @@ nlohmann::json run_single(const Settings& s, std::int64_t& rank_out) {
   using TrainerT = dt::train::Trainer<Net, Cfg>;
   const at::ScalarType dtype = s.dtype == "float32" ? at::kFloat : at::kDouble;
   Net net(dtype, s.noise, s.unused, s.wide);
+  net.to(at::Device(s.device));
   typename TrainerT::Options o;
   if constexpr (TrainerT::sharded) {
     o.parallel.stage = s.sharding;
@@ -339,6 +297,8 @@ nlohmann::json run_single(const Settings& s, std::int64_t& rank_out) {
     o.parallel.reshard_after_forward = !s.no_reshard;
     o.parallel.prefetch = !s.no_prefetch;
     o.parallel.reshard_after_step = !s.whole_between;
+    o.parallel.param_dtype = dtype_named(s.param_dtype);
+    o.parallel.reduce_dtype = dtype_named(s.reduce_dtype);
   } else {
     o.parallel.find_unused_parameters = s.unused;
   }
@@ -389,6 +349,9 @@ nlohmann::json run_single(const Settings& s, std::int64_t& rank_out) {
     for (const auto& e : skipped) skipped_files.push_back(e);
   }
   const std::int64_t world_size = world->size();
+  // Under mixed precision the batches come in the parameters' compute dtype (FSDP casts the
+  // inputs of its root module so).
+  const at::ScalarType batch_dtype = dtype_named(s.param_dtype).value_or(dtype);
   nlohmann::json losses = nlohmann::json::array();
   bool poisoned = false;
   while (trainer.global_step() < s.steps) {
@@ -399,11 +362,11 @@ nlohmann::json run_single(const Settings& s, std::int64_t& rank_out) {
     net.step_ = step;
     net.poison_ = world->rank() == 1 && step == s.nan_at && !poisoned;
     poisoned = poisoned || net.poison_;
-    const auto info = trainer.step(rank_batches(s, step, world->rank(), world_size, dtype));
+    const auto info = trainer.step(rank_batches(s, step, world->rank(), world_size, batch_dtype));
     losses.push_back(info.loss);
     if (s.eval_on_rank0 && world->rank() == 0) {
       at::NoGradGuard no_grad;
-      (void)net.loss(rank_batches(s, step, 0, world_size, dtype).front());
+      (void)net.loss(rank_batches(s, step, 0, world_size, batch_dtype).front());
     }
   }
   std::vector<at::Tensor> params;
@@ -434,14 +397,15 @@ nlohmann::json run_single(const Settings& s, std::int64_t& rank_out) {
           {"weights", weights},
           {"scale", net.scale[0].item<double>()},
           {"losses", losses},
+          {"compute_dtype", std::string(c10::toString(net.compute_dtype))},
           {"skipped_nonfinite", trainer.skipped_nonfinite()},
           {"resumed_from", resumed_from},
           {"skipped_checkpoints", skipped_files},
           {"numel", numel},
           {"buckets_sent_during_backward", overlapped},
           {"units", units},
-          {"peak_bytes", BudgetAllocator::instance() != nullptr
-                             ? nlohmann::json(BudgetAllocator::instance()->peak())
+          {"peak_bytes", dt::test::CountingAllocator::instance() != nullptr
+                             ? nlohmann::json(dt::test::CountingAllocator::instance()->peak())
                              : nlohmann::json(nullptr)},
           {"memory",
            {{"parameters", memory.parameters},
@@ -466,6 +430,10 @@ int main(int argc, char** argv) {
   app.add_option("--chunk", s.chunk);
   app.add_option("--dtype", s.dtype)->check(CLI::IsMember({"float32", "float64"}));
   app.add_option("--out", s.out)->required();
+  app.add_option("--device", s.device)->check(CLI::IsMember({"cpu", "cuda"}));
+  const auto dtypes = CLI::IsMember({"float64", "float32", "bfloat16", "float16"});
+  app.add_option("--param-dtype", s.param_dtype)->check(dtypes);
+  app.add_option("--reduce-dtype", s.reduce_dtype)->check(dtypes);
   app.add_option("--checkpoint-dir", s.checkpoint_dir);
   app.add_option("--save-every", s.save_every);
   app.add_flag("--resume", s.resume);
@@ -499,9 +467,7 @@ int main(int argc, char** argv) {
   const auto start = std::chrono::steady_clock::now();
   std::int64_t rank = std::getenv("RANK") != nullptr ? std::atoll(std::getenv("RANK")) : 0;
   if (s.budget_kb >= 0)  // before any tensor: every allocation after it is counted
-    c10::SetCPUAllocator(
-        new BudgetAllocator(c10::GetCPUAllocator(), static_cast<std::size_t>(s.budget_kb) * 1024),
-        /*priority=*/100);
+    dt::test::CountingAllocator::install(static_cast<std::size_t>(s.budget_kb) * 1024);
   nlohmann::json result;
   int rc = 0;
   try {

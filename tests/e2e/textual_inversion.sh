@@ -6,7 +6,10 @@
 # load_textual_inversion reads learned_embeds.safetensors and generates with the word, and the
 # web UI's .pt holds the same vectors. On the tiny SDXL pipeline both encoders learn the word:
 # diffusers loads learned_embeds.safetensors and learned_embeds_2.safetensors into its two
-# tokenizers and encoders and generates, and the web UI's file holds clip_l and clip_g.
+# tokenizers and encoders and generates, and the web UI's file holds clip_l and clip_g. Under
+# torchrun with 2 ranks (each its own batches of 2): DataParallel straight through equals a run
+# stopped and resumed under torchrun, to the bit; ZeRO stage 2 ends where DataParallel ends; only
+# the word's rows moved; rank 0 alone writes the outputs.
 #
 #   textual_inversion.sh PROGRAM PYTHON GOLDEN_DIR WORKDIR [FASHION_MNIST_DIR]
 set -uo pipefail
@@ -49,6 +52,19 @@ expect_rc 130 stopped -- "$bin" "${base[@]}" --max_train_steps 20 --checkpointin
 expect_rc 0 resumed -- "$bin" "${base[@]}" --max_train_steps 20 --checkpointing_steps 10 \
   --resume_from_checkpoint latest --output_dir "$work/resumed"
 
+export GLOO_SOCKET_IFNAME=lo
+launch=("$(dirname "$py")/torchrun" --standalone --nproc-per-node 2 --no-python "$bin")
+ranks=("${base[@]}" --train_batch_size 2 --max_train_steps 8 --checkpointing_steps 4 --save_steps 0
+       --rank_timeout 120)
+expect_rc 0 dp -- "${launch[@]}" "${ranks[@]}" --output_dir "$work/dp"
+grep_in "$work/dp/results.json" '"ranks": 2'
+expect_rc 1 dp-stopped -- "${launch[@]}" "${ranks[@]}" --stop_at 4 --output_dir "$work/dp-resumed"
+expect_rc 0 dp-resumed -- "${launch[@]}" "${ranks[@]}" --resume_from_checkpoint latest \
+  --output_dir "$work/dp-resumed"
+grep_in "$work/dp-resumed/results.json" '"resumed_from": 4'
+expect_rc 0 zero2 -- "${launch[@]}" "${ranks[@]}" --sharding 2 --output_dir "$work/zero2"
+[ "$(grep -c "textual inversion of" "$work/dp.out")" -eq 1 ] || fail "more than one rank reported"
+
 "$py" - "$work" "$sd" >"$work/python.out" 2>&1 <<'PY' || { fail "Python check"; }
 import pathlib, sys
 import numpy as np
@@ -73,6 +89,18 @@ trained = ckpt["model"]["text_encoder.text_model.embeddings.token_embedding.weig
 assert trained.shape[0] == table.shape[0] + 2
 assert torch.equal(trained[: table.shape[0]], table), "rows other than the word's changed"
 assert torch.equal(trained[table.shape[0]:], learned["<fm-sneaker>"])
+# 2 ranks: stopped and resumed equals straight through; stage 2 equals DataParallel; the vectors
+# trained and no other row moved.
+dp = load_file(work / "dp" / "learned_embeds.safetensors")["<fm-sneaker>"]
+assert torch.equal(dp, load_file(work / "dp-resumed" / "learned_embeds.safetensors")["<fm-sneaker>"]), \
+    "the 2-rank run stopped and resumed differs"
+zero = load_file(work / "zero2" / "learned_embeds.safetensors")["<fm-sneaker>"]
+worst = float((dp - zero).abs().max())
+assert worst <= 1e-6, f"stage 2 ends {worst} from DataParallel"
+assert not torch.allclose(dp[0], table[shoe[0]]), "the 2-rank vectors did not train"
+ckpt = torch.load(work / "dp" / "checkpoints" / "checkpoint-8.pt", weights_only=False)
+assert torch.equal(ckpt["model"]["text_encoder.text_model.embeddings.token_embedding.weight"][: table.shape[0]], table)
+print(f"torchrun, 2 ranks: resumed = straight through; stage 2 ends {worst:.1e} from DataParallel")
 webui = torch.load(work / "run" / "fm-sneaker.pt", weights_only=False)
 assert torch.equal(webui["string_to_param"]["*"], learned["<fm-sneaker>"]) and webui["step"] == 20
 plain = pipe("a photo of a shoe", num_inference_steps=2, height=32, width=32, output_type="np",

@@ -7,6 +7,9 @@
 #include <difftrain/distributed/sampler.hpp>
 #include <difftrain/distributed/sharded_data_parallel.hpp>
 #include <difftrain/distributed/world.hpp>
+#include <difftrain/ema/moving_average.hpp>
+#include <difftrain/io/remove_tree.hpp>
+#include <difftrain/train/trainer.hpp>
 
 #include <chrono>
 #include <cstdlib>
@@ -17,6 +20,7 @@
 #include <vector>
 
 #include "golden.hpp"
+#include "xy_batch.hpp"
 
 namespace dist = difftrain::distributed;
 namespace tst = difftrain::test;
@@ -192,4 +196,109 @@ TEST(ShardedDataParallel, WrappingPoliciesPickUnitsByWholeNameOrByType) {
       EXPECT_NE(std::string(e.what()).find("3 (and parameters)"), std::string::npos) << e.what();
     }
   }
+}
+
+// ---- mixed precision in one process -------------------------------------------------------------
+
+namespace {
+struct MixedNet : torch::nn::Module {
+  using Batch = tst::XyBatch;
+  MixedNet() { fc = register_module("fc", torch::nn::Linear(4, 3)); }
+  at::Tensor loss(const Batch& b) {
+    seen = fc->weight.scalar_type();
+    return (fc->forward(b.x) - b.y).pow(2).mean().to(at::kFloat);
+  }
+  torch::nn::Linear fc{nullptr};
+  at::ScalarType seen = at::kFloat;
+};
+struct MixedConfig : difftrain::train::DefaultConfig {
+  using Parallel = dist::ShardedDataParallel;
+  using Ema = difftrain::ema::Ema<difftrain::ema::WarmupDecay>;
+};
+using MixedTrainer = difftrain::train::Trainer<MixedNet, MixedConfig>;
+
+MixedTrainer::Options mixed_options(int stage) {
+  MixedTrainer::Options o;
+  o.parallel.stage = stage;
+  o.parallel.param_dtype = at::kBFloat16;
+  o.parallel.reduce_dtype = at::kFloat;
+  o.optimizer.lr = 1e-2;
+  return o;
+}
+}  // namespace
+
+// The model computes in param_dtype, the optimizer steps float32 masters, and whatever reads the
+// model through whole_parameters() (the EMA, checkpoints, a resume) sees the masters exactly.
+TEST(ShardedDataParallel, MixedPrecisionComputesInParamDtypeAndKeepsFullPrecisionMasters) {
+  at::manual_seed(3);
+  const tst::XyBatch batch{at::randn({8, 4}).to(at::kBFloat16),
+                           at::randn({8, 3}).to(at::kBFloat16)};
+  for (const int stage : {1, 2, 3}) {
+    SCOPED_TRACE("stage " + std::to_string(stage));
+    MixedNet net;
+    const at::Tensor start = net.fc->weight.detach().clone();
+    MixedTrainer trainer(net, mixed_options(stage));
+    EXPECT_TRUE(trainer.parallel().mixed_precision());
+    EXPECT_EQ(net.fc->weight.scalar_type(), at::kBFloat16);
+    EXPECT_EQ(trainer.ema().shadow("fc.weight").scalar_type(), at::kFloat)
+        << "the EMA starts from the masters";
+    EXPECT_TRUE(at::equal(trainer.ema().shadow("fc.weight"), start));
+    for (const auto& g : trainer.optimizer().param_groups())
+      for (const auto& p : g.params()) EXPECT_EQ(p.scalar_type(), at::kFloat);
+    for (int i = 0; i < 5; ++i) (void)trainer.step({batch});
+    EXPECT_EQ(net.seen, at::kBFloat16);
+    EXPECT_EQ(net.fc->weight.scalar_type(), at::kBFloat16);
+    at::Tensor masters;
+    {
+      const auto whole = trainer.whole_parameters();
+      EXPECT_EQ(net.fc->weight.scalar_type(), at::kFloat);
+      masters = net.fc->weight.detach().clone();
+      EXPECT_FALSE(at::equal(masters, masters.to(at::kBFloat16).to(at::kFloat)))
+          << "the masters hold more than bf16 values";
+      {
+        const auto nested = trainer.whole_parameters();  // already whole: nothing changes
+        EXPECT_EQ(net.fc->weight.scalar_type(), at::kFloat);
+      }
+      EXPECT_EQ(net.fc->weight.scalar_type(), at::kFloat);
+    }
+    EXPECT_TRUE(at::equal(net.fc->weight.detach(), masters.to(at::kBFloat16)))
+        << "after the scope, the masters rounded";
+    // A checkpoint holds the masters, and a new trainer resumes them exactly.
+    const auto dir = std::filesystem::temp_directory_path() /
+                     ("difftrain-mixed-" + std::to_string(stage) + "-" +
+                      std::to_string(std::chrono::steady_clock::now().time_since_epoch().count()));
+    std::filesystem::create_directories(dir);
+    trainer.save_checkpoint(dir / "c.pt");
+    MixedNet other;
+    MixedTrainer resumed(other, mixed_options(stage));
+    resumed.load_checkpoint(dir / "c.pt");
+    {
+      const auto whole = resumed.whole_parameters();
+      EXPECT_TRUE(at::equal(other.fc->weight, masters));
+    }
+    const auto a = trainer.step({batch});
+    const auto b = resumed.step({batch});
+    EXPECT_EQ(a.loss, b.loss);
+    {
+      const auto w1 = trainer.whole_parameters();
+      const auto w2 = resumed.whole_parameters();
+      EXPECT_TRUE(at::equal(net.fc->weight, other.fc->weight)) << "resumed bit-identical";
+    }
+    difftrain::io::remove_tree(dir);
+  }
+  // A dtype that is not floating point, and stage 0, are refused naming the option.
+  MixedNet net;
+  auto o = mixed_options(2);
+  o.parallel.param_dtype = at::kInt;
+  EXPECT_THROW(
+      {
+        try {
+          MixedTrainer t(net, o);
+        } catch (const difftrain::ConfigError& e) {
+          EXPECT_NE(std::string(e.what()).find("param_dtype"), std::string::npos) << e.what();
+          throw;
+        }
+      },
+      difftrain::ConfigError);
+  EXPECT_THROW(MixedTrainer(net, mixed_options(0)), difftrain::ConfigError);
 }

@@ -45,6 +45,13 @@
 // copies of this rank's parameters kept in host memory (pinned when the parameters are on a GPU),
 // so its state lives there too; the reduced gradients are copied to host memory and dropped on
 // the device, and the updated values are copied back before they are sent to the other ranks.
+//
+// Mixed precision (FSDP's MixedPrecisionPolicy): with param_dtype the model's parameters hold
+// that dtype, so forward and backward compute in it and stage 3 gathers it; the optimizer steps
+// copies in the parameters' own dtype (master weights) and writes the result back rounded.
+// Gradients are reduced in reduce_dtype (param_dtype's by default, as FSDP) and land straight in
+// the copies' gradients. whole_parameters() gives every rank the master values, in the masters'
+// dtype, for as long as it lives: checkpoints, the EMA and a resume see full precision.
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
@@ -120,6 +127,13 @@ class ShardedDataParallel : nn::UnitListener {
     /// saving) takes a whole_parameters() scope on every rank. Off: every rank holds every
     /// parameter between steps (stage 2's memory at that point, nothing to take).
     bool reshard_after_step = true;
+    /// Mixed precision, stages 1 to 3 (FSDP's param_dtype): the dtype the parameters compute
+    /// and travel in; the optimizer steps copies in their own dtype. Inputs are the caller's to
+    /// give in this dtype (FSDP's cast_forward_inputs). Unset: parameters keep their dtype.
+    std::optional<at::ScalarType> param_dtype{};
+    /// The dtype gradients are reduced in (FSDP's reduce_dtype): unset, param_dtype's, or the
+    /// gradients' own without it.
+    std::optional<at::ScalarType> reduce_dtype{};
   };
 
   /// Units whose name matches `pattern` (std::regex_match over named_modules' names), for
@@ -155,6 +169,24 @@ class ShardedDataParallel : nn::UnitListener {
     if (o_.offload_optimizer && o_.stage == 0)
       throw ConfigError("needs stage 1, 2 or 3 (at stage 0 every rank steps every parameter)",
                         "ShardedDataParallel options: offload_optimizer");
+    for (const auto& [dtype, option] :
+         {std::pair{o_.param_dtype, "param_dtype"}, std::pair{o_.reduce_dtype, "reduce_dtype"}}) {
+      if (!dtype) continue;
+      if (!at::isFloatingType(*dtype))
+        throw ConfigError(
+            std::string("is ") + c10::toString(*dtype) + ", not a floating-point dtype",
+            std::string("ShardedDataParallel options: ") + option);
+      if (o_.stage == 0)
+        throw ConfigError("needs stage 1, 2 or 3 (stage 0 is DataParallel: use autocast there)",
+                          std::string("ShardedDataParallel options: ") + option);
+    }
+    if (o_.param_dtype)
+      for (const auto& q : params_)
+        if (q.scalar_type() != *o_.param_dtype) mixed_ = true;
+    // FSDP's rule: micro-batches that do not communicate accumulate their gradients in
+    // reduce_dtype when it is wider than param_dtype.
+    widen_ = mixed_ && o_.reduce_dtype && *o_.reduce_dtype != *o_.param_dtype;
+    if (widen_) wide_grads_.resize(params_.size());
     if (o_.stage == 0) {
       replicated_ = std::make_unique<DataParallel>(
           model, params,
@@ -167,37 +199,32 @@ class ShardedDataParallel : nn::UnitListener {
       return;
     }
     partition();
-    make_buckets();
-    if (o_.offload_optimizer) {
-      host_.resize(params_.size());
+    if (o_.offload_optimizer || mixed_) {
+      copies_.resize(params_.size());
       for (std::size_t i = 0; i < params_.size(); ++i) {
         if (owner_[i] != world_->rank()) continue;
         const at::Tensor& p = params_[i];
-        host_[i] =
-            at::empty(p.sizes(),
-                      p.options().device(at::kCPU).requires_grad(false).pinned_memory(p.is_cuda()));
+        const bool host = o_.offload_optimizer;
+        copies_[i] = at::empty(p.sizes(), p.options()
+                                              .device(host ? at::Device(at::kCPU) : p.device())
+                                              .requires_grad(false)
+                                              .pinned_memory(host && p.is_cuda()));
       }
     }
     if (world_->distributed()) check_same_model(*world_, params_, *model_, "ShardedDataParallel");
-    start();
+    start();  // in the parameters' own dtype: the copies take rank 0's values exactly
+    if (mixed_) {
+      for (const auto& q : params_) master_dtypes_.push_back(q.scalar_type());
+      to_param_dtype();
+    }
+    make_buckets();
     bucket_of_.assign(params_.size(), 0);
     for (std::size_t b = 0; b < buckets_.size(); ++b)
       for (const std::size_t i : buckets_[b].params) bucket_of_[i] = b;
     waiting_.assign(buckets_.size(), 0);
     ready_.assign(params_.size(), false);
     if (o_.stage == 3 && world_->distributed()) listen();
-    if (!world_->distributed() || (!o_.overlap_backward && o_.stage < 3)) return;
-    // As the reducer: a hook on each parameter's gradient accumulator says when it is ready.
-    for (std::size_t i = 0; i < params_.size(); ++i) {
-      auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
-      acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
-          [this, i, alive = alive_](const torch::autograd::variable_list& outputs,
-                                    const torch::autograd::variable_list& /*inputs*/) {
-            if (*alive) on_gradient(i);
-            return outputs;
-          }));
-      accumulators_.push_back(std::move(acc));
-    }
+    hook_gradients();
   }
 
   ShardedDataParallel(const ShardedDataParallel&) = delete;
@@ -244,9 +271,9 @@ class ShardedDataParallel : nn::UnitListener {
 
   // ---- the trainer's hooks (train/parallel.hpp) ---------------------------------------------
 
-  /// Every parameter and buffer becomes rank 0's.
-  /// Every parameter and buffer becomes rank 0's (and the host copies of an offloaded
-  /// optimizer take the parameters' values: at start and after a resume).
+  /// Every parameter and buffer becomes rank 0's (and the copies an offloaded or mixed-precision
+  /// optimizer steps take the parameters' values: at start, and after a resume inside
+  /// whole_parameters(), where the parameters hold the masters' dtype).
   void start() {
     if (replicated_) return replicated_->start();
     if (world_->distributed()) {
@@ -255,12 +282,13 @@ class ShardedDataParallel : nn::UnitListener {
       broadcast_from_rank0(*world_, all);
     }
     at::NoGradGuard no_grad;
-    for (std::size_t i = 0; i < host_.size(); ++i)
-      if (host_[i].defined()) host_[i].copy_(params_[i].detach());
+    for (std::size_t i = 0; i < copies_.size(); ++i)
+      if (copies_[i].defined()) copies_[i].copy_(params_[i].detach());
   }
 
   void before_forward(bool sync) {
     if (replicated_) return replicated_->before_forward(sync);
+    if (widen_) widen_gradients();
     if (listening_) begin_pass();
     if (world_->distributed() && o_.broadcast_buffers)
       broadcast_from_rank0(*world_, model_->buffers());
@@ -282,7 +310,7 @@ class ShardedDataParallel : nn::UnitListener {
     if (replicated_) return replicated_->guard(std::forward<F>(f));
     if (!world_->distributed()) {
       std::forward<F>(f)();
-      return offload_gradients();
+      return gradients_to_copies();
     }
     world_->guarded("sharing gradients", [&] {
       std::forward<F>(f)();
@@ -317,9 +345,9 @@ class ShardedDataParallel : nn::UnitListener {
                             "ShardedDataParallel");
         if (owner_[it->second] != r && owner_[it->second] != -1) continue;
         mine.names.push_back(g.names[i]);
-        // This rank's optimizer steps the host copies when it is offloaded.
-        const bool host = r == world_->rank() && !host_.empty();
-        mine.params.push_back(host ? host_[it->second] : g.params[i]);
+        // This rank's optimizer steps the copies when it is offloaded or in mixed precision.
+        const bool copy = r == world_->rank() && !copies_.empty();
+        mine.params.push_back(copy ? copies_[it->second] : g.params[i]);
       }
       out.push_back(std::move(mine));
     }
@@ -330,7 +358,7 @@ class ShardedDataParallel : nn::UnitListener {
     std::vector<at::Tensor> out;
     for (std::size_t i = 0; i < params_.size(); ++i)
       if (owner_[i] == world_->rank() || owner_[i] == -1)
-        out.push_back(host_.empty() ? params_[i] : host_[i]);
+        out.push_back(copies_.empty() ? params_[i] : copies_[i]);
     return out;
   }
 
@@ -339,8 +367,9 @@ class ShardedDataParallel : nn::UnitListener {
 
   void zero_grad() {
     for (auto& p : params_) p.mutable_grad().reset();
-    for (auto& h : host_)
-      if (h.defined()) h.mutable_grad().reset();
+    for (auto& c : copies_)
+      if (c.defined()) c.mutable_grad().reset();
+    for (auto& w : wide_grads_) w.reset();
   }
 
   /// Every owner sends the parameters its optimizer updated, bucket by bucket. At stage 3 the
@@ -349,8 +378,8 @@ class ShardedDataParallel : nn::UnitListener {
   void after_optimizer_step() {
     if (replicated_) return;
     at::NoGradGuard no_grad;
-    for (std::size_t i = 0; i < host_.size(); ++i)  // the updated host copies back
-      if (host_[i].defined()) params_[i].detach().copy_(host_[i], /*non_blocking=*/true);
+    for (std::size_t i = 0; i < copies_.size(); ++i)  // the updated copies back (rounded)
+      if (copies_[i].defined()) params_[i].detach().copy_(copies_[i], /*non_blocking=*/true);
     if (!world_->distributed()) return;
     std::unique_lock<std::recursive_mutex> units_lock(unit_mutex_, std::defer_lock);
     const bool sharded_between = listening_ && o_.reshard_after_step;
@@ -419,9 +448,11 @@ class ShardedDataParallel : nn::UnitListener {
     });
   }
 
-  /// Every parameter whole on every rank while it lives: for sampling, saving, an EMA update or
-  /// anything else that reads the model between steps at stage 3. Every rank makes one (the
-  /// parameters travel); nothing happens at the other stages or when they are whole already.
+  /// Every parameter whole on every rank while it lives, at full precision: for sampling,
+  /// saving, an EMA update or anything else that reads the model between steps at stage 3 or
+  /// under mixed precision (where the parameters hold the masters' values and dtype meanwhile).
+  /// Every rank makes one (the parameters travel); nothing happens when neither applies, or when
+  /// one is alive already.
   class WholeParameters {
    public:
     explicit WholeParameters(ShardedDataParallel* p) : p_(p) {
@@ -432,15 +463,19 @@ class ShardedDataParallel : nn::UnitListener {
     WholeParameters(WholeParameters&& o) noexcept : p_(std::exchange(o.p_, nullptr)) {}
     WholeParameters& operator=(WholeParameters&&) = delete;
     ~WholeParameters() {
-      if (p_ != nullptr) p_->release_all();
+      if (p_ != nullptr) p_->end_whole();
     }
 
    private:
     ShardedDataParallel* p_;
   };
   [[nodiscard]] WholeParameters whole_parameters() {
-    return WholeParameters(listening_ && o_.reshard_after_step ? this : nullptr);
+    return WholeParameters((listening_ && o_.reshard_after_step) || mixed_ ? this : nullptr);
   }
+
+  /// True when the parameters compute in Options::param_dtype while the optimizer steps copies
+  /// in their own dtype.
+  [[nodiscard]] bool mixed_precision() const { return mixed_; }
 
   /// Bytes this rank holds in parameters, gradients and the optimizer's state (ZeRO's memory
   /// accounting; the optimizer's state is counted for torch's Adam, AdamW, SGD, RMSprop and
@@ -552,13 +587,18 @@ class ShardedDataParallel : nn::UnitListener {
     const Bucket& b = buckets_[index];
     const std::int64_t me = world_->rank();
     const at::Tensor& first = params_[b.params.front()];
-    at::Tensor flat = at::zeros({b.numel + static_cast<std::int64_t>(b.params.size())},
-                                first.options().requires_grad(false));
+    at::Tensor flat =
+        at::zeros({b.numel + static_cast<std::int64_t>(b.params.size())},
+                  first.options().dtype(o_.reduce_dtype.value_or(first.scalar_type())));
     std::int64_t at_ = 0;
     for (std::size_t k = 0; k < b.params.size(); ++k) {
-      at::Tensor& p = params_[b.params[k]];
-      if (p.grad().defined()) {
-        flat.narrow(0, at_, p.numel()).copy_(p.grad().reshape({-1}));
+      const std::size_t i = b.params[k];
+      at::Tensor& p = params_[i];
+      at::Tensor* wide = widen_ && wide_grads_[i].defined() ? &wide_grads_[i] : nullptr;
+      if (p.grad().defined() || wide != nullptr) {
+        at::Tensor into = flat.narrow(0, at_, p.numel());
+        if (p.grad().defined()) into.copy_(p.grad().reshape({-1}));
+        if (wide != nullptr) into.add_(std::exchange(*wide, at::Tensor()).reshape({-1}));
         flat[b.numel + static_cast<std::int64_t>(k)] = 1.0;
         // Stages 2 and 3: a gradient this rank does not own is gone once it is packed.
         if (o_.stage >= 2 && b.owner != me) p.mutable_grad().reset();
@@ -593,15 +633,19 @@ class ShardedDataParallel : nn::UnitListener {
     const double* used_by = used.data_ptr<double>();
     std::int64_t at_ = 0;
     for (std::size_t k = 0; k < b.params.size(); ++k) {
-      at::Tensor& p = params_[b.params[k]];
+      const std::size_t i = b.params[k];
+      at::Tensor& p = params_[i];
+      // The optimizer reads this gradient from the copy it steps, where there is one (in the
+      // copy's dtype and memory, not rounded to the parameter's dtype on the way).
+      const bool to_copy = !copies_.empty() && copies_[i].defined();
+      at::Tensor& target = to_copy ? copies_[i] : p;
+      if (to_copy) p.mutable_grad().reset();
       if (!(used_by[k] > 0.0)) {
-        p.mutable_grad().reset();
+        target.mutable_grad().reset();
       } else {
         const at::Tensor mean = f.buffer.narrow(0, at_, p.numel()).view(p.sizes());
-        if (p.grad().defined())
-          p.mutable_grad().copy_(mean);
-        else
-          p.mutable_grad() = mean.clone(at::MemoryFormat::Preserve);
+        if (!target.grad().defined()) target.mutable_grad() = at::empty_like(target);
+        target.mutable_grad().copy_(mean);
       }
       at_ += p.numel();
     }
@@ -652,7 +696,7 @@ class ShardedDataParallel : nn::UnitListener {
   // After the step's last backward: what is left goes out (parameters that got no gradient with
   // zeros and a zero flag), and every bucket is received.
   void reduce_gradients() {
-    if (!world_->distributed()) return offload_gradients();
+    if (!world_->distributed()) return gradients_to_copies();
     if (!armed_) arm();  // no hooks ran (overlap off): everything goes now
     armed_ = false;
     if (failed_) std::rethrow_exception(std::exchange(failed_, nullptr));
@@ -664,23 +708,125 @@ class ShardedDataParallel : nn::UnitListener {
                         "ShardedDataParallel");
     launch_ready(true);
     while (!flying_.empty()) finish_oldest();
-    offload_gradients();
   }
 
-  // An offloaded optimizer's gradients: this rank's averaged gradients into the host copies,
-  // dropped on the device.
-  void offload_gradients() {
-    for (std::size_t i = 0; i < host_.size(); ++i) {
-      if (!host_[i].defined()) continue;
+  // A world of one (nothing reduced): the parameters' gradients into the copies the optimizer
+  // steps, dropped on the parameters.
+  void gradients_to_copies() {
+    if (widen_) widen_gradients();
+    for (std::size_t i = 0; i < copies_.size(); ++i) {
+      if (!copies_[i].defined()) continue;
       at::Tensor& p = params_[i];
+      if (widen_) p.mutable_grad() = std::exchange(wide_grads_[i], at::Tensor());
       if (!p.grad().defined()) {
-        host_[i].mutable_grad().reset();
+        copies_[i].mutable_grad().reset();
         continue;
       }
-      if (!host_[i].grad().defined()) host_[i].mutable_grad() = at::empty_like(host_[i]);
-      host_[i].mutable_grad().copy_(p.grad());
+      if (!copies_[i].grad().defined()) copies_[i].mutable_grad() = at::empty_like(copies_[i]);
+      copies_[i].mutable_grad().copy_(p.grad());
       p.mutable_grad().reset();
     }
+  }
+
+  // As the reducer: a hook on each parameter's gradient accumulator says when it is ready. Made
+  // again whenever a parameter's dtype changed (autograd makes a new accumulator then).
+  void hook_gradients() {
+    accumulators_.clear();
+    if (!world_->distributed() || (!o_.overlap_backward && o_.stage < 3)) return;
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
+      acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+          [this, i, alive = alive_](const torch::autograd::variable_list& outputs,
+                                    const torch::autograd::variable_list& /*inputs*/) {
+            if (*alive) on_gradient(i);
+            return outputs;
+          }));
+      accumulators_.push_back(std::move(acc));
+    }
+  }
+
+  // ---- mixed precision ------------------------------------------------------------------------
+
+  // The gradients of the micro-batches so far, added up in reduce_dtype and dropped on the
+  // parameters (before each forward, and before a world of one hands them to the optimizer).
+  void widen_gradients() {
+    at::NoGradGuard no_grad;
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      at::Tensor& p = params_[i];
+      if (!p.grad().defined()) continue;
+      if (wide_grads_[i].defined())
+        wide_grads_[i].add_(p.grad());
+      else
+        wide_grads_[i] = p.grad().to(*o_.reduce_dtype, /*non_blocking=*/false, /*copy=*/true);
+      p.mutable_grad().reset();
+    }
+  }
+
+  // Parameter i holds `value` from now on (its dtype may change; the same tensor for autograd).
+  void replace_data(std::size_t i, const at::Tensor& value) {
+    const auto before = static_cast<std::int64_t>(params_[i].storage().nbytes());
+    params_[i].set_data(value);
+    resident_bytes_ += static_cast<std::int64_t>(params_[i].storage().nbytes()) - before;
+  }
+
+  // Every parameter in param_dtype (rounded from what it holds); the copies keep what the
+  // parameters held, which a scope may have changed (a resume).
+  void to_param_dtype() {
+    at::NoGradGuard no_grad;
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      if (!copies_.empty() && copies_[i].defined()) copies_[i].copy_(params_[i].detach());
+      params_[i].mutable_grad().reset();
+      replace_data(i, params_[i].detach().to(*o_.param_dtype));
+    }
+    full_precision_ = false;
+    hook_gradients();
+  }
+
+  // Every parameter whole in its masters' dtype: each owner sends its copies' values, one
+  // broadcast per bucket and dtype.
+  void to_full_precision() {
+    at::NoGradGuard no_grad;
+    const std::int64_t me = world_->rank();
+    for (const Bucket& b : buckets_) {
+      for (std::size_t k = 0; k < b.params.size();) {
+        const at::ScalarType dtype = master_dtypes_[b.params[k]];
+        std::vector<std::size_t> run;
+        while (k < b.params.size() && master_dtypes_[b.params[k]] == dtype)
+          run.push_back(b.params[k++]);
+        const at::TensorOptions to = params_[run.front()].options().dtype(dtype);
+        std::vector<at::Tensor> values;
+        std::int64_t numel = 0;
+        for (const std::size_t i : run) {
+          numel += params_[i].numel();
+          values.push_back(b.owner == me ? copies_[i].to(to, /*non_blocking=*/false, /*copy=*/true)
+                                         : at::empty(params_[i].sizes(), to));
+        }
+        if (world_->distributed()) {
+          std::vector<at::Tensor> flat{b.owner == me ? at::cat([&] {
+            std::vector<at::Tensor> parts;
+            for (const auto& v : values) parts.push_back(v.reshape({-1}));
+            return parts;
+          }())
+                                                     : at::empty({numel}, to)};
+          c10d::BroadcastOptions bo;
+          bo.rootRank = b.owner;
+          world_->group()->broadcast(flat, bo)->wait(world_->timeout());
+          if (b.owner != me) {
+            std::int64_t at_ = 0;
+            for (std::size_t j = 0; j < run.size(); ++j) {
+              values[j].copy_(flat[0].narrow(0, at_, values[j].numel()).view(values[j].sizes()));
+              at_ += values[j].numel();
+            }
+          }
+        }
+        for (std::size_t j = 0; j < run.size(); ++j) {
+          params_[run[j]].mutable_grad().reset();
+          replace_data(run[j], values[j]);
+        }
+      }
+    }
+    for (Unit& u : units_) u.gathered = true;
+    full_precision_ = true;
   }
 
   // ---- stage 3: units -----------------------------------------------------------------------
@@ -851,9 +997,18 @@ class ShardedDataParallel : nn::UnitListener {
     for (std::size_t u = 0; u < units_.size(); ++u) release_unit(u);
   }
 
-  // Every unit whole (WholeParameters); false when they were whole already.
+  // Every unit whole (WholeParameters), at full precision under mixed precision; false when
+  // they were already.
   bool gather_whole() {
     const std::lock_guard<std::recursive_mutex> lock(unit_mutex_);
+    if (mixed_) {
+      if (full_precision_) return false;
+      world_->guarded("gathering every parameter at full precision", [&] {
+        for (std::size_t u = 0; u < units_.size(); ++u) release_unit(u);  // nothing in flight
+        to_full_precision();
+      });
+      return true;
+    }
     bool any = false;
     world_->guarded("gathering every parameter", [&] {
       for (std::size_t u = 0; u < units_.size(); ++u) {
@@ -862,6 +1017,16 @@ class ShardedDataParallel : nn::UnitListener {
       }
     });
     return any;
+  }
+
+  // The end of a WholeParameters scope: back to param_dtype, and to this rank's share.
+  void end_whole() {
+    const std::lock_guard<std::recursive_mutex> lock(unit_mutex_);
+    if (mixed_) to_param_dtype();
+    if (listening_ && o_.reshard_after_step)
+      world_->guarded("freeing parameters", [&] { release_all(); });
+    else if (listening_)
+      fresh_ = true;
   }
 
   // Before each forward: what the last backward left gathered is freed (except at a step's
@@ -976,7 +1141,14 @@ class ShardedDataParallel : nn::UnitListener {
   std::vector<std::int64_t> owner_;
   std::vector<Bucket> buckets_;
   std::unique_ptr<DataParallel> replicated_;  // stage 0
-  std::vector<at::Tensor> host_;  // offload_optimizer: host copies of the parameters owned here
+  // What this rank's optimizer steps in place of the parameters it owns: copies in host memory
+  // (offload_optimizer) and in the parameters' own dtype (mixed precision).
+  std::vector<at::Tensor> copies_;
+  bool mixed_ = false;           // param_dtype differs from some parameter's dtype
+  bool full_precision_ = false;  // in a WholeParameters scope, under mixed precision
+  bool widen_ = false;           // gradients accumulate in reduce_dtype between micro-batches
+  std::vector<at::Tensor> wide_grads_;
+  std::vector<at::ScalarType> master_dtypes_;
   // Gradients sent while backward runs: buckets on the wire, and this backward's progress.
   struct Flying {
     std::size_t bucket;

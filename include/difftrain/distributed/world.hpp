@@ -122,6 +122,10 @@ class World {
       w->group_ = c10::make_intrusive<c10d::ProcessGroup>(store, static_cast<int>(w->rank_),
                                                           static_cast<int>(w->size_));
       w->group_->setBackend(c10::kCPU, c10d::ProcessGroup::BackendType::GLOO, gloo);
+      // Gloo also reduces and broadcasts CUDA tensors (through host memory); its other
+      // collectives take CPU tensors only.
+      if (at::hasCUDA())
+        w->group_->setBackend(c10::kCUDA, c10d::ProcessGroup::BackendType::GLOO, gloo);
       w->group_->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
       w->store_ = store;
     } catch (const c10::Error& e) {

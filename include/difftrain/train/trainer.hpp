@@ -253,6 +253,51 @@ inline std::string tensor_bytes(const at::Tensor& t, const std::string& where) {
   const at::Tensor c = t.contiguous();
   return {static_cast<const char*>(c.data_ptr()), static_cast<std::size_t>(c.numel())};
 }
+/// This process's CUDA generator states, one per device (none without CUDA).
+inline std::vector<at::Tensor> cuda_generator_states() {
+  std::vector<at::Tensor> out;
+  if (!torch::cuda::is_available()) return out;
+  for (c10::DeviceIndex i = 0; i < static_cast<c10::DeviceIndex>(torch::cuda::device_count()); ++i)
+    out.push_back(at::globalContext().defaultGenerator(c10::Device(c10::kCUDA, i)).get_state());
+  return out;
+}
+
+/// Every rank's list of byte tensors, in rank order. Ranks may hold lists of different lengths
+/// and sizes (a node with fewer devices): the sizes travel first, then the bytes, padded to the
+/// longest rank's.
+template <class P>
+std::vector<std::vector<at::Tensor>> gather_state_lists(P& parallel,
+                                                        const std::vector<at::Tensor>& own) {
+  at::Tensor sizes = at::zeros({64}, at::kLong);
+  if (own.size() > 63)
+    throw ConfigError("has " + std::to_string(own.size()) + " generator states, more than 63",
+                      "checkpoint of this rank");
+  sizes[0] = static_cast<std::int64_t>(own.size());
+  std::vector<at::Tensor> bytes;
+  for (std::size_t i = 0; i < own.size(); ++i) {
+    bytes.push_back(own[i].contiguous().view(at::kByte).reshape({-1}));
+    sizes[static_cast<std::int64_t>(i) + 1] = bytes.back().numel();
+  }
+  const std::vector<at::Tensor> all_sizes = parallel.gather(sizes);
+  std::int64_t longest = 0;
+  for (const at::Tensor& t : all_sizes)
+    longest = std::max(longest, t.slice(0, 1).sum().item<std::int64_t>());
+  at::Tensor packed = at::zeros({longest}, at::kByte);
+  if (!bytes.empty()) packed.narrow(0, 0, at::cat(bytes).numel()).copy_(at::cat(bytes));
+  const std::vector<at::Tensor> all_bytes = parallel.gather(packed);
+  std::vector<std::vector<at::Tensor>> out(all_bytes.size());
+  for (std::size_t r = 0; r < all_bytes.size(); ++r) {
+    const auto n = all_sizes[r][0].item<std::int64_t>();
+    std::int64_t at_byte = 0;
+    for (std::int64_t i = 0; i < n; ++i) {
+      const auto len = all_sizes[r][i + 1].item<std::int64_t>();
+      out[r].push_back(all_bytes[r].narrow(0, at_byte, len).clone());
+      at_byte += len;
+    }
+  }
+  return out;
+}
+
 /// Optimizer state for some parameters: their names per parameter group (the order its archive
 /// lists them) and LibTorch's archive bytes.
 struct OptimizerShard {
@@ -373,8 +418,11 @@ class Trainer {
     // This trainer's own settings, which a resumed checkpoint's are compared with.
     option_base_lrs_ = scheduler_->base_lrs();
     for (auto& g : optimizer_->param_groups()) option_groups_.push_back(g.options().clone());
-    if constexpr (has_ema)
+    if constexpr (has_ema) {
+      // Whole, and in the masters' dtype under a sharded policy's mixed precision.
+      const auto whole = whole_parameters();
       ema_ = std::make_unique<EmaT>(model, o_.ema.rule, o_.ema.engine, o_.ema.tracking);
+    }
     call([&](auto& cb) {
       if constexpr (requires { cb.on_train_begin(*this); }) cb.on_train_begin(*this);
     });
@@ -593,13 +641,21 @@ class Trainer {
       for (const at::Tensor& t : parallel_->gather(rng)) ranks.push_back(t);
       root.insert("rng_cpu_ranks", ranks);
     }
+    const std::vector<at::Tensor> own_cuda = trainer_detail::cuda_generator_states();
     auto cuda = io::torch_list();
-    if (torch::cuda::is_available())
-      for (c10::DeviceIndex i = 0; i < static_cast<c10::DeviceIndex>(torch::cuda::device_count());
-           ++i)
-        cuda.push_back(
-            at::globalContext().defaultGenerator(c10::Device(c10::kCUDA, i)).get_state());
+    for (const at::Tensor& t : own_cuda) cuda.push_back(t);
     root.insert("rng_cuda", cuda);
+    // Each rank's CUDA generators as well: every rank draws its noise on its own device, and a
+    // rank given rank 0's states would repeat rank 0's draws after a resume.
+    if (parallel_->world_size() > 1) {
+      auto ranks = io::torch_list();
+      for (const auto& states : trainer_detail::gather_state_lists(*parallel_, own_cuda)) {
+        auto list = io::torch_list();
+        for (const at::Tensor& t : states) list.push_back(t);
+        ranks.push_back(list);
+      }
+      root.insert("rng_cuda_ranks", ranks);
+    }
     root.insert("json", js.dump());
     return root;
   }
@@ -742,6 +798,19 @@ class Trainer {
     }
     std::vector<at::Tensor> rng_cuda;
     for (const auto& t : root.at("rng_cuda").elements()) rng_cuda.push_back(t.tensor());
+    // Written before CUDA states were kept per rank: every rank takes rank 0's, as it did then.
+    if (saved_world == parallel_->world_size() && saved_world > 1 &&
+        root.contains("rng_cuda_ranks")) {
+      const auto ranks = root.at("rng_cuda_ranks").elements();
+      if (static_cast<std::int64_t>(ranks.size()) != saved_world)
+        throw FormatError("holds " + std::to_string(ranks.size()) +
+                              " ranks' CUDA generator states for " + std::to_string(saved_world) +
+                              " ranks",
+                          where + " rng_cuda_ranks");
+      rng_cuda.clear();
+      for (const auto& t : ranks[static_cast<std::size_t>(parallel_->rank())].elements())
+        rng_cuda.push_back(t.tensor());
+    }
     return {where,         std::move(js),          saved_step,
             model_tensors, std::move(ema_shadows), std::move(opt_shards),
             rng_cpu,       std::move(rng_cuda)};
