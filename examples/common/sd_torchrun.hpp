@@ -23,6 +23,7 @@ struct TorchrunFlags {
   std::int64_t sharding = 0;  // 0 replicates (DataParallel)
   double rank_timeout = 1800;
   bool allow_world_size_change = false;
+  bool sharded_mixed_precision = false;  // FSDP's MixedPrecisionPolicy at --mixed_precision
 };
 
 /// The "torchrun" group of flags; `units` says what stage 3 shares ("each UNet block").
@@ -42,13 +43,34 @@ inline CLI::Option_group* add_torchrun_flags(CLI::App& app, TorchrunFlags& f,
       ->capture_default_str();
   d->add_flag("--allow_world_size_change", f.allow_world_size_change,
               "resume a checkpoint written by another number of ranks");
+  d->add_flag("--sharded_mixed_precision", f.sharded_mixed_precision,
+              "with --sharding 1-3 and --mixed_precision bf16|fp16: the trained parameters hold "
+              "that dtype in forward, backward and stage 3's gathers (FSDP's mixed precision), "
+              "the optimizer steps float32 masters and the gradients are reduced in float32; "
+              "checkpoints and outputs keep the masters");
   return d;
 }
 
+/// --sharded_mixed_precision needs a stage that shards and a dtype to compute in (Flags: the
+/// program's settings, with --mixed_precision).
+template <class Flags>
+void check_torchrun_flags(const Flags& f) {
+  if (!f.sharded_mixed_precision) return;
+  if (f.sharding < 1)
+    throw difftrain::ConfigError("needs --sharding 1, 2 or 3 (DataParallel has autocast alone)",
+                                 "--sharded_mixed_precision");
+  if (f.mixed_precision != "bf16" && f.mixed_precision != "fp16")
+    throw difftrain::ConfigError(
+        "needs --mixed_precision bf16 or fp16 (the dtype the parameters compute in)",
+        "--sharded_mixed_precision");
+}
+
 /// The ranks of a torchrun launch (a world of one without it) and this rank's device: with CUDA,
-/// each rank of a node its own GPU.
-inline std::pair<std::shared_ptr<difftrain::distributed::World>, at::Device> torchrun_world(
-    const TorchrunFlags& f, const std::string& device) {
+/// each rank of a node its own GPU. The flags are checked first, the same on every rank.
+template <class Flags>
+std::pair<std::shared_ptr<difftrain::distributed::World>, at::Device> torchrun_world(
+    const Flags& f, const std::string& device) {
+  check_torchrun_flags(f);
   auto world = difftrain::distributed::World::from_environment(
       {.timeout = std::chrono::milliseconds(static_cast<std::int64_t>(f.rank_timeout * 1000))});
   const at::Device d =
@@ -58,17 +80,23 @@ inline std::pair<std::shared_ptr<difftrain::distributed::World>, at::Device> tor
   return {std::move(world), d};
 }
 
-/// The trainer's share of the run: the ranks, the stage, and a world size change if allowed.
-/// Stage 3 frees the units' parameters on the ranks that do not own them during forward and
-/// backward; between steps every rank holds them whole, since validation and the outputs are
-/// made on rank 0 alone (reshard_after_step off).
-template <class Options>
-void set_parallel(Options& o, const TorchrunFlags& f,
+/// The trainer's share of the run: the ranks, the stage, mixed precision, and a world size change
+/// if allowed. Stage 3 frees the units' parameters on the ranks that do not own them during
+/// forward and backward; between steps every rank holds them whole, since validation is made on
+/// rank 0 alone (reshard_after_step off). With --sharded_mixed_precision the parameters hold the
+/// --mixed_precision dtype (autocast stays on and casts the inputs); every rank takes
+/// trainer.whole_parameters() before rank 0 writes the outputs, which then hold the masters.
+template <class Options, class Flags>
+void set_parallel(Options& o, const Flags& f,
                   const std::shared_ptr<difftrain::distributed::World>& world) {
   o.parallel.world = world;
   o.parallel.stage = static_cast<int>(f.sharding);
   o.parallel.reshard_after_step = false;
   o.allow_world_size_change = f.allow_world_size_change;
+  if (f.sharded_mixed_precision) {
+    o.parallel.param_dtype = f.mixed_precision == "bf16" ? at::kBFloat16 : at::kHalf;
+    o.parallel.reduce_dtype = at::kFloat;
+  }
 }
 
 }  // namespace examples::sd

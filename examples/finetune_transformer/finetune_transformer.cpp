@@ -602,6 +602,9 @@ int run_sd3(Settings s, const Ranks& ranks) {
   ranks.seed(s.seed, resumed_from);
   const FitResult fit = fit_until_done_or_stopped(
       trainer, s, [&](std::int64_t place) { return stream.at_place(ranks.place(place)); });
+  // Every rank: under --sharded_mixed_precision the parameters hold the float32 masters from
+  // here on, for what rank 0 writes (nothing otherwise: they are whole between steps).
+  const auto whole = trainer.whole_parameters();
   if (!main_rank) return fit.finished ? 0 : 130;  // rank 0 writes what the run leaves
 
   const fs::path out(s.out);
@@ -1064,6 +1067,9 @@ int run_cogvideox(Settings s, const Ranks& ranks) {
   ranks.seed(s.seed, resumed_from);
   const FitResult fit = fit_until_done_or_stopped(
       trainer, s, [&](std::int64_t place) { return stream.at_place(ranks.place(place)); });
+  // Every rank: under --sharded_mixed_precision the parameters hold the float32 masters from
+  // here on, for what rank 0 writes (nothing otherwise: they are whole between steps).
+  const auto whole = trainer.whole_parameters();
   if (!main_rank) return fit.finished ? 0 : 130;  // rank 0 writes what the run leaves
 
   const fs::path out(s.out);

@@ -322,6 +322,11 @@ void check_flags(const Settings& s) {
     throw ConfigError("'" + s.placeholder_token + "' must be one word (no spaces)",
                       "--placeholder_token");
   if (s.resolution % 8 != 0) throw ConfigError("must be a multiple of 8", "--resolution");
+  if (s.sharded_mixed_precision)
+    throw ConfigError(
+        "is not for textual inversion: the other rows are put back into the table "
+        "the optimizer steps, which would then be a float32 copy",
+        "--sharded_mixed_precision");
 }
 
 /// The web UI names an embedding by its file; brackets are not allowed in many file systems'

@@ -507,6 +507,9 @@ int train(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
   }
   const FitResult fit = fit_until_done_or_stopped(
       trainer, s, [&](std::int64_t place) { return stream->at_place(place); });
+  // Every rank: under --sharded_mixed_precision the parameters hold the float32 masters from
+  // here on, for what rank 0 writes (nothing otherwise: they are whole between steps).
+  const auto whole = trainer.whole_parameters();
   if (!main_rank) return fit.finished ? 0 : 130;  // rank 0 writes what the run leaves
 
   // What the run leaves: weights (EMA when kept), validation images, results.

@@ -113,6 +113,19 @@ grep_in "$work/one-rank-refused.err" "written by 2 ranks"
 expect_rc 0 one-rank -- "$bin" "${ranks[@]}" --output_dir "$work/zero-one" --resume_from_checkpoint latest \
   --allow_world_size_change
 grep_in "$work/zero-one/results.json" '"resumed_from": 6'
+# --sharded_mixed_precision (FSDP's mixed precision): refused without a stage that shards or a
+# dtype to compute in; at stage 3 with bf16 the LoRA computes in bf16 and the file holds the
+# float32 masters, equal to DataParallel's under the same autocast (whose matrix products cast
+# the weights to bf16 anyway).
+expect_rc 2 smp-no-stage -- "$bin" "${ranks[@]}" --sharded_mixed_precision --mixed_precision bf16 \
+  --output_dir "$work/bad"
+grep_in "$work/smp-no-stage.err" "needs --sharding 1, 2 or 3"
+expect_rc 2 smp-no-dtype -- "$bin" "${ranks[@]}" --sharding 2 --sharded_mixed_precision \
+  --output_dir "$work/bad"
+grep_in "$work/smp-no-dtype.err" "needs --mixed_precision bf16 or fp16"
+expect_rc 0 smp -- "${launch[@]}" "${ranks[@]}" --sharding 3 --sharded_mixed_precision \
+  --mixed_precision bf16 --output_dir "$work/smp"
+expect_rc 0 dp-bf16 -- "${launch[@]}" "${ranks[@]}" --mixed_precision bf16 --output_dir "$work/dp-bf16"
 
 "$py" - "$work" "$sd" "$xl" >"$work/python.out" 2>&1 <<'PY' || { fail "Python check"; }
 import json, math, pathlib, sys
@@ -141,6 +154,16 @@ assert a.keys() == b.keys()
 worst = max(float((a[k] - b[k]).abs().max()) for k in a)
 assert worst <= 1e-6, f"the sharded, resumed run ends {worst} from DataParallel's"
 print(f"torchrun, 2 ranks: stage 2 stopped and resumed at stage 3 ends {worst:.1e} from DataParallel")
+a = load_file(work / "dp-bf16" / "pytorch_lora_weights.safetensors")
+c = load_file(work / "smp" / "pytorch_lora_weights.safetensors")
+assert c.keys() == a.keys() and all(t.dtype == torch.float32 for t in c.values())
+worst = max(float((a[k] - c[k]).abs().max()) for k in a)
+moved = max(float(c[k].abs().max()) for k in c if "lora_B" in k)
+assert moved > 0 and worst <= 1e-6, f"stage 3 in bf16 ends {worst} from DataParallel under autocast"
+r = json.loads((work / "smp" / "results.json").read_text())
+assert r["finished"] and r["last_loss"] < r["first_loss"], r
+print(f"torchrun, 2 ranks, stage 3 with bf16 parameters and float32 masters: {worst:.1e} from "
+      f"DataParallel under bf16 autocast, loss {r['first_loss']:.4f} -> {r['last_loss']:.4f}")
 
 def generate(pipe):
     out = pipe("a photo of a sneaker", num_inference_steps=2, height=32, width=32,
