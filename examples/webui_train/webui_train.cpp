@@ -14,7 +14,9 @@
 // UI's folders take) with NAME.pt.optim, the periodic copies, the loss log and the previews
 // (images/NAME-STEP.png; for embeddings also image_embeddings/NAME-STEP.png, a PNG the web UI
 // loads as the embedding) under --log_directory, and results.json. Running it again continues the
-// file's steps (to --steps) with the optimizer state of its sidecar.
+// file's steps (to --steps) with the optimizer state of its sidecar. --device cuda trains on a GPU
+// (the latents are drawn in host memory, so "once" and "random" draw the same on every device;
+// the files hold host tensors, as the web UI's loader expects).
 
 #include <CLI/CLI.hpp>
 #include <difftrain/adapters/embedding_database.hpp>
@@ -118,7 +120,10 @@ struct Dataset {
   }
 };
 
-Dataset make_dataset(const Settings& s, const data::ImageFolder& folder, Pipeline& p) {
+// The latents stay in host memory (a batch moves to the device when it is used): "once" and
+// "random" draw from a CPU generator seeded by the run, the same on every device.
+Dataset make_dataset(const Settings& s, const data::ImageFolder& folder, Pipeline& p,
+                     at::Device device) {
   Dataset d;
   d.method = s.latent_sampling_method;
   auto gen = at::make_generator<at::CPUGeneratorImpl>(s.seed + 1);
@@ -130,13 +135,14 @@ Dataset make_dataset(const Settings& s, const data::ImageFolder& folder, Pipelin
         data::to_unit_range(data::resize(img.pixels.permute({2, 0, 1}), {s.height, s.width},
                                          data::Interpolation::bicubic)
                                 .contiguous());
-    const auto posterior = p.vae->encode(x.unsqueeze(0));
+    const auto posterior = p.vae->encode(x.unsqueeze(0).to(device));
     auto scaled = [&](const at::Tensor& z) {
       return ((vc.shift_factor ? z - *vc.shift_factor : z) * vc.scaling_factor)[0];
     };
-    d.mean.push_back(scaled(posterior.mean));
-    d.std.push_back(posterior.std[0] * vc.scaling_factor);
-    d.fixed.push_back(scaled(posterior.sample(gen)));
+    const at::Tensor mean = posterior.mean.cpu(), std = posterior.std.cpu();
+    d.mean.push_back(scaled(mean));
+    d.std.push_back(std[0] * vc.scaling_factor);
+    d.fixed.push_back(scaled(mean + std * at::randn(mean.sizes(), gen, mean.options())));
     d.captions.push_back(r.caption);
   }
   return d;
@@ -160,6 +166,7 @@ int run(Settings s) {
     throw ConfigError("must be multiples of 8", "--width / --height");
   const std::vector<std::string> templates = read_templates(s.template_file);
   examples::apply_threads(s);
+  const at::Device device = examples::device_from(s.device);
   data::ImageFolder folder = data::scan_image_folder(s.data_dir);
   for (const auto& skipped : folder.skipped)
     std::fprintf(stderr, "skipped %s: %s\n", skipped.path.string().c_str(), skipped.reason.c_str());
@@ -173,8 +180,9 @@ int run(Settings s) {
   for (auto* m : std::vector<torch::nn::Module*>{p.unet.get(), p.vae.get(), p.text_encoder.get()}) {
     freeze(*m);
     m->eval();
+    m->to(device);
   }
-  const Dataset d = make_dataset(s, folder, p);
+  const Dataset d = make_dataset(s, folder, p, device);
   const df::NoiseSchedule schedule(p.scheduler.schedule);
   const std::string name = s.embedding.empty() ? s.hypernetwork : s.embedding;
 
@@ -216,12 +224,13 @@ int run(Settings s) {
       replace_all(prompt, "[filewords]", filewords);
       b.prompts.push_back(prompt);
     }
-    b.latents = at::stack(latents);
+    b.latents = at::stack(latents).to(device);
     return b;
   };
   auto denoising_loss = [&](const at::Tensor& latents, const at::Tensor& cond) {
     const at::Tensor noise = at::randn_like(latents);
-    const at::Tensor t = at::randint(schedule.num_train_timesteps(), {latents.size(0)}, at::kLong);
+    const at::Tensor t =
+        at::randint(schedule.num_train_timesteps(), {latents.size(0)}, at::kLong).to(device);
     const at::Tensor pred = p.unet->forward(schedule.add_noise(latents, noise, t), t, cond);
     return at::mse_loss(pred, schedule.target(p.scheduler.prediction, latents, noise, t));
   };
@@ -258,7 +267,6 @@ int run(Settings s) {
           {}, vectors);
       const std::int64_t f = p.vae->downscale();
       auto gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<std::uint64_t>(seed));
-      const at::Device device = p.unet->parameters().front().device();
       const at::Tensor noise =
           at::randn({1, p.unet->config().in_channels, h / f, w / f}, gen).to(device);
       df::Ddim ddim(schedule, p.scheduler.ddim);
@@ -317,6 +325,7 @@ int run(Settings s) {
       e.name = name;
       e.step = 0;
     }
+    e.vec = e.vec.to(device);  // the files are written from host copies
     db.register_embedding(e);  // shares e's vectors, which train in place
     const auto finder = db.prompt_finder();
     const auto vectors = db.prompt_vectors();
@@ -350,6 +359,11 @@ int run(Settings s) {
                    .weight_init = s.weight_init,
                    .add_layer_norm = s.add_layer_norm},
                   s.use_dropout);
+    for (auto& [size, pair] : hn.layers) {
+      (void)size;
+      pair.first->to(device);
+      pair.second->to(device);
+    }
     const std::size_t hooked = ad::attach_hypernetwork(*p.unet, hn);
     hooks.preview = preview_with({}, {});
     r = ad::train_hypernetwork(
@@ -410,6 +424,7 @@ int main(int argc, char** argv) {
   g->add_option("--log_directory", s.log_directory, "copies and loss log (default OUT/log)");
   g->add_option("--seed", s.seed)->capture_default_str();
   g->add_option("--threads", s.threads)->check(count_in(0, 4096));
+  g->add_option("--device", s.device, "cpu, cuda or cuda:N")->capture_default_str();
   auto* w = app.add_option_group("what to train");
   w->add_option("--embedding", s.embedding, "train (or create) this embedding");
   w->add_option("--init_text", s.init_text, "a new embedding's initial text")

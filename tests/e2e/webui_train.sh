@@ -38,6 +38,8 @@ expect_rc 2 method -- "$bin" "${base[@]}" --embedding fm --latent_sampling_metho
 grep_in "$work/method.err" "--latent_sampling_method"
 expect_rc 2 learn-rate -- "$bin" "${base[@]}" --embedding fm --learn_rate "0.005:abc" --output_dir "$work/bad"
 expect_rc 2 no-templates -- "$bin" "${base[@]}" --embedding fm --template_file "$work/nowhere.txt" --output_dir "$work/bad"
+expect_rc 2 device -- "$bin" "${base[@]}" --embedding fm --device gpu --output_dir "$work/bad"
+grep_in "$work/device.err" "--device"
 
 expect_rc 0 embedding -- "$bin" "${base[@]}" --embedding fm-sneaker --init_text "shoe" \
   --num_vectors_per_token 2 --learn_rate "0.01:5, 0.005" --steps 10 --latent_sampling_method once \
