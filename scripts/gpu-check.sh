@@ -11,6 +11,10 @@
 #   (prefixes must lie outside the source tree: CMake refuses exported include paths inside it)
 #   DIFFTRAIN_GOLDEN_DIR   golden values made elsewhere (tests/reference/generate_all.py); without
 #   it they are generated here, which needs the reference packages (diffusers, ...) in python3
+#   DIFFTRAIN_PREBUILT_DIR   a build tree made on another machine against the same torch wheel
+#   (version and CUDA build): nothing is built here, the binaries find python3's torch libraries
+#   through LD_LIBRARY_PATH (their RUNPATH names the building machine's), and
+#   DIFFTRAIN_EXTRA_LIBS adds a folder of the other shared libraries they need (ICU, libpng, ...)
 set -uo pipefail
 out=${1:?usage: scripts/gpu-check.sh RESULTS_DIR [benchmark filter]}
 filter=${2:-.}
@@ -25,11 +29,19 @@ prefixes="${XTENSOR_PREFIX:-};${GTEST_PREFIX:-};${BENCHMARK_PREFIX:-};${CLI11_PR
   "$python" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))'
 } | tee "$out/device.txt"
 
-start=$(date +%s)
-cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DDIFFTRAIN_PYTHON="$python" \
-  -DCMAKE_PREFIX_PATH="$prefixes" -DDIFFTRAIN_WERROR=ON 2>&1 | tee "$out/configure.log" | tail -3
-cmake --build "$build" 2>&1 | tee "$out/build.log" | tail -3
-echo "cold build: $(( $(date +%s) - start )) s on $(nproc) cores" | tee -a "$out/device.txt"
+if [ -n "${DIFFTRAIN_PREBUILT_DIR:-}" ]; then
+  build=$DIFFTRAIN_PREBUILT_DIR
+  torch_lib=$("$python" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')
+  export LD_LIBRARY_PATH="$torch_lib${DIFFTRAIN_EXTRA_LIBS:+:$DIFFTRAIN_EXTRA_LIBS}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  export DIFFTRAIN_BENCH_DIR=$PWD/benchmarks DIFFTRAIN_PYTHON="$python"
+  echo "prebuilt binaries from $build" | tee -a "$out/device.txt"
+else
+  start=$(date +%s)
+  cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DDIFFTRAIN_PYTHON="$python" \
+    -DCMAKE_PREFIX_PATH="$prefixes" -DDIFFTRAIN_WERROR=ON 2>&1 | tee "$out/configure.log" | tail -3
+  cmake --build "$build" 2>&1 | tee "$out/build.log" | tail -3
+  echo "cold build: $(( $(date +%s) - start )) s on $(nproc) cores" | tee -a "$out/device.txt"
+fi
 
 if [ -z "${DIFFTRAIN_GOLDEN_DIR:-}" ]; then
   "$python" tests/reference/generate_all.py "$build/tests/golden" >"$out/golden.log" 2>&1 ||
