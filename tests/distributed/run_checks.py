@@ -157,6 +157,25 @@ def one_equals_many(worker, tmp, what, world, tag, args):
     return one, many
 
 
+def stopped_and_resumed(worker, tmp, tag, args, steps, stop, resumed_at, what):
+    """Runs `args` on 2 ranks for `steps` steps straight through, and stopped after `stop` steps
+    then resumed (from the checkpoint of step `resumed_at`); checks that both end bit-identical,
+    the weights and every loss after the resume. Returns the stopped run's checkpoint folder."""
+    a, b = f"{tmp}/{tag}a", f"{tmp}/{tag}b"
+    full, _ = launch(worker, 2, f"{tmp}/{tag}full", "--steps", steps, "--checkpoint-dir", a, *args)
+    part, _ = launch(worker, 2, f"{tmp}/{tag}part", "--steps", stop, "--checkpoint-dir", b, *args)
+    rest, _ = launch(worker, 2, f"{tmp}/{tag}rest", "--steps", steps, "--checkpoint-dir", b,
+                     "--resume", *args)
+    no_errors(full + part + rest, f"{what}, stopped and resumed")
+    for r in range(2):
+        ok(rest[r]["weights"] == full[r]["weights"],
+           f"{what}, rank {r}: resumed at step {resumed_at}, weights bit-identical to the "
+           "uninterrupted run")
+        ok(rest[r]["losses"] == full[r]["losses"][resumed_at:],
+           f"{what}, rank {r}: resumed losses bit-identical (each rank's own noise continues)")
+    return b
+
+
 def check_equivalence(worker, tmp):
     configs = [(acc, chunk, world) for acc in (1, 2, 3) for chunk in (0, 3) for world in (2,)]
     configs += [(2, 0, 4), (3, 3, 4)]
@@ -213,17 +232,8 @@ def check_python_parity(worker, tmp):
 
 def check_resume(worker, tmp):
     common = ["--noise", "--save-every", 10, "--accumulation", 2, "--chunk", 3]
-    full, _ = launch(worker, 2, f"{tmp}/full", "--steps", 30, "--checkpoint-dir", f"{tmp}/a", *common)
-    part, _ = launch(worker, 2, f"{tmp}/part", "--steps", 10, "--checkpoint-dir", f"{tmp}/b", *common)
-    rest, _ = launch(worker, 2, f"{tmp}/rest", "--steps", 30, "--checkpoint-dir", f"{tmp}/b",
-                     "--resume", *common)
-    no_errors(full + part + rest, "resume")
-    for r in range(2):
-        ok(rest[r]["weights"] == full[r]["weights"],
-           f"rank {r}: resumed weights are bit-identical to the uninterrupted run")
-        ok(rest[r]["losses"] == full[r]["losses"][10:],
-           f"rank {r}: resumed losses are bit-identical (each rank's own noise continues)")
-    names = sorted(p.name for p in pathlib.Path(f"{tmp}/b").iterdir())
+    b = stopped_and_resumed(worker, tmp, "", common, 30, 10, 10, "DataParallel")
+    names = sorted(p.name for p in pathlib.Path(b).iterdir())
     ok(names == ["checkpoint-10.pt", "checkpoint-20.pt", "checkpoint-30.pt"],
        f"rank 0 wrote each checkpoint once, nothing else ({names})")
 
@@ -261,18 +271,10 @@ def check_cuda(worker, tmp):
        f"{what}: computed in bfloat16, both ranks alike")
     d = max_diff(one[0]["weights"], many[0]["weights"])
     ok(d <= 5e-2, f"{what}: near one process with the same policy (max diff {d:.2e})")
+    # Noise drawn by each rank's CUDA generator, which the checkpoint holds per rank.
     common = ["--noise", "--save-every", 10, "--accumulation", 2, "--device", "cuda"]
-    full, _ = launch(worker, 2, f"{tmp}/full", "--steps", 30, "--checkpoint-dir", f"{tmp}/a", *common)
-    part, _ = launch(worker, 2, f"{tmp}/part", "--steps", 10, "--checkpoint-dir", f"{tmp}/b", *common)
-    rest, _ = launch(worker, 2, f"{tmp}/rest", "--steps", 30, "--checkpoint-dir", f"{tmp}/b",
-                     "--resume", *common)
-    no_errors(full + part + rest, "resume on the GPU")
-    for r in range(2):
-        ok(rest[r]["weights"] == full[r]["weights"],
-           f"rank {r}: resumed on the GPU, weights bit-identical to the uninterrupted run")
-        ok(rest[r]["losses"] == full[r]["losses"][10:],
-           f"rank {r}: resumed losses bit-identical (its own CUDA generator's noise continues)")
-    state = torch.load(f"{tmp}/b/checkpoint-10.pt", weights_only=True)
+    b = stopped_and_resumed(worker, tmp, "", common, 30, 10, 10, "on the GPU")
+    state = torch.load(f"{b}/checkpoint-10.pt", weights_only=True)
     ranks = state["rng_cuda_ranks"]
     ok(len(ranks) == 2 and all(len(r) == torch.cuda.device_count() for r in ranks),
        f"the checkpoint holds each rank's CUDA generator states ({[len(r) for r in ranks]})")
@@ -344,16 +346,7 @@ def check_multi(worker, tmp):
         ok(max_diff(one[0]["weights"][:half], one[0]["weights"][half:]) > 1e-3,
            f"{what}: the two models differ")
     common = ["--multi", "--noise", "--save-every", 4, "--accumulation", 2]
-    full, _ = launch(worker, 2, f"{tmp}/mfull", "--steps", 12, "--checkpoint-dir", f"{tmp}/ma", *common)
-    part, _ = launch(worker, 2, f"{tmp}/mpart", "--steps", 5, "--checkpoint-dir", f"{tmp}/mb", *common)
-    rest, _ = launch(worker, 2, f"{tmp}/mrest", "--steps", 12, "--checkpoint-dir", f"{tmp}/mb",
-                     "--resume", *common)
-    no_errors(full + part + rest, "MultiTrainer resume")
-    for r in range(2):
-        ok(rest[r]["weights"] == full[r]["weights"],
-           f"MultiTrainer, rank {r}: resumed from step 4, weights bit-identical to the uninterrupted run")
-        ok(rest[r]["losses"] == full[r]["losses"][4:],
-           f"MultiTrainer, rank {r}: resumed losses bit-identical (each rank's noise continues)")
+    stopped_and_resumed(worker, tmp, "m", common, 12, 5, 4, "MultiTrainer")
     res, _ = launch(worker, 2, f"{tmp}/mdis", "--steps", 6, "--multi", "--disagree-at", 3)
     for r in range(2):
         e = res[r]["error"]
@@ -604,16 +597,7 @@ def check_mixed_precision(worker, tmp):
     ok(d <= 1e-5, f"mixed precision, one process x whole batch: near 2 ranks (max diff {d:.2e})")
     # Stopped at a checkpoint and resumed: bit-identical (the checkpoint holds the masters).
     common = [*args[2:], "--sharding", 3, "--save-every", 10, "--noise"]  # without --steps
-    full, _ = launch(worker, 2, f"{tmp}/mfull", *common, "--steps", 20, "--checkpoint-dir",
-                     f"{tmp}/ma")
-    part, _ = launch(worker, 2, f"{tmp}/mpart", *common, "--steps", 10, "--checkpoint-dir",
-                     f"{tmp}/mb")
-    rest, _ = launch(worker, 2, f"{tmp}/mrest", *common, "--steps", 20, "--checkpoint-dir",
-                     f"{tmp}/mb", "--resume")
-    no_errors(full + part + rest, "mixed precision, resume")
-    for r in range(2):
-        ok(rest[r]["weights"] == full[r]["weights"] and rest[r]["losses"] == full[r]["losses"][10:],
-           f"rank {r}: mixed precision at stage 3, resumed: weights and losses bit-identical")
+    stopped_and_resumed(worker, tmp, "m", common, 20, 10, 10, "mixed precision at stage 3")
     res, _ = launch(worker, 2, f"{tmp}/mstage0", *args, "--sharding", 0, "--sharded-policy")
     e = res[0] and res[0]["error"]
     ok(e is not None and e["type"] == "difftrain::ConfigError" and "param_dtype" in e["message"],
@@ -674,16 +658,8 @@ def check_sharded_resume(worker, tmp):
         ok(diff <= 1e-10, f"{what}: resumed at step 10, ends with one process's weights ({diff:.2e})")
     # Stage 3 (three hidden layers are units; the parameters are whole only while a checkpoint is
     # written): stopped and resumed bit-identical, and its set read by other layouts and back.
-    full3 = run(2, f"{tmp}/full3", "--steps", 30, "--sharding", 3, "--wide", 3, "--save-every", 10,
-                "--checkpoint-dir", f"{tmp}/a3")
-    part3 = run(2, f"{tmp}/part3", "--steps", 10, "--sharding", 3, "--wide", 3, "--save-every", 10,
-                "--checkpoint-dir", f"{tmp}/b3")
-    rest3 = run(2, f"{tmp}/rest3", "--steps", 30, "--sharding", 3, "--wide", 3, "--save-every", 10,
-                "--checkpoint-dir", f"{tmp}/b3", "--resume")
-    no_errors(full3 + part3 + rest3, "stage 3 stopped and resumed")
-    for r in range(2):
-        ok(rest3[r]["weights"] == full3[r]["weights"] and rest3[r]["losses"] == full3[r]["losses"][10:],
-           f"rank {r}: resumed on 2 ranks, stage 3: weights and losses bit-identical")
+    stopped_and_resumed(worker, tmp, "s3-", [*base, "--sharding", 3, "--wide", 3, "--save-every", 10],
+                        30, 10, 10, "stage 3 on 2 ranks")
     ref3 = (single(worker, f"{tmp}/ref3", *plain, "--wide", 3, "--steps", 20, "--sharding", 0))[0]
     no_errors(ref3, "reference with units")
     for first, then in (((2, 3), (1, 0)), ((2, 0), (4, 3)), ((4, 3), (2, 2)), ((2, 2), (2, 3))):

@@ -770,7 +770,8 @@ class ShardedDataParallel : nn::UnitListener {
   }
 
   // Every parameter in param_dtype (rounded from what it holds); the copies keep what the
-  // parameters held, which a scope may have changed (a resume).
+  // parameters held, which a scope may have changed (a resume). The dtype change gives each
+  // parameter a new gradient accumulator: the caller hooks them (hook_gradients).
   void to_param_dtype() {
     at::NoGradGuard no_grad;
     for (std::size_t i = 0; i < params_.size(); ++i) {
@@ -779,7 +780,6 @@ class ShardedDataParallel : nn::UnitListener {
       replace_data(i, params_[i].detach().to(*o_.param_dtype));
     }
     full_precision_ = false;
-    hook_gradients();
   }
 
   // Every parameter whole in its masters' dtype: each owner sends its copies' values, one
@@ -802,15 +802,15 @@ class ShardedDataParallel : nn::UnitListener {
                                          : at::empty(params_[i].sizes(), to));
         }
         if (world_->distributed()) {
-          std::vector<at::Tensor> flat{b.owner == me ? at::cat([&] {
+          std::vector<at::Tensor> flat;
+          if (b.owner == me) {
             std::vector<at::Tensor> parts;
             for (const auto& v : values) parts.push_back(v.reshape({-1}));
-            return parts;
-          }())
-                                                     : at::empty({numel}, to)};
-          c10d::BroadcastOptions bo;
-          bo.rootRank = b.owner;
-          world_->group()->broadcast(flat, bo)->wait(world_->timeout());
+            flat.push_back(at::cat(parts));
+          } else {
+            flat.push_back(at::empty({numel}, to));
+          }
+          world_->broadcast(flat, b.owner);
           if (b.owner != me) {
             std::int64_t at_ = 0;
             for (std::size_t j = 0; j < run.size(); ++j) {
@@ -1022,7 +1022,10 @@ class ShardedDataParallel : nn::UnitListener {
   // The end of a WholeParameters scope: back to param_dtype, and to this rank's share.
   void end_whole() {
     const std::lock_guard<std::recursive_mutex> lock(unit_mutex_);
-    if (mixed_) to_param_dtype();
+    if (mixed_) {
+      to_param_dtype();
+      hook_gradients();
+    }
     if (listening_ && o_.reshard_after_step)
       world_->guarded("freeing parameters", [&] { release_all(); });
     else if (listening_)
