@@ -468,6 +468,11 @@ int run(const Settings& s) {
   auto& checkpoints = std::get<tr::CheckpointEvery>(trainer->callbacks());
   if (trained_steps > 0 && trainer->global_step() % s.checkpoint_every != 0)
     checkpoints.save(*trainer);  // the last step, unless the callback just saved it
+  // Every rank: the EMA's weights in the model for what rank 0 samples and writes (under
+  // --sharding each rank keeps the EMA of what it steps, and the shadows travel here).
+  std::optional<DenoiserTrainer::EmaWeights> ema_weights;
+  if (!g_interrupted.load() && trainer->global_step() >= s.steps)
+    ema_weights.emplace(trainer->ema_weights());
   if (!main_rank) return g_interrupted.load() ? 130 : 0;  // rank 0 samples, scores and reports
   if (g_interrupted.load() || trainer->global_step() < s.steps) {
     std::fprintf(stderr,
@@ -503,7 +508,6 @@ int run(const Settings& s) {
       at::arange(fmnist::kClasses, at::kLong).repeat_interleave(s.samples_per_class);
   at::Tensor samples;
   {
-    difftrain::ema::EmaScope scope(trainer->ema());
     net->eval();
     difftrain::io::save_safetensors(out / "ema.safetensors",
                                     difftrain::nn::module_tensors(*net, /*buffers=*/false),

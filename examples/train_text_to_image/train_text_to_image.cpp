@@ -508,8 +508,12 @@ int train(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
   const FitResult fit = fit_until_done_or_stopped(
       trainer, s, [&](std::int64_t place) { return stream->at_place(place); });
   // Every rank: under --sharded_mixed_precision the parameters hold the float32 masters from
-  // here on, for what rank 0 writes (nothing otherwise: they are whole between steps).
+  // here on, for what rank 0 writes (nothing otherwise: they are whole between steps), and the
+  // EMA's weights are in the model when kept (under --sharding its shadows travel here).
   const auto whole = trainer.whole_parameters();
+  std::optional<typename Trainer::EmaWeights> ema_weights;
+  if constexpr (Trainer::has_ema)
+    if (fit.finished) ema_weights.emplace(trainer.ema_weights());
   if (!main_rank) return fit.finished ? 0 : 130;  // rank 0 writes what the run leaves
 
   // What the run leaves: weights (EMA when kept), validation images, results.
@@ -544,14 +548,7 @@ int train(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
       files["validation"] = "validation.png";
     }
   };
-  if (fit.finished) {
-    if constexpr (Trainer::has_ema) {
-      dt::ema::EmaScope scope(trainer.ema());
-      write_outputs();
-    } else {
-      write_outputs();
-    }
-  }
+  if (fit.finished) write_outputs();
   const std::size_t tenth = std::max<std::size_t>(1, losses.size() / 10);
   nlohmann::json results = run_settings;
   results["files"] = files;

@@ -30,6 +30,11 @@ checks:
                  world sizes and stages and to and from DataParallel's checkpoints (1e-10); a rank
                  that dies in a save leaves the previous set, which resume falls back to, as it
                  does past a damaged shard
+  sharded_ema    the EMA kept per rank at stages 1-3 (each rank the shadows of what it steps):
+                 N ranks end with one process's EMA (float64, 1e-10), its weights gathered on
+                 every rank and read by a sampler on rank 0 between steps; the ranks' shadows add
+                 up to one EMA; ema-pytorch's pull of the model toward its EMA; masters' precision
+                 under mixed precision; checkpoints resumed bit-identical and across layouts
   cuda           (where a CUDA device is; skipped, exit 77, elsewhere) 2 ranks training on GPU 0
                  equal 1 process on the GPU and on the CPU (float64, 1e-10), with DataParallel
                  and ShardedDataParallel's stages 1-3 (offloaded too); stopped and resumed,
@@ -618,8 +623,10 @@ def check_sharded_resume(worker, tmp):
     no_errors(full, "uninterrupted stage-2 run")
     names = sorted(p.name for p in pathlib.Path(f"{tmp}/a").iterdir())
     want = sorted([f"checkpoint-{s}.pt" for s in (10, 20, 30)] +
-                  [f"checkpoint-{s}.pt.shard-{r}-of-2" for s in (10, 20, 30) for r in range(2)])
-    ok(names == want, f"a sharded checkpoint is its file and one shard per rank ({names})")
+                  [f"checkpoint-{s}.pt.shard-{r}-of-2{x}" for s in (10, 20, 30) for r in range(2)
+                   for x in ("", ".safetensors")])
+    ok(names == want, "a sharded checkpoint is its file and, per rank, an optimizer shard and a "
+       f"weights file ({names})")
     part = run(2, f"{tmp}/part", "--steps", 10, "--sharding", 2, "--save-every", 10,
                "--checkpoint-dir", f"{tmp}/b")
     rest = run(2, f"{tmp}/rest", "--steps", 30, "--sharding", 2, "--save-every", 10,
@@ -704,6 +711,174 @@ def check_sharded_resume(worker, tmp):
        f"rank 1 names the damaged shard ({back[1]['skipped_checkpoints']})")
     ok(all(b["weights"] == full[0]["weights"] for b in back),
        "and ends bit-identical to the uninterrupted run")
+    # The same with the optimizer shard whole again and a weights file damaged (every rank reads
+    # every weights file: each names it).
+    shard.write_bytes(bytes(raw[:len(raw) // 2]) + bytes([raw[len(raw) // 2] ^ 0xFF]) +
+                      bytes(raw[len(raw) // 2 + 1:]))
+    weights = pathlib.Path(f"{tmp}/a/checkpoint-30.pt.shard-0-of-2.safetensors")
+    w = bytearray(weights.read_bytes())
+    w[-3] ^= 0x10
+    weights.write_bytes(bytes(w))
+    back = launch(worker, 2, f"{tmp}/back2", *base, "--steps", 30, "--sharding", 2,
+                  "--checkpoint-dir", f"{tmp}/a", "--resume")[0]
+    no_errors(back, "resume past a damaged weights file")
+    ok(all(b["resumed_from"] == "checkpoint-20.pt" and len(b["skipped_checkpoints"]) == 1 and
+           "shard-0-of-2.safetensors" in b["skipped_checkpoints"][0] and
+           "CRC-32" in b["skipped_checkpoints"][0] for b in back),
+       f"every rank fell back to checkpoint-20.pt past a damaged weights file, naming it "
+       f"({[b['skipped_checkpoints'] for b in back]})")
+    ok(all(b["weights"] == full[0]["weights"] for b in back),
+       "and ends bit-identical to the uninterrupted run")
+
+
+def check_consolidate(worker, tmp, checkpoint, run, what):
+    """The set's model written out as one file equals what the run ended with, trained and EMA;
+    as a model folder with a prefix; and a damaged or missing file of the set is refused."""
+    from safetensors.numpy import load_file
+    names = run["names"]
+
+    def flat(tensors, prefix=""):
+        return [float(v) for n in names for v in tensors[n[len(prefix):]].reshape(-1)]
+
+    out = f"{checkpoint}.model.safetensors"
+    for ema in (False, True):
+        res = single(worker, f"{out}.json", "--consolidate", checkpoint, "--consolidate-out", out,
+                     *(["--consolidate-ema"] if ema else []), "--budget-kb", 0)[0]
+        no_errors(res, f"{what}: consolidate")
+        got = load_file(out)
+        want = run["ema"]["weights"] if ema else run["weights"]
+        d = max_diff(want, flat(got))
+        ok(d == 0 and res[0]["sharded"] and res[0]["tensors"] == len(names) + 1,
+           f"{what}: consolidated into one file{' (EMA)' if ema else ''}, equal to the weights the "
+           f"run ended with ({d:.1e}), {res[0]['tensors']} tensors from {res[0]['world_size']} "
+           "ranks' files")
+        model_bytes, main_file = res[0]["bytes"], os.path.getsize(checkpoint)
+        ok(res[0]["peak_bytes"] <= main_file and res[0]["peak_bytes"] < model_bytes / 4,
+           f"{what}: the ranks' files read one tensor at a time (memory-mapped): "
+           f"{res[0]['peak_bytes']} bytes allocated at most, no more than rank 0's file "
+           f"({main_file} bytes: generators, buffers, index), the model {model_bytes}")
+    folder = f"{checkpoint}.hidden0"
+    res = single(worker, f"{folder}.json", "--consolidate", checkpoint, "--consolidate-out",
+                 folder, "--consolidate-prefix", "hidden0.", "--consolidate-config",
+                 json.dumps({"_class_name": "Linear", "in_features": 32}))[0]
+    no_errors(res, f"{what}: consolidate to a folder")
+    got = load_file(f"{folder}/diffusion_pytorch_model.safetensors")
+    config = json.loads(pathlib.Path(f"{folder}/config.json").read_text())
+    ok(sorted(got) == ["bias", "weight"] and config["_class_name"] == "Linear",
+       f"{what}: a model folder of the prefix's tensors, the prefix removed ({sorted(got)})")
+    bad = single(worker, f"{folder}x.json", "--consolidate", checkpoint, "--consolidate-out",
+                 f"{folder}x", "--consolidate-prefix", "nothing.")[0]
+    e = bad[0] and bad[0]["error"]
+    ok(e is not None and e["type"] == "difftrain::ConfigError" and "nothing." in e["message"],
+       f"{what}: a prefix no tensor has is a ConfigError naming it ({e})")
+    shard = pathlib.Path(f"{checkpoint}.shard-1-of-2.safetensors")
+    raw = shard.read_bytes()
+    shard.write_bytes(raw[:-8] + bytes(b ^ 0xFF for b in raw[-8:]))
+    bad = single(worker, f"{out}.bad.json", "--consolidate", checkpoint, "--consolidate-out",
+                 f"{out}.bad")[0]
+    e = bad[0] and bad[0]["error"]
+    ok(e is not None and e["type"] == "difftrain::FormatError" and "CRC-32" in e["message"] and
+       "shard-1-of-2.safetensors" in e["message"] and not pathlib.Path(f"{out}.bad").exists(),
+       f"{what}: a damaged weights file is a FormatError naming it, and nothing is written ({e})")
+    shard.unlink()
+    bad = single(worker, f"{out}.bad.json", "--consolidate", checkpoint, "--consolidate-out",
+                 f"{out}.bad")[0]
+    e = bad[0] and bad[0]["error"]
+    ok(e is not None and e["type"] == "difftrain::IoError" and "shard-1-of-2" in e["message"],
+       f"{what}: a missing weights file is an IoError naming it ({e})")
+    shard.write_bytes(raw)
+
+
+def check_sharded_ema(worker, tmp):
+    warmup = json.dumps({"rule": "warmup_decay", "decay": 0.98, "use_ema_warmup": True,
+                         "power": 0.75})
+    # ema-pytorch, pulling the model toward its EMA every 4 updates: the owners' masters change
+    # and every rank must see them before the next forward.
+    pull = json.dumps({"rule": "ema_pytorch", "beta": 0.9, "update_after_step": 2,
+                       "update_every": 1, "update_model_with_ema_every": 4,
+                       "update_model_with_ema_beta": 0.5})
+    base = ["--wide", 3, "--accumulation", 2, "--dtype", "float64", "--sample-every", 5]
+    for rule_name, rule in (("warmup_decay", warmup), ("ema_pytorch with model pulls", pull)):
+        args = [*base, "--ema", rule, "--steps", 20]
+        ref = single(worker, f"{tmp}/ref", *args, "--sharding", 0)[0]
+        no_errors(ref, f"{rule_name}: one process")
+        want = ref[0]["ema"]
+        ok(not want["by_rank"] and len(want["probe"]) == 4,
+           f"{rule_name}: one process keeps one EMA and its sampler ran 4 times")
+        ok(max_diff(want["weights"], ref[0]["weights"]) > 1e-4,
+           f"{rule_name}: the EMA's weights differ from the training weights")
+        layouts = [(2, 1, []), (2, 2, []), (4, 2, []), (2, 3, []), (4, 3, []),
+                   (2, 3, ["--whole-between"]), (2, 2, ["--offload"]), (4, 3, ["--offload"]),
+                   (2, 0, ["--sharded-policy"])]
+        if rule_name != "warmup_decay":
+            layouts = [(2, 2, []), (4, 3, []), (2, 1, ["--offload"])]
+        for world, stage, extra in layouts:
+            what = f"{rule_name}, {world} ranks, stage {stage}{' ' + ' '.join(extra) if extra else ''}"
+            res = launch(worker, world, f"{tmp}/e{world}{stage}{len(extra)}", *args, "--sharding",
+                         stage, *extra)[0]
+            no_errors(res, what)
+            dw = max(max_diff(ref[0]["weights"], r["weights"]) for r in res)
+            de = max(max_diff(want["weights"], r["ema"]["weights"]) for r in res)
+            dp = max_diff(want["probe"], res[0]["ema"]["probe"])
+            ok(dw <= 1e-10 and de <= 1e-10 and dp <= 1e-10,
+               f"{what}: one process's weights ({dw:.1e}), EMA on every rank ({de:.1e}) and "
+               f"sampled EMA losses ({dp:.1e})")
+            held = [r["ema"]["held_bytes"] for r in res]
+            if stage == 0:
+                ok(all(h == want["held_bytes"] and not r["ema"]["share"] for h, r in zip(held, res)),
+                   f"{what}: every rank keeps the whole EMA ({held})")
+                continue
+            ok(all(r["ema"]["by_rank"] and r["ema"]["share"] for r in res) and
+               sum(held) == want["held_bytes"] and max(held) < want["held_bytes"],
+               f"{what}: each rank keeps its share of the EMA ({held} bytes; one process "
+               f"{want['held_bytes']})")
+            ok(all("ema_weights" in r["ema"]["copy_to_refused"] and
+                   r["ema"]["training_weights_back"] for r in res),
+               f"{what}: Ema::copy_to on a share is a ConfigError naming Trainer::ema_weights, and "
+               "the training weights are back after the EMA's scope")
+    # Mixed precision: the shadows average the masters (float64) while the model computes in
+    # float32; 2 ranks equal one process under the same policy.
+    mp = [*base, "--ema", warmup, "--steps", 20, "--param-dtype", "float32", "--sharded-policy"]
+    one = single(worker, f"{tmp}/mp1", *mp, "--sharding", 2)[0]
+    two = launch(worker, 2, f"{tmp}/mp2", *mp, "--sharding", 3)[0]
+    no_errors(one + two, "mixed precision")
+    d = max(max_diff(one[0]["ema"]["weights"], r["ema"]["weights"]) for r in two)
+    ok(all(r["ema"]["weights_dtype"] == "Double" for r in one + two) and d <= 1e-6,
+       f"mixed precision (float64 masters, float32 compute): the EMA keeps float64 shadows, and 2 "
+       f"ranks at stage 3 equal one process ({d:.1e})")
+    # Checkpoints: the EMA's shadows are gathered into the set; stopped and resumed on the same
+    # layout, bit-identical (EMA too); and across layouts.
+    common = [*base, "--ema", warmup, "--save-every", 10]
+    # (eight units here, so that the model outweighs what rank 0's file holds besides it)
+    wide = ["--wide", 8, *base[2:], "--ema", warmup, "--save-every", 10]
+    for stage in (2, 3):
+        full = launch(worker, 2, f"{tmp}/f{stage}", *wide, "--noise", "--steps", 20,
+                      "--sharding", stage, "--checkpoint-dir", f"{tmp}/fa{stage}")[0]
+        part = launch(worker, 2, f"{tmp}/p{stage}", *wide, "--noise", "--steps", 10,
+                      "--sharding", stage, "--checkpoint-dir", f"{tmp}/fb{stage}")[0]
+        rest = launch(worker, 2, f"{tmp}/r{stage}", *wide, "--noise", "--steps", 20,
+                      "--sharding", stage, "--checkpoint-dir", f"{tmp}/fb{stage}", "--resume")[0]
+        no_errors(full + part + rest, f"stage {stage} with an EMA, stopped and resumed")
+        ok(all(r["weights"] == f["weights"] and r["ema"]["weights"] == f["ema"]["weights"] and
+               r["losses"] == f["losses"][10:] for r, f in zip(rest, full)),
+           f"stage {stage} with an EMA kept per rank: resumed at step 10, weights, EMA and losses "
+           "bit-identical")
+        check_consolidate(worker, tmp, f"{tmp}/fa{stage}/checkpoint-20.pt", full[0],
+                          f"stage {stage}, 2 ranks")
+    ref = single(worker, f"{tmp}/xref", *common, "--steps", 20, "--sharding", 0,
+                 "--checkpoint-dir", f"{tmp}/xref-checkpoints")[0]
+    no_errors(ref, "reference")
+    for first, then in (((2, 2), (1, 0)), ((1, 0), (4, 3)), ((4, 3), (2, 1))):
+        d = f"{tmp}/xe-{first[0]}{first[1]}-{then[0]}{then[1]}"
+        what = f"an EMA from {first[0]} ranks stage {first[1]} -> {then[0]} ranks stage {then[1]}"
+        def run(world, stage, out, *args):
+            a = [*common, "--sharding", stage, "--checkpoint-dir", d, *args]
+            return (single(worker, out, *a) if world == 1 else launch(worker, world, out, *a))[0]
+        a = run(*first, f"{d}-a", "--steps", 10)
+        b = run(*then, f"{d}-b", "--steps", 20, "--resume", "--allow-world-size-change")
+        no_errors(a + b, what)
+        de = max(max_diff(ref[0]["ema"]["weights"], r["ema"]["weights"]) for r in b)
+        ok(de <= 1e-10, f"{what}: resumed at step 10, ends with one process's EMA ({de:.1e})")
 
 
 def main():

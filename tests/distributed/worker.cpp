@@ -13,6 +13,13 @@
 // step, and at stage 3 how its units' parameters travelled. The --wide hidden layers are units
 // (nn::in_unit); fc1 and fc2 lie outside every unit. With --device cuda every rank trains on
 // GPU 0 (Gloo reduces CUDA tensors through host memory), its noise drawn by its CUDA generator.
+// With --ema RULE_JSON the trainer keeps an EMA (kept per rank under sharding): the result adds
+// its weights (gathered on every rank), the bytes of shadows this rank holds, and the loss of the
+// EMA's weights on a fixed batch every --sample-every steps (a SampleEvery callback, on rank 0).
+// With --consolidate CHECKPOINT it trains nothing: it writes that checkpoint's model (and with
+// --consolidate-ema its EMA's weights) to --consolidate-out as one safetensors file, or with
+// --consolidate-prefix and --consolidate-config as a model folder, counting the CPU memory it
+// allocates.
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -34,8 +41,11 @@
 #include "difftrain/core/error.hpp"
 #include "difftrain/distributed/data_parallel.hpp"
 #include "difftrain/distributed/sharded_data_parallel.hpp"
+#include "difftrain/ema/by_name.hpp"
+#include "difftrain/ema/moving_average.hpp"
 #include "difftrain/nn/unit_scope.hpp"
 #include "difftrain/train/callbacks.hpp"
+#include "difftrain/train/consolidate.hpp"
 #include "difftrain/train/multi_trainer.hpp"
 #include "difftrain/train/trainer.hpp"
 
@@ -85,6 +95,13 @@ struct Settings {
   std::string device = "cpu";        // cuda: the model and batches on GPU 0 (every rank's)
   std::string param_dtype;           // mixed precision: the dtype parameters compute in
   std::string reduce_dtype;          // and the one gradients are reduced in
+  std::string ema;                   // an EMA rule as RuleByName's JSON (empty: no EMA)
+  std::int64_t sample_every = 0;     // with --ema: SampleEvery's period (0: never)
+  std::string consolidate;           // a checkpoint to write out as one file (nothing trained)
+  std::string consolidate_out;
+  bool consolidate_ema = false;
+  std::string consolidate_prefix;
+  std::string consolidate_config;  // JSON: write a model folder with this config
 };
 
 std::optional<at::ScalarType> dtype_named(const std::string& name) {
@@ -193,6 +210,32 @@ struct ShardedAdamW : dt::train::DefaultConfig {
 };
 struct ShardedSgd : ShardedAdamW {
   using Optimizer = dt::train::SGD;
+};
+
+// The EMA's weights judged on a fixed batch, the way a sampler reads the model between steps.
+struct EmaProbe {
+  std::vector<double>* losses = nullptr;
+  template <class T>
+  void operator()(T& t) {
+    auto& net = t.model();
+    const at::Tensor w = net.fc1->weight;
+    auto [x, y] = global_batch(0, 0);
+    const Batch b{x.to(w.options()), y.to(w.options())};
+    const bool noise = std::exchange(net.noise_, false);
+    losses->push_back(net.loss(b).template item<double>());
+    net.noise_ = noise;
+  }
+};
+template <class Base>
+struct WithEma : Base {
+  using Ema = dt::ema::Ema<dt::ema::RuleByName, dt::ema::MultiTensor>;
+  using Callbacks =
+      std::tuple<DieBeforeSave, dt::train::CheckpointEvery, dt::train::SampleEvery<EmaProbe>>;
+};
+struct DataParallelEma : Config {
+  using Ema = dt::ema::Ema<dt::ema::RuleByName, dt::ema::MultiTensor>;
+  using Callbacks =
+      std::tuple<DieBeforeSave, dt::train::CheckpointEvery, dt::train::SampleEvery<EmaProbe>>;
 };
 
 struct MultiConfig : dt::train::DefaultConfig {
@@ -311,6 +354,8 @@ nlohmann::json run_single(const Settings& s, std::int64_t& rank_out) {
   o.on_nan = s.on_nan == "stop" ? dt::train::NanPolicy::stop : dt::train::NanPolicy::skip;
   o.parallel.world_options.timeout = std::chrono::milliseconds(s.timeout_ms);
   o.allow_world_size_change = s.allow_world_size_change;
+  if constexpr (TrainerT::has_ema)
+    o.ema.rule = dt::ema::RuleByName::from_json(nlohmann::json::parse(s.ema), "--ema");
   // Before the trainer: rank 1 starts from other weights and buffers, which must become rank 0's.
   const auto world = dt::distributed::World::from_environment(o.parallel.world_options);
   o.parallel.world = world;
@@ -331,8 +376,15 @@ nlohmann::json run_single(const Settings& s, std::int64_t& rank_out) {
   co.dir = std::filesystem::path(s.checkpoint_dir.empty() ? "unused" : s.checkpoint_dir);
   co.every = s.save_every > 0 ? s.save_every : std::numeric_limits<std::int64_t>::max();
   co.keep_last = 100;
+  std::vector<double> ema_probe;
   typename Cfg::Callbacks callbacks = [&] {
-    if constexpr (std::tuple_size_v<typename Cfg::Callbacks> == 2)
+    if constexpr (std::tuple_size_v<typename Cfg::Callbacks> == 3)
+      return typename Cfg::Callbacks{
+          DieBeforeSave{s.die_in_save_at}, dt::train::CheckpointEvery(co),
+          dt::train::SampleEvery<EmaProbe>(
+              s.sample_every > 0 ? s.sample_every : std::numeric_limits<std::int64_t>::max(),
+              EmaProbe{&ema_probe})};
+    else if constexpr (std::tuple_size_v<typename Cfg::Callbacks> == 2)
       return
           typename Cfg::Callbacks{DieBeforeSave{s.die_in_save_at}, dt::train::CheckpointEvery(co)};
     else
@@ -378,6 +430,34 @@ nlohmann::json run_single(const Settings& s, std::int64_t& rank_out) {
     const auto whole = trainer.whole_parameters();  // stage 3 holds a share between steps
     append_weights(weights, net);
   }
+  nlohmann::json ema = nullptr;
+  if constexpr (TrainerT::has_ema) {
+    std::int64_t held = 0;
+    for (const auto& [name, shadow] : trainer.ema().shadows_here())
+      held += shadow.numel() * static_cast<std::int64_t>(shadow.element_size());
+    nlohmann::json ema_weights = nlohmann::json::array();
+    std::string shadow_dtype;
+    {
+      const auto scope = trainer.ema_weights();  // every rank: the shadows travel
+      append_weights(ema_weights, net);
+      shadow_dtype = c10::toString(net.fc1->weight.scalar_type());
+    }
+    nlohmann::json after = nlohmann::json::array();  // the training weights again
+    {
+      const auto whole = trainer.whole_parameters();
+      append_weights(after, net);
+    }
+    std::string refused;
+    try {
+      trainer.ema().copy_to();
+    } catch (const dt::ConfigError& e) {
+      refused = e.what();
+    }
+    ema = {{"weights", ema_weights},           {"held_bytes", held},
+           {"by_rank", trainer.ema_by_rank()}, {"share", trainer.ema().is_share()},
+           {"weights_dtype", shadow_dtype},    {"training_weights_back", after == weights},
+           {"copy_to_refused", refused},       {"probe", ema_probe}};
+  }
   std::int64_t numel = 0;
   for (const auto& q : params) numel += q.numel();
   std::int64_t overlapped = 0;
@@ -392,9 +472,12 @@ nlohmann::json run_single(const Settings& s, std::int64_t& rank_out) {
              {"peak_parameter_bytes", u.peak_parameter_bytes},
              {"largest_unit_bytes", u.largest_unit_bytes}};
   }
+  nlohmann::json names = nlohmann::json::array();
+  for (const auto& p : net.named_parameters()) names.push_back(p.key());
   return {{"step", trainer.global_step()},
           {"world_size", world_size},
           {"weights", weights},
+          {"names", names},
           {"scale", net.scale[0].item<double>()},
           {"losses", losses},
           {"compute_dtype", std::string(c10::toString(net.compute_dtype))},
@@ -404,6 +487,7 @@ nlohmann::json run_single(const Settings& s, std::int64_t& rank_out) {
           {"numel", numel},
           {"buckets_sent_during_backward", overlapped},
           {"units", units},
+          {"ema", ema},
           {"peak_bytes", dt::test::CountingAllocator::instance() != nullptr
                              ? nlohmann::json(dt::test::CountingAllocator::instance()->peak())
                              : nlohmann::json(nullptr)},
@@ -413,8 +497,33 @@ nlohmann::json run_single(const Settings& s, std::int64_t& rank_out) {
             {"optimizer", memory.optimizer}}}};
 }
 
+// --consolidate: the checkpoint's model as one file, the CPU bytes allocated meanwhile counted.
+nlohmann::json run_consolidate(const Settings& s) {
+  const dt::train::ConsolidateOptions o{.ema = s.consolidate_ema,
+                                        .prefix = s.consolidate_prefix,
+                                        .metadata = {{"written_by", "difftrain_dist_worker"}}};
+  const auto report =
+      s.consolidate_config.empty()
+          ? dt::train::consolidate_checkpoint(s.consolidate, s.consolidate_out, o)
+          : dt::train::consolidate_to_folder(s.consolidate, s.consolidate_out,
+                                             nlohmann::json::parse(s.consolidate_config), o);
+  return {{"step", report.step},
+          {"world_size", report.world_size},
+          {"sharded", report.sharded},
+          {"tensors", report.tensors},
+          {"bytes", report.bytes},
+          {"peak_bytes", dt::test::CountingAllocator::instance() != nullptr
+                             ? nlohmann::json(dt::test::CountingAllocator::instance()->peak())
+                             : nlohmann::json(nullptr)}};
+}
+
 nlohmann::json run(const Settings& s, std::int64_t& rank_out) {
+  if (!s.consolidate.empty()) return run_consolidate(s);
   if (s.multi) return run_multi(s, rank_out);
+  if (!s.ema.empty()) {
+    if (s.sharding == 0 && !s.sharded_policy) return run_single<DataParallelEma>(s, rank_out);
+    return run_single<WithEma<ShardedAdamW>>(s, rank_out);
+  }
   if (s.sharding == 0 && !s.sharded_policy) return run_single<Config>(s, rank_out);
   if (s.optimizer == "sgd") return run_single<ShardedSgd>(s, rank_out);
   return run_single<ShardedAdamW>(s, rank_out);
@@ -463,6 +572,13 @@ int main(int argc, char** argv) {
   app.add_flag("--eval-on-rank0", s.eval_on_rank0);
   app.add_option("--die-in-save-at", s.die_in_save_at);
   app.add_option("--budget-kb", s.budget_kb);
+  app.add_option("--ema", s.ema);
+  app.add_option("--sample-every", s.sample_every);
+  app.add_option("--consolidate", s.consolidate);
+  app.add_option("--consolidate-out", s.consolidate_out);
+  app.add_flag("--consolidate-ema", s.consolidate_ema);
+  app.add_option("--consolidate-prefix", s.consolidate_prefix);
+  app.add_option("--consolidate-config", s.consolidate_config);
   CLI11_PARSE(app, argc, argv);
   const auto start = std::chrono::steady_clock::now();
   std::int64_t rank = std::getenv("RANK") != nullptr ? std::atoll(std::getenv("RANK")) : 0;

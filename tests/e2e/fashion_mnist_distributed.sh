@@ -92,6 +92,28 @@ PY
 expect_rc 0 stage3-resumed -- "${launch[@]}" "${tiny[@]}" --batch-size 16 --steps 6 --resume \
   --sharding 1 --out "$work/z3"
 grep_in "$work/z3/results.json" '"resumed_from": 4'
+# Its last set (stage 1: each rank wrote the parameters it steps and their EMA) consolidated into
+# a UNet folder: the same tensors as the unet/ the program wrote from the EMA's weights, and
+# diffusers loads it.
+consolidate="$(dirname "$bin")/consolidate"
+expect_rc 0 consolidate -- "$consolidate" "$work/z3/checkpoints/checkpoint-6.pt" "$work/z3/unet-ema" \
+  --ema --prefix unet. --config "$work/z3/unet/config.json"
+expect_rc 2 consolidate-bad-prefix -- "$consolidate" "$work/z3/checkpoints/checkpoint-6.pt" \
+  "$work/z3/x.safetensors" --prefix nothing.
+grep_in "$work/consolidate-bad-prefix.err" "no tensor of the checkpoint's model starts with 'nothing.'"
+"$(dirname "$torchrun")/python" - "$work/z3" <<'PY' || fail "the consolidated UNet differs from the program's"
+import pathlib, sys
+import torch
+from safetensors.torch import load_file
+from diffusers import UNet2DConditionModel
+d = pathlib.Path(sys.argv[1])
+a = load_file(d / "unet" / "diffusion_pytorch_model.safetensors")
+b = load_file(d / "unet-ema" / "diffusion_pytorch_model.safetensors")
+assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+assert all(torch.equal(a[k], b[k]) for k in a), "values differ"
+UNet2DConditionModel.from_pretrained(d / "unet-ema")
+print(f"consolidated set: {len(b)} tensors equal to the program's EMA UNet; diffusers loads it")
+PY
 
 [ "$failures" -eq 0 ] && echo "fashion_mnist under torchrun: all checks passed"
 exit $((failures > 0))

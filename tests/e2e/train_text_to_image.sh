@@ -86,12 +86,13 @@ expect_rc 0 xl -- "$bin" "${base[@]}" --pretrained_model_name_or_path "$xl" --us
 # Under torchrun with 2 ranks (each its own batches of 2; rank 0 caches the latents and the text
 # encoder's outputs, the other rank reads them): DataParallel straight through; ZeRO stage 2
 # stopped at step 6, its checkpoint set resumed by 2 ranks at stage 3 (each UNet block a unit
-# whose LoRA parameters the other rank frees), ending where DataParallel ends; one process refuses the set unless told that the world size changes.
+# whose LoRA parameters the other rank frees), ending where DataParallel ends (each with an EMA,
+# which the sharded runs keep per rank and gather for the file they write); one process refuses the set unless told that the world size changes.
 export GLOO_SOCKET_IFNAME=lo
 launch=("$(dirname "$py")/torchrun" --standalone --nproc-per-node 2 --no-python "$bin")
 ranks=("${base[@]}" --train_batch_size 2 --use_lora --rank 4 --cache_latents --center_crop
        --learning_rate 2e-3 --max_train_steps 12 --checkpointing_steps 4 --rank_timeout 120
-       --validation_prompt "a photo of a sneaker")
+       --validation_prompt "a photo of a sneaker" --use_ema --ema_decay 0.8)
 expect_rc 0 dp -- "${launch[@]}" "${ranks[@]}" --output_dir "$work/dp"
 grep_in "$work/dp/results.json" '"ranks": 2'
 # Rank 0 encoded the 24 latents; rank 1 found them all (it reports only when it had to encode),

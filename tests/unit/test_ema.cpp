@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <set>
 
 #include "golden.hpp"
 
@@ -256,6 +257,75 @@ TEST(Ema, ScopeSwapsWeightsInAndRestoresThemEvenOnException) {
   }
   EXPECT_EQ(w.mean().item<double>(), 7.0);
   EXPECT_THROW(e.restore(), dt::ConfigError);  // nothing stored any more
+}
+
+TEST(Ema, AShareTracksItsOwnNamesAveragesItsSourcesAndRefusesWholeReads) {
+  auto model = make_model();
+  const at::Tensor weight = model->named_parameters()["0.weight"];
+  // This rank steps 0.weight through a float64 master in another tensor; 0.bias and 3.weight
+  // are another rank's.
+  const at::Tensor master = weight.detach().to(at::kDouble) + 1.0;
+  ema::Share share{.elsewhere = {"0.bias", "3.weight"}, .sources = {{"0.weight", master}}};
+  ema::Ema<ema::Constant, ema::MultiTensor> e(*model, {.decay = 0.5}, {},
+                                              {.buffers = ema::Buffers::average}, share);
+  EXPECT_TRUE(e.is_share());
+  const auto names = e.names();
+  EXPECT_EQ(std::set<std::string>(names.begin(), names.end()),
+            (std::set<std::string>{"0.weight", "1.weight", "1.bias", "1.running_mean",
+                                   "1.running_var", "3.bias"}));
+  EXPECT_EQ(e.shadow("0.weight").scalar_type(), at::kDouble);  // made from the master
+  {
+    const at::NoGradGuard no_grad;
+    master.add_(2.0);
+  }
+  e.update();
+  EXPECT_TRUE(at::allclose(e.shadow("0.weight"), master - 1.0));  // halfway toward the master
+  EXPECT_FALSE(e.last_update_changed_model());
+  // Whatever needs the other ranks' shadows is a ConfigError naming the way to take them.
+  for (auto* call :
+       {+[](decltype(e)& x) { x.copy_to(); }, +[](decltype(e)& x) { x.store(); },
+        +[](decltype(e)& x) { (void)x.state(); }, +[](decltype(e)& x) { x.save("unused.pt"); }})
+    try {
+      call(e);
+      ADD_FAILURE() << "a whole read of a share went through";
+    } catch (const dt::ConfigError& err) {
+      EXPECT_NE(std::string(err.what()).find("ema_weights"), std::string::npos) << err.what();
+    }
+  // A whole state (as a checkpoint holds it) loads: the names held elsewhere are passed over,
+  // but a name no rank holds is still refused, and so is a missing own name.
+  std::map<std::string, at::Tensor> whole;
+  for (const auto& item : model->named_parameters()) whole.emplace(item.key(), item.value() * 0);
+  for (const auto& item : model->named_buffers())
+    if (item.value().is_floating_point()) whole.emplace(item.key(), item.value() * 0);
+  e.load_state(e.rule().state(), whole);
+  EXPECT_EQ(e.shadow("0.weight").abs().sum().item<double>(), 0.0);
+  EXPECT_EQ(e.shadow("0.weight").scalar_type(), at::kDouble);
+  auto stranger = whole;
+  stranger.emplace("9.weight", at::zeros({1}));
+  EXPECT_THROW(e.check_state(e.rule().state(), stranger), dt::FormatError);
+  auto missing = whole;
+  missing.erase("1.weight");
+  EXPECT_THROW(e.check_state(e.rule().state(), missing), dt::FormatError);
+  // Which names the tracking rules keep, on whichever rank holds them.
+  EXPECT_TRUE(e.tracks_parameter("0.bias", model->named_parameters()["0.bias"]));
+  EXPECT_FALSE(e.tracks_parameter("0.bias", at::zeros({2}, at::kLong)));
+  // A source of the wrong shape, or for a parameter the model lacks, is refused.
+  EXPECT_THROW(
+      (ema::Ema<ema::Constant>(*model, {}, {}, {}, {.sources = {{"0.weight", at::zeros({2})}}})),
+      dt::ShapeError);
+  EXPECT_THROW((ema::Ema<ema::Constant>(*model, {}, {}, {}, {.sources = {{"9.weight", master}}})),
+               dt::ConfigError);
+  // A share with nothing elsewhere (one rank; sources are masters) is whole: its scope swaps
+  // the EMA into the model's own tensors and puts them back.
+  ema::Ema<ema::Constant> one(*model, {.decay = 0.0}, {}, {}, {.sources = {{"0.weight", master}}});
+  EXPECT_FALSE(one.is_share());
+  one.update();
+  const at::Tensor before = weight.detach().clone();
+  {
+    auto scope = one.scope();
+    EXPECT_TRUE(at::allclose(weight, master.to(weight.scalar_type())));
+  }
+  EXPECT_TRUE(at::equal(weight, before));
 }
 
 TEST(Ema, StateSavesByNameAndLoadsBack) {

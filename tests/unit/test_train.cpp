@@ -6,7 +6,9 @@
 #include <difftrain/io/remove_tree.hpp>
 #include <difftrain/io/safetensors.hpp>
 #include <difftrain/io/zip_archive.hpp>
+#include <difftrain/nn/module_tensors.hpp>
 #include <difftrain/schedule/by_name.hpp>
+#include <difftrain/train/consolidate.hpp>
 #include <difftrain/train/train.hpp>
 
 #include <atomic>
@@ -17,6 +19,7 @@
 #include <iterator>
 #include <map>
 #include <numeric>
+#include <set>
 #include <thread>
 #include <tuple>
 
@@ -229,6 +232,64 @@ TEST(Trainer, AResumedRunEndsBitIdenticalToAnUninterruptedOne) {
   EXPECT_EQ(tr::optimizer_state_bytes(ta.optimizer()), tr::optimizer_state_bytes(tc.optimizer()));
   EXPECT_EQ(dt::io::read_file(resumed), dt::io::read_file(again));
   EXPECT_EQ(dt::io::read_file(uninterrupted), dt::io::read_file(resumed));
+}
+
+TEST(Consolidate, AOneProcessCheckpointBecomesOneFileOrAFolderTrainedOrEma) {
+  tr::set_seed(6);
+  auto net = std::make_shared<NetImpl>();
+  tr::Trainer<NetImpl, ResumeConfig> t(*net, parity_options());
+  t.fit(source, 6);
+  const fs::path ckpt = scratch("consolidate.pt");
+  t.save_checkpoint(ckpt);
+  const auto trained = dt::nn::module_tensors(*net, /*buffers=*/true);
+  std::map<std::string, at::Tensor> ema_weights;
+  {
+    const auto scope = t.ema_weights();  // one process: the EMA's swap
+    ema_weights = dt::nn::module_tensors(*net, true);
+    for (auto& [name, v] : ema_weights) v = v.clone();
+  }
+  for (const bool ema : {false, true}) {
+    const fs::path out = scratch(ema ? "ema.safetensors" : "trained.safetensors");
+    const auto report = tr::consolidate_checkpoint(ckpt, out, {.ema = ema});
+    EXPECT_EQ(report.step, 6);
+    EXPECT_FALSE(report.sharded);
+    const auto got = dt::io::load_safetensors(out, true);
+    const auto& want = ema ? ema_weights : trained;
+    ASSERT_EQ(got.tensors.size(), want.size());
+    for (const auto& [name, v] : want) EXPECT_TRUE(at::equal(got.tensors.at(name), v)) << name;
+    EXPECT_EQ(got.metadata.at("step"), "6");
+  }
+  EXPECT_FALSE(at::equal(ema_weights.at("fc1.weight"), trained.at("fc1.weight")));
+  // A model folder of one layer: its tensors without the prefix, and the config given.
+  const fs::path folder = scratch("fc1");
+  tr::consolidate_to_folder(ckpt, folder, {{"_class_name", "Linear"}}, {.prefix = "fc1."});
+  const auto layer = dt::io::load_safetensors(folder / "diffusion_pytorch_model.safetensors", true);
+  EXPECT_EQ(layer.tensors.size(), 2U);
+  EXPECT_TRUE(at::equal(layer.tensors.at("weight"), trained.at("fc1.weight")));
+  EXPECT_EQ(layer.metadata.at("format"), "pt");
+  const auto text = dt::io::read_file(folder / "config.json");
+  EXPECT_EQ(nlohmann::json::parse(text.begin(), text.end())["_class_name"], "Linear");
+  // Mistakes: a prefix nothing has, a config that is not an object, the EMA of a checkpoint
+  // without one, a file that is no checkpoint. Nothing is written.
+  EXPECT_THROW(tr::consolidate_checkpoint(ckpt, scratch("x.safetensors"), {.prefix = "nope."}),
+               dt::ConfigError);
+  EXPECT_THROW(tr::consolidate_to_folder(ckpt, scratch("x"), nlohmann::json::array()),
+               dt::ConfigError);
+  struct NoEma : ResumeConfig {
+    using Ema = tr::NoEma;
+  };
+  auto plain = std::make_shared<NetImpl>();
+  tr::Trainer<NetImpl, NoEma>::Options po;
+  po.schedule = {1, 10, 0.5};
+  tr::Trainer<NetImpl, NoEma> tp(*plain, po);
+  const fs::path no_ema = scratch("no_ema.pt");
+  tp.save_checkpoint(no_ema);
+  EXPECT_THROW(tr::consolidate_checkpoint(no_ema, scratch("x.safetensors"), {.ema = true}),
+               dt::ConfigError);
+  EXPECT_THROW(tr::consolidate_checkpoint(folder / "diffusion_pytorch_model.safetensors",
+                                          scratch("x.safetensors")),
+               dt::FormatError);
+  EXPECT_FALSE(fs::exists(scratch("x.safetensors")));
 }
 
 TEST(Trainer, DamagedFutureOrMismatchedCheckpointsAreTypedErrorsAndChangeNothing) {
@@ -668,6 +729,36 @@ TEST(Callbacks, LogsShowTheDefaultGroupsLrNotTheFirstRules) {
   EXPECT_DOUBLE_EQ(std::stod(row.substr(row.rfind(',') + 1)), 3e-4) << row;
   tr::ProgressBar bar({.total_steps = 10, .every = 1, .force = false});
   EXPECT_NE(bar.line(info, tr::shown_lr(t, info)).find("lr 0.0003"), std::string::npos);
+}
+
+TEST(Callbacks, PruningTakesASetsShardsAndWeightsFilesAndLeftOversWithIt) {
+  const fs::path dir = scratch("prune");
+  dt::io::remove_tree(dir);
+  fs::create_directories(dir);
+  const auto touch = [&](const std::string& name) { std::ofstream(dir / name) << "x"; };
+  for (const std::string step : {"2", "4"}) {
+    touch("checkpoint-" + step + ".pt");
+    for (const std::string r : {"0", "1"}) {
+      touch("checkpoint-" + step + ".pt.shard-" + r + "-of-2");
+      touch("checkpoint-" + step + ".pt.shard-" + r + "-of-2.safetensors");
+    }
+  }
+  touch("checkpoint-3.pt.shard-1-of-2.safetensors");      // a save that stopped halfway
+  touch("checkpoint-9.pt.shard-0-of-2.safetensors");      // newer than any set: left alone
+  touch("checkpoint-4.pt.shard-0-of-2.safetensors.tmp");  // not a file of a set
+  auto net = std::make_shared<NetImpl>();
+  auto o = parity_options();
+  tr::Trainer<NetImpl, ResumeConfig> t(*net, o);
+  t.fit(source, 6);
+  tr::CheckpointEvery({.dir = dir, .every = 100, .keep_last = 2}).save(t);
+  std::set<std::string> left;
+  for (const auto& e : fs::directory_iterator(dir)) left.insert(e.path().filename().string());
+  EXPECT_EQ(left, (std::set<std::string>{
+                      "checkpoint-4.pt", "checkpoint-4.pt.shard-0-of-2",
+                      "checkpoint-4.pt.shard-1-of-2", "checkpoint-4.pt.shard-0-of-2.safetensors",
+                      "checkpoint-4.pt.shard-1-of-2.safetensors",
+                      "checkpoint-4.pt.shard-0-of-2.safetensors.tmp", "checkpoint-6.pt",
+                      "checkpoint-9.pt.shard-0-of-2.safetensors"}));
 }
 
 TEST(Callbacks, LogStatisticsCheckpointsAndEarlyStop) {

@@ -473,6 +473,71 @@ class ShardedDataParallel : nn::UnitListener {
     return WholeParameters((listening_ && o_.reshard_after_step) || mixed_ ? this : nullptr);
   }
 
+  /// Whether whole_parameters() makes parameters travel: a rank holds only its share of them
+  /// between steps (stage 3 with reshard_after_step), or they compute in param_dtype while the
+  /// masters are elsewhere (mixed precision). Reading the model then takes one on every rank.
+  [[nodiscard]] bool whole_needs_every_rank() const {
+    return world_->distributed() && ((listening_ && o_.reshard_after_step) || mixed_);
+  }
+
+  /// The tensor holding parameter i's full-precision value on the rank that owns it: the copy
+  /// its optimizer steps (offloaded or under mixed precision), else the parameter itself.
+  [[nodiscard]] at::Tensor master(std::size_t i) const {
+    return !copies_.empty() && copies_.at(i).defined() ? copies_[i] : params_.at(i);
+  }
+  /// The dtype of parameter i's masters (its own dtype unless under mixed precision).
+  [[nodiscard]] at::ScalarType master_dtype(std::size_t i) const {
+    return master_dtypes_.empty() ? params_.at(i).scalar_type() : master_dtypes_.at(i);
+  }
+
+  /// Each owner's values for its parameters, on every rank: on the owner `mine(i)` gives
+  /// parameter i's (its shape, in its masters' dtype, on any device); every rank gets
+  /// `take(i, value)` for every parameter, its own included (the value is then the owner's
+  /// tensor, not a copy, unless it was on another device). One broadcast per bucket and dtype, on
+  /// the parameters' device; every rank calls it together. Stage 0 (every rank owns everything)
+  /// only takes its own.
+  template <class Mine, class Take>
+  void from_owners(Mine&& mine, Take&& take) {
+    at::NoGradGuard no_grad;
+    const std::int64_t me = world_->rank();
+    if (replicated_) {
+      for (std::size_t i = 0; i < params_.size(); ++i) take(i, mine(i));
+      return;
+    }
+    for (const Bucket& b : buckets_) {
+      for (std::size_t k = 0; k < b.params.size();) {
+        const at::ScalarType dtype = master_dtype(b.params[k]);
+        std::vector<std::size_t> run;
+        while (k < b.params.size() && master_dtype(b.params[k]) == dtype)
+          run.push_back(b.params[k++]);
+        const at::TensorOptions to =
+            params_[run.front()].options().dtype(dtype).requires_grad(false);
+        if (b.owner == me) {
+          std::vector<at::Tensor> parts;
+          for (const std::size_t i : run) {
+            at::Tensor v = mine(i);
+            take(i, v);
+            if (world_->distributed()) parts.push_back(v.to(to).reshape({-1}));
+          }
+          if (world_->distributed()) {
+            std::vector<at::Tensor> flat{at::cat(parts)};
+            world_->broadcast(flat, b.owner);
+          }
+          continue;
+        }
+        std::int64_t numel = 0;
+        for (const std::size_t i : run) numel += params_[i].numel();
+        std::vector<at::Tensor> flat{at::empty({numel}, to)};
+        world_->broadcast(flat, b.owner);
+        std::int64_t at_ = 0;
+        for (const std::size_t i : run) {
+          take(i, flat[0].narrow(0, at_, params_[i].numel()).view(params_[i].sizes()));
+          at_ += params_[i].numel();
+        }
+      }
+    }
+  }
+
   /// True when the parameters compute in Options::param_dtype while the optimizer steps copies
   /// in their own dtype.
   [[nodiscard]] bool mixed_precision() const { return mixed_; }
@@ -782,49 +847,15 @@ class ShardedDataParallel : nn::UnitListener {
     full_precision_ = false;
   }
 
-  // Every parameter whole in its masters' dtype: each owner sends its copies' values, one
-  // broadcast per bucket and dtype.
+  // Every parameter whole in its masters' dtype: each owner sends its copies' values.
   void to_full_precision() {
     at::NoGradGuard no_grad;
-    const std::int64_t me = world_->rank();
-    for (const Bucket& b : buckets_) {
-      for (std::size_t k = 0; k < b.params.size();) {
-        const at::ScalarType dtype = master_dtypes_[b.params[k]];
-        std::vector<std::size_t> run;
-        while (k < b.params.size() && master_dtypes_[b.params[k]] == dtype)
-          run.push_back(b.params[k++]);
-        const at::TensorOptions to = params_[run.front()].options().dtype(dtype);
-        std::vector<at::Tensor> values;
-        std::int64_t numel = 0;
-        for (const std::size_t i : run) {
-          numel += params_[i].numel();
-          values.push_back(b.owner == me ? copies_[i].to(to, /*non_blocking=*/false, /*copy=*/true)
-                                         : at::empty(params_[i].sizes(), to));
-        }
-        if (world_->distributed()) {
-          std::vector<at::Tensor> flat;
-          if (b.owner == me) {
-            std::vector<at::Tensor> parts;
-            for (const auto& v : values) parts.push_back(v.reshape({-1}));
-            flat.push_back(at::cat(parts));
-          } else {
-            flat.push_back(at::empty({numel}, to));
-          }
-          world_->broadcast(flat, b.owner);
-          if (b.owner != me) {
-            std::int64_t at_ = 0;
-            for (std::size_t j = 0; j < run.size(); ++j) {
-              values[j].copy_(flat[0].narrow(0, at_, values[j].numel()).view(values[j].sizes()));
-              at_ += values[j].numel();
-            }
-          }
-        }
-        for (std::size_t j = 0; j < run.size(); ++j) {
-          params_[run[j]].mutable_grad().reset();
-          replace_data(run[j], values[j]);
-        }
-      }
-    }
+    from_owners([&](std::size_t i) { return copies_[i]; },
+                [&](std::size_t i, const at::Tensor& value) {
+                  params_[i].mutable_grad().reset();
+                  replace_data(i, value.to(params_[i].device(), /*non_blocking=*/false,
+                                           /*copy=*/true));
+                });
     for (Unit& u : units_) u.gathered = true;
     full_precision_ = true;
   }

@@ -14,6 +14,11 @@
 //   true});
 //   ... optimizer.step(); ema.update(); ...
 //   { auto scope = ema.scope(); sample(model); }   // EMA weights inside, training weights after
+//
+// Under sharded training each rank keeps the shadows of the parameters it steps (a `Share`): the
+// update needs no communication and the EMA's memory is divided by the number of ranks. Such an
+// EMA refuses whatever needs the others' shadows (copy_to, scope, state, save); the trainer gathers
+// them (Trainer::ema_weights, its checkpoints).
 
 #include <torch/nn/module.h>
 
@@ -72,6 +77,14 @@ struct Tracking {
   }
 };
 
+/// A rank's share of the model under sharded training (the trainer makes it): the names in
+/// `elsewhere` are other ranks' and not tracked here; a name in `sources` averages that tensor
+/// (the rank's full-precision master copy, perhaps in host memory) instead of the model's.
+struct Share {
+  std::set<std::string> elsewhere = {};
+  std::map<std::string, at::Tensor> sources = {};
+};
+
 template <class Rule, class Engine = PerTensor>
 class Ema;
 
@@ -106,14 +119,31 @@ class Ema {
   using engine_type = Engine;
 
   Ema(torch::nn::Module& model, const typename Rule::Options& rule = {},
-      const typename Engine::Options& engine = {}, Tracking tracking = {})
-      : model_(&model), rule_(rule), engine_(engine), tracking_(std::move(tracking)) {
+      const typename Engine::Options& engine = {}, Tracking tracking = {}, Share share = {})
+      : model_(&model),
+        rule_(rule),
+        engine_(engine),
+        tracking_(std::move(tracking)),
+        elsewhere_(std::move(share.elsewhere)) {
     const at::NoGradGuard no_grad;
-    for (const auto& item : model.named_parameters(/*recurse=*/true))
-      track(item.key(), item.value(), false);
+    for (const auto& item : model.named_parameters(/*recurse=*/true)) {
+      if (elsewhere_.contains(item.key())) continue;
+      const auto source = share.sources.find(item.key());
+      if (source != share.sources.end() && source->second.sizes() != item.value().sizes())
+        throw ShapeError("has shape " + c10::str(source->second.sizes()) + ", the parameter " +
+                             c10::str(item.value().sizes()),
+                         "Ema share: source of '" + item.key() + "'");
+      if (source != share.sources.end()) targets_.emplace(item.key(), item.value());
+      track(item.key(), source != share.sources.end() ? source->second : item.value(), false,
+            item.value().requires_grad());
+    }
+    for (const auto& [name, t] : share.sources)
+      if (model.named_parameters(true).find(name) == nullptr)
+        throw ConfigError("the model has no parameter '" + name + "'", "Ema share: sources");
     if (tracking_.buffers != Buffers::ignore)
       for (const auto& item : model.named_buffers(/*recurse=*/true))
-        track(item.key(), item.value(), true);
+        if (!elsewhere_.contains(item.key()))
+          track(item.key(), item.value(), true, item.value().requires_grad());
   }
   Ema(const Ema&) = delete;
   Ema& operator=(const Ema&) = delete;
@@ -132,12 +162,14 @@ class Ema {
       if (action.kind == Action::Kind::average) engine_.average(averaged_, 1.0 - action.decay);
       if (!copied_.empty()) engine_.copy(copied_);
     }
+    changed_model_ = action.update_model;
     if (action.update_model) update_model_from_shadows(action.model_decay);
   }
 
   /// Copies the EMA weights into the model (diffusers' copy_to).
   void copy_to() { copy_to(*model_); }
   void copy_to(torch::nn::Module& target) {
+    whole_only("copy_to");
     engine_.synchronize();
     const at::NoGradGuard no_grad;
     const auto params = target.named_parameters(true);
@@ -158,10 +190,11 @@ class Ema {
 
   /// Keeps a copy of the model's current weights for `restore()` (diffusers' store).
   void store() {
+    whole_only("store");
     const at::NoGradGuard no_grad;
     stored_.clear();
     for (const auto* list : lists())
-      for (const Pair& p : *list) stored_.emplace_back(p.name, p.param.detach().clone());
+      for (const Pair& p : *list) stored_.emplace_back(p.name, target_of(p).detach().clone());
   }
   /// Puts back the weights `store()` kept; a restore without a store is a ConfigError.
   void restore() {
@@ -170,7 +203,7 @@ class Ema {
     const at::NoGradGuard no_grad;
     std::size_t i = 0;
     for (auto* list : lists())
-      for (Pair& p : *list) p.param.copy_(stored_[i++].second);
+      for (Pair& p : *list) target_of(p).copy_(stored_[i++].second);
     stored_.clear();
   }
 
@@ -202,15 +235,34 @@ class Ema {
 
   /// The rule's scalars (diffusers' keys for WarmupDecay) and the shadows by name.
   [[nodiscard]] std::pair<nlohmann::json, std::map<std::string, at::Tensor>> state() {
+    whole_only("state");
+    return {rule_.state(), shadows_here()};
+  }
+
+  /// True when this EMA holds only a rank's share of the model (its Share named others' tensors).
+  [[nodiscard]] bool is_share() const noexcept { return !elsewhere_.empty(); }
+  /// The names another rank's share holds (empty unless is_share()).
+  [[nodiscard]] const std::set<std::string>& elsewhere() const noexcept { return elsewhere_; }
+  /// The shadows this EMA holds, by name (under a Share, this rank's; waits for an update).
+  [[nodiscard]] std::map<std::string, at::Tensor> shadows_here() {
     engine_.synchronize();
     std::map<std::string, at::Tensor> shadows;
     for (const auto* list : lists())
       for (const Pair& p : *list) shadows.emplace(p.name, p.shadow);
-    return {rule_.state(), std::move(shadows)};
+    return shadows;
   }
+  /// Whether this EMA's tracking rules keep parameter `name` (on whichever rank holds it).
+  [[nodiscard]] bool tracks_parameter(const std::string& name, const at::Tensor& t) const {
+    return t.defined() && t.is_floating_point() &&
+           (tracking_.ignored != IgnoredNames::untracked || !ignored(name));
+  }
+  /// Whether the last update() changed the tracked tensors themselves (ema-pytorch's
+  /// update_model_with_ema): under a Share the ranks that hold copies of them must be told.
+  [[nodiscard]] bool last_update_changed_model() const noexcept { return changed_model_; }
 
-  /// Restores a state: every tracked name must be present with its shape, and no other name; the
-  /// rule's scalars are checked by the rule. Nothing changes unless all of it is valid.
+  /// Restores a state: every tracked name must be present with its shape, and no other name
+  /// (under a Share, the names held elsewhere may be present and are passed over); the rule's
+  /// scalars are checked by the rule. Nothing changes unless all of it is valid.
   void load_state(const nlohmann::json& scalars, const std::map<std::string, at::Tensor>& shadows) {
     engine_.synchronize();
     Rule rule = checked_rule(scalars, shadows);
@@ -243,7 +295,7 @@ class Ema {
       }
     const std::vector<std::string> known = names();
     for (const auto& [name, tensor] : shadows)
-      if (std::find(known.begin(), known.end(), name) == known.end())
+      if (!elsewhere_.contains(name) && std::find(known.begin(), known.end(), name) == known.end())
         throw FormatError("is not a tensor this EMA tracks", "ema state shadow '" + name + "'");
     Rule rule = rule_;
     rule.load_state(scalars);
@@ -255,6 +307,7 @@ class Ema {
   /// {"format": "difftrain.ema", "version": 1, "state": {rule scalars}, "shadow_params": {name:
   /// tensor}}.
   void save(const std::filesystem::path& path) {
+    whole_only("save");
     auto [scalars, shadows] = state();
     c10::impl::GenericDict d(c10::StringType::get(), c10::AnyType::get());
     d.insert("format", std::string(kFormat));
@@ -282,6 +335,7 @@ class Ema {
       throw FormatError("has format version " + get("version").tagKind() +
                             " newer than this difftrain reads (" + std::to_string(kVersion) + ")",
                         where);
+    whole_only("load");
     load_state(io::to_json(get("state"), where + " state"),
                io::to_tensor_map(get("shadow_params"), where + " shadow_params"));
   }
@@ -290,21 +344,42 @@ class Ema {
   static constexpr std::int64_t kVersion = 1;
 
  private:
-  void track(const std::string& name, const at::Tensor& t, bool is_buffer) {
+  // Whatever needs every shadow is refused on a share: it would quietly see only this rank's.
+  void whole_only(const char* what) const {
+    if (is_share())
+      throw ConfigError("this EMA holds only this rank's share of the model (" +
+                            std::to_string(names().size()) + " tensors; " +
+                            std::to_string(elsewhere_.size()) +
+                            " are other ranks'); take Trainer::ema_weights() on every rank",
+                        std::string("Ema::") + what);
+  }
+
+  [[nodiscard]] bool ignored(const std::string& name) const {
+    bool out = tracking_.ignore_names.contains(name);
+    for (const auto& prefix : tracking_.ignore_prefixes) out = out || name.starts_with(prefix);
+    return out;
+  }
+
+  // The model's tensor of a pair (its param is the master copy when a Share gave one).
+  [[nodiscard]] at::Tensor target_of(const Pair& p) const {
+    const auto it = targets_.find(p.name);
+    return it != targets_.end() ? it->second : p.param;
+  }
+
+  // `trainable`: the parameter's requires_grad (a master copy, the source, does not require it).
+  void track(const std::string& name, const at::Tensor& t, bool is_buffer, bool trainable) {
     if (!t.defined() || !t.is_floating_point()) return;
-    bool ignored = tracking_.ignore_names.contains(name);
-    for (const auto& prefix : tracking_.ignore_prefixes)
-      ignored = ignored || name.starts_with(prefix);
-    if (ignored && tracking_.ignored == IgnoredNames::untracked) return;
+    const bool is_ignored = ignored(name);
+    if (is_ignored && tracking_.ignored == IgnoredNames::untracked) return;
     Pair pair{name, t, engine_.make_shadow(t)};
-    if (ignored) {
+    if (is_ignored) {
       copy_phase_.push_back(std::move(pair));
       return;
     }
     // copy_names wins over the buffer and frozen rules, for buffers and parameters alike.
     const bool average = !tracking_.copy_names.contains(name) &&
                          (is_buffer ? tracking_.buffers == Buffers::average
-                                    : t.requires_grad() || tracking_.frozen == Frozen::average);
+                                    : trainable || tracking_.frozen == Frozen::average);
     (average ? averaged_ : copied_).push_back(std::move(pair));
   }
 
@@ -334,6 +409,9 @@ class Ema {
   Rule rule_;
   Engine engine_;
   Tracking tracking_;
+  std::set<std::string> elsewhere_;  ///< other ranks' share of the model (sharded training)
+  std::map<std::string, at::Tensor> targets_;  ///< the model's tensors of names with a source
+  bool changed_model_ = false;
   double last_decay_ = std::nan("");
   std::vector<Pair> averaged_;
   std::vector<Pair> copied_;

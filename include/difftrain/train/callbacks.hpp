@@ -252,7 +252,8 @@ class CheckpointEvery {
     if (all.empty()) return;
     std::set<std::int64_t> kept;
     for (const auto& [step, path] : all) kept.insert(step);
-    static const std::regex shard("checkpoint-([0-9]+)\\.pt\\.shard-[0-9]+-of-[0-9]+");
+    static const std::regex shard(
+        "checkpoint-([0-9]+)\\.pt\\.shard-[0-9]+-of-[0-9]+(\\.safetensors)?");
     std::error_code ec;
     std::vector<std::filesystem::path> stale;
     for (const auto& e : std::filesystem::directory_iterator(o_.dir, ec)) {
@@ -292,9 +293,12 @@ std::optional<std::filesystem::path> resume_latest(T& trainer, const std::filesy
 /// Calls `sample(trainer)` every N steps with the EMA weights swapped in when the trainer has EMA.
 /// When it returns images (an (N, C, H, W) tensor in [-1, 1], or an io::RgbImage), every callback
 /// of the trainer that takes images (train::TensorBoard) gets them as one grid under `tag`.
+/// `sample` runs on rank 0; where reading the model needs every rank (the EMA or the parameters
+/// are shared out by a sharding policy), every rank gathers them with it first.
 template <class Fn>
 class SampleEvery {
  public:
+  static constexpr bool every_rank = true;
   SampleEvery(std::int64_t every, Fn fn, std::string tag = "samples", io::GridOptions grid = {})
       : every_(every), fn_(std::move(fn)), tag_(std::move(tag)), grid_(grid) {
     if (every < 1) throw ConfigError("every must be >= 1", "SampleEvery");
@@ -302,24 +306,39 @@ class SampleEvery {
   template <class T>
   void on_step_end(T& t, const StepInfo& s) {
     if (!s.stepped || s.step % every_ != 0) return;
+    const bool main = t.rank() == 0;
+    bool gather = false;
+    if constexpr (requires { t.reading_needs_every_rank(); }) gather = t.reading_needs_every_rank();
+    if (!main && !gather) return;
     at::NoGradGuard no_grad;
     using Result = std::invoke_result_t<Fn&, T&>;
-    auto run = [&]() -> Result {
-      if constexpr (T::has_ema) {
+    // The model as it is to be read (the EMA's weights when kept, every parameter whole) for
+    // the duration of `read` on rank 0; the other ranks only take part in gathering it.
+    auto with_model = [&](auto&& read) {
+      if constexpr (requires { t.ema_weights(); }) {
+        const auto scope = t.ema_weights();
+        if (main) read();
+      } else if constexpr (T::has_ema) {
         ema::EmaScope scope(t.ema());
-        return fn_(t);
+        read();
+      } else if constexpr (requires { t.whole_parameters(); }) {
+        const auto whole = t.whole_parameters();
+        if (main) read();
       } else {
-        return fn_(t);
+        read();
       }
     };
     if constexpr (std::is_void_v<Result>) {
-      run();
+      with_model([&] { fn_(t); });
     } else {
       static_assert(
           std::is_convertible_v<Result, at::Tensor> || std::is_convertible_v<Result, io::RgbImage>,
           "difftrain: SampleEvery's function returns nothing, images as an (N, C, H, W) "
           "at::Tensor, or an io::RgbImage");
-      const Result r = run();
+      std::optional<Result> made;
+      with_model([&] { made.emplace(fn_(t)); });
+      if (!main) return;
+      const Result& r = *made;
       if constexpr (std::is_convertible_v<Result, at::Tensor>)
         publish(t, io::image_grid(r, grid_), s.step);
       else

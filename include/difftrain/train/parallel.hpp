@@ -81,6 +81,21 @@ concept ShardingParallel = ParallelPolicy<P> &&
   { cp.stage() } -> std::convertible_to<int>;
 };
 
+/// A sharding policy that tells who owns each parameter and gathers what the owners hold; the
+/// trainer then keeps its EMA per shard (each rank the shadows of what it steps):
+///   owner(i)                the rank that steps parameter i (the trainer's order; -1: every rank)
+///   master(i)               on the owner, the tensor with parameter i's full-precision value
+///   from_owners(mine, take) every rank gets take(i, value) for each parameter, where the owner
+///                           gave mine(i) (its shape, in the masters' dtype)
+///   whole_needs_every_rank()  whether whole_parameters() communicates (so every rank takes it)
+template <class P>
+concept OwnerGatheringParallel = ShardingParallel<P> && requires(P& p, const P& cp) {
+  { cp.owner(std::size_t{0}) } -> std::convertible_to<std::int64_t>;
+  { cp.master(std::size_t{0}) } -> std::convertible_to<at::Tensor>;
+  p.from_owners([](std::size_t) { return at::Tensor(); }, [](std::size_t, const at::Tensor&) {});
+  { cp.whole_needs_every_rank() } -> std::convertible_to<bool>;
+};
+
 /// A callback that runs on every rank of a distributed run (`static constexpr bool every_rank =
 /// true`); the others run on rank 0 only.
 template <class C>

@@ -3,6 +3,7 @@
 
 #include "difftrain/train/callbacks.hpp"
 #include "difftrain/train/clipping.hpp"
+#include "difftrain/train/consolidate.hpp"
 #include "difftrain/train/gradient_groups.hpp"
 #include "difftrain/train/multi_trainer.hpp"
 #include "difftrain/train/optimizer.hpp"

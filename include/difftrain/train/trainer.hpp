@@ -54,6 +54,7 @@
 #include "difftrain/train/optimizer_archive.hpp"
 #include "difftrain/train/parallel.hpp"
 #include "difftrain/train/precision.hpp"
+#include "difftrain/train/weight_shards.hpp"
 
 namespace difftrain::train {
 
@@ -166,6 +167,16 @@ struct AlwaysWhole {
   AlwaysWhole(const AlwaysWhole&) = default;
   AlwaysWhole& operator=(const AlwaysWhole&) = default;
   ~AlwaysWhole() {}  // NOLINT(modernize-use-equals-default)
+};
+/// The scope Trainer::whole_parameters returns under parallel policy P.
+template <class P>
+struct WholeOf {
+  using type = AlwaysWhole;
+};
+template <class P>
+requires requires(P& p) { p.whole_parameters(); }
+struct WholeOf<P> {
+  using type = decltype(std::declval<P&>().whole_parameters());
 };
 // AnySchedule is the value a schedule chosen at run time becomes, not a policy type: a trainer
 // given it is told which policy does that job, before the generic "has no name".
@@ -397,7 +408,10 @@ class Trainer {
     if (o_.max_batch_size && *o_.max_batch_size < 1)
       throw ConfigError("max_batch_size must be >= 1", "Trainer options");
     groups_ = make_param_groups(model, o_.groups);
-    for (const auto& g : groups_) params_.insert(params_.end(), g.params.begin(), g.params.end());
+    for (const auto& g : groups_) {
+      params_.insert(params_.end(), g.params.begin(), g.params.end());
+      param_names_.insert(param_names_.end(), g.names.begin(), g.names.end());
+    }
     // Before the EMA copies the weights: with more than one rank they become rank 0's here.
     parallel_ = std::make_unique<ParallelT>(model, params_, o_.parallel);
     if constexpr (sharded) {
@@ -419,9 +433,15 @@ class Trainer {
     option_base_lrs_ = scheduler_->base_lrs();
     for (auto& g : optimizer_->param_groups()) option_groups_.push_back(g.options().clone());
     if constexpr (has_ema) {
-      // Whole, and in the masters' dtype under a sharded policy's mixed precision.
-      const auto whole = whole_parameters();
-      ema_ = std::make_unique<EmaT>(model, o_.ema.rule, o_.ema.engine, o_.ema.tracking);
+      if (ema_by_rank()) {
+        // Each rank the shadows of the parameters it steps, averaging their masters.
+        ema_ =
+            std::make_unique<EmaT>(model, o_.ema.rule, o_.ema.engine, o_.ema.tracking, ema_share());
+      } else {
+        // Whole, and in the masters' dtype under a sharded policy's mixed precision.
+        const auto whole = whole_parameters();
+        ema_ = std::make_unique<EmaT>(model, o_.ema.rule, o_.ema.engine, o_.ema.tracking);
+      }
     }
     call([&](auto& cb) {
       if constexpr (requires { cb.on_train_begin(*this); }) cb.on_train_begin(*this);
@@ -509,8 +529,16 @@ class Trainer {
       scheduler_->step();
       if constexpr (has_ema) {
         RECORD_USER_SCOPE("difftrain::ema_update");
-        const auto whole = whole_parameters();
-        ema_->update();
+        if (ema_by_rank()) {
+          ema_->update();  // this rank's masters into its shadows: nothing travels
+          // A rule that pulls the model toward its EMA changed the owners' masters: every rank
+          // takes them, as after a step.
+          if constexpr (OwnerGatheringParallel<ParallelT>)
+            if (ema_->last_update_changed_model()) parallel_->after_optimizer_step();
+        } else {
+          const auto whole = whole_parameters();
+          ema_->update();
+        }
       }
       ++step_;
     } else {
@@ -582,6 +610,79 @@ class Trainer {
   [[nodiscard]] std::int64_t skipped_overflow() const { return overflow_skips_; }
   [[nodiscard]] EmaT& ema() requires has_ema { return *ema_; }
 
+  /// Whether each rank keeps the EMA of the parameters it steps only (a sharding policy at stage
+  /// 1 to 3): the EMA's weights are then read through ema_weights(), on every rank.
+  [[nodiscard]] bool ema_by_rank() const {
+    if constexpr (has_ema && OwnerGatheringParallel<ParallelT>)
+      return parallel_->stage() >= 1;
+    else
+      return false;
+  }
+  /// Whether reading the model between steps (sampling, validation, writing it) needs every
+  /// rank: its parameters or its EMA's shadows are shared out. Callbacks that read it then run on
+  /// every rank (SampleEvery does).
+  [[nodiscard]] bool reading_needs_every_rank() const {
+    if constexpr (OwnerGatheringParallel<ParallelT>)
+      return parallel_->world_size() > 1 &&
+             (parallel_->whole_needs_every_rank() || (has_ema && ema_by_rank()));
+    else
+      return false;
+  }
+
+  /// The EMA's weights in the model while the returned scope lives (every parameter whole),
+  /// the training weights again after it, also when an exception unwinds through it. Under a
+  /// sharding policy every rank takes it together (the shadows travel from their owners, one
+  /// broadcast per bucket); otherwise it is Ema::scope's swap.
+  class EmaWeights {
+   public:
+    using Whole = typename trainer_detail::WholeOf<ParallelT>::type;
+    EmaWeights(EmaWeights&& o) noexcept
+        : whole_(std::move(o.whole_)), saved_(std::exchange(o.saved_, {})) {}
+    EmaWeights(const EmaWeights&) = delete;
+    EmaWeights& operator=(const EmaWeights&) = delete;
+    EmaWeights& operator=(EmaWeights&&) = delete;
+    ~EmaWeights() {
+      const at::NoGradGuard no_grad;
+      for (auto it = saved_.rbegin(); it != saved_.rend(); ++it) it->first.copy_(it->second);
+    }  // then whole_ ends: back to this rank's share, or to param_dtype
+
+   private:
+    friend class Trainer;
+    explicit EmaWeights(Whole whole) : whole_(std::move(whole)) {}
+    // The model's tensor gets `value`; its training value is kept to put back.
+    void swap_in(at::Tensor target, const at::Tensor& value) {
+      const at::NoGradGuard no_grad;
+      at::Tensor t = target.detach();
+      saved_.emplace_back(t, t.clone());
+      t.copy_(value);
+    }
+    Whole whole_;
+    std::vector<std::pair<at::Tensor, at::Tensor>> saved_;  // (model tensor, training value)
+  };
+  [[nodiscard]] EmaWeights ema_weights() requires has_ema {
+    EmaWeights scope(whole_parameters());
+    std::map<std::string, at::Tensor> model_tensors;
+    for (const auto& item : model_->named_parameters(true))
+      model_tensors.emplace(item.key(), item.value());
+    for (const auto& item : model_->named_buffers(true))
+      model_tensors.emplace(item.key(), item.value());
+    std::map<std::string, at::Tensor> own = ema_->shadows_here();
+    if (ema_->is_share()) {
+      const std::set<std::string> tracked = ema_tracked_names();
+      gather_ema_shadows(own, [&](const std::string& name, const at::Tensor& value) {
+        if (tracked.contains(name)) scope.swap_in(model_tensors.at(name), value);
+      });
+      for (const auto& name : param_names_) own.erase(name);  // those came from their owners
+    }
+    for (const auto& [name, shadow] : own) {
+      const auto it = model_tensors.find(name);
+      if (it == model_tensors.end())
+        throw ConfigError("the model has no tensor '" + name + "'", "Trainer::ema_weights");
+      scope.swap_in(it->second, shadow);
+    }
+    return scope;
+  }
+
   /// What must match between a checkpoint and the trainer loading it.
   [[nodiscard]] nlohmann::json fingerprint() const {
     nlohmann::json groups = nlohmann::json::array();
@@ -595,8 +696,16 @@ class Trainer {
             {"param_groups", groups}};
   }
 
-  /// Everything needed to continue bit-identically, as one torch.save-compatible value.
-  [[nodiscard]] c10::IValue state() {
+  /// Everything needed to continue bit-identically, as one torch.save-compatible value (a
+  /// sharded optimizer's state is in files beside it: save_checkpoint writes them).
+  [[nodiscard]] c10::IValue state() { return make_state(nullptr); }
+
+ private:
+  // The state; with `shards` (one record per rank's weights file, when the trainer's parameters
+  // and their EMA are in those files), without the trainer's parameters and their shadows.
+  [[nodiscard]] c10::IValue make_state(const std::vector<WeightShardRecord>* shards) {
+    std::set<std::string> in_shards;
+    if (shards != nullptr) in_shards.insert(param_names_.begin(), param_names_.end());
     auto root = io::torch_dict();
     root.insert("format", std::string("difftrain.checkpoint"));
     root.insert("version", std::int64_t{kFormatVersion});
@@ -608,21 +717,37 @@ class Trainer {
                          {"skipped_overflow", overflow_skips_}};
     auto model = io::torch_dict();
     for (const auto& item : model_->named_parameters(true))
-      model.insert(item.key(), item.value().detach().cpu().clone());
+      if (!in_shards.contains(item.key()))
+        model.insert(item.key(), item.value().detach().cpu().clone());
     for (const auto& item : model_->named_buffers(true))
       model.insert(item.key(), item.value().detach().cpu().clone());
     root.insert("model", model);
     // A sharded optimizer state is in one file per rank beside this one (save_checkpoint); here
     // is only the index of which rank holds which parameters' state.
-    if (shards_state())
+    if (shards_state()) {
       js["sharding"] = sharding_index();
-    else
+      if (shards != nullptr) js["sharding"]["weights"] = weights_index(*shards);
+    } else
       root.insert("optimizer", trainer_detail::bytes_tensor(optimizer_state_bytes(*optimizer_)));
     if constexpr (has_ema) {
-      auto [scalars, shadows] = ema_->state();
-      js["ema"] = scalars;
+      js["ema"] = ema_->rule().state();
+      // Kept per rank, the shadows come to rank 0 from their owners, one bucket at a time.
+      std::map<std::string, at::Tensor> own = ema_->shadows_here();
+      std::map<std::string, at::Tensor> shadows;
+      if (shards != nullptr) {
+        for (const auto& name : param_names_) own.erase(name);  // in the weights files
+      } else if (ema_->is_share()) {
+        const std::set<std::string> tracked = ema_tracked_names();
+        const bool keep = parallel_->rank() == 0;
+        gather_ema_shadows(own, [&](const std::string& name, const at::Tensor& value) {
+          if (keep && tracked.contains(name))
+            shadows.emplace(name, value.detach().to(at::kCPU, false, /*copy=*/true));
+        });
+        for (const auto& name : param_names_) own.erase(name);
+      }
+      for (const auto& [k, v] : own) shadows.emplace(k, v.detach().to(at::kCPU, false, true));
       auto e = io::torch_dict();
-      for (const auto& [k, v] : shadows) e.insert(k, v.detach().cpu().clone());
+      for (const auto& [k, v] : shadows) e.insert(k, v);
       root.insert("ema", e);
     }
     js["world_size"] = parallel_->world_size();
@@ -660,6 +785,7 @@ class Trainer {
     return root;
   }
 
+ public:
   /// A state read and checked against this trainer, not yet applied.
   struct CheckedState {
     std::string where;
@@ -732,8 +858,12 @@ class Trainer {
       trainer_detail::check_parts_agree(js, saved_step, where, ema_counter_keys());
     else
       trainer_detail::check_parts_agree(js, saved_step, where);
-    // Model tensors: same names and shapes.
-    const auto model_tensors = root.at("model").tensor_map();
+    // Model tensors: same names and shapes (the trainer's parameters of a sharded set, and their
+    // shadows, from each rank's weights file).
+    auto model_tensors = root.at("model").tensor_map();
+    std::map<std::string, at::Tensor> shard_shadows;
+    if (js.contains("sharding") && js["sharding"].is_object() && js["sharding"].contains("weights"))
+      read_weight_shards(js["sharding"], saved_step, file, where, model_tensors, shard_shadows);
     std::size_t expected = 0;
     auto check = [&](const std::string& name, const at::Tensor& t) {
       ++expected;
@@ -753,6 +883,7 @@ class Trainer {
     std::map<std::string, at::Tensor> ema_shadows;
     if constexpr (has_ema) {
       ema_shadows = root.at("ema").tensor_map();
+      ema_shadows.merge(shard_shadows);
       ema_->check_state(js.at("ema"), ema_shadows);
     }
     std::vector<trainer_detail::OptimizerShard> opt_shards;
@@ -879,6 +1010,10 @@ class Trainer {
   /// In a distributed run every rank calls it (the state gathers each rank's generator); rank 0
   /// writes and the others wait until it has, and learn whether it could.
   void save_checkpoint(const std::filesystem::path& path) {
+    if (weights_in_shards()) {
+      save_set(path);
+      return;
+    }
     const auto whole = whole_parameters();
     if (!all_finite())
       throw NumericError(
@@ -915,6 +1050,15 @@ class Trainer {
       if (failed) std::rethrow_exception(failed);
       throw IoError("rank 0 could not write the checkpoint (its error says why)", path.string());
     }
+  }
+
+  /// Whether save_checkpoint writes the trainer's parameters (and their EMA) as one file per
+  /// rank beside the checkpoint, each rank its own (a sharding policy at stage 1 to 3).
+  [[nodiscard]] bool weights_in_shards() const {
+    if constexpr (OwnerGatheringParallel<ParallelT>)
+      return shards_state();
+    else
+      return false;
   }
 
   /// The file beside checkpoint `path` holding rank `rank`'s shard of a sharded optimizer state.
@@ -1145,6 +1289,132 @@ class Trainer {
       return {[p](at::Tensor& t) { p->sum_across(t); }, [p](at::Tensor& t) { p->max_across(t); }};
     } else {
       return {};
+    }
+  }
+
+  // A sharded set: every rank writes its optimizer shard and its weights file in parallel (the
+  // parameters it steps, from its masters, and their shadows), nothing gathered; rank 0's file,
+  // written once all of them are on disk and holding their sizes and CRC-32s, commits the set.
+  void save_set(const std::filesystem::path& path) {
+    const std::int64_t r = parallel_->rank(), n = parallel_->world_size();
+    if (!parallel_->all_ok(own_weights_finite()))
+      throw NumericError(
+          "the model holds non-finite weights; not saving them over a good checkpoint",
+          path.string());
+    std::exception_ptr failed;
+    WeightShardRecord record;
+    try {
+      io::save_torch_file(shard_path(path, r, n), optimizer_shard_state());
+      record = write_weight_shard(weight_shard_path(path, r, n), own_weight_tensors(), step_, r, n);
+    } catch (...) {
+      failed = std::current_exception();
+    }
+    if (!parallel_->all_ok(!failed)) {
+      if (failed) std::rethrow_exception(failed);
+      throw IoError(
+          "another rank could not write its shard of the checkpoint (its error says why); the "
+          "previous checkpoint stays the latest",
+          path.string());
+    }
+    const at::Tensor mine = at::tensor(
+        {static_cast<std::int64_t>(record.bytes), std::int64_t{record.crc32}}, at::kLong);
+    std::vector<WeightShardRecord> records;
+    for (const at::Tensor& t : parallel_->gather(mine))
+      records.push_back({static_cast<std::uint64_t>(t[0].item<std::int64_t>()),
+                         static_cast<std::uint32_t>(t[1].item<std::int64_t>())});
+    const c10::IValue st = make_state(&records);
+    if (r == 0) {
+      try {
+        io::save_torch_file(path, st);
+      } catch (...) {
+        failed = std::current_exception();
+      }
+    }
+    if (!parallel_->decide(!failed)) {
+      if (failed) std::rethrow_exception(failed);
+      throw IoError("rank 0 could not write the checkpoint (its error says why)", path.string());
+    }
+  }
+
+  // Whether what this rank would write is finite: its masters and the tensors every rank holds.
+  [[nodiscard]] bool own_weights_finite() const {
+    if constexpr (OwnerGatheringParallel<ParallelT>) {
+      std::set<std::string> trainer_names(param_names_.begin(), param_names_.end());
+      for (std::size_t i = 0; i < params_.size(); ++i)
+        if (parallel_->owner(i) == parallel_->rank() &&
+            !at::isfinite(parallel_->master(i)).all().template item<bool>())
+          return false;
+      for (const auto& item : model_->named_parameters(true))
+        if (!trainer_names.contains(item.key()) &&
+            !at::isfinite(item.value()).all().template item<bool>())
+          return false;
+    }
+    return true;
+  }
+
+  // This rank's weights file: the parameters it steps (masters) and their EMA's shadows.
+  [[nodiscard]] std::map<std::string, at::Tensor> own_weight_tensors() {
+    std::map<std::string, at::Tensor> out;
+    if constexpr (OwnerGatheringParallel<ParallelT>) {
+      for (std::size_t i = 0; i < params_.size(); ++i)
+        if (parallel_->owner(i) == parallel_->rank())
+          out.emplace(param_names_[i], parallel_->master(i).detach());
+      if constexpr (has_ema) {
+        const std::map<std::string, at::Tensor> shadows = ema_->shadows_here();
+        for (std::size_t i = 0; i < params_.size(); ++i) {
+          const auto it = shadows.find(param_names_[i]);
+          if (it != shadows.end() && parallel_->owner(i) == parallel_->rank())
+            out.emplace(std::string(kEmaPrefix) + it->first, it->second.detach());
+        }
+      }
+    }
+    return out;
+  }
+
+  // The index of the weights files: each rank's size and CRC-32, and the name, dtype and shape
+  // of every trainer parameter (what a reader of the set needs before opening them).
+  [[nodiscard]] nlohmann::json weights_index(const std::vector<WeightShardRecord>& records) const {
+    nlohmann::json files = nlohmann::json::array();
+    for (const auto& rec : records) files.push_back({{"bytes", rec.bytes}, {"crc32", rec.crc32}});
+    nlohmann::json tensors = nlohmann::json::object();
+    if constexpr (OwnerGatheringParallel<ParallelT>)
+      for (std::size_t i = 0; i < params_.size(); ++i)
+        tensors[param_names_[i]] = {
+            {"dtype",
+             io::safetensors_detail::by_type(parallel_->master_dtype(i), param_names_[i]).name},
+            {"shape", params_[i].sizes().vec()},
+            {"rank", parallel_->owner(i)}};
+    return {{"files", files}, {"tensors", tensors}};
+  }
+
+  // The trainer's parameters and their shadows from each rank's weights file of a sharded set,
+  // into `model` and `shadows`. A missing file is an IoError, a damaged or foreign one a
+  // FormatError (resume_latest then falls back to an older set).
+  void read_weight_shards(const nlohmann::json& index, std::int64_t step,
+                          const std::filesystem::path& file, const std::string& where,
+                          std::map<std::string, at::Tensor>& model,
+                          std::map<std::string, at::Tensor>& shadows) const {
+    if (file.empty())
+      throw ConfigError(
+          "holds its weights in files beside it, one per rank: load it with "
+          "load_checkpoint(path)",
+          where);
+    if (!index.contains("world_size") || !index["world_size"].is_number_integer())
+      throw FormatError("has no world size", where + " json sharding");
+    const auto world = index["world_size"].get<std::int64_t>();
+    const auto records = weight_shard_records(index["weights"], world, where + " json sharding");
+    for (std::int64_t r = 0; r < world; ++r) {
+      const auto shard_file = weight_shard_path(file, r, world);
+      io::SafetensorsFile f =
+          read_weight_shard(shard_file, records[static_cast<std::size_t>(r)], step, r, world);
+      for (auto& [name, t] : f.tensors) {
+        const bool shadow = name.starts_with(kEmaPrefix);
+        auto& into = shadow ? shadows : model;
+        const std::string key = shadow ? name.substr(kEmaPrefix.size()) : name;
+        if (!into.emplace(key, t).second)
+          throw FormatError("holds '" + name + "', which another file of the set holds too",
+                            shard_file.string());
+      }
     }
   }
 
@@ -1480,6 +1750,54 @@ class Trainer {
     });
   }
 
+  // The EMA::Share of this rank: the trainer's parameters other ranks step are theirs; those it
+  // steps average their masters (copies when offloaded or under mixed precision).
+  [[nodiscard]] ema::Share ema_share() const requires has_ema {
+    ema::Share share;
+    if constexpr (OwnerGatheringParallel<ParallelT>) {
+      const auto named = model_->named_parameters(true);
+      for (std::size_t i = 0; i < params_.size(); ++i) {
+        const std::int64_t owner = parallel_->owner(i);
+        if (owner != parallel_->rank() && owner != -1) {
+          share.elsewhere.insert(param_names_[i]);
+        } else {
+          const at::Tensor master = parallel_->master(i);
+          if (!master.is_same(params_[i]) && named.find(param_names_[i]) != nullptr)
+            share.sources.emplace(param_names_[i], master);
+        }
+      }
+    }
+    return share;
+  }
+
+  // Which of the trainer's parameters an EMA kept per rank tracks on some rank: the names it
+  // tracks here and those held elsewhere (every name the tracking rules keep is one or the
+  // other).
+  [[nodiscard]] std::set<std::string> ema_tracked_names() const requires has_ema {
+    const std::vector<std::string> here = ema_->names();
+    std::set<std::string> out(here.begin(), here.end());
+    for (std::size_t i = 0; i < params_.size(); ++i)
+      if (ema_->elsewhere().contains(param_names_[i]) &&
+          ema_->tracks_parameter(param_names_[i], params_[i]))
+        out.insert(param_names_[i]);
+    return out;
+  }
+
+  // Every rank, together: `take(name, value)` for each of the trainer's parameters, with its
+  // owner's shadow (or, for a parameter the EMA does not track, its master: the receivers pass
+  // over those names).
+  template <class Take>
+  void gather_ema_shadows(const std::map<std::string, at::Tensor>& own, Take&& take) {
+    if constexpr (OwnerGatheringParallel<ParallelT>) {
+      parallel_->from_owners(
+          [&](std::size_t i) {
+            const auto it = own.find(param_names_[i]);
+            return it != own.end() ? it->second : parallel_->master(i);
+          },
+          [&](std::size_t i, const at::Tensor& value) { take(param_names_[i], value); });
+    }
+  }
+
   // Callbacks run on rank 0 only (they print and write), except those that must act on every
   // rank (a checkpoint's state is gathered from all; a stop must stop all) and say so.
   template <class F>
@@ -1501,6 +1819,7 @@ class Trainer {
   std::vector<ParamGroup> groups_;
   std::vector<ParamGroup> local_groups_;  // the groups this rank's optimizer steps (all unsharded)
   std::vector<at::Tensor> params_;
+  std::vector<std::string> param_names_;  // params_' names, in the same order
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   std::optional<schedule::LrScheduler<ScheduleT>> scheduler_;
   std::unique_ptr<EmaT> ema_;

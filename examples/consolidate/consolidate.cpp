@@ -1,0 +1,78 @@
+// consolidate: a training checkpoint's model as one safetensors file, or as a diffusers model
+// folder. A sharded set (each rank wrote the parameters it steps beside the checkpoint) streams
+// through one tensor at a time, so the model is never whole in memory.
+//
+//   consolidate CHECKPOINT OUT [--ema] [--prefix unet.] [--config config.json]
+//
+//   --ema      the EMA's weights (the checkpoint must hold an EMA)
+//   --prefix   only the tensors under this name, written without it
+//   --config   OUT is a model folder: this config.json and diffusion_pytorch_model.safetensors
+//
+// Exit codes: 0 written, 2 bad input (a damaged or missing file of the set, an unknown prefix,
+// a checkpoint without an EMA), 1 anything else.
+
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <difftrain/core/error.hpp>
+#include <difftrain/io/read_file.hpp>
+#include <difftrain/train/consolidate.hpp>
+#include <exception>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <string>
+
+namespace {
+
+int run(const std::filesystem::path& checkpoint, const std::filesystem::path& out,
+        const difftrain::train::ConsolidateOptions& o, const std::string& config_path) {
+  difftrain::train::ConsolidateReport r;
+  if (config_path.empty()) {
+    r = difftrain::train::consolidate_checkpoint(checkpoint, out, o);
+  } else {
+    const std::vector<char> text = difftrain::io::read_file(config_path);
+    nlohmann::json config;
+    try {
+      config = nlohmann::json::parse(text.begin(), text.end());
+    } catch (const nlohmann::json::exception& e) {
+      throw difftrain::FormatError(std::string("is not JSON: ") + e.what(), config_path);
+    }
+    r = difftrain::train::consolidate_to_folder(checkpoint, out, config, o);
+  }
+  std::fprintf(stderr, "consolidate: step %lld, %s%zu tensors (%.1f MiB) -> %s\n",
+               static_cast<long long>(r.step),
+               r.sharded ? ("the files of " + std::to_string(r.world_size) + " ranks, ").c_str()
+                         : "",
+               r.tensors, static_cast<double>(r.bytes) / (1024.0 * 1024.0), out.c_str());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"a training checkpoint's model as one safetensors file or a diffusers folder"};
+  std::string checkpoint, out, config;
+  difftrain::train::ConsolidateOptions o;
+  app.add_option("checkpoint", checkpoint, "checkpoint-N.pt (a set's other files beside it)")
+      ->required();
+  app.add_option("out", out, "the safetensors file, or with --config the model folder")
+      ->required();
+  app.add_flag("--ema", o.ema, "the EMA's weights instead of the trained ones");
+  app.add_option("--prefix", o.prefix, "only the tensors under this name, without it (unet.)");
+  app.add_option("--config", config, "write a model folder with this config.json");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    return run(checkpoint, out, o, config);
+  } catch (const difftrain::ConfigError& e) {
+    std::fprintf(stderr, "consolidate: %s\n", e.what());
+    return 2;
+  } catch (const difftrain::FormatError& e) {
+    std::fprintf(stderr, "consolidate: %s\n", e.what());
+    return 2;
+  } catch (const difftrain::IoError& e) {
+    std::fprintf(stderr, "consolidate: %s\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "consolidate: %s\n", e.what());
+    return 1;
+  }
+}
