@@ -38,11 +38,11 @@ int run(const std::filesystem::path& checkpoint, const std::filesystem::path& ou
     }
     r = difftrain::train::consolidate_to_folder(checkpoint, out, config, o);
   }
-  std::fprintf(stderr, "consolidate: step %lld, %s%zu tensors (%.1f MiB) -> %s\n",
-               static_cast<long long>(r.step),
-               r.sharded ? ("the files of " + std::to_string(r.world_size) + " ranks, ").c_str()
-                         : "",
-               r.tensors, static_cast<double>(r.bytes) / (1024.0 * 1024.0), out.c_str());
+  std::fprintf(
+      stderr, "consolidate: step %lld, %s%zu tensors (%.1f MiB) -> %s\n",
+      static_cast<long long>(r.step),
+      r.sharded ? ("the files of " + std::to_string(r.world_size) + " ranks, ").c_str() : "",
+      r.tensors, static_cast<double>(r.bytes) / (1024.0 * 1024.0), out.c_str());
   return 0;
 }
 
@@ -54,8 +54,7 @@ int main(int argc, char** argv) {
   difftrain::train::ConsolidateOptions o;
   app.add_option("checkpoint", checkpoint, "checkpoint-N.pt (a set's other files beside it)")
       ->required();
-  app.add_option("out", out, "the safetensors file, or with --config the model folder")
-      ->required();
+  app.add_option("out", out, "the safetensors file, or with --config the model folder")->required();
   app.add_flag("--ema", o.ema, "the EMA's weights instead of the trained ones");
   app.add_option("--prefix", o.prefix, "only the tensors under this name, without it (unet.)");
   app.add_option("--config", config, "write a model folder with this config.json");
