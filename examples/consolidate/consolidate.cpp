@@ -8,36 +8,38 @@
 //   --prefix   only the tensors under this name, written without it
 //   --config   OUT is a model folder: this config.json and diffusion_pytorch_model.safetensors
 //
-// Exit codes: 0 written, 2 bad input (a damaged or missing file of the set, an unknown prefix,
-// a checkpoint without an EMA), 1 anything else.
+// Exit codes, as the other programs': 0 written, 2 bad input (a damaged or missing file of the
+// set, an unknown prefix, a checkpoint without an EMA: difftrain's typed errors), 3 an error of
+// torch's, 4 anything else.
 
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <difftrain/core/error.hpp>
 #include <difftrain/io/read_file.hpp>
 #include <difftrain/train/consolidate.hpp>
-#include <exception>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
+
+#include "../common/cli_checks.hpp"
 
 namespace {
 
 int run(const std::filesystem::path& checkpoint, const std::filesystem::path& out,
         const difftrain::train::ConsolidateOptions& o, const std::string& config_path) {
-  difftrain::train::ConsolidateReport r;
-  if (config_path.empty()) {
-    r = difftrain::train::consolidate_checkpoint(checkpoint, out, o);
-  } else {
+  // A model folder's config.json, as the user gave it.
+  const auto config = [&] {
     const std::vector<char> text = difftrain::io::read_file(config_path);
-    nlohmann::json config;
     try {
-      config = nlohmann::json::parse(text.begin(), text.end());
+      return nlohmann::json::parse(text.begin(), text.end());
     } catch (const nlohmann::json::exception& e) {
       throw difftrain::FormatError(std::string("is not JSON: ") + e.what(), config_path);
     }
-    r = difftrain::train::consolidate_to_folder(checkpoint, out, config, o);
-  }
+  };
+  const difftrain::train::ConsolidateReport r =
+      config_path.empty() ? difftrain::train::consolidate_checkpoint(checkpoint, out, o)
+                          : difftrain::train::consolidate_to_folder(checkpoint, out, config(), o);
   std::fprintf(
       stderr, "consolidate: step %lld, %s%zu tensors (%.1f MiB) -> %s\n",
       static_cast<long long>(r.step),
@@ -59,19 +61,5 @@ int main(int argc, char** argv) {
   app.add_option("--prefix", o.prefix, "only the tensors under this name, without it (unet.)");
   app.add_option("--config", config, "write a model folder with this config.json");
   CLI11_PARSE(app, argc, argv);
-  try {
-    return run(checkpoint, out, o, config);
-  } catch (const difftrain::ConfigError& e) {
-    std::fprintf(stderr, "consolidate: %s\n", e.what());
-    return 2;
-  } catch (const difftrain::FormatError& e) {
-    std::fprintf(stderr, "consolidate: %s\n", e.what());
-    return 2;
-  } catch (const difftrain::IoError& e) {
-    std::fprintf(stderr, "consolidate: %s\n", e.what());
-    return 2;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "consolidate: %s\n", e.what());
-    return 1;
-  }
+  return examples::run_reporting_errors([&] { return run(checkpoint, out, o, config); });
 }

@@ -70,32 +70,16 @@ inline std::map<std::string, at::Tensor> model_tensors(const std::filesystem::pa
   report.world_size = js.is_object() ? js.value("world_size", std::int64_t{1}) : 1;
   std::map<std::string, at::Tensor> model = root.at("model").tensor_map();
   std::map<std::string, at::Tensor> shadows;
-  const bool has_ema = root.contains("ema");
   if (o.ema) {
-    if (!has_ema) throw ConfigError("has no EMA; consolidate its trained weights instead", where);
+    if (!root.contains("ema"))
+      throw ConfigError("has no EMA; consolidate its trained weights instead", where);
     shadows = root.at("ema").tensor_map();
   }
   if (js.is_object() && js.contains("sharding") && js["sharding"].is_object() &&
       js["sharding"].contains("weights")) {
-    const nlohmann::json& index = js["sharding"];
-    if (!index.contains("world_size") || !index["world_size"].is_number_integer())
-      throw FormatError("has no world size", where + " json sharding");
-    const auto world = index["world_size"].get<std::int64_t>();
-    const auto records = weight_shard_records(index["weights"], world, where + " json sharding");
     report.sharded = true;
-    for (std::int64_t r = 0; r < world; ++r) {
-      const auto file = weight_shard_path(checkpoint, r, world);
-      io::SafetensorsFile f =
-          read_weight_shard(file, records[static_cast<std::size_t>(r)], report.step, r, world);
-      for (auto& [name, t] : f.tensors) {
-        const bool shadow = name.starts_with(kEmaPrefix);
-        if (shadow && !o.ema) continue;
-        auto& into = shadow ? shadows : model;
-        if (!into.emplace(shadow ? name.substr(kEmaPrefix.size()) : name, t).second)
-          throw FormatError("holds '" + name + "', which another file of the set holds too",
-                            file.string());
-      }
-    }
+    read_weight_shards(checkpoint, js["sharding"], report.step, where, model,
+                       o.ema ? &shadows : nullptr);
   }
   for (auto& [name, shadow] : shadows) {
     const auto it = model.find(name);

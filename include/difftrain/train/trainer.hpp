@@ -666,20 +666,12 @@ class Trainer {
       model_tensors.emplace(item.key(), item.value());
     for (const auto& item : model_->named_buffers(true))
       model_tensors.emplace(item.key(), item.value());
-    std::map<std::string, at::Tensor> own = ema_->shadows_here();
-    if (ema_->is_share()) {
-      const std::set<std::string> tracked = ema_tracked_names();
-      gather_ema_shadows(own, [&](const std::string& name, const at::Tensor& value) {
-        if (tracked.contains(name)) scope.swap_in(model_tensors.at(name), value);
-      });
-      for (const auto& name : param_names_) own.erase(name);  // those came from their owners
-    }
-    for (const auto& [name, shadow] : own) {
+    for_each_ema_shadow(true, [&](const std::string& name, const at::Tensor& shadow) {
       const auto it = model_tensors.find(name);
       if (it == model_tensors.end())
         throw ConfigError("the model has no tensor '" + name + "'", "Trainer::ema_weights");
       scope.swap_in(it->second, shadow);
-    }
+    });
     return scope;
   }
 
@@ -731,23 +723,16 @@ class Trainer {
       root.insert("optimizer", trainer_detail::bytes_tensor(optimizer_state_bytes(*optimizer_)));
     if constexpr (has_ema) {
       js["ema"] = ema_->rule().state();
-      // Kept per rank, the shadows come to rank 0 from their owners, one bucket at a time.
-      std::map<std::string, at::Tensor> own = ema_->shadows_here();
-      std::map<std::string, at::Tensor> shadows;
-      if (shards != nullptr) {
-        for (const auto& name : param_names_) own.erase(name);  // in the weights files
-      } else if (ema_->is_share()) {
-        const std::set<std::string> tracked = ema_tracked_names();
-        const bool keep = parallel_->rank() == 0;
-        gather_ema_shadows(own, [&](const std::string& name, const at::Tensor& value) {
-          if (keep && tracked.contains(name))
-            shadows.emplace(name, value.detach().to(at::kCPU, false, /*copy=*/true));
-        });
-        for (const auto& name : param_names_) own.erase(name);
-      }
-      for (const auto& [k, v] : own) shadows.emplace(k, v.detach().to(at::kCPU, false, true));
+      // The trainer's parameters' shadows are in the weights files of a set; kept per rank
+      // otherwise, they come to rank 0 from their owners, one bucket at a time (the other
+      // ranks, which write nothing, keep none).
+      const bool keep = !ema_->is_share() || parallel_->rank() == 0;
+      std::map<std::string, at::Tensor> shadows;  // by name, as the file has always held them
+      for_each_ema_shadow(shards == nullptr, [&](const std::string& name, const at::Tensor& v) {
+        if (keep) shadows.emplace(name, v.detach().to(at::kCPU, false, /*copy=*/true));
+      });
       auto e = io::torch_dict();
-      for (const auto& [k, v] : shadows) e.insert(k, v);
+      for (const auto& [name, v] : shadows) e.insert(name, v);
       root.insert("ema", e);
     }
     js["world_size"] = parallel_->world_size();
@@ -862,8 +847,15 @@ class Trainer {
     // shadows, from each rank's weights file).
     auto model_tensors = root.at("model").tensor_map();
     std::map<std::string, at::Tensor> shard_shadows;
-    if (js.contains("sharding") && js["sharding"].is_object() && js["sharding"].contains("weights"))
-      read_weight_shards(js["sharding"], saved_step, file, where, model_tensors, shard_shadows);
+    if (js.contains("sharding") && js["sharding"].is_object() &&
+        js["sharding"].contains("weights")) {
+      if (file.empty())
+        throw ConfigError(
+            "holds its weights in files beside it, one per rank: load it with "
+            "load_checkpoint(path)",
+            where);
+      read_weight_shards(file, js["sharding"], saved_step, where, model_tensors, &shard_shadows);
+    }
     std::size_t expected = 0;
     auto check = [&](const std::string& name, const at::Tensor& t) {
       ++expected;
@@ -1008,37 +1000,23 @@ class Trainer {
 
   /// Writes the state atomically (temporary file, fsync, rename, fsync of the folder).
   /// In a distributed run every rank calls it (the state gathers each rank's generator); rank 0
-  /// writes and the others wait until it has, and learn whether it could.
+  /// writes and the others wait until it has, and learn whether it could. Under a sharding
+  /// policy every rank first writes its own files of the set (weights_in_shards says which).
   void save_checkpoint(const std::filesystem::path& path) {
-    if (weights_in_shards()) {
-      save_set(path);
-      return;
-    }
-    const auto whole = whole_parameters();
-    if (!all_finite())
+    const bool own_weights = weights_in_shards();
+    // Each rank's weights file holds its own masters: nothing is gathered for those.
+    std::optional<typename trainer_detail::WholeOf<ParallelT>::type> whole;
+    if (!own_weights) whole.emplace(whole_parameters());
+    if (!(own_weights ? parallel_->all_ok(own_weights_finite()) : all_finite()))
       throw NumericError(
           "the model holds non-finite weights; not saving them over a good checkpoint",
           path.string());
-    const c10::IValue st = state();
+    std::vector<WeightShardRecord> records;
+    if (shards_state()) records = write_rank_files(path, own_weights);
+    const c10::IValue st = make_state(own_weights ? &records : nullptr);
+    // Rank 0's file, written only once every rank's are on disk, commits the set: a run stopped
+    // in between leaves the previous set whole (its own files), and resume_latest takes that one.
     std::exception_ptr failed;
-    if (shards_state()) {
-      // Every rank writes its shard of the optimizer state; rank 0's file, written only once all
-      // of them are on disk, commits the set: a run stopped in between leaves the previous set
-      // whole (its own files), and resume_latest takes that one.
-      try {
-        io::save_torch_file(shard_path(path, parallel_->rank(), parallel_->world_size()),
-                            optimizer_shard_state());
-      } catch (...) {
-        failed = std::current_exception();
-      }
-      if (!parallel_->all_ok(!failed)) {
-        if (failed) std::rethrow_exception(failed);
-        throw IoError(
-            "another rank could not write its shard of the optimizer state (its error "
-            "says why); the previous checkpoint stays the latest",
-            path.string());
-      }
-    }
     if (parallel_->rank() == 0) {
       try {
         io::save_torch_file(path, st);
@@ -1292,20 +1270,18 @@ class Trainer {
     }
   }
 
-  // A sharded set: every rank writes its optimizer shard and its weights file in parallel (the
-  // parameters it steps, from its masters, and their shadows), nothing gathered; rank 0's file,
-  // written once all of them are on disk and holding their sizes and CRC-32s, commits the set.
-  void save_set(const std::filesystem::path& path) {
+  // Every rank's own files of a set, in parallel: its optimizer shard and, with `weights`, its
+  // weights file (the parameters it steps, from its masters, and their shadows). Returns every
+  // rank's weights-file record (empty without `weights`), for rank 0's index.
+  std::vector<WeightShardRecord> write_rank_files(const std::filesystem::path& path, bool weights) {
     const std::int64_t r = parallel_->rank(), n = parallel_->world_size();
-    if (!parallel_->all_ok(own_weights_finite()))
-      throw NumericError(
-          "the model holds non-finite weights; not saving them over a good checkpoint",
-          path.string());
     std::exception_ptr failed;
     WeightShardRecord record;
     try {
       io::save_torch_file(shard_path(path, r, n), optimizer_shard_state());
-      record = write_weight_shard(weight_shard_path(path, r, n), own_weight_tensors(), step_, r, n);
+      if (weights)
+        record =
+            write_weight_shard(weight_shard_path(path, r, n), own_weight_tensors(), step_, r, n);
     } catch (...) {
       failed = std::current_exception();
     }
@@ -1316,24 +1292,14 @@ class Trainer {
           "previous checkpoint stays the latest",
           path.string());
     }
+    std::vector<WeightShardRecord> records;
+    if (!weights) return records;
     const at::Tensor mine = at::tensor(
         {static_cast<std::int64_t>(record.bytes), std::int64_t{record.crc32}}, at::kLong);
-    std::vector<WeightShardRecord> records;
     for (const at::Tensor& t : parallel_->gather(mine))
       records.push_back({static_cast<std::uint64_t>(t[0].item<std::int64_t>()),
                          static_cast<std::uint32_t>(t[1].item<std::int64_t>())});
-    const c10::IValue st = make_state(&records);
-    if (r == 0) {
-      try {
-        io::save_torch_file(path, st);
-      } catch (...) {
-        failed = std::current_exception();
-      }
-    }
-    if (!parallel_->decide(!failed)) {
-      if (failed) std::rethrow_exception(failed);
-      throw IoError("rank 0 could not write the checkpoint (its error says why)", path.string());
-    }
+    return records;
   }
 
   // Whether what this rank would write is finite: its masters and the tensors every rank holds.
@@ -1385,37 +1351,6 @@ class Trainer {
             {"shape", params_[i].sizes().vec()},
             {"rank", parallel_->owner(i)}};
     return {{"files", files}, {"tensors", tensors}};
-  }
-
-  // The trainer's parameters and their shadows from each rank's weights file of a sharded set,
-  // into `model` and `shadows`. A missing file is an IoError, a damaged or foreign one a
-  // FormatError (resume_latest then falls back to an older set).
-  void read_weight_shards(const nlohmann::json& index, std::int64_t step,
-                          const std::filesystem::path& file, const std::string& where,
-                          std::map<std::string, at::Tensor>& model,
-                          std::map<std::string, at::Tensor>& shadows) const {
-    if (file.empty())
-      throw ConfigError(
-          "holds its weights in files beside it, one per rank: load it with "
-          "load_checkpoint(path)",
-          where);
-    if (!index.contains("world_size") || !index["world_size"].is_number_integer())
-      throw FormatError("has no world size", where + " json sharding");
-    const auto world = index["world_size"].get<std::int64_t>();
-    const auto records = weight_shard_records(index["weights"], world, where + " json sharding");
-    for (std::int64_t r = 0; r < world; ++r) {
-      const auto shard_file = weight_shard_path(file, r, world);
-      io::SafetensorsFile f =
-          read_weight_shard(shard_file, records[static_cast<std::size_t>(r)], step, r, world);
-      for (auto& [name, t] : f.tensors) {
-        const bool shadow = name.starts_with(kEmaPrefix);
-        auto& into = shadow ? shadows : model;
-        const std::string key = shadow ? name.substr(kEmaPrefix.size()) : name;
-        if (!into.emplace(key, t).second)
-          throw FormatError("holds '" + name + "', which another file of the set holds too",
-                            shard_file.string());
-      }
-    }
   }
 
   // Which rank's optimizer holds which parameters' state: stage, world size and, per rank, the
@@ -1783,19 +1718,32 @@ class Trainer {
     return out;
   }
 
-  // Every rank, together: `take(name, value)` for each of the trainer's parameters, with its
-  // owner's shadow (or, for a parameter the EMA does not track, its master: the receivers pass
-  // over those names).
+  // `take(name, shadow)` for every shadow of the EMA: with `trainer_params`, those of the
+  // trainer's parameters too, which under a share come from their owners (every rank calls it
+  // together then: one broadcast per bucket, every rank getting every shadow); then the others
+  // this rank holds (frozen parameters, tracked buffers: alike on every rank).
   template <class Take>
-  void gather_ema_shadows(const std::map<std::string, at::Tensor>& own, Take&& take) {
-    if constexpr (OwnerGatheringParallel<ParallelT>) {
-      parallel_->from_owners(
-          [&](std::size_t i) {
-            const auto it = own.find(param_names_[i]);
-            return it != own.end() ? it->second : parallel_->master(i);
-          },
-          [&](std::size_t i, const at::Tensor& value) { take(param_names_[i], value); });
+  void for_each_ema_shadow(bool trainer_params, Take&& take) requires has_ema {
+    std::map<std::string, at::Tensor> own = ema_->shadows_here();
+    if (!trainer_params || ema_->is_share()) {
+      if constexpr (OwnerGatheringParallel<ParallelT>) {
+        if (trainer_params) {
+          // An owner sends the master of a parameter its EMA does not track (the shapes must
+          // line up): the receivers pass over those names.
+          const std::set<std::string> tracked = ema_tracked_names();
+          parallel_->from_owners(
+              [&](std::size_t i) {
+                const auto it = own.find(param_names_[i]);
+                return it != own.end() ? it->second : parallel_->master(i);
+              },
+              [&](std::size_t i, const at::Tensor& value) {
+                if (tracked.contains(param_names_[i])) take(param_names_[i], value);
+              });
+        }
+      }
+      for (const auto& name : param_names_) own.erase(name);
     }
+    for (const auto& [name, shadow] : own) take(name, shadow);
   }
 
   // Callbacks run on rank 0 only (they print and write), except those that must act on every

@@ -133,4 +133,31 @@ inline WeightShardRecord write_weight_shard(const std::filesystem::path& file,
   return out;
 }
 
+/// Every rank's weights file of the set whose rank-0 file is `checkpoint`, as its index (the
+/// checkpoint's "sharding" entry) lists them, each checked (read_weight_shard): the parameters
+/// go into `model`, their EMA shadows into `shadows` (nullptr: passed over). A name two files
+/// hold is a FormatError.
+inline void read_weight_shards(const std::filesystem::path& checkpoint, const nlohmann::json& index,
+                               std::int64_t step, const std::string& where,
+                               std::map<std::string, at::Tensor>& model,
+                               std::map<std::string, at::Tensor>* shadows) {
+  if (!index.contains("world_size") || !index["world_size"].is_number_integer())
+    throw FormatError("has no world size", where + " json sharding");
+  const auto world = index["world_size"].get<std::int64_t>();
+  const auto records = weight_shard_records(index["weights"], world, where + " json sharding");
+  for (std::int64_t r = 0; r < world; ++r) {
+    const auto file = weight_shard_path(checkpoint, r, world);
+    io::SafetensorsFile f =
+        read_weight_shard(file, records[static_cast<std::size_t>(r)], step, r, world);
+    for (auto& [name, t] : f.tensors) {
+      const bool shadow = name.starts_with(kEmaPrefix);
+      if (shadow && shadows == nullptr) continue;
+      auto& into = shadow ? *shadows : model;
+      if (!into.emplace(shadow ? name.substr(kEmaPrefix.size()) : name, t).second)
+        throw FormatError("holds '" + name + "', which another file of the set holds too",
+                          file.string());
+    }
+  }
+}
+
 }  // namespace difftrain::train
