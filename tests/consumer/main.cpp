@@ -1,4 +1,8 @@
+#ifdef CONSUMER_CORE_ONLY
+#include <difftrain/core/core.hpp>
+#else
 #include <difftrain/difftrain.hpp>
+#endif
 
 #include <ATen/ATen.h>
 

@@ -40,7 +40,7 @@ endif()
 file(RENAME ${prefix} ${WORK_DIR}/moved)
 run_step("configure consumer of the moved package" ${CMAKE_COMMAND} -S ${SOURCE_DIR}/tests/consumer
          -B ${WORK_DIR}/build-moved -G ${GENERATOR} -DCMAKE_CXX_COMPILER=${CXX}
-         -DCMAKE_PREFIX_PATH=${WORK_DIR}/moved -DDIFFTRAIN_PYTHON=${PYTHON})
+         -DCMAKE_PREFIX_PATH=${WORK_DIR}/moved -DDIFFTRAIN_PYTHON=${PYTHON} -DCORE_ONLY=ON)
 run_step("build consumer of the moved package" ${CMAKE_COMMAND} --build ${WORK_DIR}/build-moved)
 run_step("run consumer of the moved package" ${WORK_DIR}/build-moved/consumer)
 if(NOT last_output MATCHES "consumer ok")
