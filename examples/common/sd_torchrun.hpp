@@ -24,6 +24,8 @@ struct TorchrunFlags {
   double rank_timeout = 1800;
   bool allow_world_size_change = false;
   bool sharded_mixed_precision = false;  // FSDP's MixedPrecisionPolicy at --mixed_precision
+  bool offload_optimizer = false;        // each rank's optimizer in host memory (ZeRO-Offload)
+  bool offload_params = false;           // stage 3's units too, between uses
 };
 
 /// The "torchrun" group of flags; `units` says what stage 3 shares ("each UNet block").
@@ -48,6 +50,15 @@ inline CLI::Option_group* add_torchrun_flags(CLI::App& app, TorchrunFlags& f,
               "that dtype in forward, backward and stage 3's gathers (FSDP's mixed precision), "
               "the optimizer steps float32 masters and the gradients are reduced in float32; "
               "checkpoints and outputs keep the masters");
+  d->add_flag("--offload_optimizer", f.offload_optimizer,
+              "with --sharding 1-3: each rank's optimizer (its float32 copies of the parameters "
+              "it steps, their gradients and the optimizer's state) lives in host memory "
+              "(DeepSpeed's offload_optimizer, ZeRO-Offload)");
+  d->add_flag("--offload_params", f.offload_params,
+              "with --sharding 3: between uses the units' parameters live in host memory only, "
+              "so the device holds only the units being computed (DeepSpeed's offload_param, "
+              "FSDP's CPUOffload); implies --offload_optimizer. Without torchrun too: a model "
+              "larger than the one device");
   return d;
 }
 
@@ -55,6 +66,13 @@ inline CLI::Option_group* add_torchrun_flags(CLI::App& app, TorchrunFlags& f,
 /// program's settings, with --mixed_precision).
 template <class Flags>
 void check_torchrun_flags(const Flags& f) {
+  if (f.offload_optimizer && f.sharding < 1)
+    throw difftrain::ConfigError(
+        "needs --sharding 1, 2 or 3 (each rank then steps only its share, in host memory)",
+        "--offload_optimizer");
+  if (f.offload_params && f.sharding != 3)
+    throw difftrain::ConfigError("needs --sharding 3 (the only stage that frees parameters)",
+                                 "--offload_params");
   if (!f.sharded_mixed_precision) return;
   if (f.sharding < 1)
     throw difftrain::ConfigError("needs --sharding 1, 2 or 3 (DataParallel has autocast alone)",
@@ -82,16 +100,20 @@ std::pair<std::shared_ptr<difftrain::distributed::World>, at::Device> torchrun_w
 
 /// The trainer's share of the run: the ranks, the stage, mixed precision, and a world size change
 /// if allowed. Stage 3 frees the units' parameters on the ranks that do not own them during
-/// forward and backward; between steps every rank holds them whole, since validation is made on
-/// rank 0 alone (reshard_after_step off). With --sharded_mixed_precision the parameters hold the
-/// --mixed_precision dtype (autocast stays on and casts the inputs); every rank takes
-/// trainer.whole_parameters() before rank 0 writes the outputs, which then hold the masters.
+/// forward and backward; between steps every rank holds them whole (reshard_after_step off: no
+/// gathering before each validation), unless --offload_params keeps them in host memory then
+/// (validation, SampleEvery, takes whole_parameters() on every rank). With
+/// --sharded_mixed_precision the parameters hold the --mixed_precision dtype (autocast stays on
+/// and casts the inputs); every rank takes trainer.whole_parameters() before rank 0 writes the
+/// outputs, which then hold the masters.
 template <class Options, class Flags>
 void set_parallel(Options& o, const Flags& f,
                   const std::shared_ptr<difftrain::distributed::World>& world) {
   o.parallel.world = world;
   o.parallel.stage = static_cast<int>(f.sharding);
-  o.parallel.reshard_after_step = false;
+  o.parallel.reshard_after_step = f.offload_params;
+  o.parallel.offload_optimizer = f.offload_optimizer;
+  o.parallel.offload_parameters = f.offload_params;
   o.allow_world_size_change = f.allow_world_size_change;
   if (f.sharded_mixed_precision) {
     o.parallel.param_dtype = f.mixed_precision == "bf16" ? at::kBFloat16 : at::kHalf;

@@ -1,8 +1,6 @@
-#ifdef CONSUMER_CORE_ONLY
+// The core layer stands for the rest: run.cmake checks that every header was installed, and
+// headers.self_contained that each compiles on its own.
 #include <difftrain/core/core.hpp>
-#else
-#include <difftrain/difftrain.hpp>
-#endif
 
 #include <ATen/ATen.h>
 

@@ -18,7 +18,8 @@ checks:
                  1e-10) over stage x accumulation x chunks x clipping x parameter groups x
                  optimizer x offload x 2 and 4 ranks; per-rank memory against ZeRO's formulas
                  (stage 3's too); Python's ZeroRedundancyOptimizer under torchrun (float32, 1e-6)
-  sharded3       stage 3 (units): the same sweep and its own switches; a memory budget that
+  sharded3       stage 3 (units): the same sweep and its own switches, parameters offloaded (in a
+                 world of one too) and what a rank then holds; a memory budget that
                  DataParallel exceeds and stage 3 keeps; a NaN, a dead rank, a forward on rank 0
                  alone; Python's fully_shard under torchrun (float32, 1e-6)
   mixed_precision stages 1-3 with param_dtype and reduce_dtype (FSDP's MixedPrecisionPolicy):
@@ -259,9 +260,10 @@ def check_cuda(worker, tmp):
         ok(d <= 1e-10, f"{what}: 2 ranks end with the CPU's weights (max diff {d:.2e})")
     # ShardedDataParallel's stages on CUDA tensors (its reduces, gathers and broadcasts through
     # Gloo), the optimizer in the GPU's memory and offloaded to pinned host memory.
-    for stage, extra in ((1, []), (2, []), (2, ["--offload"]), (3, []), (3, ["--offload"])):
-        what = f"on the GPU, stage {stage}{' offloaded' if extra else ''}"
-        one_equals_many(worker, tmp, what, 2, f"cuda-s{stage}{len(extra)}",
+    for stage, extra in ((1, []), (2, []), (2, ["--offload"]), (3, []), (3, ["--offload"]),
+                         (3, ["--offload-params"])):
+        what = f"on the GPU, stage {stage}{' ' + extra[0][2:] if extra else ''}"
+        one_equals_many(worker, tmp, what, 2, f"cuda-s{stage}{extra[0][2:] if extra else ''}",
                         ["--steps", 10, "--accumulation", 2, "--dtype", "float64", "--sharding",
                          stage, "--wide", 2, "--device", "cuda", *extra])
     # Mixed precision on the GPU: float32 masters computing in bfloat16 (stage 3, gradients
@@ -407,7 +409,8 @@ def sharded_sweep(worker, tmp, sweep):
     switches = {"after": (["--no-overlap"], ", sent after backward"),
                 "noreshard": (["--no-reshard"], ", parameters kept from forward to backward"),
                 "noprefetch": (["--no-prefetch"], ", no prefetch"),
-                "wrap": (["--wrap", "hidden[02]"], ", two of three layers units")}
+                "wrap": (["--wrap", "hidden[02]"], ", two of three layers units"),
+                "params": (["--offload-params"], ", parameters offloaded")}
     for stage, world, opt, acc, chunk, groups, clip, offload in sweep:
         # a string: one of `switches`
         extra, label = switches.get(offload, ([], "")) if isinstance(offload, str) else ([], "")
@@ -418,10 +421,11 @@ def sharded_sweep(worker, tmp, sweep):
                 f"{'two groups' if groups else 'one group'}, max_norm {clip:g}"
                 f"{', offloaded optimizer' if offload else ''}{label}")
         one = reference(opt, acc, chunk, groups, clip, wide)
-        many, _ = launch(worker, world, f"{tmp}/s-{len(refs)}-{stage}-{world}-{offload}{label[2:6]}",
-                         *common(opt, acc, chunk, groups, clip, wide), "--sharding", stage,
-                         "--sharded-policy", "--bucket-cap-mb", 0.0005,
-                         *(["--offload"] if offload else []), *extra)
+        out = f"{tmp}/s-{len(refs)}-{stage}-{world}-{offload}{label[2:6]}"
+        args = [*common(opt, acc, chunk, groups, clip, wide), "--sharding", stage,
+                "--sharded-policy", "--bucket-cap-mb", 0.0005, *(["--offload"] if offload else []),
+                *extra]
+        many, _ = single(worker, out, *args) if world == 1 else launch(worker, world, out, *args)
         no_errors(many, what)
         d = max_diff(one["weights"], many[0]["weights"])
         ok(d <= 1e-10, f"{what}: weights equal 1 process x whole batch (max diff {d:.2e})")
@@ -429,7 +433,7 @@ def sharded_sweep(worker, tmp, sweep):
         dl = max_diff(one["losses"], many[0]["losses"])
         ok(dl <= 1e-12, f"{what}: reported loss is the rank mean ({dl:.2e})")
         ok(all(m["scale"] == 1.0 for m in many), f"{what}: buffers are rank 0's")
-        if stage > 0:
+        if stage > 0 and world > 1:
             sent = many[0]["buckets_sent_during_backward"]
             ok(sent == 0 if after else sent > 0,
                f"{what}: {sent} buckets went out while backward ran")
@@ -505,7 +509,30 @@ def check_sharded3(worker, tmp):
               (3, 4, "sgd", 3, 0, False, 0.05, True), (3, 2, "adamw", 2, 0, True, 0.5, "after"),
               (3, 2, "adamw", 2, 3, False, 0.5, "noreshard"), (3, 4, "adamw", 2, 0, True, 0.5, "noprefetch"),
               (3, 4, "sgd", 2, 3, True, 0.5, "wrap")]
+    # Parameters offloaded (FSDP's CPUOffload(offload_params=True)), in a world of one too (a model
+    # larger than its one device).
+    sweep += [(3, 2, "adamw", 2, 3, True, 0.5, "params"), (3, 4, "sgd", 1, 0, False, 0.05, "params"),
+              (3, 4, "adamw", 3, 0, True, 1e9, "params"), (3, 1, "adamw", 2, 3, True, 0.5, "params"),
+              (3, 1, "sgd", 1, 0, False, 0.05, "params")]
     sharded_sweep(worker, tmp, sweep)
+    # Offloaded, a rank holds no unit's parameters between steps, its own share included (they
+    # live in the optimizer's copies in host memory), and during a pass only the units running
+    # or arriving; without offload it holds its share, 4P/N.
+    outside = 4 * ((8 * 32 + 32) + (32 * 4 + 4))  # fc1 and fc2, outside every unit
+    for world in (1, 2, 4):
+        args = ["--steps", 2, "--dtype", "float32", "--wide", 48, "--sharding", 3, "--offload-params"]
+        res, _ = (single(worker, f"{tmp}/offp-{world}", *args) if world == 1 else
+                  launch(worker, world, f"{tmp}/offp-{world}", *args))
+        no_errors(res, f"parameters offloaded, {world} ranks")
+        held = [r["memory"]["parameters"] for r in res]
+        ok(all(h == outside for h in held),
+           f"parameters offloaded, {world} ranks: between steps each rank holds only the {outside} "
+           f"bytes outside the units ({held})")
+        unit = res[0]["units"]["largest_unit_bytes"]
+        peak = max(r["units"]["peak_parameter_bytes"] for r in res)
+        ok(peak <= outside + 2 * unit,
+           f"parameters offloaded, {world} ranks: at most {peak} bytes during a pass (outside + "
+           f"2 units = {outside + 2 * unit})")
     # What matters to users: under a per-rank memory budget (an allocator that refuses past it), a
     # model that DataParallel cannot train trains at stage 3. The budget: 15 % over stage 3's
     # peak, measured first (CPU bytes of everything: weights, gradients, state, activations).

@@ -79,6 +79,7 @@ struct Settings {
   int sharding = 0;               // 0: DataParallel; 1, 2: ShardedDataParallel's stage
   bool sharded_policy = false;    // ShardedDataParallel even at stage 0
   bool offload = false;           // the optimizer in host memory (offload_optimizer)
+  bool offload_params = false;    // stage 3's units too, between uses (offload_parameters)
   bool no_overlap = false;        // gradients sent after backward (overlap_backward off)
   bool decay_groups = false;      // two parameter groups (weights; biases without decay)
   std::string optimizer = "adamw";
@@ -334,6 +335,7 @@ nlohmann::json run_single(const Settings& s, std::int64_t& rank_out) {
     o.parallel.bucket_cap_mb = s.bucket_cap_mb;
     o.parallel.find_unused_parameters = s.unused;
     o.parallel.offload_optimizer = s.offload;
+    o.parallel.offload_parameters = s.offload_params;
     o.parallel.overlap_backward = !s.no_overlap;
     if (!s.wrap.empty())
       o.parallel.wrap = dt::distributed::ShardedDataParallel::units_named(s.wrap);
@@ -559,6 +561,7 @@ int main(int argc, char** argv) {
   app.add_option("--sharding", s.sharding);
   app.add_flag("--sharded-policy", s.sharded_policy);
   app.add_flag("--offload", s.offload);
+  app.add_flag("--offload-params", s.offload_params);
   app.add_flag("--no-overlap", s.no_overlap);
   app.add_flag("--decay-groups", s.decay_groups);
   app.add_option("--optimizer", s.optimizer)->check(CLI::IsMember({"adamw", "sgd"}));

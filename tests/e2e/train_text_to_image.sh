@@ -127,6 +127,13 @@ grep_in "$work/smp-no-dtype.err" "needs --mixed_precision bf16 or fp16"
 expect_rc 0 smp -- "${launch[@]}" "${ranks[@]}" --sharding 3 --sharded_mixed_precision \
   --mixed_precision bf16 --output_dir "$work/smp"
 expect_rc 0 dp-bf16 -- "${launch[@]}" "${ranks[@]}" --mixed_precision bf16 --output_dir "$work/dp-bf16"
+# --offload_params: at stage 3 each UNet block's LoRA parameters live in host memory between
+# uses (every rank's share too); the run ends where DataParallel ends. Refused below stage 3.
+expect_rc 2 offload-no-stage -- "$bin" "${ranks[@]}" --sharding 2 --offload_params \
+  --output_dir "$work/bad"
+grep_in "$work/offload-no-stage.err" "needs --sharding 3"
+expect_rc 0 offload -- "${launch[@]}" "${ranks[@]}" --sharding 3 --offload_params \
+  --output_dir "$work/offload"
 
 "$py" - "$work" "$sd" "$xl" >"$work/python.out" 2>&1 <<'PY' || { fail "Python check"; }
 import json, math, pathlib, sys
@@ -155,6 +162,11 @@ assert a.keys() == b.keys()
 worst = max(float((a[k] - b[k]).abs().max()) for k in a)
 assert worst <= 1e-6, f"the sharded, resumed run ends {worst} from DataParallel's"
 print(f"torchrun, 2 ranks: stage 2 stopped and resumed at stage 3 ends {worst:.1e} from DataParallel")
+b = load_file(work / "offload" / "pytorch_lora_weights.safetensors")
+assert a.keys() == b.keys()
+worst = max(float((a[k] - b[k]).abs().max()) for k in a)
+assert worst <= 1e-6, f"stage 3 with offloaded parameters ends {worst} from DataParallel's"
+print(f"torchrun, 2 ranks: stage 3 with the parameters offloaded ends {worst:.1e} from DataParallel")
 a = load_file(work / "dp-bf16" / "pytorch_lora_weights.safetensors")
 c = load_file(work / "smp" / "pytorch_lora_weights.safetensors")
 assert c.keys() == a.keys() and all(t.dtype == torch.float32 for t in c.values())

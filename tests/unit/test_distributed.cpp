@@ -9,6 +9,7 @@
 #include <difftrain/distributed/world.hpp>
 #include <difftrain/ema/moving_average.hpp>
 #include <difftrain/io/remove_tree.hpp>
+#include <difftrain/nn/unit_scope.hpp>
 #include <difftrain/train/trainer.hpp>
 
 #include <chrono>
@@ -301,4 +302,167 @@ TEST(ShardedDataParallel, MixedPrecisionComputesInParamDtypeAndKeepsFullPrecisio
       },
       difftrain::ConfigError);
   EXPECT_THROW(MixedTrainer(net, mixed_options(0)), difftrain::ConfigError);
+}
+
+// ---- parameters offloaded, in a world of one
+// ------------------------------------------------------
+
+namespace {
+// Two units (each hidden layer) between layers outside every unit.
+struct UnitNet : torch::nn::Module {
+  using Batch = tst::XyBatch;
+  explicit UnitNet(at::ScalarType dtype) {
+    fc1 = register_module("fc1", torch::nn::Linear(4, 8));
+    for (int i = 0; i < 2; ++i)
+      hidden.push_back(register_module("hidden" + std::to_string(i), torch::nn::Linear(8, 8)));
+    fc2 = register_module("fc2", torch::nn::Linear(8, 3));
+    to(dtype);
+  }
+  at::Tensor loss(const Batch& b) {
+    at::Tensor h = at::tanh(fc1->forward(b.x));
+    for (auto& layer : hidden)
+      h = difftrain::nn::in_unit(*layer, [&] { return at::tanh(layer->forward(h)); });
+    seen = hidden[0]->weight.scalar_type();
+    return (fc2->forward(h) - b.y).pow(2).mean().to(at::kFloat);
+  }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  std::vector<torch::nn::Linear> hidden;
+  at::ScalarType seen = at::kFloat;
+};
+struct OffloadConfig : difftrain::train::DefaultConfig {
+  using Parallel = dist::ShardedDataParallel;
+};
+struct PlainConfig : difftrain::train::DefaultConfig {};
+using OffloadTrainer = difftrain::train::Trainer<UnitNet, OffloadConfig>;
+
+OffloadTrainer::Options offload_options() {
+  OffloadTrainer::Options o;
+  o.parallel.stage = 3;
+  o.parallel.offload_parameters = true;
+  o.optimizer.lr = 1e-2;
+  o.accumulation_steps = 2;
+  return o;
+}
+
+std::vector<at::Tensor> clones(const std::vector<at::Tensor>& ts) {
+  std::vector<at::Tensor> out;
+  for (const auto& t : ts) out.push_back(t.detach().clone());
+  return out;
+}
+}  // namespace
+
+// FSDP's CPUOffload(offload_params=True) on one device: between steps the units' parameters hold
+// no memory (their values live in the optimizer's copies in host memory), and the run equals an
+// ordinary one, resumed too; whatever reads the model between steps takes whole_parameters().
+TEST(ShardedDataParallel, OffloadedParametersLiveInHostCopiesBetweenUsesInAWorldOfOne) {
+  at::manual_seed(5);
+  std::vector<tst::XyBatch> batches;
+  for (int i = 0; i < 12; ++i)
+    batches.push_back({at::randn({6, 4}, at::kDouble), at::randn({6, 3}, at::kDouble)});
+  const auto held = [](const torch::nn::Module& m) {
+    std::int64_t bytes = 0;
+    for (const auto& p : m.parameters()) bytes += static_cast<std::int64_t>(p.storage().nbytes());
+    return bytes;
+  };
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("difftrain-offload-" +
+                    std::to_string(std::chrono::steady_clock::now().time_since_epoch().count()));
+  std::filesystem::create_directories(dir);
+  double next_loss = 0.0;
+  std::vector<at::Tensor> next_weights;
+  {  // (one stage-3 trainer listens to units per process at a time)
+    UnitNet plain_net(at::kDouble);
+    UnitNet net(at::kDouble);
+    {
+      at::NoGradGuard no_grad;
+      for (std::size_t i = 0; i < net.parameters().size(); ++i)
+        net.parameters()[i].copy_(plain_net.parameters()[i]);
+    }
+    difftrain::train::Trainer<UnitNet, PlainConfig>::Options po;
+    po.optimizer.lr = 1e-2;
+    po.accumulation_steps = 2;
+    difftrain::train::Trainer<UnitNet, PlainConfig> plain(plain_net, po);
+    OffloadTrainer trainer(net, offload_options());
+    for (int i = 0; i < 5; ++i) {
+      const auto a = plain.step({batches[2 * i], batches[2 * i + 1]});
+      const auto b = trainer.step({batches[2 * i], batches[2 * i + 1]});
+      EXPECT_EQ(a.loss, b.loss) << "step " << i;
+    }
+    EXPECT_EQ(held(*net.hidden[0]) + held(*net.hidden[1]), 0) << "the units live in host memory";
+    EXPECT_GT(held(*net.fc1), 0) << "outside every unit: always held";
+    const auto stats = trainer.parallel().unit_stats();
+    EXPECT_EQ(stats.units, 2);
+    EXPECT_GT(stats.gathers, 0);
+    EXPECT_GT(stats.releases, 0);
+    EXPECT_LE(stats.peak_parameter_bytes, held(*net.fc1) + held(*net.fc2) + 2 * 8 * 9 * 8)
+        << "during a pass at most two units are held";
+    for (const auto& g : trainer.optimizer().param_groups())
+      for (const auto& p : g.params()) EXPECT_GT(p.storage().nbytes(), 0U) << "the copies stay";
+    // Reading the model between steps: refused without whole_parameters() (naming it, and not
+    // the reshard_after_step way out, which offloading excludes); with it, the plain run's.
+    try {
+      at::NoGradGuard no_grad;
+      (void)net.loss(batches[0]);
+      ADD_FAILURE() << "a forward outside a step ran on freed parameters";
+    } catch (const difftrain::ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("whole_parameters"), std::string::npos) << e.what();
+      EXPECT_EQ(std::string(e.what()).find("reshard_after_step"), std::string::npos) << e.what();
+    }
+    {
+      const auto whole = trainer.whole_parameters();
+      for (std::size_t i = 0; i < net.parameters().size(); ++i)
+        EXPECT_TRUE(at::equal(net.parameters()[i], plain_net.parameters()[i])) << "parameter " << i;
+    }
+    EXPECT_EQ(held(*net.hidden[0]), 0) << "freed again when the scope ends";
+    // A checkpoint holds the host copies; the step after it, for the resumed run to match.
+    trainer.save_checkpoint(dir / "c.pt");
+    next_loss = trainer.step({batches[10], batches[11]}).loss;
+    const auto whole = trainer.whole_parameters();
+    next_weights = clones(net.parameters());
+  }
+  {
+    UnitNet other(at::kDouble);
+    OffloadTrainer resumed(other, offload_options());
+    resumed.load_checkpoint(dir / "c.pt");
+    EXPECT_EQ(resumed.step({batches[10], batches[11]}).loss, next_loss);
+    const auto whole = resumed.whole_parameters();
+    for (std::size_t i = 0; i < next_weights.size(); ++i)
+      EXPECT_TRUE(at::equal(other.parameters()[i], next_weights[i])) << "resumed, parameter " << i;
+  }
+  difftrain::io::remove_tree(dir);
+  // Under mixed precision the units are brought in param_dtype from float32 masters.
+  {
+    UnitNet mixed(at::kFloat);
+    auto mo = offload_options();
+    mo.parallel.param_dtype = at::kBFloat16;
+    mo.parallel.reduce_dtype = at::kFloat;
+    OffloadTrainer mt(mixed, mo);
+    const tst::XyBatch bf{batches[0].x.to(at::kBFloat16), batches[0].y.to(at::kBFloat16)};
+    for (int i = 0; i < 3; ++i) (void)mt.step({bf, bf});
+    EXPECT_EQ(mixed.seen, at::kBFloat16);
+    EXPECT_EQ(held(*mixed.hidden[1]), 0);
+    const auto whole = mt.whole_parameters();
+    EXPECT_EQ(mixed.hidden[1]->weight.scalar_type(), at::kFloat);
+    EXPECT_FALSE(at::equal(mixed.hidden[1]->weight,
+                           mixed.hidden[1]->weight.to(at::kBFloat16).to(at::kFloat)))
+        << "the masters hold more than bf16 values";
+  }
+  // Refused: below stage 3, and without reshard_after_step, naming the option.
+  for (const bool stage2 : {true, false}) {
+    UnitNet bad(at::kDouble);
+    auto o = offload_options();
+    if (stage2)
+      o.parallel.stage = 2;
+    else
+      o.parallel.reshard_after_step = false;
+    try {
+      OffloadTrainer t(bad, o);
+      ADD_FAILURE() << "accepted";
+    } catch (const difftrain::ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("offload_parameters"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(stage2 ? "stage 3" : "reshard_after_step"),
+                std::string::npos)
+          << e.what();
+    }
+  }
 }

@@ -45,6 +45,11 @@
 // copies of this rank's parameters kept in host memory (pinned when the parameters are on a GPU),
 // so its state lives there too; the reduced gradients are copied to host memory and dropped on
 // the device, and the updated values are copied back before they are sent to the other ranks.
+// offload_parameters (stage 3; FSDP's CPUOffload(offload_params=True)) goes further: a unit's
+// parameters live between its uses only in those copies, the ones this rank owns too, so the
+// device holds no unit between steps and only the units running or arriving during a pass; an
+// owner copies its share from host memory just before it is sent. In a world of one it is the
+// way to train a model whose weights, gradients and optimizer state outgrow the device.
 //
 // Mixed precision (FSDP's MixedPrecisionPolicy): with param_dtype the model's parameters hold
 // that dtype, so forward and backward compute in it and stage 3 gathers it; the optimizer steps
@@ -110,6 +115,10 @@ class ShardedDataParallel : nn::UnitListener {
     /// Keep this rank's optimizer (its copies of the parameters it owns, their gradients and the
     /// optimizer's state) in host memory; stages 1 to 3.
     bool offload_optimizer = false;
+    /// Stage 3: between its uses, a unit's parameters live only in host memory (the optimizer's
+    /// copies, offload_optimizer implied), this rank's share included; needs reshard_after_step.
+    /// A world of one takes it too.
+    bool offload_parameters = false;
     /// Send each bucket of gradients as soon as backward has produced all of them, while the
     /// rest of backward runs (as DDP's reducer); off: all of them after backward.
     bool overlap_backward = true;
@@ -166,6 +175,16 @@ class ShardedDataParallel : nn::UnitListener {
     world_ = o_.world ? o_.world : World::from_environment(o_.world_options);
     for (std::size_t i = 0; i < params_.size(); ++i)
       index_.emplace(params_[i].unsafeGetTensorImpl(), i);
+    if (o_.offload_parameters) {
+      if (o_.stage != 3)
+        throw ConfigError("needs stage 3 (the only stage that frees parameters between uses)",
+                          "ShardedDataParallel options: offload_parameters");
+      if (!o_.reshard_after_step)
+        throw ConfigError(
+            "needs reshard_after_step (between steps the parameters live in host memory only)",
+            "ShardedDataParallel options: offload_parameters");
+      o_.offload_optimizer = true;  // the copies in host memory are what the parameters live in
+    }
     if (o_.offload_optimizer && o_.stage == 0)
       throw ConfigError("needs stage 1, 2 or 3 (at stage 0 every rank steps every parameter)",
                         "ShardedDataParallel options: offload_optimizer");
@@ -223,7 +242,8 @@ class ShardedDataParallel : nn::UnitListener {
       for (const std::size_t i : buckets_[b].params) bucket_of_[i] = b;
     waiting_.assign(buckets_.size(), 0);
     ready_.assign(params_.size(), false);
-    if (o_.stage == 3 && world_->distributed()) listen();
+    // A world of one frees and brings parameters only when they live in host memory meanwhile.
+    if (o_.stage == 3 && (world_->distributed() || o_.offload_parameters)) listen();
     hook_gradients();
   }
 
@@ -310,7 +330,9 @@ class ShardedDataParallel : nn::UnitListener {
     if (replicated_) return replicated_->guard(std::forward<F>(f));
     if (!world_->distributed()) {
       std::forward<F>(f)();
-      return gradients_to_copies();
+      gradients_to_copies();
+      if (listening_) release_all();  // what backward left whole (unused parameters)
+      return;
     }
     world_->guarded("sharing gradients", [&] {
       std::forward<F>(f)();
@@ -378,9 +400,20 @@ class ShardedDataParallel : nn::UnitListener {
   void after_optimizer_step() {
     if (replicated_) return;
     at::NoGradGuard no_grad;
-    for (std::size_t i = 0; i < copies_.size(); ++i)  // the updated copies back (rounded)
-      if (copies_[i].defined()) params_[i].detach().copy_(copies_[i], /*non_blocking=*/true);
-    if (!world_->distributed()) return;
+    // The updated copies back (rounded), into the parameters that hold memory now (a unit's
+    // offloaded parameters take theirs when the unit is gathered next).
+    for (std::size_t i = 0; i < copies_.size(); ++i)
+      if (copies_[i].defined() && storage_of(i)->nbytes() != 0)
+        params_[i].detach().copy_(copies_[i], /*non_blocking=*/true);
+    if (!world_->distributed()) {
+      if (listening_) {  // a world of one, offloaded: every unit lives in host memory again
+        const std::lock_guard<std::recursive_mutex> lock(unit_mutex_);
+        for (std::size_t u = 0; u < units_.size(); ++u) release_unit(u);
+        in_passes_ = false;
+        fresh_ = false;
+      }
+      return;
+    }
     std::unique_lock<std::recursive_mutex> units_lock(unit_mutex_, std::defer_lock);
     const bool sharded_between = listening_ && o_.reshard_after_step;
     if (listening_) {
@@ -389,7 +422,7 @@ class ShardedDataParallel : nn::UnitListener {
         for (std::size_t u = 0; u < units_.size(); ++u) {
           release_unit(u);  // what backward left (and a prefetch left over)
           if (sharded_between) continue;
-          for (const std::size_t i : units_[u].remote) materialize(i);
+          for (const std::size_t i : units_[u].freed) materialize(i);
           units_[u].gathered = true;
         }
       });
@@ -797,7 +830,8 @@ class ShardedDataParallel : nn::UnitListener {
   // again whenever a parameter's dtype changed (autograd makes a new accumulator then).
   void hook_gradients() {
     accumulators_.clear();
-    if (!world_->distributed() || (!o_.overlap_backward && o_.stage < 3)) return;
+    // (A world of one hooks them only to free each offloaded unit as its gradients are in.)
+    if (!listening_ && (!world_->distributed() || (!o_.overlap_backward && o_.stage < 3))) return;
     for (std::size_t i = 0; i < params_.size(); ++i) {
       auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
       acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
@@ -873,7 +907,8 @@ class ShardedDataParallel : nn::UnitListener {
     const torch::nn::Module* module = nullptr;
     std::string name;
     std::vector<std::size_t> params;  // indices into params_, owned by any rank
-    std::vector<std::size_t> remote;  // those another rank owns: freed here between uses
+    // Freed here between uses: those another rank owns, and under offload_parameters all.
+    std::vector<std::size_t> freed;
     std::int64_t whole_bytes = 0;
     bool gathered = true;         // every rank holds all of its parameters
     bool in_backward = false;     // backward reached it in this pass
@@ -920,7 +955,7 @@ class ShardedDataParallel : nn::UnitListener {
         const std::size_t i = at_->second;
         unit_of_param_[i] = static_cast<std::int64_t>(units_.size());
         u.params.push_back(i);
-        if (owner_[i] != world_->rank()) u.remote.push_back(i);
+        if (owner_[i] != world_->rank() || o_.offload_parameters) u.freed.push_back(i);
         u.whole_bytes += params_[i].numel() * static_cast<std::int64_t>(params_[i].element_size());
       }
       stats_.largest_unit_bytes = std::max(stats_.largest_unit_bytes, u.whole_bytes);
@@ -959,8 +994,17 @@ class ShardedDataParallel : nn::UnitListener {
     Unit& unit = units_[u];
     if (unit.gathered || !unit.gathers.empty()) return;
     at::NoGradGuard no_grad;
-    for (const std::size_t i : unit.remote) materialize(i);
+    for (const std::size_t i : unit.freed) materialize(i);
     const std::int64_t me = world_->rank();
+    if (o_.offload_parameters)  // this rank's share comes from its copies in host memory
+      for (const std::size_t i : unit.params)
+        if (owner_[i] == me) params_[i].variable_data().copy_(copies_[i], /*non_blocking=*/true);
+    ++stats_.gathers;
+    if (ahead) ++stats_.prefetched;
+    if (!world_->distributed()) {  // a world of one: nothing else to bring
+      unit.gathered = true;
+      return;
+    }
     for (std::size_t k = 0; k < unit.params.size();) {
       Gather g;
       g.owner = owner_[unit.params[k]];
@@ -986,8 +1030,6 @@ class ShardedDataParallel : nn::UnitListener {
       g.work = world_->group()->broadcast(v, bo);
       unit.gathers.push_back(std::move(g));
     }
-    ++stats_.gathers;
-    if (ahead) ++stats_.prefetched;
   }
 
   // Unit u's parameters whole on this rank (waiting for what is on the wire).
@@ -1018,7 +1060,7 @@ class ShardedDataParallel : nn::UnitListener {
     unit.gathers.clear();
     unit.in_backward = false;
     if (!unit.gathered) return;
-    for (const std::size_t i : unit.remote) release(i);
+    for (const std::size_t i : unit.freed) release(i);
     unit.gathered = false;
     ++stats_.releases;
   }
@@ -1106,9 +1148,10 @@ class ShardedDataParallel : nn::UnitListener {
       const auto it = unit_of_module_.find(&m);
       if (it != unit_of_module_.end() && it->second && !units_[*it->second].gathered)
         throw ConfigError(
-            "runs outside a training step while stage 3 holds only this rank's share of its "
-            "parameters; take trainer.whole_parameters() on every rank first (or set "
-            "reshard_after_step = false)",
+            std::string("runs outside a training step while stage 3 holds only this rank's "
+                        "share of its parameters; take trainer.whole_parameters() on every rank "
+                        "first") +
+                (o_.offload_parameters ? "" : " (or set reshard_after_step = false)"),
             "ShardedDataParallel: " + units_[*it->second].name);
       return;
     }
