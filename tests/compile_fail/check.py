@@ -8,7 +8,6 @@ itself, so what is refused is refused the same.   check.py BUILD_DIR SOURCE"""
 import json
 import pathlib
 import re
-import shlex
 import subprocess
 import sys
 
@@ -25,19 +24,8 @@ entry = next((e for e in entries if pathlib.Path(e["directory"], e["file"]).reso
              None)
 if entry is None:
     sys.exit(f"{source} is not in {build}/compile_commands.json (re-run CMake)")
-args = entry["arguments"] if "arguments" in entry else shlex.split(entry["command"])
-# Parse only: drop the object file and the dependency file, keep every flag that decides meaning.
-kept, skip = [], 0
-for i, a in enumerate(args):
-    if skip:
-        skip -= 1
-        continue
-    if a in ("-o", "-MF", "-MT", "-MQ"):
-        skip = 1
-        continue
-    if a in ("-MD", "-MMD", "-c"):
-        continue
-    kept.append(a)
+# Parse only: the object file and the dependency file dropped, every flag that decides meaning kept.
+kept = headers.compile_args(entry)
 include_dir = pathlib.Path(__file__).resolve().parents[2] / "include"
 level = headers.level_of_source(source, headers.search_path(entry, include_dir), {})
 if level and not pathlib.Path(str(headers.pch_header(build, level)) + ".gch").is_file():

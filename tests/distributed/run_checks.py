@@ -132,6 +132,10 @@ def collect(procs, out, world, timeout):
     return results, codes
 
 
+# Bytes of the worker's float32 fc1 (8 -> 32) and fc2 (32 -> 4) with --wide: outside every unit.
+OUTSIDE_UNITS_BYTES = 4 * ((8 * 32 + 32) + (32 * 4 + 4))
+
+
 def max_diff(a, b):
     assert len(a) == len(b), (len(a), len(b))
     return max(abs(x - y) for x, y in zip(a, b))
@@ -480,8 +484,7 @@ def check_sharded(worker, tmp):
                               f"{worst:.1%} of ZeRO's {', '.join(f'{k} {v / p:g}P' for k, v in want.items())}")
             if stage == 3 and world > 1:
                 unit = res[0]["units"]["largest_unit_bytes"]
-                outside = 4 * ((8 * 32 + 32) + (32 * 4 + 4))  # fc1 and fc2
-                bound = 4 * p / world + outside + 2 * unit
+                bound = 4 * p / world + OUTSIDE_UNITS_BYTES + 2 * unit
                 peak = max(r["units"]["peak_parameter_bytes"] for r in res)
                 ok(peak <= 1.10 * bound,
                    f"memory, stage 3, {world} ranks: parameters during forward and backward at most "
@@ -518,7 +521,7 @@ def check_sharded3(worker, tmp):
     # Offloaded, a rank holds no unit's parameters between steps, its own share included (they
     # live in the optimizer's copies in host memory), and during a pass only the units running
     # or arriving; without offload it holds its share, 4P/N.
-    outside = 4 * ((8 * 32 + 32) + (32 * 4 + 4))  # fc1 and fc2, outside every unit
+    outside = OUTSIDE_UNITS_BYTES
     for world in (1, 2, 4):
         args = ["--steps", 2, "--dtype", "float32", "--wide", 48, "--sharding", 3, "--offload-params"]
         res, _ = (single(worker, f"{tmp}/offp-{world}", *args) if world == 1 else

@@ -405,15 +405,6 @@ class ShardedDataParallel : nn::UnitListener {
     for (std::size_t i = 0; i < copies_.size(); ++i)
       if (copies_[i].defined() && storage_of(i)->nbytes() != 0)
         params_[i].detach().copy_(copies_[i], /*non_blocking=*/true);
-    if (!world_->distributed()) {
-      if (listening_) {  // a world of one, offloaded: every unit lives in host memory again
-        const std::lock_guard<std::recursive_mutex> lock(unit_mutex_);
-        for (std::size_t u = 0; u < units_.size(); ++u) release_unit(u);
-        in_passes_ = false;
-        fresh_ = false;
-      }
-      return;
-    }
     std::unique_lock<std::recursive_mutex> units_lock(unit_mutex_, std::defer_lock);
     const bool sharded_between = listening_ && o_.reshard_after_step;
     if (listening_) {
@@ -429,6 +420,8 @@ class ShardedDataParallel : nn::UnitListener {
       in_passes_ = false;
       fresh_ = !sharded_between;
     }
+    // (A world of one listens only with offloaded parameters: it has nothing to send.)
+    if (!world_->distributed()) return;
     // At stage 3 between steps, only parameters outside every unit travel.
     const auto travels = [&](std::size_t i) { return !sharded_between || unit_of_param_[i] < 0; };
     world_->guarded("sending updated parameters", [&] {
