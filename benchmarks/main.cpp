@@ -1,5 +1,6 @@
 #include <benchmark/benchmark.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 
@@ -16,6 +17,12 @@ std::string difftrain::bench::python_script(const std::string& script) {
 int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+#ifdef DIFFTRAIN_BENCH_UNOPTIMISED
+  // The ci preset (-Og) builds the benchmarks to check that they compile: their difftrain sides are
+  // then slower than in a user's build, and their ratios say little.
+  std::fputs("warning: built without -O2/-O3; take figures from the release preset's build\n",
+             stderr);
+#endif
   difftrain::bench::RatioReporter reporter;
   benchmark::RunSpecifiedBenchmarks(&reporter);
   benchmark::Shutdown();

@@ -395,7 +395,7 @@ inline std::vector<std::filesystem::path> save_pretrained_tensors(
     nlohmann::json index;
     std::uint64_t total = 0;
     for (std::size_t i = 0; i < shards.size(); ++i) {
-      char suffix[32];
+      char suffix[48];  // two 20-digit counts fit
       std::snprintf(suffix, sizeof suffix, "-%05zu-of-%05zu", i + 1, shards.size());
       const std::string name = stem + suffix + ".safetensors";
       written.push_back(folder / name);
