@@ -8,7 +8,7 @@
 #include <difftrain/core/error.hpp>
 #include <difftrain/diffusion/ddim.hpp>
 #include <difftrain/diffusion/noise_schedule.hpp>
-#include <difftrain/io/read_file.hpp>
+#include <difftrain/io/json_file.hpp>
 
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -35,14 +35,7 @@ inline SchedulerConfig read_scheduler_config(const std::filesystem::path& file,
   std::string prediction = "epsilon", spacing = "leading";
   const std::string where = file.string();
   if (!file.empty()) {
-    const std::vector<char> bytes = difftrain::io::read_file(file);
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(bytes.begin(), bytes.end());
-    } catch (const nlohmann::json::parse_error& e) {
-      throw difftrain::FormatError(std::string("not valid JSON: ") + e.what(), where);
-    }
-    if (!j.is_object()) throw difftrain::FormatError("is not a JSON object", where);
+    const nlohmann::json j = difftrain::io::read_json_object(file);
     try {
       c.schedule.num_train_timesteps =
           j.value("num_train_timesteps", c.schedule.num_train_timesteps);

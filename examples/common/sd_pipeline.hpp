@@ -7,7 +7,7 @@
 #include <difftrain/data/tensor_cache.hpp>
 #include <difftrain/diffusion/ddim.hpp>
 #include <difftrain/diffusion/sample.hpp>
-#include <difftrain/io/read_file.hpp>
+#include <difftrain/io/json_file.hpp>
 #include <difftrain/io/sha256.hpp>
 #include <difftrain/models/models.hpp>
 #include <difftrain/text/clip_tokenizer.hpp>
@@ -79,14 +79,7 @@ inline Pipeline load_pipeline(const std::string& model, const std::string& predi
   if (!fs::is_directory(p.root))
     throw dt::IoError("is not a folder (name a diffusers pipeline folder)",
                       "--pretrained_model_name_or_path " + model);
-  const std::vector<char> bytes = dt::io::read_file(index_file);
-  nlohmann::json index;
-  try {
-    index = nlohmann::json::parse(bytes.begin(), bytes.end());
-  } catch (const nlohmann::json::parse_error& e) {
-    throw dt::FormatError(std::string("is not valid JSON: ") + e.what(), index_file.string());
-  }
-  if (!index.is_object()) throw dt::FormatError("is not a JSON object", index_file.string());
+  const nlohmann::json index = dt::io::read_json_object(index_file);
   const std::string cls = index.value("_class_name", std::string());
   if (cls != "StableDiffusionPipeline" && cls != "StableDiffusionXLPipeline")
     throw ConfigError("is a " + (cls.empty() ? std::string("pipeline without _class_name") : cls) +

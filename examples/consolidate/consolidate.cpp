@@ -15,7 +15,7 @@
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <difftrain/core/error.hpp>
-#include <difftrain/io/read_file.hpp>
+#include <difftrain/io/json_file.hpp>
 #include <difftrain/train/consolidate.hpp>
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -29,17 +29,10 @@ namespace {
 int run(const std::filesystem::path& checkpoint, const std::filesystem::path& out,
         const difftrain::train::ConsolidateOptions& o, const std::string& config_path) {
   // A model folder's config.json, as the user gave it.
-  const auto config = [&] {
-    const std::vector<char> text = difftrain::io::read_file(config_path);
-    try {
-      return nlohmann::json::parse(text.begin(), text.end());
-    } catch (const nlohmann::json::exception& e) {
-      throw difftrain::FormatError(std::string("is not JSON: ") + e.what(), config_path);
-    }
-  };
   const difftrain::train::ConsolidateReport r =
       config_path.empty() ? difftrain::train::consolidate_checkpoint(checkpoint, out, o)
-                          : difftrain::train::consolidate_to_folder(checkpoint, out, config(), o);
+                          : difftrain::train::consolidate_to_folder(
+                                checkpoint, out, difftrain::io::read_json_object(config_path), o);
   std::fprintf(
       stderr, "consolidate: step %lld, %s%zu tensors (%.1f MiB) -> %s\n",
       static_cast<long long>(r.step),

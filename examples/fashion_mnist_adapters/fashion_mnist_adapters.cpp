@@ -67,6 +67,10 @@ struct Settings : examples::RunFlags, examples::JudgeFlags {
     out = "runs/fashion_mnist_adapters";
   }
   std::int64_t new_class = 9;
+  // "unseen": the base model never sees the new class's images; "uncaptioned": it sees them only
+  // with the empty prompt (as Stable Diffusion has seen most things a user names, without the
+  // user's word for them), never with a caption that names them.
+  std::string held_out_images = "unseen";
   std::string init_word = "sneaker";
   // base model
   std::int64_t channels = 16;
@@ -148,7 +152,8 @@ std::string base_key(const Settings& s) {
          std::to_string(s.text_layers) + ",steps=" + std::to_string(s.base_steps) +
          ",batch=" + std::to_string(s.batch_size) + ",lr=" + std::to_string(s.lr) +
          ",seed=" + std::to_string(s.seed) + ",limit=" + std::to_string(s.limit) +
-         ",without=" + std::to_string(s.new_class);
+         ",without=" + std::to_string(s.new_class) +
+         (s.held_out_images == "unseen" ? std::string() : "," + s.held_out_images);
 }
 
 /// Every caption's token ids: row c · templates + k is class c under template k.
@@ -185,10 +190,16 @@ void base_model(const Settings& s, const fmnist::Dataset& data, const df::NoiseS
   const at::Device device(s.device);
   fmtext::TextUNet net(model_options(s, tok), schedule, tok);
   net->to(device);
-  const at::Tensor keep = data.train.labels.ne(s.new_class).nonzero().flatten();
+  const bool uncaptioned = s.held_out_images == "uncaptioned";
+  const at::Tensor keep = uncaptioned ? at::arange(data.train.labels.size(0), at::kLong)
+                                      : data.train.labels.ne(s.new_class).nonzero().flatten();
   const at::Tensor images = data.train.images.index_select(0, keep).to(device);
   const at::Tensor labels = data.train.labels.index_select(0, keep).to(device);
-  const at::Tensor captions = caption_table(net).to(device);
+  // The captions, and after them the empty prompt: the new class's only caption when its images
+  // are seen uncaptioned.
+  const at::Tensor captions =
+      at::cat({caption_table(net), net->tokens("").unsqueeze(0)}).to(device);
+  const std::int64_t empty_row = captions.size(0) - 1;
   const auto templates = static_cast<std::int64_t>(fmtext::caption_templates().size());
   const std::int64_t n = images.size(0);
   tr::Trainer<fmtext::TextUNetImpl, BaseConfig>::Options o;
@@ -201,16 +212,19 @@ void base_model(const Settings& s, const fmnist::Dataset& data, const df::NoiseS
       {tr::ProgressBar({.total_steps = s.base_steps, .every = 10}),
        tr::TensorBoard({.dir = tensorboard_run(s, "base")})});
   fmnist::EpochBatches batches(n, s.batch_size, s.seed, device);
-  std::fprintf(stderr, "base: %lld steps on %lld captioned images of nine classes (without %s)\n",
+  std::fprintf(stderr, "base: %lld steps on %lld images, nine classes captioned (%s %s)\n",
                static_cast<long long>(s.base_steps), static_cast<long long>(n),
-               fmnist::kClassNames[static_cast<std::size_t>(s.new_class)]);
+               fmnist::kClassNames[static_cast<std::size_t>(s.new_class)],
+               uncaptioned ? "seen with the empty prompt only" : "unseen");
   trainer.fit(
       [&](std::int64_t step, std::int64_t) {
         const at::Tensor idx = batches.indices(step);
         // Each image's caption template is drawn per step, the same for a seed.
         at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(s.seed * 7919 + step);
         const at::Tensor k = at::randint(templates, {idx.size(0)}, gen, at::kLong).to(device);
-        const at::Tensor rows = labels.index_select(0, idx) * templates + k;
+        const at::Tensor label = labels.index_select(0, idx);
+        const at::Tensor rows =
+            at::where(label == s.new_class, at::full_like(label, empty_row), label * templates + k);
         return fmtext::TextUNetImpl::Batch{images.index_select(0, idx),
                                            captions.index_select(0, rows)};
       },
@@ -587,6 +601,7 @@ int run(const Settings& s) {
   results["lora_rank"] = s.lora_rank;
   results["lora_alpha"] = std::to_string(s.lora_alpha);
   results["new_class"] = fmnist::kClassNames[static_cast<std::size_t>(s.new_class)];
+  results["held_out_images"] = s.held_out_images;
   results["adapter_images"] = images.size(0);
   results["adapter_steps"] = s.adapter_steps;
   results["samples"] = s.samples;
@@ -618,8 +633,13 @@ int main(int argc, char** argv) {
   auto* g = app.add_option_group("data and run");
   examples::add_run_flags(g, s, "directory with the IDX files",
                           "TensorBoard's folder, a run per training (default: OUT/tensorboard)");
-  g->add_option("--new-class", s.new_class, "the class the base model never sees (0-9)")
+  g->add_option("--new-class", s.new_class, "the class the base model has no words for (0-9)")
       ->check(examples::count_in(0, 9))
+      ->capture_default_str();
+  g->add_option("--held-out-images", s.held_out_images,
+                "unseen: the base model never sees the new class's images; uncaptioned: only "
+                "with the empty prompt")
+      ->check(CLI::IsMember({"unseen", "uncaptioned"}))
       ->capture_default_str();
   auto* b = app.add_option_group("base model");
   b->add_option("--channels", s.channels, "UNet width C")

@@ -52,6 +52,7 @@
 #include <difftrain/diffusion/sample.hpp>
 #include <difftrain/diffusion/weighting.hpp>
 #include <difftrain/io/atomic_file.hpp>
+#include <difftrain/io/json_file.hpp>
 #include <difftrain/io/read_file.hpp>
 #include <difftrain/io/safetensors.hpp>
 #include <difftrain/models/models.hpp>
@@ -138,20 +139,9 @@ struct Sd3Pipeline {
   }
 };
 
-nlohmann::json read_json_file(const fs::path& file) {
-  const std::vector<char> bytes = dt::io::read_file(file);
-  try {
-    nlohmann::json j = nlohmann::json::parse(bytes.begin(), bytes.end());
-    if (!j.is_object()) throw dt::FormatError("is not a JSON object", file.string());
-    return j;
-  } catch (const nlohmann::json::parse_error& e) {
-    throw dt::FormatError(std::string("is not valid JSON: ") + e.what(), file.string());
-  }
-}
-
 /// FlowMatchEulerDiscreteScheduler's config: the training table's length and shift.
 df::FlowMatchEuler::Options read_flow_scheduler(const fs::path& file) {
-  const nlohmann::json j = read_json_file(file);
+  const nlohmann::json j = dt::io::read_json_object(file);
   const std::string cls = j.value("_class_name", std::string());
   if (cls != "FlowMatchEulerDiscreteScheduler")
     throw ConfigError("is a " + cls + "; SD3 trains with FlowMatchEulerDiscreteScheduler",
@@ -176,7 +166,7 @@ Sd3Pipeline load_sd3_pipeline(const std::string& model) {
     throw dt::IoError("is not a folder (name a diffusers pipeline folder)",
                       "--pretrained_model_name_or_path " + model);
   const fs::path index_file = p.root / "model_index.json";
-  const nlohmann::json index = read_json_file(index_file);
+  const nlohmann::json index = dt::io::read_json_object(index_file);
   const std::string cls = index.value("_class_name", std::string());
   if (cls != "StableDiffusion3Pipeline")
     throw ConfigError("is a " + (cls.empty() ? std::string("pipeline without _class_name") : cls) +
@@ -653,7 +643,7 @@ CogPipeline load_cogvideox_pipeline(const std::string& model) {
   CogPipeline p;
   p.root = model;
   const fs::path index_file = p.root / "model_index.json";
-  const nlohmann::json index = read_json_file(index_file);
+  const nlohmann::json index = dt::io::read_json_object(index_file);
   check_component(index, "transformer", {"CogVideoXTransformer3DModel"}, index_file);
   check_component(index, "vae", {"AutoencoderKLCogVideoX"}, index_file);
   check_component(index, "text_encoder", {"T5EncoderModel"}, index_file);
@@ -1091,7 +1081,7 @@ int run(const Settings& s) {
   if (!fs::is_directory(root))
     throw dt::IoError("is not a folder (name a diffusers pipeline folder)",
                       "--pretrained_model_name_or_path " + s.model);
-  const nlohmann::json index = read_json_file(root / "model_index.json");
+  const nlohmann::json index = dt::io::read_json_object(root / "model_index.json");
   // The ranks of a torchrun launch. Every rank checks the same flags and folders, and so fails
   // the same way before this point.
   auto [world, device] = torchrun_world(s, s.device);

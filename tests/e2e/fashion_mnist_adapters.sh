@@ -60,6 +60,15 @@ done
 
 expect_rc 0 again -- "$bin" "${tiny[@]}" --out "$work/a"
 grep_in "$work/again.err" "base: cached"
+# The new class's images seen with the empty prompt only: another base model (its settings differ,
+# so the cached one is not taken), the same files.
+expect_rc 105 bad-held-out -- "$bin" "${tiny[@]}" --held-out-images hidden --out "$work/bad"
+grep_in "$work/bad-held-out.err" "--held-out-images: hidden not in"
+expect_rc 0 uncaptioned -- "$bin" "${tiny[@]}" --held-out-images uncaptioned --methods embedding \
+  --out "$work/a"
+grep_in "$work/uncaptioned.err" "retraining"
+grep_in "$work/uncaptioned.err" "seen with the empty prompt only"
+grep_in "$work/a/results.json" '"held_out_images": "uncaptioned"'
 
 [ "$failures" -eq 0 ] && echo "fashion_mnist_adapters end to end: all checks passed"
 exit "$failures"

@@ -1,4 +1,7 @@
+#include <difftrain/io/read_file.hpp>
+#include <difftrain/io/remove_tree.hpp>
 #include <difftrain/io/safetensors.hpp>
+#include <difftrain/train/weight_shards.hpp>
 
 #include <gtest/gtest.h>
 
@@ -6,6 +9,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <span>
+#include <vector>
 
 #include "golden.hpp"
 
@@ -98,6 +103,34 @@ TEST(Safetensors, RoundTripsEveryDtype) {
     for (const auto& [name, t] : want)
       EXPECT_TRUE(at::equal(back.tensors.at(name).to(at::kDouble), t.to(at::kDouble))) << name;
   }
+}
+
+// A writer that checksums what it writes (a checkpoint's weights shard) sees the file's bytes,
+// every one and in order, so its record matches a read-back of the file.
+TEST(Safetensors, WrittenBytesAreTheFileAndAShardRecordMatchesItsFile) {
+  auto tensors = expected_tensors();
+  tensors.emplace("strided", at::arange(24, at::kFloat).reshape({4, 6}).t());  // not contiguous
+  const auto dir = std::filesystem::temp_directory_path() / "difftrain_written_bytes";
+  std::filesystem::create_directories(dir);
+  std::vector<char> seen;
+  std::size_t pieces = 0;
+  io::save_safetensors(dir / "a.safetensors", tensors, {{"k", "v"}}, [&](std::span<const char> b) {
+    seen.insert(seen.end(), b.begin(), b.end());
+    ++pieces;
+  });
+  EXPECT_EQ(seen, io::read_file(dir / "a.safetensors"));
+  EXPECT_GT(pieces, tensors.size());  // streamed: length, header, then a piece per tensor
+  for (const std::int64_t rank : {0, 1}) {
+    const auto file = dir / ("shard" + std::to_string(rank) + ".safetensors");
+    const dt::train::WeightShardRecord r = dt::train::write_weight_shard(file, tensors, 9, rank, 2);
+    std::uint64_t size = 0;
+    EXPECT_EQ(r.crc32, dt::train::file_crc32(file, &size));
+    EXPECT_EQ(r.bytes, size);
+    EXPECT_EQ(r.bytes, std::filesystem::file_size(file));
+    const auto back = dt::train::read_weight_shard(file, r, 9, rank, 2);  // its own checks pass
+    EXPECT_TRUE(at::equal(back.tensors.at("strided"), tensors.at("strided")));
+  }
+  io::remove_tree(dir);
 }
 
 TEST(Safetensors, HostileFilesAreFormatErrorsNamingTheField) {

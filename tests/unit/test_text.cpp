@@ -203,7 +203,7 @@ TEST(ClipTokenizer, DamagedFoldersAreRefused) {
   {
     DamagedFolder f("vocab-not-json");
     f.write("vocab.json", "{\"a\": 1,");
-    expect_error<dt::FormatError>(load(f.dir), "vocab.json cut", {"vocab.json", "not JSON"});
+    expect_error<dt::FormatError>(load(f.dir), "vocab.json cut", {"vocab.json", "not valid JSON"});
   }
   {
     DamagedFolder f("vocab-id-string");

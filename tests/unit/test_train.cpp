@@ -338,6 +338,36 @@ TEST(Trainer, DamagedFutureOrMismatchedCheckpointsAreTypedErrorsAndChangeNothing
   } catch (const dt::FormatError& e) {
     EXPECT_NE(std::string(e.what()).find("format version 99, newer than"), std::string::npos);
   }
+  // consolidate reads the same header with the same checks.
+  try {
+    tr::consolidate_checkpoint(scratch("future.pt"), scratch("future.safetensors"));
+    ADD_FAILURE() << "consolidated a checkpoint from the future";
+  } catch (const dt::FormatError& e) {
+    EXPECT_NE(std::string(e.what()).find("format version 99, newer than"), std::string::npos);
+  }
+  EXPECT_FALSE(std::filesystem::exists(scratch("future.safetensors")));
+  // A version no difftrain wrote, and a file of another kind.
+  state.toGenericDict().insert_or_assign("version", std::int64_t{0});
+  dt::io::save_torch_file(scratch("zero.pt"), state);
+  EXPECT_THROW(other.load_checkpoint(scratch("zero.pt")), dt::FormatError);
+  state.toGenericDict().insert_or_assign("version", std::int64_t{1});
+  state.toGenericDict().insert_or_assign("format", std::string("difftrain.optimizer_shard"));
+  dt::io::save_torch_file(scratch("other_kind.pt"), state);
+  for (const auto& read : std::vector<std::function<void()>>{
+           [&] { other.load_checkpoint(scratch("other_kind.pt")); },
+           [&] {
+             tr::consolidate_checkpoint(scratch("other_kind.pt"), scratch("o.safetensors"));
+           }}) {
+    try {
+      read();
+      ADD_FAILURE() << "read an optimizer shard as a checkpoint";
+    } catch (const dt::FormatError& e) {
+      EXPECT_NE(std::string(e.what()).find("is not a difftrain checkpoint (format "
+                                           "'difftrain.optimizer_shard')"),
+                std::string::npos)
+          << e.what();
+    }
+  }
   // A trainer configured differently.
   auto o = parity_options();
   o.accumulation_steps = 3;

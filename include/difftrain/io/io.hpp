@@ -7,6 +7,7 @@
 #include "difftrain/io/idx.hpp"
 #include "difftrain/io/image_grid.hpp"
 #include "difftrain/io/inflate.hpp"
+#include "difftrain/io/json_file.hpp"
 #include "difftrain/io/png.hpp"
 #include "difftrain/io/read_file.hpp"
 #include "difftrain/io/remove_tree.hpp"

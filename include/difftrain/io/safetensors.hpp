@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <limits>
 #include <map>
 #include <memory>
@@ -460,19 +461,27 @@ inline std::vector<char> safetensors_bytes(
   return out;
 }
 
+/// Sees each piece of a file as it is written, in order (a checksum of what was written, without
+/// reading the file back).
+using WrittenBytes = std::function<void(std::span<const char>)>;
+
 /// Writes a safetensors file atomically, streaming each tensor to the file (memory stays at one
-/// tensor's CPU copy, not the whole file).
+/// tensor's CPU copy, not the whole file). `written`, if set, sees every byte of the file.
 inline void save_safetensors(const std::filesystem::path& path,
                              const std::map<std::string, at::Tensor>& tensors,
-                             const std::map<std::string, std::string>& metadata = {}) {
+                             const std::map<std::string, std::string>& metadata = {},
+                             const WrittenBytes& written = {}) {
   using namespace safetensors_detail;
   const WritePlan plan = plan_write(tensors, metadata);
   AtomicFileWriter out(path);
+  const auto put = [&](std::span<const char> b) {
+    out.write(b);
+    if (written) written(b);
+  };
   const auto prefix = length_prefix(plan.header.size());
-  out.write(prefix);
-  out.write(plan.header);
-  for (const auto& [name, t] : plan.order)
-    emit_tensor_bytes(t, [&](std::span<const char> b) { out.write(b); });
+  put(prefix);
+  put(plan.header);
+  for (const auto& [name, t] : plan.order) emit_tensor_bytes(t, put);
   out.commit();
 }
 

@@ -87,9 +87,7 @@ struct AutoencoderKLConfig {
   bool mid_block_add_attention = true;
 
   void resolve(const std::string& where) {
-    check_vae_config(block_out_channels, down_block_types, up_block_types, "DownEncoderBlock2D",
-                     "UpDecoderBlock2D", in_channels, out_channels, norm_num_groups,
-                     latent_channels, layers_per_block, scaling_factor, where);
+    check_vae_config(*this, "DownEncoderBlock2D", "UpDecoderBlock2D", where);
   }
 
   /// What this config implies about a weight file: block and layer counts, and the convolutions
@@ -118,23 +116,8 @@ struct AutoencoderKLConfig {
   static AutoencoderKLConfig from_json(const nlohmann::json& j, const std::string& where) {
     ConfigReader r(j, where);
     AutoencoderKLConfig c;
-    c.in_channels = r.get("in_channels", c.in_channels);
-    c.out_channels = r.get("out_channels", c.out_channels);
-    c.down_block_types = r.get("down_block_types", c.down_block_types);
-    c.up_block_types = r.get("up_block_types", c.up_block_types);
-    c.block_out_channels = r.get("block_out_channels", c.block_out_channels);
-    c.layers_per_block = r.get("layers_per_block", c.layers_per_block);
-    c.act_fn = r.get("act_fn", c.act_fn);
-    c.latent_channels = r.get("latent_channels", c.latent_channels);
-    c.norm_num_groups = r.get("norm_num_groups", c.norm_num_groups);
+    read_vae_fields(r, c);
     c.sample_size = r.get("sample_size", c.sample_size);
-    c.scaling_factor = r.get("scaling_factor", c.scaling_factor);
-    c.shift_factor = r.optional<double>("shift_factor");
-    c.latents_mean = r.optional<std::vector<double>>("latents_mean");
-    c.latents_std = r.optional<std::vector<double>>("latents_std");
-    c.force_upcast = r.get("force_upcast", c.force_upcast);
-    c.use_quant_conv = r.get("use_quant_conv", c.use_quant_conv);
-    c.use_post_quant_conv = r.get("use_post_quant_conv", c.use_post_quant_conv);
     c.mid_block_add_attention = r.get("mid_block_add_attention", c.mid_block_add_attention);
     r.finish();
     c.resolve(where);
@@ -142,26 +125,8 @@ struct AutoencoderKLConfig {
   }
 
   [[nodiscard]] nlohmann::json to_json() const {
-    nlohmann::json j;
-    j["_class_name"] = std::string(class_name);
-    j["_diffusers_version"] = "0.30.0";
-    j["in_channels"] = in_channels;
-    j["out_channels"] = out_channels;
-    j["down_block_types"] = down_block_types;
-    j["up_block_types"] = up_block_types;
-    j["block_out_channels"] = block_out_channels;
-    j["layers_per_block"] = layers_per_block;
-    j["act_fn"] = act_fn;
-    j["latent_channels"] = latent_channels;
-    j["norm_num_groups"] = norm_num_groups;
+    nlohmann::json j = vae_config_json(*this);
     j["sample_size"] = sample_size;
-    j["scaling_factor"] = scaling_factor;
-    j["shift_factor"] = value_or_null(shift_factor);
-    j["latents_mean"] = value_or_null(latents_mean);
-    j["latents_std"] = value_or_null(latents_std);
-    j["force_upcast"] = force_upcast;
-    j["use_quant_conv"] = use_quant_conv;
-    j["use_post_quant_conv"] = use_post_quant_conv;
     j["mid_block_add_attention"] = mid_block_add_attention;
     return j;
   }

@@ -73,10 +73,7 @@ struct AutoencoderKLCogVideoXConfig {
   }
 
   void resolve(const std::string& where) {
-    check_vae_config(block_out_channels, down_block_types, up_block_types,
-                     std::string(down_block_type), std::string(up_block_type), in_channels,
-                     out_channels, norm_num_groups, latent_channels, layers_per_block,
-                     scaling_factor, where);
+    check_vae_config(*this, std::string(down_block_type), std::string(up_block_type), where);
     const std::size_t n = block_out_channels.size();
     if (!(norm_eps > 0.0) || !std::isfinite(norm_eps))
       throw ConfigError("'norm_eps' must be positive and finite", where);
@@ -131,27 +128,12 @@ struct AutoencoderKLCogVideoXConfig {
   static AutoencoderKLCogVideoXConfig from_json(const nlohmann::json& j, const std::string& where) {
     ConfigReader r(j, where);
     AutoencoderKLCogVideoXConfig c;
-    c.in_channels = r.get("in_channels", c.in_channels);
-    c.out_channels = r.get("out_channels", c.out_channels);
-    c.down_block_types = r.get("down_block_types", c.down_block_types);
-    c.up_block_types = r.get("up_block_types", c.up_block_types);
-    c.block_out_channels = r.get("block_out_channels", c.block_out_channels);
-    c.latent_channels = r.get("latent_channels", c.latent_channels);
-    c.layers_per_block = r.get("layers_per_block", c.layers_per_block);
-    c.act_fn = r.get("act_fn", c.act_fn);
+    read_vae_fields(r, c);
     c.norm_eps = r.get("norm_eps", c.norm_eps);
-    c.norm_num_groups = r.get("norm_num_groups", c.norm_num_groups);
     c.temporal_compression_ratio =
         r.get("temporal_compression_ratio", c.temporal_compression_ratio);
     c.sample_height = r.get("sample_height", c.sample_height);
     c.sample_width = r.get("sample_width", c.sample_width);
-    c.scaling_factor = r.get("scaling_factor", c.scaling_factor);
-    c.shift_factor = r.optional<double>("shift_factor");
-    c.latents_mean = r.optional<std::vector<double>>("latents_mean");
-    c.latents_std = r.optional<std::vector<double>>("latents_std");
-    c.force_upcast = r.get("force_upcast", c.force_upcast);
-    c.use_quant_conv = r.get("use_quant_conv", c.use_quant_conv);
-    c.use_post_quant_conv = r.get("use_post_quant_conv", c.use_post_quant_conv);
     c.invert_scale_latents = r.get("invert_scale_latents", c.invert_scale_latents);
     r.finish();
     c.resolve(where);
@@ -159,29 +141,11 @@ struct AutoencoderKLCogVideoXConfig {
   }
 
   [[nodiscard]] nlohmann::json to_json() const {
-    nlohmann::json j;
-    j["_class_name"] = std::string(class_name);
-    j["_diffusers_version"] = "0.30.0";
-    j["in_channels"] = in_channels;
-    j["out_channels"] = out_channels;
-    j["down_block_types"] = down_block_types;
-    j["up_block_types"] = up_block_types;
-    j["block_out_channels"] = block_out_channels;
-    j["latent_channels"] = latent_channels;
-    j["layers_per_block"] = layers_per_block;
-    j["act_fn"] = act_fn;
+    nlohmann::json j = vae_config_json(*this);
     j["norm_eps"] = norm_eps;
-    j["norm_num_groups"] = norm_num_groups;
     j["temporal_compression_ratio"] = temporal_compression_ratio;
     j["sample_height"] = sample_height;
     j["sample_width"] = sample_width;
-    j["scaling_factor"] = scaling_factor;
-    j["shift_factor"] = value_or_null(shift_factor);
-    j["latents_mean"] = value_or_null(latents_mean);
-    j["latents_std"] = value_or_null(latents_std);
-    j["force_upcast"] = force_upcast;
-    j["use_quant_conv"] = use_quant_conv;
-    j["use_post_quant_conv"] = use_post_quant_conv;
     j["invert_scale_latents"] = invert_scale_latents;
     return j;
   }

@@ -229,9 +229,7 @@ struct CogVideoXTransformer3DConfig {
   }
 
   [[nodiscard]] nlohmann::json to_json() const {
-    nlohmann::json j;
-    j["_class_name"] = std::string(class_name);
-    j["_diffusers_version"] = "0.42.1";
+    nlohmann::json j = diffusers_config_json<CogVideoXTransformer3DConfig>();
     j["num_attention_heads"] = num_attention_heads;
     j["attention_head_dim"] = attention_head_dim;
     j["in_channels"] = in_channels;

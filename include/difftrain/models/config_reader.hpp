@@ -11,6 +11,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -93,35 +94,30 @@ inline void check_conv_model_sizes(const std::string& blocks_field, std::size_t 
 /// What every diffusers VAE config states (AutoencoderKL, CogVideoX's): one down and one up block
 /// per `block_out_channels` entry, each of the one type the model builds, every size in range
 /// (check_conv_model_sizes, latent_channels, layers_per_block) and a usable scaling factor.
-inline void check_vae_config(const std::vector<std::int64_t>& block_out_channels,
-                             const std::vector<std::string>& down_block_types,
-                             const std::vector<std::string>& up_block_types,
-                             const std::string& down_type, const std::string& up_type,
-                             std::int64_t in_channels, std::int64_t out_channels,
-                             std::int64_t norm_num_groups, std::int64_t latent_channels,
-                             std::int64_t layers_per_block, double scaling_factor,
-                             const std::string& where) {
-  const std::size_t n = block_out_channels.size();
+template <class VaeConfig>
+void check_vae_config(const VaeConfig& c, const std::string& down_type, const std::string& up_type,
+                      const std::string& where) {
+  const std::size_t n = c.block_out_channels.size();
   if (n == 0) throw ConfigError("'block_out_channels' is empty", where);
-  if (down_block_types.size() != n || up_block_types.size() != n)
+  if (c.down_block_types.size() != n || c.up_block_types.size() != n)
     throw ConfigError(
         "'down_block_types' and 'up_block_types' need one entry per 'block_out_channels' entry (" +
             std::to_string(n) + ")",
         where);
   for (const auto& [field, types, want] :
-       {std::tuple{"down_block_types", &down_block_types, &down_type},
-        std::tuple{"up_block_types", &up_block_types, &up_type}})
+       {std::tuple{"down_block_types", &c.down_block_types, &down_type},
+        std::tuple{"up_block_types", &c.up_block_types, &up_type}})
     for (const auto& t : *types)
       if (t != *want)
         throw ConfigError(std::string("'") + field + "' has \"" + t + "\"; difftrain builds only " +
                               *want + " here",
                           where);
   // Every size in range before anything divides by one or allocates with one.
-  check_conv_model_sizes("block_out_channels", n, in_channels, out_channels, norm_num_groups,
-                         block_out_channels, where);
-  check_config_range("latent_channels", latent_channels, 1, ConfigLimits::channels, where);
-  check_config_range("layers_per_block", layers_per_block, 1, ConfigLimits::layers, where);
-  if (!std::isfinite(scaling_factor) || scaling_factor == 0.0)
+  check_conv_model_sizes("block_out_channels", n, c.in_channels, c.out_channels, c.norm_num_groups,
+                         c.block_out_channels, where);
+  check_config_range("latent_channels", c.latent_channels, 1, ConfigLimits::channels, where);
+  check_config_range("layers_per_block", c.layers_per_block, 1, ConfigLimits::layers, where);
+  if (!std::isfinite(c.scaling_factor) || c.scaling_factor == 0.0)
     throw ConfigError("'scaling_factor' must be finite and non-zero", where);
 }
 
@@ -235,5 +231,62 @@ class ConfigReader {
   std::string where_;
   std::set<std::string> read_;
 };
+
+/// The diffusers version the configs difftrain writes name: the one its tests load them in.
+inline constexpr std::string_view kDiffusersVersion = "0.42.1";
+
+/// The start of a diffusers config.json for `Config`: its `_class_name` and `_diffusers_version`.
+template <class Config>
+nlohmann::json diffusers_config_json() {
+  nlohmann::json j;
+  j["_class_name"] = std::string(Config::class_name);
+  j["_diffusers_version"] = std::string(kDiffusersVersion);
+  return j;
+}
+
+/// The fields every diffusers VAE config has (AutoencoderKL's, CogVideoX's), read with the
+/// config's own defaults: the sizes and the latent space's scaling and statistics.
+template <class VaeConfig>
+void read_vae_fields(ConfigReader& r, VaeConfig& c) {
+  c.in_channels = r.get("in_channels", c.in_channels);
+  c.out_channels = r.get("out_channels", c.out_channels);
+  c.down_block_types = r.get("down_block_types", c.down_block_types);
+  c.up_block_types = r.get("up_block_types", c.up_block_types);
+  c.block_out_channels = r.get("block_out_channels", c.block_out_channels);
+  c.layers_per_block = r.get("layers_per_block", c.layers_per_block);
+  c.act_fn = r.get("act_fn", c.act_fn);
+  c.latent_channels = r.get("latent_channels", c.latent_channels);
+  c.norm_num_groups = r.get("norm_num_groups", c.norm_num_groups);
+  c.scaling_factor = r.get("scaling_factor", c.scaling_factor);
+  c.shift_factor = r.optional<double>("shift_factor");
+  c.latents_mean = r.optional<std::vector<double>>("latents_mean");
+  c.latents_std = r.optional<std::vector<double>>("latents_std");
+  c.force_upcast = r.get("force_upcast", c.force_upcast);
+  c.use_quant_conv = r.get("use_quant_conv", c.use_quant_conv);
+  c.use_post_quant_conv = r.get("use_post_quant_conv", c.use_post_quant_conv);
+}
+
+/// The same fields written as diffusers writes them, after diffusers_config_json's start.
+template <class VaeConfig>
+nlohmann::json vae_config_json(const VaeConfig& c) {
+  nlohmann::json j = diffusers_config_json<VaeConfig>();
+  j["in_channels"] = c.in_channels;
+  j["out_channels"] = c.out_channels;
+  j["down_block_types"] = c.down_block_types;
+  j["up_block_types"] = c.up_block_types;
+  j["block_out_channels"] = c.block_out_channels;
+  j["layers_per_block"] = c.layers_per_block;
+  j["act_fn"] = c.act_fn;
+  j["latent_channels"] = c.latent_channels;
+  j["norm_num_groups"] = c.norm_num_groups;
+  j["scaling_factor"] = c.scaling_factor;
+  j["shift_factor"] = value_or_null(c.shift_factor);
+  j["latents_mean"] = value_or_null(c.latents_mean);
+  j["latents_std"] = value_or_null(c.latents_std);
+  j["force_upcast"] = c.force_upcast;
+  j["use_quant_conv"] = c.use_quant_conv;
+  j["use_post_quant_conv"] = c.use_post_quant_conv;
+  return j;
+}
 
 }  // namespace difftrain::models

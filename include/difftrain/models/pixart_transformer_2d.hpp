@@ -189,9 +189,7 @@ struct PixArtTransformer2DConfig {
   }
 
   [[nodiscard]] nlohmann::json to_json() const {
-    nlohmann::json j;
-    j["_class_name"] = std::string(class_name);
-    j["_diffusers_version"] = "0.42.1";
+    nlohmann::json j = diffusers_config_json<PixArtTransformer2DConfig>();
     j["num_attention_heads"] = num_attention_heads;
     j["attention_head_dim"] = attention_head_dim;
     j["in_channels"] = in_channels;

@@ -30,7 +30,7 @@
 
 #include "difftrain/core/error.hpp"
 #include "difftrain/io/atomic_file.hpp"
-#include "difftrain/io/read_file.hpp"
+#include "difftrain/io/json_file.hpp"
 #include "difftrain/io/safetensors.hpp"
 #include "difftrain/io/torch_file.hpp"
 #include "difftrain/models/config_reader.hpp"
@@ -84,12 +84,7 @@ inline nlohmann::json read_model_config(const std::filesystem::path& folder) {
   if (!std::filesystem::is_directory(folder)) throw IoError("not a folder", folder.string());
   if (!std::filesystem::exists(path))
     throw IoError("the model folder has no config.json", path.string());
-  const std::vector<char> bytes = io::read_file(path);
-  try {
-    return nlohmann::json::parse(bytes.begin(), bytes.end());
-  } catch (const nlohmann::json::parse_error& e) {
-    throw FormatError(std::string("config.json is not valid JSON: ") + e.what(), path.string());
-  }
+  return io::read_json(path);
 }
 
 /// Which file each tensor of the folder's weights comes from.
@@ -103,13 +98,7 @@ namespace pretrained_detail {
 inline WeightFiles read_shard_index(const std::filesystem::path& folder,
                                     const std::filesystem::path& index) {
   WeightFiles out;
-  const std::vector<char> bytes = io::read_file(index);
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(bytes.begin(), bytes.end());
-  } catch (const nlohmann::json::parse_error& e) {
-    throw FormatError(std::string("not valid JSON: ") + e.what(), index.string());
-  }
+  const nlohmann::json j = io::read_json(index);
   if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
     throw FormatError("a shard index needs a \"weight_map\" object", index.string());
   std::set<std::filesystem::path> files;

@@ -149,9 +149,7 @@ struct SD3Transformer2DConfig {
   }
 
   [[nodiscard]] nlohmann::json to_json() const {
-    nlohmann::json j;
-    j["_class_name"] = std::string(class_name);
-    j["_diffusers_version"] = "0.42.1";
+    nlohmann::json j = diffusers_config_json<SD3Transformer2DConfig>();
     j["sample_size"] = sample_size;
     j["patch_size"] = patch_size;
     j["in_channels"] = in_channels;

@@ -336,9 +336,7 @@ struct UNet2DConditionConfig {
 
   /// The config as diffusers writes it (so `from_pretrained` reads the folder back).
   [[nodiscard]] nlohmann::json to_json() const {
-    nlohmann::json j;
-    j["_class_name"] = std::string(class_name);
-    j["_diffusers_version"] = "0.30.0";
+    nlohmann::json j = diffusers_config_json<UNet2DConditionConfig>();
     j["sample_size"] = sample_size.value_or(nullptr);
     j["in_channels"] = in_channels;
     j["out_channels"] = out_channels;

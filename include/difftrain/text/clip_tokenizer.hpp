@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "difftrain/core/error.hpp"
+#include "difftrain/io/json_file.hpp"
 #include "difftrain/io/read_file.hpp"
 #include "difftrain/text/tokenizer_common.hpp"
 #include "difftrain/text/unicode.hpp"
@@ -153,8 +154,8 @@ class CLIPTokenizer : public TokenTable {
     const fs::path config_file = dir / "tokenizer_config.json";
     const fs::path map_file = dir / "special_tokens_map.json";
     const fs::path json_file = dir / "tokenizer.json";
-    nlohmann::json config = fs::exists(config_file) ? tokenizer_detail::read_json(config_file)
-                                                    : nlohmann::json::object();
+    nlohmann::json config =
+        fs::exists(config_file) ? io::read_json(config_file) : nlohmann::json::object();
     if (!config.is_object()) throw FormatError("is not a JSON object", config_file.string());
 
     std::unordered_map<std::string, std::int64_t> vocab;
@@ -164,7 +165,7 @@ class CLIPTokenizer : public TokenTable {
     std::string where;
     if (fs::exists(json_file)) {
       where = json_file.string();
-      const nlohmann::json j = tokenizer_detail::read_json(json_file);
+      const nlohmann::json j = io::read_json(json_file);
       check_pipeline(j, where, byte_level_regex);
       const auto& model = tokenizer_detail::at_key(j, "model", where);
       read_vocab(tokenizer_detail::at_key(model, "vocab", where + " model"), vocab,
@@ -198,7 +199,7 @@ class CLIPTokenizer : public TokenTable {
       const fs::path vocab_file = dir / "vocab.json";
       const fs::path merges_file = dir / "merges.txt";
       where = dir.string() + " (vocab.json, merges.txt)";
-      read_vocab(tokenizer_detail::read_json(vocab_file), vocab, vocab_file.string());
+      read_vocab(io::read_json(vocab_file), vocab, vocab_file.string());
       merges = read_merges(merges_file);
     }
 
@@ -219,7 +220,7 @@ class CLIPTokenizer : public TokenTable {
         added.push_back(std::move(t));
       }
     } else if (fs::exists(map_file)) {
-      const nlohmann::json map = tokenizer_detail::read_json(map_file);
+      const nlohmann::json map = io::read_json(map_file);
       if (!map.is_object()) throw FormatError("is not a JSON object", map_file.string());
       for (const char* key : special_keys)
         if (map.contains(key) && !map[key].is_null()) {

@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "difftrain/core/error.hpp"
+#include "difftrain/io/json_file.hpp"
 #include "difftrain/io/protobuf_reader.hpp"
 #include "difftrain/io/read_file.hpp"
 #include "difftrain/text/tokenizer_common.hpp"
@@ -158,11 +159,11 @@ class T5Tokenizer : public TokenTable {
     const fs::path map_file = dir / "special_tokens_map.json";
     const fs::path json_file = dir / "tokenizer.json";
     const fs::path model_file = dir / "spiece.model";
-    nlohmann::json config = fs::exists(config_file) ? tokenizer_detail::read_json(config_file)
-                                                    : nlohmann::json::object();
+    nlohmann::json config =
+        fs::exists(config_file) ? io::read_json(config_file) : nlohmann::json::object();
     if (!config.is_object()) throw FormatError("is not a JSON object", config_file.string());
     if (fs::exists(map_file)) {
-      const nlohmann::json map = tokenizer_detail::read_json(map_file);
+      const nlohmann::json map = io::read_json(map_file);
       if (!map.is_object()) throw FormatError("is not a JSON object", map_file.string());
       for (const auto& [key, value] : map.items())
         if (!config.contains(key)) config[key] = value;
@@ -179,7 +180,7 @@ class T5Tokenizer : public TokenTable {
     std::vector<AddedToken> added;
     if (fs::exists(json_file)) {
       t.where_ = json_file.string();
-      read_tokenizer_json(tokenizer_detail::read_json(json_file), t, added);
+      read_tokenizer_json(io::read_json(json_file), t, added);
     } else if (fs::exists(model_file)) {
       t.where_ = model_file.string();
       const std::vector<char> bytes = io::read_file(model_file);

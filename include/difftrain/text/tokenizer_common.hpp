@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <filesystem>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -15,7 +14,6 @@
 #include <vector>
 
 #include "difftrain/core/error.hpp"
-#include "difftrain/io/read_file.hpp"
 #include "difftrain/text/unicode.hpp"
 
 namespace difftrain::text {
@@ -93,15 +91,6 @@ inline const nlohmann::json& at_key(const nlohmann::json& j, const char* key,
   if (!j.is_object() || !j.contains(key))
     throw FormatError(std::string("has no '") + key + "'", where);
   return j.at(key);
-}
-
-inline nlohmann::json read_json(const std::filesystem::path& file) {
-  const std::vector<char> bytes = io::read_file(file);
-  try {
-    return nlohmann::json::parse(bytes.begin(), bytes.end());
-  } catch (const nlohmann::json::exception& e) {
-    throw FormatError(std::string("is not JSON: ") + e.what(), file.string());
-  }
 }
 
 /// A special token's value in tokenizer_config.json / special_tokens_map.json: a string, or an

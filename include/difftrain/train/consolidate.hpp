@@ -25,6 +25,7 @@
 #include "difftrain/io/atomic_file.hpp"
 #include "difftrain/io/safetensors.hpp"
 #include "difftrain/io/torch_file.hpp"
+#include "difftrain/train/checkpoint_header.hpp"
 #include "difftrain/train/weight_shards.hpp"
 
 namespace difftrain::train {
@@ -57,15 +58,8 @@ inline std::map<std::string, at::Tensor> model_tensors(const std::filesystem::pa
                                                        ConsolidateReport& report) {
   const std::string where = checkpoint.string();
   const io::TorchValue root = io::load_torch_file(checkpoint);
-  if (root.at("format").string() != "difftrain.checkpoint")
-    throw FormatError("is not a difftrain checkpoint (format '" + root.at("format").string() + "')",
-                      where);
-  nlohmann::json js;
-  try {
-    js = nlohmann::json::parse(root.at("json").string());
-  } catch (const nlohmann::json::exception& e) {
-    throw FormatError(std::string("has unreadable settings: ") + e.what(), where);
-  }
+  check_checkpoint_format(root, "difftrain.checkpoint", "a difftrain checkpoint");
+  const nlohmann::json js = checkpoint_json(root, "settings");
   report.step = root.at("step").integer();
   report.world_size = js.is_object() ? js.value("world_size", std::int64_t{1}) : 1;
   std::map<std::string, at::Tensor> model = root.at("model").tensor_map();

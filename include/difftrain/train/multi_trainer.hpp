@@ -20,6 +20,7 @@
 
 #include "difftrain/core/error.hpp"
 #include "difftrain/io/torch_file.hpp"
+#include "difftrain/train/checkpoint_header.hpp"
 #include "difftrain/train/trainer.hpp"
 
 namespace difftrain::train {
@@ -30,7 +31,6 @@ class MultiTrainer {
   using TrainerT = Trainer<Model, Config>;
   using Options = typename TrainerT::Options;
   using Batch = typename Model::Batch;
-  static constexpr int kFormatVersion = 1;
   static_assert(!TrainerT::sharded,
                 "difftrain: MultiTrainer writes every model's state into one file, so it takes "
                 "DataParallel, not a sharding Config::Parallel (ShardedDataParallel)");
@@ -106,7 +106,7 @@ class MultiTrainer {
   [[nodiscard]] c10::IValue state() {
     auto root = io::torch_dict();
     root.insert("format", std::string("difftrain.multi_checkpoint"));
-    root.insert("version", std::int64_t{kFormatVersion});
+    root.insert("version", kCheckpointFormatVersion);
     auto list = io::torch_list();
     for (auto& t : trainers_) list.push_back(t->state());
     root.insert("models", list);
@@ -155,14 +155,7 @@ class MultiTrainer {
  private:
   std::vector<typename TrainerT::CheckedState> check_file(const std::filesystem::path& path) {
     const io::TorchValue root = io::load_torch_file(path);
-    if (root.at("format").string() != "difftrain.multi_checkpoint")
-      throw FormatError(
-          "is not a multi-model checkpoint (format '" + root.at("format").string() + "')",
-          root.where());
-    if (root.at("version").integer() > kFormatVersion)
-      throw FormatError("has format version " + std::to_string(root.at("version").integer()) +
-                            ", newer than this difftrain reads",
-                        root.where());
+    check_checkpoint_format(root, "difftrain.multi_checkpoint", "a multi-model checkpoint");
     const auto models = root.at("models").elements();
     if (models.size() != trainers_.size())
       throw ConfigError("holds " + std::to_string(models.size()) + " models, this trainer has " +

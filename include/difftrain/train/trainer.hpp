@@ -49,6 +49,7 @@
 #include "difftrain/schedule/bind.hpp"
 #include "difftrain/schedule/concepts.hpp"
 #include "difftrain/schedule/diffusers.hpp"
+#include "difftrain/train/checkpoint_header.hpp"
 #include "difftrain/train/clipping.hpp"
 #include "difftrain/train/optimizer.hpp"
 #include "difftrain/train/optimizer_archive.hpp"
@@ -362,7 +363,6 @@ class Trainer {
   static constexpr bool has_ema = !std::is_same_v<EmaT, NoEma>;
   /// Whether the optimizer state is sharded over the ranks (Config::Parallel is ZeRO's).
   static constexpr bool sharded = ShardingParallel<ParallelT>;
-  static constexpr int kFormatVersion = 1;
 
   struct Options {
     typename OptimizerPolicyT::Options optimizer{};
@@ -700,7 +700,7 @@ class Trainer {
     if (shards != nullptr) in_shards.insert(param_names_.begin(), param_names_.end());
     auto root = io::torch_dict();
     root.insert("format", std::string("difftrain.checkpoint"));
-    root.insert("version", std::int64_t{kFormatVersion});
+    root.insert("version", kCheckpointFormatVersion);
     root.insert("step", step_);
     nlohmann::json js = {{"fingerprint", fingerprint()},
                          {"scheduler", scheduler_->state()},
@@ -796,21 +796,8 @@ class Trainer {
   [[nodiscard]] CheckedState check_state(const io::TorchValue& root,
                                          const std::filesystem::path& file = {}) const {
     const std::string where = root.where();
-    if (root.at("format").string() != "difftrain.checkpoint")
-      throw FormatError(
-          "is not a difftrain checkpoint (format '" + root.at("format").string() + "')", where);
-    const std::int64_t version = root.at("version").integer();
-    if (version > kFormatVersion)
-      throw FormatError("has format version " + std::to_string(version) +
-                            ", newer than this difftrain reads (" + std::to_string(kFormatVersion) +
-                            ")",
-                        where);
-    nlohmann::json js;
-    try {
-      js = nlohmann::json::parse(root.at("json").string());
-    } catch (const nlohmann::json::exception& e) {
-      throw FormatError(std::string("has unreadable settings: ") + e.what(), where);
-    }
+    check_checkpoint_format(root, "difftrain.checkpoint", "a difftrain checkpoint");
+    nlohmann::json js = checkpoint_json(root, "settings");
     // Every piece apply_state reads is here and of the right kind, so applying cannot stop
     // halfway on a missing key.
     if (!js.is_object() || !js.contains("fingerprint") || !js["fingerprint"].is_object())
@@ -1373,7 +1360,7 @@ class Trainer {
   [[nodiscard]] c10::IValue optimizer_shard_state() const {
     auto root = io::torch_dict();
     root.insert("format", std::string("difftrain.optimizer_shard"));
-    root.insert("version", std::int64_t{kFormatVersion});
+    root.insert("version", kCheckpointFormatVersion);
     root.insert("step", step_);
     root.insert("rank", parallel_->rank());
     root.insert("world_size", parallel_->world_size());
@@ -1438,8 +1425,7 @@ class Trainer {
       const std::filesystem::path shard_file = shard_path(file, r, world);
       const io::TorchValue root = io::load_torch_file(shard_file);
       const std::string w = shard_file.string();
-      if (root.at("format").string() != "difftrain.optimizer_shard")
-        throw FormatError("is not a shard of an optimizer state", w);
+      check_checkpoint_format(root, "difftrain.optimizer_shard", "a shard of an optimizer state");
       if (root.at("step").integer() != step || root.at("rank").integer() != r ||
           root.at("world_size").integer() != world)
         throw FormatError("belongs to another checkpoint (step " +
@@ -1449,12 +1435,7 @@ class Trainer {
                               std::to_string(step) + ", rank " + std::to_string(r) + " of " +
                               std::to_string(world) + ")",
                           w);
-      nlohmann::json names;
-      try {
-        names = nlohmann::json::parse(root.at("json").string());
-      } catch (const nlohmann::json::exception& e) {
-        throw FormatError(std::string("has unreadable names: ") + e.what(), w);
-      }
+      const nlohmann::json names = checkpoint_json(root, "names");
       if (names != index["ranks"][static_cast<std::size_t>(r)])
         throw FormatError("holds other parameters than the checkpoint's index lists for rank " +
                               std::to_string(r),

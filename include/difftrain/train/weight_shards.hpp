@@ -18,6 +18,7 @@
 #include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -74,13 +75,20 @@ inline WeightShardRecord write_weight_shard(const std::filesystem::path& file,
                                             const std::map<std::string, at::Tensor>& tensors,
                                             std::int64_t step, std::int64_t rank,
                                             std::int64_t world) {
+  // The record's CRC-32 and size are taken from the bytes as they go out: a shard of a large model
+  // is not read back after it is written.
+  WeightShardRecord r;
+  uLong crc = crc32_z(0L, Z_NULL, 0);
   io::save_safetensors(file, tensors,
                        {{"format", "difftrain.weights_shard"},
                         {"step", std::to_string(step)},
                         {"rank", std::to_string(rank)},
-                        {"world_size", std::to_string(world)}});
-  WeightShardRecord r;
-  r.crc32 = file_crc32(file, &r.bytes);
+                        {"world_size", std::to_string(world)}},
+                       [&](std::span<const char> b) {
+                         crc = crc32_z(crc, reinterpret_cast<const Bytef*>(b.data()), b.size());
+                         r.bytes += b.size();
+                       });
+  r.crc32 = static_cast<std::uint32_t>(crc);
   return r;
 }
 
