@@ -20,7 +20,6 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <string>
-#include <vector>
 
 #include "../common/cli_checks.hpp"
 
@@ -28,7 +27,7 @@ namespace {
 
 int run(const std::filesystem::path& checkpoint, const std::filesystem::path& out,
         const difftrain::train::ConsolidateOptions& o, const std::string& config_path) {
-  // A model folder's config.json, as the user gave it.
+  // With --config (a model folder's config.json, as the user gave it), a diffusers folder.
   const difftrain::train::ConsolidateReport r =
       config_path.empty() ? difftrain::train::consolidate_checkpoint(checkpoint, out, o)
                           : difftrain::train::consolidate_to_folder(
