@@ -17,12 +17,19 @@
 // file's steps (to --steps) with the optimizer state of its sidecar. --device cuda trains on a GPU
 // (the latents are drawn in host memory, so "once" and "random" draw the same on every device;
 // the files hold host tensors, as the web UI's loader expects).
+//
+// Under torchrun (`torchrun --nproc-per-node N --no-python webui_train ...`), which the web UI
+// does not have, rank r takes micro-batches r, r + N, ... of the web UI's epoch order, the
+// gradients are averaged before clipping and the optimizer step, and rank 0 writes every file:
+// N ranks at --gradient_step G train as one process at --gradient_step N·G. Each sample's noise and
+// timestep come from its place in the epoch, so the two agree up to the order of float sums.
 
 #include <CLI/CLI.hpp>
 #include <difftrain/adapters/embedding_database.hpp>
 #include <difftrain/adapters/unet_adapters.hpp>
 #include <difftrain/adapters/webui_training.hpp>
 #include <difftrain/data/data.hpp>
+#include <difftrain/distributed/world.hpp>
 #include <difftrain/io/read_file.hpp>
 #include <difftrain/text/webui_conditioning.hpp>
 #include <difftrain/train/seeding.hpp>
@@ -67,6 +74,7 @@ struct Settings : examples::RunFlags {
   std::string preview_prompt, preview_negative_prompt;
   std::int64_t preview_steps = 20, preview_seed = -1, preview_width = 0, preview_height = 0;
   double preview_cfg_scale = 7.0;
+  double rank_timeout = 1800;
   Settings() { out = "runs/webui_train"; }
 };
 
@@ -149,7 +157,7 @@ Dataset make_dataset(const Settings& s, const data::ImageFolder& folder, Pipelin
 }
 
 struct Batch {
-  at::Tensor latents;
+  at::Tensor latents, noise, timesteps;
   std::vector<std::string> prompts;
 };
 
@@ -166,34 +174,64 @@ int run(Settings s) {
     throw ConfigError("must be multiples of 8", "--width / --height");
   const std::vector<std::string> templates = read_templates(s.template_file);
   examples::apply_threads(s);
-  const at::Device device = examples::device_from(s.device);
+  // The ranks of a torchrun launch (a world of one without it); with CUDA each its own GPU.
+  const auto world = dt::distributed::World::from_environment(
+      {.timeout = std::chrono::milliseconds(static_cast<std::int64_t>(s.rank_timeout * 1000))});
+  const std::int64_t ranks = world->size(), rank = world->rank();
+  const at::Device device =
+      s.device == "cuda" && world->distributed()
+          ? at::Device(at::kCUDA, static_cast<at::DeviceIndex>(world->local_rank()))
+          : examples::device_from(s.device);
   data::ImageFolder folder = data::scan_image_folder(s.data_dir);
   for (const auto& skipped : folder.skipped)
-    std::fprintf(stderr, "skipped %s: %s\n", skipped.path.string().c_str(), skipped.reason.c_str());
+    if (world->is_main())
+      std::fprintf(stderr, "skipped %s: %s\n", skipped.path.string().c_str(),
+                   skipped.reason.c_str());
   const fs::path out(s.out);
   dt::io::ensure_writable_folder(out);
   const fs::path log = s.log_directory.empty() ? out / "log" : fs::path(s.log_directory);
   tr::set_seed(s.seed);
   Pipeline p = load_pipeline(s.model, "");
+  // The web UI trains embeddings and hypernetworks on SD 1.x/2.x only (on SDXL its loops fail);
+  // an SDXL embedding in its clip_l/clip_g file comes from the textual_inversion program.
   if (p.xl)
-    throw ConfigError("is an SDXL pipeline; this program trains SD 1.x/2.x pipelines", s.model);
+    throw ConfigError(
+        "is an SDXL pipeline: the web UI's embedding and hypernetwork training is "
+        "for SD 1.x/2.x pipelines (train an SDXL embedding, which the web UI loads, "
+        "with textual_inversion)",
+        s.model);
   for (auto* m : std::vector<torch::nn::Module*>{p.unet.get(), p.vae.get(), p.text_encoder.get()}) {
     freeze(*m);
     m->eval();
     m->to(device);
   }
   const Dataset d = make_dataset(s, folder, p, device);
+  // Each rank's share of an epoch's micro-batches; every rank needs a whole optimizer step.
+  const auto images = static_cast<std::int64_t>(d.captions.size());
+  const std::int64_t local_batches = images / s.batch_size / ranks;
+  if (ranks > 1 && local_batches < s.gradient_step)
+    throw ConfigError(
+        std::to_string(images) + " images give " + std::to_string(images / s.batch_size) +
+            " micro-batches of " + std::to_string(s.batch_size) + " an epoch, fewer than " +
+            std::to_string(ranks) + " ranks × --gradient_step " + std::to_string(s.gradient_step),
+        s.data_dir);
+  // The global generator draws only the hypernetwork's dropout; each rank its own.
+  if (rank > 0) tr::set_seed(s.seed + 7919 * rank);
   const df::NoiseSchedule schedule(p.scheduler.schedule);
   const std::string name = s.embedding.empty() ? s.hypernetwork : s.embedding;
 
-  // One micro-batch: the web UI's order (shuffled per epoch), its templates and tag options.
-  auto batch = [&](std::int64_t epoch, std::int64_t index) {
+  // One micro-batch: the web UI's order (shuffled per epoch), its templates and tag options; this
+  // rank's local_index-th is the epoch's (local_index · ranks + rank)-th. Each sample's draws
+  // (latent, tags, template, noise, timestep) come from its place in the epoch.
+  const std::int64_t timesteps = schedule.num_train_timesteps();
+  auto batch = [&](std::int64_t epoch, std::int64_t local_index) {
+    const std::int64_t index = local_index * ranks + rank;
     std::vector<std::size_t> order(d.captions.size());
     for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
     std::mt19937_64 rng(s.seed * 0x9E3779B97F4A7C15ULL + static_cast<std::uint64_t>(epoch));
     std::shuffle(order.begin(), order.end(), rng);
     Batch b;
-    std::vector<at::Tensor> latents;
+    std::vector<at::Tensor> latents, noise, ts;
     for (std::int64_t k = 0; k < s.batch_size; ++k) {
       const auto pos = static_cast<std::size_t>(index * s.batch_size + k);
       const std::size_t i = order[pos];
@@ -223,16 +261,19 @@ int run(Settings s) {
       replace_all(prompt, "[name]", name);
       replace_all(prompt, "[filewords]", filewords);
       b.prompts.push_back(prompt);
+      noise.push_back(at::randn(latents.back().sizes(), gen));
+      ts.push_back(at::randint(timesteps, {1}, gen));
     }
     b.latents = at::stack(latents).to(device);
+    b.noise = at::stack(noise).to(device);
+    b.timesteps = at::cat(ts).to(device);
     return b;
   };
-  auto denoising_loss = [&](const at::Tensor& latents, const at::Tensor& cond) {
-    const at::Tensor noise = at::randn_like(latents);
-    const at::Tensor t =
-        at::randint(schedule.num_train_timesteps(), {latents.size(0)}, at::kLong).to(device);
-    const at::Tensor pred = p.unet->forward(schedule.add_noise(latents, noise, t), t, cond);
-    return at::mse_loss(pred, schedule.target(p.scheduler.prediction, latents, noise, t));
+  auto denoising_loss = [&](const Batch& b, const at::Tensor& cond) {
+    const at::Tensor pred =
+        p.unet->forward(schedule.add_noise(b.latents, b.noise, b.timesteps), b.timesteps, cond);
+    return at::mse_loss(pred,
+                        schedule.target(p.scheduler.prediction, b.latents, b.noise, b.timesteps));
   };
 
   ad::AdapterTrainOptions o;
@@ -246,7 +287,8 @@ int run(Settings s) {
   o.write_csv_every = s.write_csv_every;
   o.create_image_every = s.create_image_every;
   o.save_image_with_stored_embedding = s.save_image_with_stored_embedding;
-  const auto dataset_size = static_cast<std::int64_t>(d.captions.size());
+  o.write_files = world->is_main();
+  const std::int64_t dataset_size = ranks > 1 ? local_batches * s.batch_size : images;
   std::vector<double> losses;
   // The preview: the web UI's txt2img with the adapter as it is at that step (DDIM here, the
   // pipeline's scheduler settings), from a seed (-1: the run's seed + the step).
@@ -298,10 +340,30 @@ int run(Settings s) {
   ad::AdapterHooks hooks{.on_step =
                              [&](const ad::AdapterStepInfo& i) {
                                losses.push_back(i.loss);
-                               if (i.step % 10 == 0)
+                               if (i.step % 10 == 0 && world->is_main())
                                  std::fprintf(stderr, "%s\n", i.description.c_str());
                              },
                          .interrupted = [] { return examples::g_interrupted.load(); }};
+  if (ranks > 1) {
+    // Every rank stops at the same micro-batch when any was interrupted.
+    hooks.interrupted = [&] { return !world->all_true(!examples::g_interrupted.load()); };
+    hooks.average = [&](const std::vector<at::Tensor>& weights, double loss) {
+      for (const auto& w : weights) {
+        at::Tensor g = w.grad();
+        if (!g.defined()) g = w.mutable_grad() = at::zeros_like(w);
+        world->all_reduce_sum(g);
+        g.div_(static_cast<double>(ranks));
+      }
+      return world->mean(loss);
+    };
+  }
+  // Every rank starts from rank 0's weights (a new hypernetwork's are drawn at random).
+  auto same_start = [&](const std::vector<at::Tensor>& weights) {
+    if (ranks == 1) return;
+    at::NoGradGuard no_grad;
+    std::vector<at::Tensor> w(weights.begin(), weights.end());
+    world->broadcast(w);
+  };
   std::signal(SIGINT, examples::on_sigint);
   ad::AdapterTrainResult r;
   nlohmann::json results;
@@ -326,6 +388,7 @@ int run(Settings s) {
       e.step = 0;
     }
     e.vec = e.vec.to(device);  // the files are written from host copies
+    same_start({e.vec});
     db.register_embedding(e);  // shares e's vectors, which train in place
     const auto finder = db.prompt_finder();
     const auto vectors = db.prompt_vectors();
@@ -339,8 +402,7 @@ int run(Settings s) {
               std::vector<text::TokenizedPrompt> tp;
               for (const auto& prompt : b.prompts)
                 tp.push_back(text::tokenize_prompt(*p.tokenizer, prompt, {}, finder));
-              return denoising_loss(b.latents,
-                                    text::encode_webui_prompts(p.text_encoder, tp, {}, vectors));
+              return denoising_loss(b, text::encode_webui_prompts(p.text_encoder, tp, {}, vectors));
             }},
         hooks);
     results["vectors"] = e.vectors();
@@ -364,6 +426,7 @@ int run(Settings s) {
       pair.first->to(device);
       pair.second->to(device);
     }
+    same_start(hn.weights());
     const std::size_t hooked = ad::attach_hypernetwork(*p.unet, hn);
     hooks.preview = preview_with({}, {});
     r = ad::train_hypernetwork(
@@ -375,13 +438,14 @@ int run(Settings s) {
                                  for (const auto& prompt : b.prompts)
                                    tp.push_back(text::tokenize_prompt(*p.tokenizer, prompt));
                                  return denoising_loss(
-                                     b.latents, text::encode_webui_prompts(p.text_encoder, tp));
+                                     b, text::encode_webui_prompts(p.text_encoder, tp));
                                }},
         hooks, s.optimizer);
     ad::detach_hypernetwork(*p.unet);
     results["attention_layers"] = hooked;
   }
   std::signal(SIGINT, SIG_DFL);
+  if (!world->is_main()) return r.interrupted ? 130 : 0;  // rank 0 writes what the run leaves
   results["file"] = fs::relative(o.output, out).string();
   results["steps_done"] = r.steps_done;
   results["final_step"] = r.final_step;
@@ -396,7 +460,8 @@ int run(Settings s) {
   }
   results["first_loss"] = mean_of(losses, std::max<std::size_t>(1, losses.size() / 10), false);
   results["last_loss"] = mean_of(losses, std::max<std::size_t>(1, losses.size() / 10), true);
-  results["images"] = dataset_size;
+  results["images"] = images;
+  results["ranks"] = ranks;
   results["latent_sampling_method"] = s.latent_sampling_method;
   results["total_seconds"] = examples::seconds_since(t0);
   write_results(out, results);
@@ -425,6 +490,10 @@ int main(int argc, char** argv) {
   g->add_option("--seed", s.seed)->capture_default_str();
   g->add_option("--threads", s.threads)->check(count_in(0, 4096));
   g->add_option("--device", s.device, "cpu, cuda or cuda:N")->capture_default_str();
+  g->add_option("--rank_timeout", s.rank_timeout,
+                "under torchrun: seconds a rank waits for the others before it stops")
+      ->check(number_in(1, 1e7))
+      ->capture_default_str();
   auto* w = app.add_option_group("what to train");
   w->add_option("--embedding", s.embedding, "train (or create) this embedding");
   w->add_option("--init_text", s.init_text, "a new embedding's initial text")

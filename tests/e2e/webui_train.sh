@@ -38,6 +38,9 @@ expect_rc 2 method -- "$bin" "${base[@]}" --embedding fm --latent_sampling_metho
 grep_in "$work/method.err" "--latent_sampling_method"
 expect_rc 2 learn-rate -- "$bin" "${base[@]}" --embedding fm --learn_rate "0.005:abc" --output_dir "$work/bad"
 expect_rc 2 no-templates -- "$bin" "${base[@]}" --embedding fm --template_file "$work/nowhere.txt" --output_dir "$work/bad"
+expect_rc 2 sdxl -- "$bin" "${base[@]}" --embedding fm --pretrained_model_name_or_path "$work/data/sdxl" --output_dir "$work/bad"
+grep_in "$work/sdxl.err" "is an SDXL pipeline"
+grep_in "$work/sdxl.err" "textual_inversion"
 expect_rc 2 device -- "$bin" "${base[@]}" --embedding fm --device gpu --output_dir "$work/bad"
 grep_in "$work/device.err" "--device"
 
@@ -64,6 +67,28 @@ for f in run/log/embedding/images/fm-sneaker-5.png run/log/embedding/images/fm-s
   [ -s "$work/$f" ] || fail "no preview $f"
 done
 [ ! -e "$work/hn/log/hypernetwork/image_embeddings" ] || fail "a hypernetwork embedded a preview"
+
+# Under torchrun: 2 ranks at --gradient_step 1 train as one process at --gradient_step 2 (each
+# sample's noise from its place in the epoch); rank 0 alone writes. Too few micro-batches for the
+# ranks are refused by name.
+export GLOO_SOCKET_IFNAME=lo
+launch=("$(dirname "$py")/torchrun" --standalone --nproc-per-node 2 --no-python "$bin")
+dp=(--batch_size 1 --steps 6 --save_every 3 --create_image_every 0 --latent_sampling_method random
+    --shuffle_tags --learn_rate 0.02 --rank_timeout 120)
+expect_rc 0 dp-one -- "$bin" "${base[@]}" "${dp[@]}" --gradient_step 2 --embedding fm-dp \
+  --output_dir "$work/dp-one"
+expect_rc 0 dp-two -- "${launch[@]}" "${base[@]}" "${dp[@]}" --gradient_step 1 --embedding fm-dp \
+  --output_dir "$work/dp-two"
+grep_in "$work/dp-two/results.json" '"ranks": 2'
+[ "$(grep -c "embedding 'fm-dp'" "$work/dp-two.out")" -eq 1 ] || fail "more than one rank reported"
+expect_rc 0 dp-hn-one -- "$bin" "${base[@]}" "${dp[@]}" --gradient_step 2 --hypernetwork fm-dp-hn \
+  --activation_func relu --output_dir "$work/dp-one"
+expect_rc 0 dp-hn-two -- "${launch[@]}" "${base[@]}" "${dp[@]}" --gradient_step 1 \
+  --hypernetwork fm-dp-hn --activation_func relu --output_dir "$work/dp-two"
+n=$(find "$work/images" -name '*.txt' | wc -l)
+expect_rc 1 dp-few -- "${launch[@]}" "${base[@]}" "${dp[@]}" --batch_size "$n" --gradient_step 1 \
+  --embedding fm-few --output_dir "$work/dp-few"
+grep_in "$work/dp-few.err" "fewer than 2 ranks"
 
 "$py" - "$work" "$here/../reference" >"$work/python.out" 2>&1 <<'PY' || { fail "Python check"; }
 import json, pathlib, sys
@@ -92,6 +117,18 @@ for step in (5, 10):
         got = data["string_to_param"]["*"]
         assert data["name"] == f"fm-sneaker-{step}" and data["step"] == step, (data["name"], data["step"])
         assert torch.equal(got.to(want.dtype), want), (got, want)
+# Data parallel = one process with the ranks' micro-batches accumulated; rank 0's copies.
+one = torch.load(work / "dp-one" / "embeddings" / "fm-dp.pt", weights_only=False)
+two = torch.load(work / "dp-two" / "embeddings" / "fm-dp.pt", weights_only=False)
+a, b = one["string_to_param"]["*"], two["string_to_param"]["*"]
+assert one["step"] == two["step"] == 6 and torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+start = torch.load(work / "dp-two" / "log" / "embedding" / "embeddings" / "fm-dp-3.pt", weights_only=False)
+assert not torch.equal(start["string_to_param"]["*"], b), "the vectors did not move"
+h1 = torch.load(work / "dp-one" / "hypernetworks" / "fm-dp-hn.pt", weights_only=False)
+h2 = torch.load(work / "dp-two" / "hypernetworks" / "fm-dp-hn.pt", weights_only=False)
+worst = max((x[k] - y[k]).abs().max().item() for x, y in zip(h1[32], h2[32]) for k in x)
+assert h2["step"] == 6 and worst < 1e-5, worst
+print(f"torchrun, 2 ranks = 1 process at twice the accumulation: embedding {(a - b).abs().max():.1e}, hypernetwork {worst:.1e}")
 print(f"embedding: 2 vectors at step {e['step']}; hypernetwork: {sum(p.numel() for m in hn[32] for p in m.values())} weights at step {hn['step']}")
 PY
 cat "$work/python.out"

@@ -9,11 +9,13 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <barrier>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <regex>
 #include <sstream>
+#include <thread>
 
 #include "golden.hpp"
 
@@ -366,6 +368,73 @@ TEST(WebUiTraining, WritesCopiesLogAndSidecarsAndResumesBitIdentically) {
   other.step = 0;
   EXPECT_EQ(ad::train_embedding(other, o, webui_data(p, other, 2)).resumed_optimizer,
             ad::SidecarStatus::hash_mismatch);
+}
+
+// Data parallelism as webui_train runs it, two ranks as two threads: rank r takes batches r, r + 2,
+// ... of the epoch, `average` averages the gradients before clipping, and the pair trains what
+// one process trains accumulating both ranks' batches; the second rank writes nothing.
+TEST(WebUiTraining, AveragedRanksTrainAsAccumulationAndOnlyTheFirstWrites) {
+  const Problem p = webui_problem();
+  const auto& c = dt::test::golden("webui_training.json")["cases"]["norm"];
+  const fs::path dir = scratch("ranks");
+  ad::AdapterTrainOptions one = options_of(c);
+  one.batch_size = 1;
+  one.gradient_step = 2;
+  ad::Embedding whole;
+  whole.name = "toy";
+  whole.vec = p.vec.clone();
+  std::vector<double> whole_losses;
+  (void)ad::train_embedding(
+      whole, one, webui_data(p, whole, 1),
+      {.on_step = [&](const ad::AdapterStepInfo& s) { whole_losses.push_back(s.loss); }});
+
+  std::array<ad::Embedding, 2> e;
+  std::array<std::vector<double>, 2> losses;
+  std::array<at::Tensor, 2> grads;
+  std::array<double, 2> rank_loss{};
+  std::barrier sync(2);
+  auto rank = [&](int r) {
+    e[r].name = "toy";
+    e[r].vec = p.vec.clone();
+    ad::AdapterTrainOptions o = one;
+    o.gradient_step = 1;
+    o.save_every = 2;
+    o.write_csv_every = 1;
+    o.log_directory = dir / ("log" + std::to_string(r));
+    o.output = dir / ("rank" + std::to_string(r)) / "toy.pt";
+    o.write_files = r == 0;
+    ad::AdapterData<at::Tensor> d = webui_data(p, e[r], 1);
+    d.dataset_size /= 2;
+    d.batch = [r, all = d.batch](std::int64_t epoch, std::int64_t j) {
+      return all(epoch, j * 2 + r);
+    };
+    ad::AdapterHooks h{
+        .on_step = [&, r](const ad::AdapterStepInfo& s) { losses[r].push_back(s.loss); }};
+    h.average = [&, r](const std::vector<at::Tensor>& w, double loss) {
+      grads[r] = w[0].grad().clone();
+      rank_loss[r] = loss;
+      sync.arrive_and_wait();
+      w[0].mutable_grad().copy_((grads[0] + grads[1]) / 2);
+      const double mean = (rank_loss[0] + rank_loss[1]) / 2;
+      sync.arrive_and_wait();
+      return mean;
+    };
+    (void)ad::train_embedding(e[r], o, d, h);
+  };
+  std::thread second(rank, 1);
+  rank(0);
+  second.join();
+
+  EXPECT_TRUE(at::allclose(e[0].vec, whole.vec, 1e-6, 1e-6)) << e[0].vec - whole.vec;
+  EXPECT_TRUE(at::equal(e[0].vec, e[1].vec));
+  ASSERT_EQ(losses[0].size(), whole_losses.size());
+  for (std::size_t i = 0; i < whole_losses.size(); ++i)
+    EXPECT_NEAR(losses[0][i], whole_losses[i], 1e-6 * (1 + whole_losses[i])) << i;
+  EXPECT_TRUE(fs::exists(dir / "rank0" / "toy.pt"));
+  EXPECT_TRUE(fs::exists(dir / "log0" / "embeddings" / "toy-2.pt"));
+  EXPECT_TRUE(fs::exists(dir / "log0" / "textual_inversion_loss.csv"));
+  EXPECT_FALSE(fs::exists(dir / "rank1" / "toy.pt"));
+  EXPECT_FALSE(fs::exists(dir / "log1"));
 }
 
 TEST(WebUiTraining, PreviewsEveryNStepsAndEmbedsTheLastCopyOnce) {

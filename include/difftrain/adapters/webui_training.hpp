@@ -17,7 +17,9 @@
 //
 // The data is the caller's: `dataset_size` items, and `batch(epoch, index)` gives the index-th
 // micro-batch of an epoch (the caller shuffles per epoch as it likes); `loss(batch)` runs the
-// frozen model with the adapter in place.
+// frozen model with the adapter in place. Under data parallelism (which the web UI does not have)
+// each rank passes its share of the epoch as its data, AdapterHooks::average averages the
+// gradients before clipping, and only the first rank writes files (AdapterTrainOptions).
 
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
@@ -67,6 +69,9 @@ struct AdapterTrainOptions {
   bool save_image_with_stored_embedding = true;
   std::filesystem::path log_directory;  ///< CSV log and the periodic copies
   std::filesystem::path output;         ///< the final adapter file (`<name>.pt`)
+  /// False on the ranks of a data-parallel run other than the first: they read `output` and its
+  /// sidecar to continue as the first does, and write nothing (copies, log, previews, file).
+  bool write_files = true;
 };
 
 /// What a step reports to the caller (progress display, interruption).
@@ -153,6 +158,11 @@ struct AdapterHooks {
   /// Makes the preview of step `step` (every create_image_every steps), with the adapter as it
   /// is then; the web UI prompts it with the current batch's first caption.
   std::function<AdapterPreview(std::int64_t step)> preview{};
+  /// Data parallelism: called on every rank once per optimizer step, before clipping, with the
+  /// trained weights (gradients of this rank's micro-batches) and this rank's loss of the step;
+  /// averages the gradients over the ranks in place and returns the ranks' mean loss. With
+  /// several ranks, `interrupted` must give every rank the same answer (a collective).
+  std::function<double(const std::vector<at::Tensor>& weights, double loss)> average{};
 };
 
 namespace webui_detail {
@@ -180,7 +190,7 @@ AdapterTrainResult run(
   const std::int64_t steps_per_epoch = batches / o.gradient_step;
   const std::int64_t max_batches_per_epoch = batches - batches % o.gradient_step;
   std::optional<io::CsvLog> csv;
-  if (o.write_csv_every > 0)
+  if (o.write_files && o.write_csv_every > 0)
     csv.emplace(o.log_directory / csv_name,
                 std::vector<std::string>{"step", "epoch", "epoch_step", "loss", "learn_rate"});
   const std::filesystem::path copies = o.log_directory / (what + "s");
@@ -228,6 +238,7 @@ AdapterTrainResult run(
             "no gradient found for the trained weights after backward() for 10 steps in a row: "
             "the loss does not depend on the adapter",
             what + " '" + name + "' training");
+      if (hooks.average) accumulated = hooks.average(weights, accumulated);
       if (clip) (void)clip->apply(weights, step);
       optimizer.step();
       optimizer.zero_grad(/*set_to_none=*/true);
@@ -251,7 +262,7 @@ AdapterTrainResult run(
                     static_cast<long long>(info.epoch), static_cast<long long>(info.epoch_step + 1),
                     static_cast<long long>(steps_per_epoch), r.last_loss);
       info.description = desc;
-      if (o.save_every > 0 && step % o.save_every == 0) {
+      if (o.write_files && o.save_every > 0 && step % o.save_every == 0) {
         const auto file = copies / (name + "-" + std::to_string(step) + ".pt");
         save(file);  // the atomic writer creates the folder (an IoError if it cannot)
         r.saved.push_back(file);
@@ -263,7 +274,8 @@ AdapterTrainResult run(
         std::snprintf(loss_text, sizeof loss_text, "%.7f", r.last_loss);
         csv->row(step, info.epoch, info.epoch_step, std::string(loss_text), lr);
       }
-      if (hooks.preview && o.create_image_every > 0 && step % o.create_image_every == 0) {
+      if (o.write_files && hooks.preview && o.create_image_every > 0 &&
+          step % o.create_image_every == 0) {
         const std::string stem = name + "-" + std::to_string(step);
         const AdapterPreview preview = hooks.preview(step);
         const auto file = o.log_directory / "images" / (stem + ".png");
@@ -284,7 +296,7 @@ AdapterTrainResult run(
   }
   r.final_step = step;
   std::tie(r.statistics, r.recent_statistics) = loss_statistics(loss_log);
-  if (!o.output.empty()) {
+  if (o.write_files && !o.output.empty()) {
     save(o.output);
     r.saved.push_back(o.output);
   }
