@@ -187,6 +187,16 @@ int run(Settings s) {
     if (world->is_main())
       std::fprintf(stderr, "skipped %s: %s\n", skipped.path.string().c_str(),
                    skipped.reason.c_str());
+  // Each rank's share of an epoch's micro-batches (every image is one); every rank needs a whole
+  // optimizer step, which is known before any image is encoded.
+  const auto images = static_cast<std::int64_t>(folder.images.size());
+  const std::int64_t local_batches = images / s.batch_size / ranks;
+  if (ranks > 1 && local_batches < s.gradient_step)
+    throw ConfigError(
+        std::to_string(images) + " images give " + std::to_string(images / s.batch_size) +
+            " micro-batches of " + std::to_string(s.batch_size) + " an epoch, fewer than " +
+            std::to_string(ranks) + " ranks × --gradient_step " + std::to_string(s.gradient_step),
+        s.data_dir);
   const fs::path out(s.out);
   dt::io::ensure_writable_folder(out);
   const fs::path log = s.log_directory.empty() ? out / "log" : fs::path(s.log_directory);
@@ -206,15 +216,6 @@ int run(Settings s) {
     m->to(device);
   }
   const Dataset d = make_dataset(s, folder, p, device);
-  // Each rank's share of an epoch's micro-batches; every rank needs a whole optimizer step.
-  const auto images = static_cast<std::int64_t>(d.captions.size());
-  const std::int64_t local_batches = images / s.batch_size / ranks;
-  if (ranks > 1 && local_batches < s.gradient_step)
-    throw ConfigError(
-        std::to_string(images) + " images give " + std::to_string(images / s.batch_size) +
-            " micro-batches of " + std::to_string(s.batch_size) + " an epoch, fewer than " +
-            std::to_string(ranks) + " ranks × --gradient_step " + std::to_string(s.gradient_step),
-        s.data_dir);
   // The global generator draws only the hypernetwork's dropout; each rank its own.
   if (rank > 0) tr::set_seed(s.seed + 7919 * rank);
   const df::NoiseSchedule schedule(p.scheduler.schedule);

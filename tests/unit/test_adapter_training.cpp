@@ -252,6 +252,14 @@ Problem webui_problem() {
   return {t("vec", {3, 4}), t("w", {4, 5}), t("a", {10, 3}), t("y", {10, 5})};
 }
 
+/// An embedding named `name` holding the problem's starting vectors.
+ad::Embedding toy_embedding(const Problem& p, const std::string& name) {
+  ad::Embedding e;
+  e.name = name;
+  e.vec = p.vec.clone();
+  return e;
+}
+
 /// The reference's data: batch j of epoch e holds items (j·bs + k + 3e) mod n.
 ad::AdapterData<at::Tensor> webui_data(const Problem& p, ad::Embedding& e, std::int64_t bs,
                                        std::function<bool(int)> nan_at_call = {}) {
@@ -289,9 +297,7 @@ ad::AdapterTrainOptions options_of(const nlohmann::json& c) {
 TEST(WebUiTraining, EmbeddingTrainingMatchesTheWebUiLoop) {
   const Problem p = webui_problem();
   for (const auto& [name, c] : dt::test::golden("webui_training.json")["cases"].items()) {
-    ad::Embedding e;
-    e.name = "e";
-    e.vec = p.vec.clone();
+    ad::Embedding e = toy_embedding(p, "e");
     e.step = c["initial_step"].get<std::int64_t>();
     std::vector<double> losses, lrs;
     const auto r = ad::train_embedding(e, options_of(c), webui_data(p, e, c["batch_size"]),
@@ -323,15 +329,11 @@ TEST(WebUiTraining, WritesCopiesLogAndSidecarsAndResumesBitIdentically) {
   o.log_directory = dir / "log";
   o.output = dir / "emb" / "toy.pt";
 
-  ad::Embedding straight;
-  straight.name = "toy";
-  straight.vec = p.vec.clone();
+  ad::Embedding straight = toy_embedding(p, "toy");
   (void)ad::train_embedding(straight, options_of(c), webui_data(p, straight, 2));
 
   // Four steps, then a new process would load the file and its sidecar and go on to nine.
-  ad::Embedding e;
-  e.name = "toy";
-  e.vec = p.vec.clone();
+  ad::Embedding e = toy_embedding(p, "toy");
   ad::AdapterTrainOptions first = o;
   first.steps = 4;
   auto r = ad::train_embedding(e, first, webui_data(p, e, 2));
@@ -380,9 +382,7 @@ TEST(WebUiTraining, AveragedRanksTrainAsAccumulationAndOnlyTheFirstWrites) {
   ad::AdapterTrainOptions one = options_of(c);
   one.batch_size = 1;
   one.gradient_step = 2;
-  ad::Embedding whole;
-  whole.name = "toy";
-  whole.vec = p.vec.clone();
+  ad::Embedding whole = toy_embedding(p, "toy");
   std::vector<double> whole_losses;
   (void)ad::train_embedding(
       whole, one, webui_data(p, whole, 1),
@@ -394,8 +394,7 @@ TEST(WebUiTraining, AveragedRanksTrainAsAccumulationAndOnlyTheFirstWrites) {
   std::array<double, 2> rank_loss{};
   std::barrier sync(2);
   auto rank = [&](int r) {
-    e[r].name = "toy";
-    e[r].vec = p.vec.clone();
+    e[r] = toy_embedding(p, "toy");
     ad::AdapterTrainOptions o = one;
     o.gradient_step = 1;
     o.save_every = 2;
@@ -446,9 +445,7 @@ TEST(WebUiTraining, PreviewsEveryNStepsAndEmbedsTheLastCopyOnce) {
   o.save_every = 4;
   o.create_image_every = 2;
   o.log_directory = dir / "log";
-  ad::Embedding e;
-  e.name = "toy";
-  e.vec = p.vec.clone();
+  ad::Embedding e = toy_embedding(p, "toy");
   std::vector<std::int64_t> asked;
   const auto r = ad::train_embedding(e, o, webui_data(p, e, 2), {.preview = [&](std::int64_t step) {
                                        asked.push_back(step);
@@ -476,9 +473,7 @@ TEST(WebUiTraining, PreviewsEveryNStepsAndEmbedsTheLastCopyOnce) {
   // A negative interval is refused, as the web UI refuses it.
   ad::AdapterTrainOptions bad = o;
   bad.create_image_every = -1;
-  ad::Embedding e2;
-  e2.name = "toy";
-  e2.vec = p.vec.clone();
+  ad::Embedding e2 = toy_embedding(p, "toy");
   EXPECT_THROW((void)ad::train_embedding(e2, bad, webui_data(p, e2, 2)), dt::ConfigError);
 }
 
@@ -515,9 +510,7 @@ TEST(WebUiTraining, InputsAreCheckedWithTheWebUiSentences) {
 TEST(WebUiTraining, ANanLossStopsBeforeTheStepAndKeepsTheSavedFiles) {
   const Problem p = webui_problem();
   const fs::path dir = scratch("nan");
-  ad::Embedding e;
-  e.name = "toy";
-  e.vec = p.vec.clone();
+  ad::Embedding e = toy_embedding(p, "toy");
   ad::AdapterTrainOptions o;
   o.learn_rate = "0.01";
   o.steps = 10;
