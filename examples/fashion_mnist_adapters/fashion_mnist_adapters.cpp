@@ -3,8 +3,10 @@
 //
 //   1. trains a small model conditioned as Stable Diffusion is (text_model.hpp: captions through a
 //      CLIP tokenizer and CLIPTextModel, read by the UNet only through cross-attention at 14×14
-//      and 7×7) on captions of nine classes ("a photo of a sneaker"), or loads it from
-//      OUT/base.safetensors;
+//      and 7×7) on captions of nine classes ("a photo of a sneaker") and on the tenth class's
+//      images with the empty prompt only (it has seen them, as Stable Diffusion has seen most
+//      things, but never with a word for them; `--held-out-images unseen` leaves them out), or
+//      loads it from OUT/base.safetensors;
 //   2. textual inversion: a new embedding "ankle-boot" (4 token vectors) trained with the web UI's
 //      loop while the model stays frozen, placed into prompts through an EmbeddingDatabase;
 //   3. a web UI hypernetwork on the text's width in every attention layer, trained with the web
@@ -12,9 +14,11 @@
 //      never saw in a caption;
 //   4. LoRA on the UNet's attention projections, trained with difftrain's Trainer on the same
 //      captions, merged for sampling;
-//   then samples the new class with classifier-free guidance (the empty prompt as the other side)
-//   under each and under the base model alone, and reports the share the main job's classifier
-//   calls the new class, each adapter file's size and the times. `--help` lists the flags.
+//   then samples the new class with classifier-free guidance under each and under the base model
+//   alone (the other side is the base model's prediction for the empty prompt, so each adapter
+//   changes only the prompt's side; `--unconditional-side adapted` puts the hypernetwork and LoRA
+//   on both sides, as the web UI does), and reports the share the main job's classifier calls the
+//   new class, each adapter file's size and the times. `--help` lists the flags.
 //
 // Writes to --out: tokenizer/ (the caption tokenizer, a transformers folder), base.safetensors
 // (cached base model), adapters/ (ankle-boot.pt and .optim, ankle-boot-hn.pt and .optim,
@@ -67,10 +71,13 @@ struct Settings : examples::RunFlags, examples::JudgeFlags {
     out = "runs/fashion_mnist_adapters";
   }
   std::int64_t new_class = 9;
+  // Seeds the adapters' starting weights, data order and noise (-1: --seed); the base model and the
+  // sampling noise stay those of --seed, so runs that differ only here measure training's spread.
+  std::int64_t adapter_seed = -1;
   // "unseen": the base model never sees the new class's images; "uncaptioned": it sees them only
   // with the empty prompt (as Stable Diffusion has seen most things a user names, without the
   // user's word for them), never with a caption that names them.
-  std::string held_out_images = "unseen";
+  std::string held_out_images = "uncaptioned";
   std::string init_word = "sneaker";
   // base model
   std::int64_t channels = 16;
@@ -94,9 +101,17 @@ struct Settings : examples::RunFlags, examples::JudgeFlags {
   std::string methods = "embedding,hypernetwork,lora";
   std::int64_t save_every = 100;
   // sampling and scoring
-  std::int64_t samples = 100;
+  std::int64_t samples = 500;
   std::int64_t sample_steps = 20;
-  double guidance = 3.0;
+  double guidance = 7.0;
+  // "base": guidance contrasts the adapted prompt with the base model's unconditional prediction,
+  // so each adapter changes only the prompt's side, as an embedding does by construction;
+  // "adapted": the hypernetwork and LoRA are on for the empty prompt too, as in the web UI.
+  std::string unconditional = "base";
+
+  [[nodiscard]] std::uint64_t adapters_seed() const {
+    return adapter_seed < 0 ? seed : static_cast<std::uint64_t>(adapter_seed);
+  }
 };
 
 /// The TensorBoard run folder of one training (`base`, `lora`, ...), emptied of an earlier run's
@@ -283,7 +298,7 @@ ad::AdapterData<AdapterBatch> adapter_data(
   ad::AdapterData<AdapterBatch> d;
   d.dataset_size = images.size(0);
   d.batch = [&s, n = images.size(0)](std::int64_t epoch, std::int64_t j) {
-    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(s.seed * 7919 + epoch);
+    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(s.adapters_seed() * 7919 + epoch);
     const at::Tensor perm = at::randperm(n, gen, at::TensorOptions().dtype(at::kLong));
     return AdapterBatch{perm.narrow(0, j * s.adapter_batch, s.adapter_batch), epoch};
   };
@@ -334,9 +349,12 @@ std::vector<std::string> split_words(const std::string& text) {
   return out;
 }
 
-/// Samples under text states `cond` with guidance against `uncond`, from fixed noise.
+/// Samples under text states `cond` with guidance against `uncond`, from fixed noise; the
+/// unconditional side is `unconditional`'s prediction when one is given (the base model beside an
+/// adapted `net`).
 at::Tensor sample(const Settings& s, const df::NoiseSchedule& schedule, fmtext::TextUNet& net,
-                  const at::Tensor& cond, const at::Tensor& uncond) {
+                  const at::Tensor& cond, const at::Tensor& uncond,
+                  fmtext::TextUNet* unconditional = nullptr) {
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(s.seed + 1);
   const at::Tensor noise = at::randn({cond.size(0), 1, 28, 28}, gen).to(cond.device());
   df::DpmSolverPP2M dpm(schedule, {.prediction_type = net->options().prediction,
@@ -344,8 +362,13 @@ at::Tensor sample(const Settings& s, const df::NoiseSchedule& schedule, fmtext::
   const df::SampleOptions opts{
       .num_inference_steps = s.sample_steps, .guidance_scale = s.guidance, .chunk_size = 250};
   at::NoGradGuard no_grad;
+  // With guidance, df::sample asks for both sides in one batch: the conditional half first.
   auto model = [&](const at::Tensor& x, const at::Tensor& t, const at::Tensor& c) {
-    return net->forward(x, t, c);
+    if (unconditional == nullptr || s.guidance == 1.0) return net->forward(x, t, c);
+    const std::int64_t h = x.size(0) / 2;
+    return at::cat(
+        {net->forward(x.narrow(0, 0, h), t.narrow(0, 0, h), c.narrow(0, 0, h)),
+         (*unconditional)->forward(x.narrow(0, h, h), t.narrow(0, h, h), c.narrow(0, h, h))});
   };
   return df::sample(dpm, model, noise, opts, cond, uncond).clamp(-1, 1);
 }
@@ -470,7 +493,7 @@ int run(const Settings& s) {
   // 1. Textual inversion: only the embedding's vectors train; prompts find it in the database.
   if (wanted("embedding")) {
     auto t = std::chrono::steady_clock::now();
-    tr::set_seed(s.seed + 10);
+    tr::set_seed(s.adapters_seed() + 10);
     fmtext::TextUNet net = load_base(s, schedule, tok, base_path);
     const auto tokenize = [&tok](const std::string& text) { return tok.encode(text, false); };
     ad::EmbeddingDatabase db(tokenize, s.text_width);
@@ -511,7 +534,7 @@ int run(const Settings& s) {
   // hook; self-attention contexts of other widths pass unchanged), prompted with the new words.
   if (wanted("hypernetwork")) {
     auto t = std::chrono::steady_clock::now();
-    tr::set_seed(s.seed + 20);
+    tr::set_seed(s.adapters_seed() + 20);
     fmtext::TextUNet net = load_base(s, schedule, tok, base_path);
     ad::Hypernetwork hn(name + "-hn", {s.text_width},
                         {.layer_structure = parse_numbers(s.hn_structure, "--hn-structure"),
@@ -531,7 +554,9 @@ int run(const Settings& s) {
     hn = ad::Hypernetwork::load(file);  // the hooks read `hn`: sample with the saved file
     hypernetwork_to(hn, device);
     const auto [cond, uncond] = prompt_states(net, prompt, s.samples);
-    score("hypernetwork", sample(s, schedule, net, cond, uncond));
+    fmtext::TextUNet base = load_base(s, schedule, tok, base_path);
+    score("hypernetwork",
+          sample(s, schedule, net, cond, uncond, s.unconditional == "base" ? &base : nullptr));
     ad::detach_hypernetwork(*net->unet);
     files["hypernetwork"] = fs::relative(file, out).string();
     results["hypernetwork_statistics"] = r.recent_statistics;
@@ -542,7 +567,7 @@ int run(const Settings& s) {
   // Trainer on the same captions.
   if (wanted("lora")) {
     auto t = std::chrono::steady_clock::now();
-    tr::set_seed(s.seed + 30);
+    tr::set_seed(s.adapters_seed() + 30);
     fmtext::TextUNet net = load_base(s, schedule, tok, base_path);
     net->set_p_uncond(0.0);
     const auto injected =
@@ -584,7 +609,9 @@ int run(const Settings& s) {
     for (const auto& [layer_name, layer] : ad::lora_layers(*fresh->unet)) layer->merge();
     fresh->eval();
     const auto [cond, uncond] = prompt_states(fresh, prompt, s.samples);
-    score("lora", sample(s, schedule, fresh, cond, uncond));
+    fmtext::TextUNet base = load_base(s, schedule, tok, base_path);
+    score("lora",
+          sample(s, schedule, fresh, cond, uncond, s.unconditional == "base" ? &base : nullptr));
     files["lora"] = fs::relative(file, out).string();
     results["lora_layers"] = injected.size();
   }
@@ -605,6 +632,9 @@ int run(const Settings& s) {
   results["adapter_images"] = images.size(0);
   results["adapter_steps"] = s.adapter_steps;
   results["samples"] = s.samples;
+  results["guidance"] = s.guidance;
+  results["unconditional_side"] = s.unconditional;
+  results["adapter_seed"] = s.adapters_seed();
   results["classifier_test_accuracy"] = judge.test_accuracy;
   results["base_from_cache"] = base_cached;
   timing["base_seconds"] = base_seconds;
@@ -635,6 +665,11 @@ int main(int argc, char** argv) {
                           "TensorBoard's folder, a run per training (default: OUT/tensorboard)");
   g->add_option("--new-class", s.new_class, "the class the base model has no words for (0-9)")
       ->check(examples::count_in(0, 9))
+      ->capture_default_str();
+  g->add_option("--adapter-seed", s.adapter_seed,
+                "seeds only the adapters' training (-1: --seed): runs that differ here share the "
+                "base model and the sampling noise")
+      ->check(CLI::Range(std::int64_t{-1}, std::int64_t{1} << 40))
       ->capture_default_str();
   g->add_option("--held-out-images", s.held_out_images,
                 "unseen: the base model never sees the new class's images; uncaptioned: only "
@@ -670,7 +705,8 @@ int main(int argc, char** argv) {
   a->add_option("--adapter-batch,--train_batch_size", s.adapter_batch, "images per adapter step")
       ->check(examples::count_in(1, 1'000'000))
       ->capture_default_str();
-  a->add_option("--init-word", s.init_word, "known class's word whose vectors start the embedding")
+  a->add_option("--init-word", s.init_word,
+                "words whose token vectors start the embedding (a known class's)")
       ->capture_default_str();
   a->add_option("--num-vectors,--num_vectors", s.num_vectors, "embedding vectors")
       ->check(examples::count_in(1, 75))
@@ -706,6 +742,12 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   e->add_option("--guidance", s.guidance, "classifier-free guidance scale")
       ->check(examples::number_in(0, 1e4))
+      ->capture_default_str();
+  e->add_option("--unconditional-side", s.unconditional,
+                "base: guidance's unconditional side is the base model's, so an adapter changes "
+                "only the prompt's side; adapted: the hypernetwork and LoRA act on the empty "
+                "prompt too (the web UI)")
+      ->check(CLI::IsMember({"base", "adapted"}))
       ->capture_default_str();
   examples::add_judge_flags(e, s);
   CLI11_PARSE(app, argc, argv);

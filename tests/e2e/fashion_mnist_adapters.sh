@@ -58,17 +58,29 @@ done
 [ "$(wc -l <"$work/a/log/embedding/textual_inversion_loss.csv")" -eq 7 ] || fail "embedding log rows"
 "$py" "$check" --example "$work/a" >"$work/python.out" 2>&1 || { fail "Python check"; cat "$work/python.out"; }
 
-expect_rc 0 again -- "$bin" "${tiny[@]}" --out "$work/a"
+grep_in "$work/full.err" "seen with the empty prompt only"
+grep_in "$work/a/results.json" '"held_out_images": "uncaptioned"'
+grep_in "$work/a/results.json" '"unconditional_side": "base"'
+grep_in "$work/a/results.json" '"adapter_seed": 3'
+
+# Another adapter seed on the cached base model: only the adapters train again.
+expect_rc 105 bad-adapter-seed -- "$bin" "${tiny[@]}" --adapter-seed -2 --out "$work/bad"
+grep_in "$work/bad-adapter-seed.err" "--adapter-seed"
+expect_rc 0 again -- "$bin" "${tiny[@]}" --adapter-seed 4 --methods embedding --out "$work/a"
 grep_in "$work/again.err" "base: cached"
-# The new class's images seen with the empty prompt only: another base model (its settings differ,
-# so the cached one is not taken), the same files.
+grep_in "$work/a/results.json" '"adapter_seed": 4'
+expect_rc 105 bad-side -- "$bin" "${tiny[@]}" --unconditional-side none --out "$work/bad"
+grep_in "$work/bad-side.err" "--unconditional-side: none not in"
+# The new class's images never seen: another base model (its settings differ, so the cached one is
+# not taken); the hypernetwork on guidance's unconditional side too, as the web UI has it.
 expect_rc 105 bad-held-out -- "$bin" "${tiny[@]}" --held-out-images hidden --out "$work/bad"
 grep_in "$work/bad-held-out.err" "--held-out-images: hidden not in"
-expect_rc 0 uncaptioned -- "$bin" "${tiny[@]}" --held-out-images uncaptioned --methods embedding \
-  --out "$work/a"
-grep_in "$work/uncaptioned.err" "retraining"
-grep_in "$work/uncaptioned.err" "seen with the empty prompt only"
-grep_in "$work/a/results.json" '"held_out_images": "uncaptioned"'
+expect_rc 0 unseen -- "$bin" "${tiny[@]}" --held-out-images unseen --methods hypernetwork \
+  --unconditional-side adapted --out "$work/a"
+grep_in "$work/unseen.err" "retraining"
+grep_in "$work/unseen.err" "(Ankle boot unseen)"
+grep_in "$work/a/results.json" '"held_out_images": "unseen"'
+grep_in "$work/a/results.json" '"unconditional_side": "adapted"'
 
 [ "$failures" -eq 0 ] && echo "fashion_mnist_adapters end to end: all checks passed"
 exit "$failures"
