@@ -22,7 +22,8 @@
 // does not have, rank r takes micro-batches r, r + N, ... of the web UI's epoch order, the
 // gradients are averaged before clipping and the optimizer step, and rank 0 writes every file:
 // N ranks at --gradient_step G train as one process at --gradient_step N·G. Each sample's noise and
-// timestep come from its place in the epoch, so the two agree up to the order of float sums.
+// timestep come from its place in the epoch, so the two agree up to the order of float sums. Each
+// rank encodes every N-th image and the ranks exchange the latents.
 
 #include <CLI/CLI.hpp>
 #include <difftrain/adapters/embedding_database.hpp>
@@ -128,17 +129,22 @@ struct Dataset {
   }
 };
 
-// The latents stay in host memory (a batch moves to the device when it is used): "once" and
-// "random" draw from a CPU generator seeded by the run, the same on every device.
+// The latents stay in host memory (a batch moves to the device when it is used). Under torchrun
+// rank r encodes images r, r + N, ... and the ranks exchange them, so the folder is encoded once
+// over all devices. "once" draws each image's latent from that image's own generator (seeded by
+// the run), so the draw is the same whichever rank or device makes it.
 Dataset make_dataset(const Settings& s, const data::ImageFolder& folder, Pipeline& p,
-                     at::Device device) {
+                     at::Device device, const dt::distributed::World& world) {
   Dataset d;
   d.method = s.latent_sampling_method;
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(s.seed + 1);
   const auto& vc = p.vae->config();
+  const std::size_t n = folder.images.size();
+  const auto ranks = static_cast<std::size_t>(world.size());
+  const auto rank = static_cast<std::size_t>(world.rank());
   at::NoGradGuard no_grad;
-  for (const auto& r : folder.images) {
-    const data::DecodedImage img = data::read_image(r.path);
+  std::vector<at::Tensor> own;  // per image: (mean, std, once) stacked
+  for (std::size_t i = rank; i < n; i += ranks) {
+    const data::DecodedImage img = data::read_image(folder.images[i].path);
     const at::Tensor x =
         data::to_unit_range(data::resize(img.pixels.permute({2, 0, 1}), {s.height, s.width},
                                          data::Interpolation::bicubic)
@@ -148,10 +154,26 @@ Dataset make_dataset(const Settings& s, const data::ImageFolder& folder, Pipelin
       return ((vc.shift_factor ? z - *vc.shift_factor : z) * vc.scaling_factor)[0];
     };
     const at::Tensor mean = posterior.mean.cpu(), std = posterior.std.cpu();
-    d.mean.push_back(scaled(mean));
-    d.std.push_back(std[0] * vc.scaling_factor);
-    d.fixed.push_back(scaled(mean + std * at::randn(mean.sizes(), gen, mean.options())));
-    d.captions.push_back(r.caption);
+    at::Generator gen = data::sample_generator(s.seed + 1, 0, i, 0);
+    own.push_back(at::stack({scaled(mean), std[0] * vc.scaling_factor,
+                             scaled(mean + std * at::randn(mean.sizes(), gen, mean.options()))}));
+  }
+  // Every rank holds at least one image (the folder was checked against the ranks), and every
+  // image has the same size, so the ranks' shares stack into equal blocks padded with zeros.
+  at::Tensor mine = at::stack(own);
+  const auto per_rank = static_cast<std::int64_t>((n + ranks - 1) / ranks);
+  if (mine.size(0) < per_rank) {
+    std::vector<std::int64_t> pad = mine.sizes().vec();
+    pad[0] = per_rank - mine.size(0);
+    mine = at::cat({mine, at::zeros(pad, mine.options())});
+  }
+  const std::vector<at::Tensor> all = world.all_gather(mine);
+  for (std::size_t i = 0; i < n; ++i) {
+    const at::Tensor t = all[i % ranks][static_cast<std::int64_t>(i / ranks)];
+    d.mean.push_back(t[0].clone());
+    d.std.push_back(t[1].clone());
+    d.fixed.push_back(t[2].clone());
+    d.captions.push_back(folder.images[i].caption);
   }
   return d;
 }
@@ -215,7 +237,7 @@ int run(Settings s) {
     m->eval();
     m->to(device);
   }
-  const Dataset d = make_dataset(s, folder, p, device);
+  const Dataset d = make_dataset(s, folder, p, device, *world);
   // The global generator draws only the hypernetwork's dropout; each rank its own.
   if (rank > 0) tr::set_seed(s.seed + 7919 * rank);
   const df::NoiseSchedule schedule(p.scheduler.schedule);

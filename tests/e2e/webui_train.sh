@@ -75,15 +75,18 @@ export GLOO_SOCKET_IFNAME=lo
 launch=("$(dirname "$py")/torchrun" --standalone --nproc-per-node 2 --no-python "$bin")
 dp=(--batch_size 1 --steps 6 --save_every 3 --create_image_every 0 --latent_sampling_method random
     --shuffle_tags --learn_rate 0.02 --rank_timeout 120)
+# The hypernetwork pair draws "once": each rank encodes half the images and the ranks exchange the
+# latents, each drawn from its image's generator, so they match one process's.
+dp_once=("${dp[@]/random/once}")
 expect_rc 0 dp-one -- "$bin" "${base[@]}" "${dp[@]}" --gradient_step 2 --embedding fm-dp \
   --output_dir "$work/dp-one"
 expect_rc 0 dp-two -- "${launch[@]}" "${base[@]}" "${dp[@]}" --gradient_step 1 --embedding fm-dp \
   --output_dir "$work/dp-two"
 grep_in "$work/dp-two/results.json" '"ranks": 2'
 [ "$(grep -c "embedding 'fm-dp'" "$work/dp-two.out")" -eq 1 ] || fail "more than one rank reported"
-expect_rc 0 dp-hn-one -- "$bin" "${base[@]}" "${dp[@]}" --gradient_step 2 --hypernetwork fm-dp-hn \
-  --activation_func relu --output_dir "$work/dp-one"
-expect_rc 0 dp-hn-two -- "${launch[@]}" "${base[@]}" "${dp[@]}" --gradient_step 1 \
+expect_rc 0 dp-hn-one -- "$bin" "${base[@]}" "${dp_once[@]}" --gradient_step 2 \
+  --hypernetwork fm-dp-hn --activation_func relu --output_dir "$work/dp-one"
+expect_rc 0 dp-hn-two -- "${launch[@]}" "${base[@]}" "${dp_once[@]}" --gradient_step 1 \
   --hypernetwork fm-dp-hn --activation_func relu --output_dir "$work/dp-two"
 n=$(find "$work/images" -name '*.txt' | wc -l)
 expect_rc 1 dp-few -- "${launch[@]}" "${base[@]}" "${dp[@]}" --batch_size "$n" --gradient_step 1 \
