@@ -171,12 +171,24 @@ std::string base_key(const Settings& s) {
          (s.held_out_images == "unseen" ? std::string() : "," + s.held_out_images);
 }
 
-/// Every caption's token ids: row c · templates + k is class c under template k.
-at::Tensor caption_table(const fmtext::TextUNet& net) {
+/// The broader word a class shares with others of its kind ("shoe" for sandals, sneakers and
+/// ankle boots), and those classes; empty for a class of its own kind.
+std::pair<std::string, std::vector<std::int64_t>> broader_word(std::int64_t c) {
+  if (c == 5 || c == 7 || c == 9) return {"shoe", {5, 7, 9}};
+  if (c == 0 || c == 2 || c == 4 || c == 6) return {"top", {0, 2, 4, 6}};
+  return {};
+}
+
+/// Every caption's token ids: row c · templates + k is class c under template k; after the ten
+/// classes, the broader word's captions when there is one.
+at::Tensor caption_table(const fmtext::TextUNet& net, const std::string& broader) {
   std::vector<at::Tensor> rows;
   for (std::int64_t c = 0; c < fmnist::kClasses; ++c)
     for (const auto& t : fmtext::caption_templates())
       rows.push_back(net->tokens(fmtext::fill_template(t, fmtext::class_words(c))));
+  if (!broader.empty())
+    for (const auto& t : fmtext::caption_templates())
+      rows.push_back(net->tokens(fmtext::fill_template(t, broader)));
   return at::stack(rows);
 }
 
@@ -206,14 +218,20 @@ void base_model(const Settings& s, const fmnist::Dataset& data, const df::NoiseS
   fmtext::TextUNet net(model_options(s, tok), schedule, tok);
   net->to(device);
   const bool uncaptioned = s.held_out_images == "uncaptioned";
-  const at::Tensor keep = uncaptioned ? at::arange(data.train.labels.size(0), at::kLong)
-                                      : data.train.labels.ne(s.new_class).nonzero().flatten();
+  const bool generic = s.held_out_images == "generic";
+  const auto broad_kind =
+      generic ? broader_word(s.new_class) : std::pair<std::string, std::vector<std::int64_t>>{};
+  const std::string& broader = broad_kind.first;
+  const std::vector<std::int64_t>& kin = broad_kind.second;
+  const at::Tensor keep = uncaptioned || generic
+                              ? at::arange(data.train.labels.size(0), at::kLong)
+                              : data.train.labels.ne(s.new_class).nonzero().flatten();
   const at::Tensor images = data.train.images.index_select(0, keep).to(device);
   const at::Tensor labels = data.train.labels.index_select(0, keep).to(device);
   // The captions, and after them the empty prompt: the new class's only caption when its images
   // are seen uncaptioned.
   const at::Tensor captions =
-      at::cat({caption_table(net), net->tokens("").unsqueeze(0)}).to(device);
+      at::cat({caption_table(net, broader), net->tokens("").unsqueeze(0)}).to(device);
   const std::int64_t empty_row = captions.size(0) - 1;
   const auto templates = static_cast<std::int64_t>(fmtext::caption_templates().size());
   const std::int64_t n = images.size(0);
@@ -230,7 +248,9 @@ void base_model(const Settings& s, const fmnist::Dataset& data, const df::NoiseS
   std::fprintf(stderr, "base: %lld steps on %lld images, nine classes captioned (%s %s)\n",
                static_cast<long long>(s.base_steps), static_cast<long long>(n),
                fmnist::kClassNames[static_cast<std::size_t>(s.new_class)],
-               uncaptioned ? "seen with the empty prompt only" : "unseen");
+               uncaptioned ? "seen with the empty prompt only"
+               : generic   ? ("captioned only as '" + broader + "'").c_str()
+                           : "unseen");
   trainer.fit(
       [&](std::int64_t step, std::int64_t) {
         const at::Tensor idx = batches.indices(step);
@@ -238,8 +258,17 @@ void base_model(const Settings& s, const fmnist::Dataset& data, const df::NoiseS
         at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(s.seed * 7919 + step);
         const at::Tensor k = at::randint(templates, {idx.size(0)}, gen, at::kLong).to(device);
         const at::Tensor label = labels.index_select(0, idx);
-        const at::Tensor rows =
+        at::Tensor rows =
             at::where(label == s.new_class, at::full_like(label, empty_row), label * templates + k);
+        if (generic) {
+          // The new class always under the broader word, its kin half the time.
+          const at::Tensor broad = fmnist::kClasses * templates + k;
+          const at::Tensor coin = (at::rand({idx.size(0)}, gen) < 0.5).to(device);
+          at::Tensor kin_mask = at::zeros_like(label, at::kBool);
+          for (const std::int64_t c : kin) kin_mask = kin_mask.logical_or(label == c);
+          rows = at::where(label == s.new_class, broad,
+                           at::where(kin_mask.logical_and(coin), broad, rows));
+        }
         return fmtext::TextUNetImpl::Batch{images.index_select(0, idx),
                                            captions.index_select(0, rows)};
       },
@@ -400,6 +429,12 @@ int run(const Settings& s) {
     throw ConfigError("must be words other than the new class's, got '" + s.init_word + "'",
                       "--init-word");
   if (s.out.empty()) throw ConfigError("is empty; name the output folder", "--out");
+  if (s.held_out_images == "generic" && broader_word(s.new_class).first.empty())
+    throw ConfigError(std::string("is generic, but ") +
+                          fmnist::kClassNames[static_cast<std::size_t>(s.new_class)] +
+                          " shares no broader word with another class (footwear: 5, 7, 9; "
+                          "tops: 0, 2, 4, 6)",
+                      "--held-out-images");
   const std::vector<std::string> methods = split_words(s.methods);
   for (const auto& m : methods)
     if (m != "embedding" && m != "hypernetwork" && m != "lora")
@@ -428,6 +463,7 @@ int run(const Settings& s) {
   // The tokenizer: every class's words are in its vocabulary (the held-out class's too).
   std::vector<std::string> texts = fmtext::caption_templates();
   for (std::int64_t c = 0; c < fmnist::kClasses; ++c) texts.push_back(fmtext::class_words(c));
+  if (s.held_out_images == "generic") texts.push_back(broader_word(s.new_class).first);
   fmtext::write_caption_tokenizer(out / "tokenizer", texts);
   const tx::CLIPTokenizer tok = tx::CLIPTokenizer::from_folder(out / "tokenizer");
 
@@ -674,7 +710,7 @@ int main(int argc, char** argv) {
   g->add_option("--held-out-images", s.held_out_images,
                 "unseen: the base model never sees the new class's images; uncaptioned: only "
                 "with the empty prompt")
-      ->check(CLI::IsMember({"unseen", "uncaptioned"}))
+      ->check(CLI::IsMember({"unseen", "uncaptioned", "generic"}))
       ->capture_default_str();
   auto* b = app.add_option_group("base model");
   b->add_option("--channels", s.channels, "UNet width C")

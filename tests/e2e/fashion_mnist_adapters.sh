@@ -81,6 +81,16 @@ grep_in "$work/unseen.err" "retraining"
 grep_in "$work/unseen.err" "(Ankle boot unseen)"
 grep_in "$work/a/results.json" '"held_out_images": "unseen"'
 grep_in "$work/a/results.json" '"unconditional_side": "adapted"'
+# The new class captioned only by a word its kind shares ("shoe", which captions half the sandals
+# and sneakers too): a third base model. A class of its own kind has no such word.
+expect_rc 2 generic-alone -- "$bin" "${tiny[@]}" --held-out-images generic --new-class 1 \
+  --out "$work/bad"
+grep_in "$work/generic-alone.err" "shares no broader word"
+expect_rc 0 generic -- "$bin" "${tiny[@]}" --held-out-images generic --init-word shoe \
+  --methods embedding --out "$work/a"
+grep_in "$work/generic.err" "retraining"
+grep_in "$work/generic.err" "captioned only as 'shoe'"
+grep_in "$work/a/results.json" '"held_out_images": "generic"'
 
 [ "$failures" -eq 0 ] && echo "fashion_mnist_adapters end to end: all checks passed"
 exit "$failures"
