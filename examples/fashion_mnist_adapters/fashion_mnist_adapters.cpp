@@ -76,7 +76,8 @@ struct Settings : examples::RunFlags, examples::JudgeFlags {
   std::int64_t adapter_seed = -1;
   // "unseen": the base model never sees the new class's images; "uncaptioned": it sees them only
   // with the empty prompt (as Stable Diffusion has seen most things a user names, without the
-  // user's word for them), never with a caption that names them.
+  // user's word for them), never with a caption that names them; "generic": only under the word
+  // its kind shares ("shoe", which also captions half the sandals and sneakers).
   std::string held_out_images = "uncaptioned";
   std::string init_word = "sneaker";
   // base model
