@@ -48,6 +48,7 @@
 #include <filesystem>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 
 #include "../common/cli_checks.hpp"
@@ -527,6 +528,13 @@ int run(const Settings& s) {
     for (const auto& p : {prompt, ti_prompt, std::string()}) prompts[p] = tok.encode(p, false);
   }
 
+  // Guidance's unconditional side for the hypernetwork and LoRA: the base model itself with
+  // --unconditional-side base, none (the adapted model) with adapted.
+  const auto unconditional_model = [&]() -> std::optional<fmtext::TextUNet> {
+    if (s.unconditional != "base") return std::nullopt;
+    return load_base(s, schedule, tok, base_path);
+  };
+
   // 1. Textual inversion: only the embedding's vectors train; prompts find it in the database.
   if (wanted("embedding")) {
     auto t = std::chrono::steady_clock::now();
@@ -591,9 +599,8 @@ int run(const Settings& s) {
     hn = ad::Hypernetwork::load(file);  // the hooks read `hn`: sample with the saved file
     hypernetwork_to(hn, device);
     const auto [cond, uncond] = prompt_states(net, prompt, s.samples);
-    fmtext::TextUNet base = load_base(s, schedule, tok, base_path);
-    score("hypernetwork",
-          sample(s, schedule, net, cond, uncond, s.unconditional == "base" ? &base : nullptr));
+    auto base = unconditional_model();
+    score("hypernetwork", sample(s, schedule, net, cond, uncond, base ? &*base : nullptr));
     ad::detach_hypernetwork(*net->unet);
     files["hypernetwork"] = fs::relative(file, out).string();
     results["hypernetwork_statistics"] = r.recent_statistics;
@@ -646,9 +653,8 @@ int run(const Settings& s) {
     for (const auto& [layer_name, layer] : ad::lora_layers(*fresh->unet)) layer->merge();
     fresh->eval();
     const auto [cond, uncond] = prompt_states(fresh, prompt, s.samples);
-    fmtext::TextUNet base = load_base(s, schedule, tok, base_path);
-    score("lora",
-          sample(s, schedule, fresh, cond, uncond, s.unconditional == "base" ? &base : nullptr));
+    auto base = unconditional_model();
+    score("lora", sample(s, schedule, fresh, cond, uncond, base ? &*base : nullptr));
     files["lora"] = fs::relative(file, out).string();
     results["lora_layers"] = injected.size();
   }
