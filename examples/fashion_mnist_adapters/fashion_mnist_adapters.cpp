@@ -4,11 +4,14 @@
 //   1. trains a small model conditioned as Stable Diffusion is (text_model.hpp: captions through a
 //      CLIP tokenizer and CLIPTextModel, read by the UNet only through cross-attention at 14×14
 //      and 7×7) on captions of nine classes ("a photo of a sneaker") and on the tenth class's
-//      images with the empty prompt only (it has seen them, as Stable Diffusion has seen most
-//      things, but never with a word for them; `--held-out-images unseen` leaves them out), or
-//      loads it from OUT/base.safetensors;
-//   2. textual inversion: a new embedding "ankle-boot" (4 token vectors) trained with the web UI's
-//      loop while the model stays frozen, placed into prompts through an EmbeddingDatabase;
+//      images captioned only with the word its kind shares ("a photo of a shoe", a caption half
+//      the sandals and sneakers get too: it has seen them, as Stable Diffusion has seen most
+//      things a user names, but never with their own word; `--held-out-images uncaptioned` shows
+//      them with the empty prompt only, `unseen` leaves them out), or loads it from
+//      OUT/base.safetensors;
+//   2. textual inversion: a new embedding "ankle-boot" (4 token vectors, started from "shoe")
+//      trained with the web UI's loop while the model stays frozen, placed into prompts through an
+//      EmbeddingDatabase;
 //   3. a web UI hypernetwork on the text's width in every attention layer, trained with the web
 //      UI's loop, prompted with the new class's words ("a photo of a ankle boot"), which the UNet
 //      never saw in a caption;
@@ -75,12 +78,13 @@ struct Settings : examples::RunFlags, examples::JudgeFlags {
   // Seeds the adapters' starting weights, data order and noise (-1: --seed); the base model and the
   // sampling noise stay those of --seed, so runs that differ only here measure training's spread.
   std::int64_t adapter_seed = -1;
-  // "unseen": the base model never sees the new class's images; "uncaptioned": it sees them only
-  // with the empty prompt (as Stable Diffusion has seen most things a user names, without the
-  // user's word for them), never with a caption that names them; "generic": only under the word
-  // its kind shares ("shoe", which also captions half the sandals and sneakers).
-  std::string held_out_images = "uncaptioned";
-  std::string init_word = "sneaker";
+  // "generic": the base model sees the new class's images only under the word its kind shares
+  // ("shoe", which also captions half the sandals and sneakers), as Stable Diffusion knows most
+  // things a user names by a broader word; "uncaptioned": only with the empty prompt, never with
+  // a caption that names them; "unseen": never.
+  std::string held_out_images = "generic";
+  // The embedding's starting words; empty: the broader word with "generic", else "sneaker".
+  std::string init_word;
   // base model
   std::int64_t channels = 16;
   std::int64_t text_width = 64;
@@ -111,6 +115,7 @@ struct Settings : examples::RunFlags, examples::JudgeFlags {
   // "adapted": the hypernetwork and LoRA are on for the empty prompt too, as in the web UI.
   std::string unconditional = "base";
 
+  [[nodiscard]] std::string init_words() const;
   [[nodiscard]] std::uint64_t adapters_seed() const {
     return adapter_seed < 0 ? seed : static_cast<std::uint64_t>(adapter_seed);
   }
@@ -179,6 +184,12 @@ std::pair<std::string, std::vector<std::int64_t>> broader_word(std::int64_t c) {
   if (c == 5 || c == 7 || c == 9) return {"shoe", {5, 7, 9}};
   if (c == 0 || c == 2 || c == 4 || c == 6) return {"top", {0, 2, 4, 6}};
   return {};
+}
+
+std::string Settings::init_words() const {
+  if (!init_word.empty()) return init_word;
+  const std::string broader = held_out_images == "generic" ? broader_word(new_class).first : "";
+  return broader.empty() ? "sneaker" : broader;
 }
 
 /// Every caption's token ids: row c · templates + k is class c under template k; after the ten
@@ -427,8 +438,8 @@ int run(const Settings& s) {
   const auto t_start = std::chrono::steady_clock::now();
   if (s.new_class < 0 || s.new_class >= fmnist::kClasses)
     throw ConfigError("must be a class 0-9, got " + std::to_string(s.new_class), "--new-class");
-  if (s.init_word.empty() || s.init_word == fmtext::class_words(s.new_class))
-    throw ConfigError("must be words other than the new class's, got '" + s.init_word + "'",
+  if (s.init_words() == fmtext::class_words(s.new_class))
+    throw ConfigError("must be words other than the new class's, got '" + s.init_words() + "'",
                       "--init-word");
   if (s.out.empty()) throw ConfigError("is empty; name the output folder", "--out");
   if (s.held_out_images == "generic" && broader_word(s.new_class).first.empty())
@@ -494,11 +505,14 @@ int run(const Settings& s) {
     return fmnist::batched(samples, 500,
                            [&](const at::Tensor& x) { return cls->forward(x).argmax(1); });
   };
-  auto score = [&](const std::string& method, const at::Tensor& samples) {
+  // `method`'s share of samples classified as the new class, and (with `grid_row`) its row of
+  // samples.png.
+  auto score = [&](const std::string& method, const at::Tensor& samples, bool grid_row = true) {
     const double acc = classify(samples).eq(s.new_class).to(at::kDouble).mean().item<double>();
     results["new_class_accuracy"][method] = acc;
-    rows.push_back(samples.narrow(0, 0, std::min<std::int64_t>(10, samples.size(0))).cpu());
-    std::printf("%-13s %5.1f %% of %lld samples classified as %s\n", method.c_str(), 100 * acc,
+    if (grid_row)
+      rows.push_back(samples.narrow(0, 0, std::min<std::int64_t>(10, samples.size(0))).cpu());
+    std::printf("%-15s %5.1f %% of %lld samples classified as %s\n", method.c_str(), 100 * acc,
                 static_cast<long long>(samples.size(0)),
                 fmnist::kClassNames[static_cast<std::size_t>(s.new_class)]);
   };
@@ -520,7 +534,7 @@ int run(const Settings& s) {
     const double acc =
         classify(known).cpu().eq(at::cat(want)).to(at::kDouble).mean().item<double>();
     results["base_known_class_accuracy"] = acc;
-    std::printf("%-13s %5.1f %% of %lld samples of the nine known classes classified as prompted\n",
+    std::printf("%-15s %5.1f %% of %lld samples of the nine known classes classified as prompted\n",
                 "base (known)", 100 * acc, static_cast<long long>(known.size(0)));
     // The base model alone, prompted with the new class's (never trained) words.
     const auto [cond, uncond] = prompt_states(net, prompt, s.samples);
@@ -543,7 +557,7 @@ int run(const Settings& s) {
     const auto tokenize = [&tok](const std::string& text) { return tok.encode(text, false); };
     ad::EmbeddingDatabase db(tokenize, s.text_width);
     // The web UI's create_embedding: the init words' token vectors, repeated.
-    const auto ids = tokenize(s.init_word);
+    const auto ids = tokenize(s.init_words());
     if (ids.empty()) throw ConfigError("gives no token", "--init-word");
     const at::Tensor table = net->text_encoder->token_embedding->weight.detach();
     ad::Embedding e;
@@ -555,6 +569,13 @@ int run(const Settings& s) {
     db.register_embedding(e);  // shares e's vectors, which train in place
     const auto finder = db.prompt_finder();
     const auto vectors = db.prompt_vectors();
+    {
+      // Where training starts: the embedding as created (the init words' vectors), so the figure
+      // after training shows what the training added.
+      const auto [cond, uncond] = prompt_states(net, ti_prompt, s.samples, finder, vectors);
+      score("embedding_start", sample(s, schedule, net, cond, uncond), false);
+    }
+    t = std::chrono::steady_clock::now();  // the training's time, not the sampling's
     const fs::path file = adapters / (name + ".pt");
     const auto r = ad::train_embedding(
         e, adapter_options(s, s.ti_lr, log / "embedding", file),
@@ -672,6 +693,7 @@ int run(const Settings& s) {
   results["lora_alpha"] = std::to_string(s.lora_alpha);
   results["new_class"] = fmnist::kClassNames[static_cast<std::size_t>(s.new_class)];
   results["held_out_images"] = s.held_out_images;
+  results["init_word"] = s.init_words();
   results["adapter_images"] = images.size(0);
   results["adapter_steps"] = s.adapter_steps;
   results["samples"] = s.samples;
@@ -687,7 +709,7 @@ int run(const Settings& s) {
   difftrain::io::write_file_atomic(out / "results.json",
                                    std::span<const char>(text.data(), text.size()));
   for (const auto& [key, bytes] : sizes.items())
-    std::printf("%-13s file %s: %lld bytes\n", key.c_str(), files[key].get<std::string>().c_str(),
+    std::printf("%-15s file %s: %lld bytes\n", key.c_str(), files[key].get<std::string>().c_str(),
                 static_cast<long long>(bytes.get<std::int64_t>()));
   std::printf("wrote %s/{samples.png,results.json} in %.0f s\n", s.out.c_str(),
               seconds_since(t_start));
@@ -715,8 +737,8 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(std::int64_t{-1}, std::int64_t{1} << 40))
       ->capture_default_str();
   g->add_option("--held-out-images", s.held_out_images,
-                "unseen: the base model never sees the new class's images; uncaptioned: only "
-                "with the empty prompt")
+                "generic: the base model sees the new class's images only under a word its kind "
+                "shares ('shoe'); uncaptioned: only with the empty prompt; unseen: never")
       ->check(CLI::IsMember({"unseen", "uncaptioned", "generic"}))
       ->capture_default_str();
   auto* b = app.add_option_group("base model");
@@ -749,7 +771,8 @@ int main(int argc, char** argv) {
       ->check(examples::count_in(1, 1'000'000))
       ->capture_default_str();
   a->add_option("--init-word", s.init_word,
-                "words whose token vectors start the embedding (a known class's)")
+                "words whose token vectors start the embedding (default: the broader word "
+                "with generic, else 'sneaker')")
       ->capture_default_str();
   a->add_option("--num-vectors,--num_vectors", s.num_vectors, "embedding vectors")
       ->check(examples::count_in(1, 75))

@@ -58,8 +58,11 @@ done
 [ "$(wc -l <"$work/a/log/embedding/textual_inversion_loss.csv")" -eq 7 ] || fail "embedding log rows"
 "$py" "$check" --example "$work/a" >"$work/python.out" 2>&1 || { fail "Python check"; cat "$work/python.out"; }
 
-grep_in "$work/full.err" "seen with the empty prompt only"
-grep_in "$work/a/results.json" '"held_out_images": "uncaptioned"'
+# By default the new class is captioned only by the word its kind shares ("shoe", which captions
+# half the sandals and sneakers too), and the embedding starts from that word.
+grep_in "$work/full.err" "captioned only as 'shoe'"
+grep_in "$work/a/results.json" '"held_out_images": "generic"'
+grep_in "$work/a/results.json" '"init_word": "shoe"'
 grep_in "$work/a/results.json" '"unconditional_side": "base"'
 grep_in "$work/a/results.json" '"adapter_seed": 3'
 
@@ -81,16 +84,16 @@ grep_in "$work/unseen.err" "retraining"
 grep_in "$work/unseen.err" "(Ankle boot unseen)"
 grep_in "$work/a/results.json" '"held_out_images": "unseen"'
 grep_in "$work/a/results.json" '"unconditional_side": "adapted"'
-# The new class captioned only by a word its kind shares ("shoe", which captions half the sandals
-# and sneakers too): a third base model. A class of its own kind has no such word.
-expect_rc 2 generic-alone -- "$bin" "${tiny[@]}" --held-out-images generic --new-class 1 \
-  --out "$work/bad"
+# A class of its own kind has no broader word: the default setting refuses it by name.
+expect_rc 2 generic-alone -- "$bin" "${tiny[@]}" --new-class 1 --out "$work/bad"
 grep_in "$work/generic-alone.err" "shares no broader word"
-expect_rc 0 generic -- "$bin" "${tiny[@]}" --held-out-images generic --init-word shoe \
-  --methods embedding --out "$work/a"
-grep_in "$work/generic.err" "retraining"
-grep_in "$work/generic.err" "captioned only as 'shoe'"
-grep_in "$work/a/results.json" '"held_out_images": "generic"'
+# The new class seen with the empty prompt only: a third base model, the embedding from "sneaker".
+expect_rc 0 uncaptioned -- "$bin" "${tiny[@]}" --held-out-images uncaptioned --methods embedding \
+  --out "$work/a"
+grep_in "$work/uncaptioned.err" "retraining"
+grep_in "$work/uncaptioned.err" "seen with the empty prompt only"
+grep_in "$work/a/results.json" '"held_out_images": "uncaptioned"'
+grep_in "$work/a/results.json" '"init_word": "sneaker"'
 
 [ "$failures" -eq 0 ] && echo "fashion_mnist_adapters end to end: all checks passed"
 exit "$failures"
