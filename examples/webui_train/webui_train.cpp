@@ -29,6 +29,7 @@
 #include <difftrain/adapters/embedding_database.hpp>
 #include <difftrain/adapters/unet_adapters.hpp>
 #include <difftrain/adapters/webui_training.hpp>
+#include <difftrain/core/agreed.hpp>
 #include <difftrain/data/data.hpp>
 #include <difftrain/distributed/world.hpp>
 #include <difftrain/io/read_file.hpp>
@@ -143,36 +144,35 @@ Dataset make_dataset(const Settings& s, const data::ImageFolder& folder, Pipelin
   const auto ranks = static_cast<std::size_t>(world.size());
   const auto rank = static_cast<std::size_t>(world.rank());
   at::NoGradGuard no_grad;
-  std::vector<at::Tensor> own;  // per image: (mean, std, once) stacked
   // A file damaged past its header fails on one rank only: the ranks agree before they exchange,
   // so that rank reports the file and the others stop at once instead of waiting for it.
-  std::exception_ptr failed;
-  try {
-    for (std::size_t i = rank; i < n; i += ranks) {
-      const data::DecodedImage img = data::read_image(folder.images[i].path);
-      const at::Tensor x =
-          data::to_unit_range(data::resize(img.pixels.permute({2, 0, 1}), {s.height, s.width},
-                                           data::Interpolation::bicubic)
-                                  .contiguous());
-      const auto posterior = p.vae->encode(x.unsqueeze(0).to(device));
-      auto scaled = [&](const at::Tensor& z) {
-        return ((vc.shift_factor ? z - *vc.shift_factor : z) * vc.scaling_factor)[0];
-      };
-      const at::Tensor mean = posterior.mean.cpu(), std = posterior.std.cpu();
-      at::Generator gen = data::sample_generator(s.seed + 1, 0, i, 0);
-      own.push_back(at::stack({scaled(mean), std[0] * vc.scaling_factor,
-                               scaled(mean + std * at::randn(mean.sizes(), gen, mean.options()))}));
-    }
-  } catch (...) {
-    failed = std::current_exception();
-  }
-  if (!world.all_true(failed == nullptr)) {
-    if (failed) std::rethrow_exception(failed);
-    throw dt::DistributedError(
-        "another rank could not encode its share of the images (its error "
-        "names the file)",
-        "rank " + std::to_string(world.rank()) + " of " + std::to_string(world.size()));
-  }
+  const std::vector<at::Tensor> own = dt::agreed(  // per image: (mean, std, once) stacked
+      [&] {
+        std::vector<at::Tensor> encoded;
+        for (std::size_t i = rank; i < n; i += ranks) {
+          const data::DecodedImage img = data::read_image(folder.images[i].path);
+          const at::Tensor x =
+              data::to_unit_range(data::resize(img.pixels.permute({2, 0, 1}), {s.height, s.width},
+                                               data::Interpolation::bicubic)
+                                      .contiguous());
+          const auto posterior = p.vae->encode(x.unsqueeze(0).to(device));
+          auto scaled = [&](const at::Tensor& z) {
+            return ((vc.shift_factor ? z - *vc.shift_factor : z) * vc.scaling_factor)[0];
+          };
+          const at::Tensor mean = posterior.mean.cpu(), std = posterior.std.cpu();
+          at::Generator gen = data::sample_generator(s.seed + 1, 0, i, 0);
+          encoded.push_back(
+              at::stack({scaled(mean), std[0] * vc.scaling_factor,
+                         scaled(mean + std * at::randn(mean.sizes(), gen, mean.options()))}));
+        }
+        return encoded;
+      },
+      [&](bool ok) { return world.all_true(ok); },
+      [&] {
+        return dt::DistributedError(
+            "another rank could not encode its share of the images (its error names the file)",
+            "rank " + std::to_string(world.rank()) + " of " + std::to_string(world.size()));
+      });
   // Every rank holds at least one image (the folder was checked against the ranks), and every
   // image has the same size, so the ranks' shares stack into equal blocks padded with zeros.
   at::Tensor mine = at::stack(own);

@@ -2,7 +2,11 @@
 
 #include <gtest/gtest.h>
 
+#include <array>
+#include <barrier>
+#include <memory>
 #include <string>
+#include <thread>
 #include <type_traits>
 
 namespace dt = difftrain;
@@ -129,4 +133,97 @@ TEST(Registry, EditDistance) {
   EXPECT_EQ(dt::detail::edit_distance("", ""), 0U);
   EXPECT_EQ(dt::detail::edit_distance("kitten", "sitting"), 3U);
   EXPECT_EQ(dt::detail::edit_distance("abc", ""), 3U);
+}
+
+// agreed: whatever a process's work did, it joins the collective exactly once; the process that
+// failed reports its own error, the others the "another process failed" one, and a result
+// arrives only when every process may go on. Swept over work that returns, returns a move-only
+// value, returns nothing or throws, and both verdicts of the collective.
+TEST(Agreed, EveryOutcomeOfWorkAndVerdict) {
+  const auto others = [] { return dt::IoError("another rank failed", "rank 1 of 2"); };
+  for (const bool verdict : {true, false}) {
+    for (const bool throws : {false, true}) {
+      SCOPED_TRACE(std::string("verdict ") + (verdict ? "go on" : "stop") +
+                   (throws ? ", work throws" : ", work returns"));
+      int calls = 0;
+      bool said = false;
+      const auto agree = [&](bool ok) {
+        ++calls;
+        said = ok;
+        return verdict;
+      };
+      const auto work = [&] {
+        if (throws) throw dt::ConfigError("bad", "--flag");
+        return std::make_unique<int>(7);
+      };
+      const auto void_work = [&] {
+        if (throws) throw dt::ConfigError("bad", "--flag");
+      };
+      for (const bool void_result : {false, true}) {
+        calls = 0;
+        try {
+          if (void_result) {
+            dt::agreed(void_work, agree, others);
+          } else {
+            const std::unique_ptr<int> r = dt::agreed(work, agree, others);
+            EXPECT_EQ(*r, 7);
+          }
+          EXPECT_FALSE(throws) << "the work's error was swallowed";
+          EXPECT_TRUE(verdict) << "went on although the collective said stop";
+        } catch (const dt::ConfigError& e) {
+          EXPECT_TRUE(throws) << e.what();
+          EXPECT_EQ(e.where(), "--flag");
+        } catch (const dt::IoError& e) {
+          EXPECT_FALSE(throws) << "a failing process must report its own error";
+          EXPECT_FALSE(verdict);
+          EXPECT_EQ(e.where(), "rank 1 of 2");
+        }
+        EXPECT_EQ(calls, 1) << "every process joins the collective exactly once";
+        EXPECT_EQ(said, !throws);
+      }
+    }
+  }
+}
+
+// Two threads stand for two ranks meeting in an all-true collective: whichever fails, neither
+// waits for ever, the failing one reports its error and the other the collective's.
+TEST(Agreed, TwoRanksNeitherWaitsForTheOther) {
+  for (int failing = -1; failing < 2; ++failing) {
+    SCOPED_TRACE("failing rank " + std::to_string(failing));
+    std::barrier meet(2);
+    std::array<bool, 2> oks{};
+    std::array<std::string, 2> outcome;
+    const auto rank = [&](int r) {
+      try {
+        const int v = dt::agreed(
+            [&] {
+              if (r == failing) throw dt::FormatError("damaged", "file " + std::to_string(r));
+              return r + 10;
+            },
+            [&](bool ok) {
+              oks[static_cast<std::size_t>(r)] = ok;
+              meet.arrive_and_wait();
+              const bool all = oks[0] && oks[1];
+              meet.arrive_and_wait();
+              return all;
+            },
+            [&] {
+              return dt::DistributedError("another rank failed", "rank " + std::to_string(r));
+            });
+        outcome[static_cast<std::size_t>(r)] = "value " + std::to_string(v);
+      } catch (const dt::Error& e) {
+        outcome[static_cast<std::size_t>(r)] = e.kind() + " at " + e.where();
+      }
+    };
+    std::thread other(rank, 1);
+    rank(0);
+    other.join();
+    for (int r = 0; r < 2; ++r) {
+      const std::string want = failing < 0 ? "value " + std::to_string(r + 10)
+                               : r == failing
+                                   ? "difftrain::FormatError at file " + std::to_string(r)
+                                   : "difftrain::DistributedError at rank " + std::to_string(r);
+      EXPECT_EQ(outcome[static_cast<std::size_t>(r)], want);
+    }
+  }
 }

@@ -1,6 +1,7 @@
 #pragma once
 // Umbrella header of the core layer: errors, type lists, registries, shared concepts.
 
+#include "difftrain/core/agreed.hpp"
 #include "difftrain/core/concepts.hpp"
 #include "difftrain/core/error.hpp"
 #include "difftrain/core/registry.hpp"

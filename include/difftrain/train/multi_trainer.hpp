@@ -10,7 +10,6 @@
 // generators, and a resume goes on only when every rank could read the file.
 
 #include <cstddef>
-#include <exception>
 #include <filesystem>
 #include <functional>
 #include <memory>
@@ -18,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "difftrain/core/agreed.hpp"
 #include "difftrain/core/error.hpp"
 #include "difftrain/io/torch_file.hpp"
 #include "difftrain/train/checkpoint_header.hpp"
@@ -121,34 +121,27 @@ class MultiTrainer {
         throw NumericError("model " + std::to_string(i) + " holds non-finite weights; not saving",
                            path.string());
     const c10::IValue st = state();
-    std::exception_ptr failed;
-    if (rank() == 0) {
-      try {
-        io::save_torch_file(path, st);
-      } catch (...) {
-        failed = std::current_exception();
-      }
-    }
-    if (!trainers_.front()->parallel_->decide(!failed)) {
-      if (failed) std::rethrow_exception(failed);
-      throw IoError("rank 0 could not write the checkpoint (its error says why)", path.string());
-    }
+    agreed(
+        [&] {
+          if (rank() == 0) io::save_torch_file(path, st);
+        },
+        [&](bool ok) { return trainers_.front()->parallel_->decide(ok); },
+        [&] {
+          return IoError("rank 0 could not write the checkpoint (its error says why)",
+                         path.string());
+        });
   }
 
   /// Checks every model's state first, then applies them all; in a distributed run only when
   /// every rank could read and check the file (the others' error says another rank refused).
   void load_checkpoint(const std::filesystem::path& path) {
-    std::vector<typename TrainerT::CheckedState> checked;
-    std::exception_ptr failed;
-    try {
-      checked = check_file(path);
-    } catch (...) {
-      failed = std::current_exception();
-    }
-    if (!trainers_.front()->parallel_->all_ok(!failed)) {
-      if (failed) std::rethrow_exception(failed);
-      throw FormatError("could not be used by another rank (its error says why)", path.string());
-    }
+    const std::vector<typename TrainerT::CheckedState> checked =
+        agreed([&] { return check_file(path); },
+               [&](bool ok) { return trainers_.front()->parallel_->all_ok(ok); },
+               [&] {
+                 return FormatError("could not be used by another rank (its error says why)",
+                                    path.string());
+               });
     for (std::size_t i = 0; i < checked.size(); ++i) trainers_[i]->resume_from(checked[i]);
   }
 

@@ -39,6 +39,7 @@
 #include <utility>
 #include <vector>
 
+#include "difftrain/core/agreed.hpp"
 #include "difftrain/core/concepts.hpp"
 #include "difftrain/core/error.hpp"
 #include "difftrain/ema/concepts.hpp"
@@ -1003,18 +1004,15 @@ class Trainer {
     const c10::IValue st = make_state(own_weights ? &records : nullptr);
     // Rank 0's file, written only once every rank's are on disk, commits the set: a run stopped
     // in between leaves the previous set whole (its own files), and resume_latest takes that one.
-    std::exception_ptr failed;
-    if (parallel_->rank() == 0) {
-      try {
-        io::save_torch_file(path, st);
-      } catch (...) {
-        failed = std::current_exception();
-      }
-    }
-    if (!parallel_->decide(!failed)) {
-      if (failed) std::rethrow_exception(failed);
-      throw IoError("rank 0 could not write the checkpoint (its error says why)", path.string());
-    }
+    agreed(
+        [&] {
+          if (parallel_->rank() == 0) io::save_torch_file(path, st);
+        },
+        [&](bool ok) { return parallel_->decide(ok); },
+        [&] {
+          return IoError("rank 0 could not write the checkpoint (its error says why)",
+                         path.string());
+        });
   }
 
   /// Whether save_checkpoint writes the trainer's parameters (and their EMA) as one file per
@@ -1205,18 +1203,11 @@ class Trainer {
   // Checks on every rank, applies only when every rank could; then rank 0's weights everywhere.
   template <class Check>
   void load_agreed(const std::string& where, Check&& check) {
-    std::optional<CheckedState> checked;
-    std::exception_ptr failed;
-    try {
-      checked.emplace(check());
-    } catch (...) {
-      failed = std::current_exception();
-    }
-    if (!parallel_->all_ok(!failed)) {
-      if (failed) std::rethrow_exception(failed);
-      throw FormatError("could not be used by another rank (its error says why)", where);
-    }
-    resume_from(*checked);
+    resume_from(agreed(
+        [&]() -> CheckedState { return check(); }, [&](bool ok) { return parallel_->all_ok(ok); },
+        [&] {
+          return FormatError("could not be used by another rank (its error says why)", where);
+        }));
   }
 
   // Applies a state every rank agreed on, then rank 0's weights everywhere and on_resume.
@@ -1262,23 +1253,20 @@ class Trainer {
   // rank's weights-file record (empty without `weights`), for rank 0's index.
   std::vector<WeightShardRecord> write_rank_files(const std::filesystem::path& path, bool weights) {
     const std::int64_t r = parallel_->rank(), n = parallel_->world_size();
-    std::exception_ptr failed;
-    WeightShardRecord record;
-    try {
-      io::save_torch_file(shard_path(path, r, n), optimizer_shard_state());
-      if (weights)
-        record =
-            write_weight_shard(weight_shard_path(path, r, n), own_weight_tensors(), step_, r, n);
-    } catch (...) {
-      failed = std::current_exception();
-    }
-    if (!parallel_->all_ok(!failed)) {
-      if (failed) std::rethrow_exception(failed);
-      throw IoError(
-          "another rank could not write its shard of the checkpoint (its error says why); the "
-          "previous checkpoint stays the latest",
-          path.string());
-    }
+    const WeightShardRecord record = agreed(
+        [&] {
+          io::save_torch_file(shard_path(path, r, n), optimizer_shard_state());
+          return weights ? write_weight_shard(weight_shard_path(path, r, n), own_weight_tensors(),
+                                              step_, r, n)
+                         : WeightShardRecord{};
+        },
+        [&](bool ok) { return parallel_->all_ok(ok); },
+        [&] {
+          return IoError(
+              "another rank could not write its shard of the checkpoint (its error says why); "
+              "the previous checkpoint stays the latest",
+              path.string());
+        });
     std::vector<WeightShardRecord> records;
     if (!weights) return records;
     const at::Tensor mine = at::tensor(
