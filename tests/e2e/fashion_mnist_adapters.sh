@@ -63,6 +63,12 @@ done
 grep_in "$work/full.err" "captioned only as 'shoe'"
 grep_in "$work/a/results.json" '"held_out_images": "generic"'
 grep_in "$work/a/results.json" '"init_word": "shoe"'
+# The untrained embedding is scored too (what training added is the difference).
+grep_in "$work/full.out" "^embedding_start "
+"$py" -c 'import json, sys; a = json.load(open(sys.argv[1]))["new_class_accuracy"]
+sys.exit(0 if set(a) == {"base", "embedding_start", "embedding", "hypernetwork", "lora"}
+         and all(0 <= v <= 1 for v in a.values()) else 1)' "$work/a/results.json" ||
+  fail "results.json's new_class_accuracy lacks a method or holds a share outside [0, 1]"
 grep_in "$work/a/results.json" '"unconditional_side": "base"'
 grep_in "$work/a/results.json" '"adapter_seed": 3'
 
