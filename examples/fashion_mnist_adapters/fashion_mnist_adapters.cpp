@@ -178,11 +178,18 @@ std::string base_key(const Settings& s) {
          (s.held_out_images == "unseen" ? std::string() : "," + s.held_out_images);
 }
 
+/// The words several classes share (footwear, tops), and those classes.
+const std::vector<std::pair<std::string, std::vector<std::int64_t>>>& shared_words() {
+  static const std::vector<std::pair<std::string, std::vector<std::int64_t>>> table = {
+      {"shoe", {5, 7, 9}}, {"top", {0, 2, 4, 6}}};
+  return table;
+}
+
 /// The broader word a class shares with others of its kind ("shoe" for sandals, sneakers and
 /// ankle boots), and those classes; empty for a class of its own kind.
 std::pair<std::string, std::vector<std::int64_t>> broader_word(std::int64_t c) {
-  if (c == 5 || c == 7 || c == 9) return {"shoe", {5, 7, 9}};
-  if (c == 0 || c == 2 || c == 4 || c == 6) return {"top", {0, 2, 4, 6}};
+  for (const auto& kind : shared_words())
+    if (std::find(kind.second.begin(), kind.second.end(), c) != kind.second.end()) return kind;
   return {};
 }
 
@@ -442,12 +449,17 @@ int run(const Settings& s) {
     throw ConfigError("must be words other than the new class's, got '" + s.init_words() + "'",
                       "--init-word");
   if (s.out.empty()) throw ConfigError("is empty; name the output folder", "--out");
-  if (s.held_out_images == "generic" && broader_word(s.new_class).first.empty())
+  if (s.held_out_images == "generic" && broader_word(s.new_class).first.empty()) {
+    std::string kinds;
+    for (const auto& [word, classes] : shared_words()) {
+      kinds += (kinds.empty() ? "" : "; ") + word + ":";
+      for (const std::int64_t c : classes) kinds += " " + std::to_string(c);
+    }
     throw ConfigError(std::string("is generic, but ") +
                           fmnist::kClassNames[static_cast<std::size_t>(s.new_class)] +
-                          " shares no broader word with another class (footwear: 5, 7, 9; "
-                          "tops: 0, 2, 4, 6)",
+                          " shares no broader word with another class (" + kinds + ")",
                       "--held-out-images");
+  }
   const std::vector<std::string> methods = split_words(s.methods);
   for (const auto& m : methods)
     if (m != "embedding" && m != "hypernetwork" && m != "lora")
