@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdio>
 #include <exception>
+#include <optional>
 #include <sstream>
 #include <string>
 
@@ -74,6 +75,21 @@ inline c10::Device device_from(const std::string& name) {
         "there are " + std::to_string(torch::cuda::device_count()) + " CUDA devices",
         "--device " + name);
   return device;
+}
+
+/// Parses the command line. --help (and --version) print and give 0; a mistake CLI11 finds (an
+/// unknown flag, a missing value, a value out of range) is one "error: ..." line naming the flag
+/// and exit status 2, as every other mistake a program refuses (CLI11's own exit codes are
+/// 105-109 and its text two lines). Returns the status to exit with, or nothing to go on.
+inline std::optional<int> parse_command_line(CLI::App& app, int argc, char** argv) {
+  try {
+    app.parse(argc, argv);
+    return std::nullopt;
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success)) return app.exit(e);
+    std::fprintf(stderr, "error: %s (--help lists the options)\n", e.what());
+    return 2;
+  }
 }
 
 /// Runs `body` and turns every failure into a message and an exit status: 2 for difftrain's

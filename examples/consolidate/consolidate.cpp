@@ -52,6 +52,6 @@ int main(int argc, char** argv) {
   app.add_flag("--ema", o.ema, "the EMA's weights instead of the trained ones");
   app.add_option("--prefix", o.prefix, "only the tensors under this name, without it (unet.)");
   app.add_option("--config", config, "write a model folder with this config.json");
-  CLI11_PARSE(app, argc, argv);
+  if (const auto rc = examples::parse_command_line(app, argc, argv)) return *rc;
   return examples::run_reporting_errors([&] { return run(checkpoint, out, o, config); });
 }

@@ -793,7 +793,7 @@ int main(int argc, char** argv) {
   // on the command line win over it.
   app.set_config("--config", "", "read options from this TOML/INI file (flags given here win)");
   app.allow_config_extras(CLI::config_extras_mode::error);  // a misspelt key is an error
-  CLI11_PARSE(app, argc, argv);
+  if (const auto rc = examples::parse_command_line(app, argc, argv)) return *rc;
   if (!s.resume_from.empty()) s.resume = true;  // "latest" or a file: either way a resume
   for (auto* o : unet_only)
     if (o->count() > 0) s.unet_flags_given.push_back(o->get_name());

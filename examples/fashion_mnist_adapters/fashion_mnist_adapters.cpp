@@ -30,6 +30,7 @@
 
 #include <CLI/CLI.hpp>
 #include <difftrain/adapters/adapters.hpp>
+#include <difftrain/adapters/stable_diffusion_lora_files.hpp>
 #include <difftrain/adapters/unet_adapters.hpp>
 #include <difftrain/diffusion/dpm_solver.hpp>
 #include <difftrain/diffusion/sample.hpp>
@@ -673,10 +674,11 @@ int run(const Settings& s) {
     const fs::path file = adapters / (name + "-lora.safetensors");
     difftrain::io::save_safetensors(
         file, ad::lora_state_dict(*net->unet, {.layout = ad::LoraLayout::peft, .prefix = "unet."}),
-        {{"lora_rank", std::to_string(s.lora_rank)},
-         {"lora_alpha", std::to_string(s.lora_alpha)},
-         {"target_modules", s.lora_targets},
-         {"base_model", base_key(s)}});
+        ad::stable_diffusion_peft_metadata({.unet = net->unet.get()},
+                                           {{"lora_rank", std::to_string(s.lora_rank)},
+                                            {"lora_alpha", std::to_string(s.lora_alpha)},
+                                            {"target_modules", s.lora_targets},
+                                            {"base_model", base_key(s)}}));
     // A fresh base with the file loaded, merged: sampling costs what the base model costs.
     fmtext::TextUNet fresh = load_base(s, schedule, tok, base_path);
     (void)ad::load_lora_state_dict(*fresh->unet,
@@ -828,6 +830,6 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"base", "adapted"}))
       ->capture_default_str();
   examples::add_judge_flags(e, s);
-  CLI11_PARSE(app, argc, argv);
+  if (const auto rc = examples::parse_command_line(app, argc, argv)) return *rc;
   return examples::run_reporting_errors([&] { return run(s); });
 }

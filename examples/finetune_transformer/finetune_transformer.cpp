@@ -1139,6 +1139,6 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   auto* d = add_torchrun_flags(app, s, "each transformer block");
   last_value_wins({g.run, g.training, g.saving, img, video, d});
-  CLI11_PARSE(app, argc, argv);
+  if (const auto rc = examples::parse_command_line(app, argc, argv)) return *rc;
   return examples::run_reporting_errors([&] { return run(s); });
 }

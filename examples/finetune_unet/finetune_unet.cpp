@@ -12,6 +12,7 @@
 // encoder difftrain does not ship.
 
 #include <CLI/CLI.hpp>
+#include <difftrain/adapters/stable_diffusion_lora_files.hpp>
 #include <difftrain/adapters/unet_adapters.hpp>
 #include <difftrain/diffusion/ddim.hpp>
 #include <difftrain/diffusion/sample.hpp>
@@ -207,17 +208,14 @@ int run(const Settings& s) {
   nlohmann::json files;
   {
     dt::ema::EmaScope scope(trainer.ema());
-    const std::map<std::string, std::string> meta{{"lora_rank", std::to_string(s.rank)},
-                                                  {"lora_alpha", std::to_string(s.alpha)},
-                                                  {"base_model", s.unet_dir}};
-    dt::io::save_safetensors(out / "pytorch_lora_weights.safetensors",
-                             ad::lora_state_dict(*unet, ad::unet_lora_keys(ad::LoraLayout::peft)),
-                             meta);
-    dt::io::save_safetensors(out / "lora_kohya.safetensors",
-                             ad::lora_state_dict(*unet, ad::unet_lora_keys(ad::LoraLayout::kohya)),
-                             meta);
-    files["peft"] = "pytorch_lora_weights.safetensors";
-    files["kohya"] = "lora_kohya.safetensors";
+    const ad::StableDiffusionLoraFiles names;
+    (void)ad::save_stable_diffusion_lora_files(out, {.unet = unet.get()},
+                                               {{"lora_rank", std::to_string(s.rank)},
+                                                {"lora_alpha", std::to_string(s.alpha)},
+                                                {"base_model", s.unet_dir}},
+                                               names);
+    files["peft"] = names.peft.string();
+    files["kohya"] = names.kohya.string();
 
     // Samples: DDIM from the EMA weights, one row per class, decoded by the VAE.
     unet->eval();
@@ -314,6 +312,6 @@ int main(int argc, char** argv) {
       ->check(examples::count_in(1, 1000))
       ->capture_default_str();
   app.add_option("--seed", s.seed, "seeds everything")->capture_default_str();
-  CLI11_PARSE(app, argc, argv);
+  if (const auto rc = examples::parse_command_line(app, argc, argv)) return *rc;
   return examples::run_reporting_errors([&] { return run(s); });
 }

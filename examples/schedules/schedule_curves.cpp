@@ -15,6 +15,8 @@
 #include <string>
 #include <vector>
 
+#include "../common/cli_checks.hpp"
+
 namespace sch = difftrain::schedule;
 
 int main(int argc, char** argv) {
@@ -26,7 +28,7 @@ int main(int argc, char** argv) {
   app.add_option("--out", out, "CSV file to write");
   std::string png;
   app.add_option("--png", png, "also draw the curves into this PNG file");
-  CLI11_PARSE(app, argc, argv);
+  if (const auto rc = examples::parse_command_line(app, argc, argv)) return *rc;
 
   const std::int64_t w = steps / 10;  // a 10 % warm-up where a schedule has one
   using W = sch::timm::WarmupStableDecay;

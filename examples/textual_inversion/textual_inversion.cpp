@@ -555,6 +555,6 @@ int main(int argc, char** argv) {
       ->check(count_in(0, 100'000'000))
       ->capture_default_str();
   last_value_wins({g.run, g.training, g.saving, w, img, d});
-  CLI11_PARSE(app, argc, argv);
+  if (const auto rc = examples::parse_command_line(app, argc, argv)) return *rc;
   return examples::run_reporting_errors([&] { return run(s); });
 }

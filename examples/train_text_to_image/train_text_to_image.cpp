@@ -32,6 +32,7 @@
 // --allow_world_size_change.
 
 #include <CLI/CLI.hpp>
+#include <difftrain/adapters/stable_diffusion_lora_files.hpp>
 #include <difftrain/adapters/text_encoder_adapters.hpp>
 #include <difftrain/adapters/unet_adapters.hpp>
 #include <difftrain/data/data.hpp>
@@ -520,24 +521,22 @@ int train(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
   nlohmann::json files;
   auto write_outputs = [&] {
     if (s.use_lora) {
-      std::map<std::string, std::string> meta{{"lora_rank", std::to_string(s.rank)},
-                                              {"base_model", s.model}};
-      for (const auto layout : {ad::LoraLayout::peft, ad::LoraLayout::kohya}) {
-        auto tensors = ad::lora_state_dict(*p.unet, ad::unet_lora_keys(layout));
-        if (s.train_text_encoder) {
-          using Slot = ad::TextEncoderSlot;
-          tensors.merge(ad::lora_state_dict(
-              *p.text_encoder,
-              ad::text_encoder_lora_keys(layout, p.xl ? Slot::first : Slot::single)));
-          if (p.xl)
-            tensors.merge(ad::lora_state_dict(*p.text_encoder_2,
-                                              ad::text_encoder_lora_keys(layout, Slot::second)));
-        }
-        const std::string name = layout == ad::LoraLayout::peft ? "pytorch_lora_weights.safetensors"
-                                                                : "lora_kohya.safetensors";
-        dt::io::save_safetensors(out / name, tensors, meta);
-        files[layout == ad::LoraLayout::peft ? "peft" : "kohya"] = name;
+      // Both layouts; the PEFT file carries diffusers' adapter metadata (rank and alpha per
+      // component), so load_lora_weights applies the scale the run trained at.
+      const double alpha = s.lora_alpha > 0 ? s.lora_alpha : static_cast<double>(s.rank);
+      ad::StableDiffusionLoraModules modules{.unet = p.unet.get(), .sdxl = p.xl};
+      if (s.train_text_encoder) {
+        modules.text_encoder = p.text_encoder.get();
+        if (p.xl) modules.text_encoder_2 = p.text_encoder_2.get();
       }
+      const ad::StableDiffusionLoraFiles names;
+      (void)ad::save_stable_diffusion_lora_files(out, modules,
+                                                 {{"lora_rank", std::to_string(s.rank)},
+                                                  {"lora_alpha", std::to_string(alpha)},
+                                                  {"base_model", s.model}},
+                                                 names);
+      files["peft"] = names.peft.string();
+      files["kohya"] = names.kohya.string();
     } else {
       copy_pipeline_except_unet(p.root, out);
       models::save_pretrained(p.unet, out / "unet");
@@ -661,6 +660,6 @@ int main(int argc, char** argv) {
   t->add_flag("--train_text_encoder", s.train_text_encoder, "LoRA on the text encoders too");
   auto* d = add_torchrun_flags(app, s, "each UNet block");
   last_value_wins({g.run, g.training, g.saving, img, d});
-  CLI11_PARSE(app, argc, argv);
+  if (const auto rc = examples::parse_command_line(app, argc, argv)) return *rc;
   return examples::run_reporting_errors([&] { return run(s); });
 }

@@ -38,10 +38,12 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <exception>
 #include <filesystem>
 #include <random>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -60,6 +62,9 @@ struct Settings : examples::RunFlags {
   std::string init_text = "*";
   std::int64_t num_vectors_per_token = 1;
   std::string layer_structure = "1,2,1", activation_func = "linear", weight_init = "Normal";
+  // The web UI's "Modules" of a new hypernetwork: SD 1.x's text width (cross-attention) and its
+  // three block widths (self-attention, whose keys and values see the image features).
+  std::string hypernetwork_layer_sizes = "768,320,640,1280";
   bool add_layer_norm = false, use_dropout = false;
   std::string optimizer = "AdamW";
   std::string learn_rate = "0.005", clip_grad_mode = "disabled", clip_grad_value = "0.1";
@@ -96,6 +101,43 @@ std::vector<double> parse_numbers(const std::string& text, const std::string& fl
     }
   }
   return out;
+}
+
+/// The widths of the contexts the hypernetwork's hooks see: every self-attention layer's channels
+/// and every cross-attention layer's text width (a hypernetwork module acts where its size is one).
+template <class Unet>
+std::set<std::int64_t> attention_context_widths(Unet& unet) {
+  std::set<std::int64_t> widths;
+  for (auto& [name, transformer] : unet.transformers())
+    for (auto block : transformer->blocks())
+      for (auto attn : {block->attn1, block->attn2})
+        widths.insert(attn->to_k->options.in_features());
+  return widths;
+}
+
+/// --hypernetwork_layer_sizes for a new hypernetwork: positive widths, at least one of which this
+/// UNet's attention layers use (otherwise it would train nothing).
+std::vector<std::int64_t> hypernetwork_sizes(const std::string& text,
+                                             const std::set<std::int64_t>& widths) {
+  const std::string flag = "--hypernetwork_layer_sizes";
+  std::vector<std::int64_t> sizes;
+  for (const double v : parse_numbers(text, flag)) {
+    if (v < 1 || v > 65536 || v != std::floor(v))
+      throw ConfigError("'" + text + "' holds " + examples::short_number(v) +
+                            ", not a width (a whole number from 1 to 65536)",
+                        flag);
+    if (std::find(sizes.begin(), sizes.end(), static_cast<std::int64_t>(v)) == sizes.end())
+      sizes.push_back(static_cast<std::int64_t>(v));
+  }
+  if (sizes.empty()) throw ConfigError("names no width", flag);
+  std::string have;
+  for (const auto w : widths) have += (have.empty() ? "" : ",") + std::to_string(w);
+  if (std::none_of(sizes.begin(), sizes.end(), [&](std::int64_t v) { return widths.contains(v); }))
+    throw ConfigError(text + " fits none of this UNet's attention contexts (widths " + have +
+                          "): the hypernetwork would train nothing; name some of them, e.g. " +
+                          flag + " " + have,
+                      flag);
+  return sizes;
 }
 
 /// The web UI's template file: one prompt pattern per line ([name], [filewords]).
@@ -448,12 +490,15 @@ int run(Settings s) {
   } else {
     o.log_directory = log / "hypernetwork";
     o.output = out / "hypernetworks" / (name + ".pt");
+    const bool exists = fs::exists(o.output);
+    std::vector<std::int64_t> sizes;
+    if (!exists) sizes = hypernetwork_sizes(s.hypernetwork_layer_sizes, attention_context_widths(*p.unet));
     fs::create_directories(o.output.parent_path());
     ad::Hypernetwork hn =
-        fs::exists(o.output)
+        exists
             ? ad::Hypernetwork::load(o.output)
             : ad::Hypernetwork(
-                  name, {p.text_encoder->config().hidden_size},
+                  name, sizes,
                   {.layer_structure = parse_numbers(s.layer_structure, "--layer_structure"),
                    .activation_func = s.activation_func,
                    .weight_init = s.weight_init,
@@ -540,6 +585,11 @@ int main(int argc, char** argv) {
       ->check(count_in(1, 75))
       ->capture_default_str();
   w->add_option("--hypernetwork", s.hypernetwork, "train (or create) this hypernetwork");
+  w->add_option("--hypernetwork_layer_sizes", s.hypernetwork_layer_sizes,
+                "a new hypernetwork's modules, by the width they act on (the web UI's "
+                "\"Modules\": the text width for cross-attention, block widths for "
+                "self-attention)")
+      ->capture_default_str();
   w->add_option("--layer_structure", s.layer_structure)->capture_default_str();
   w->add_option("--activation_func", s.activation_func)->capture_default_str();
   w->add_option("--weight_init", s.weight_init)->capture_default_str();
@@ -595,6 +645,6 @@ int main(int argc, char** argv) {
   v->add_option("--preview_width", s.preview_width, "0: --width")->check(count_in(0, 8192));
   v->add_option("--preview_height", s.preview_height, "0: --height")->check(count_in(0, 8192));
   last_value_wins({g, w, t, v});
-  CLI11_PARSE(app, argc, argv);
+  if (const auto rc = examples::parse_command_line(app, argc, argv)) return *rc;
   return examples::run_reporting_errors([&] { return run(s); });
 }

@@ -29,18 +29,22 @@ expect_rc 2 corrupt -- "$bin" --data-dir "$work/corrupt" --out "$work/corrupt-ru
 grep_in "$work/corrupt.err" "FormatError"
 
 # Flags and paths checked before any work: out-of-range or non-finite numbers (CLI11's validation
-# status 105), an empty or impossible output folder and a data file that is a folder (status 2).
+# status 2, one "error:" line), an empty or impossible output folder and a data file that is a folder (status 2).
 for bad in "--steps 9223372036854775807" "--lr 1e39" "--clip 1e300" "--p-uncond nan" \
            "--guidance nan" "--ema-decay 2" "--batch-size 0"; do
   # shellcheck disable=SC2086
-  expect_rc 105 "flag${bad%% *}" -- "$bin" ${bad} --out "$work/flags"
+  expect_rc 2 "flag${bad%% *}" -- "$bin" ${bad} --out "$work/flags"
   grep_in "$work/flag${bad%% *}.err" "must"
 done
-expect_rc 105 bad-scheduler -- "$bin" --lr-scheduler cosine_annealing --out "$work/flags"
+# CLI11's own findings read as every other mistake: one "error:" line, status 2.
+expect_rc 2 unknown-flag -- "$bin" --no-such-flag 3 --out "$work/flags"
+grep_in "$work/unknown-flag.err" "^error: .*no-such-flag"
+[ "$(wc -l <"$work/unknown-flag.err")" -eq 1 ] || fail "an unknown flag printed more than one line"
+expect_rc 2 bad-scheduler -- "$bin" --lr-scheduler cosine_annealing --out "$work/flags"
 grep_in "$work/bad-scheduler.err" "lr-scheduler"
-expect_rc 105 bad-ema-rule -- "$bin" --ema-rule polyak --out "$work/flags"
+expect_rc 2 bad-ema-rule -- "$bin" --ema-rule polyak --out "$work/flags"
 grep_in "$work/bad-ema-rule.err" "ema-rule"
-expect_rc 105 bad-precision -- "$bin" --mixed_precision fp8 --out "$work/flags"
+expect_rc 2 bad-precision -- "$bin" --mixed_precision fp8 --out "$work/flags"
 grep_in "$work/bad-precision.err" "mixed"
 expect_rc 2 bad-ema-setting -- "$bin" "${tiny[@]}" --ema-settings '{"decay_rate": 0.9}' --out "$work/flags"
 grep_in "$work/bad-ema-setting.err" "decay_rate"
@@ -200,8 +204,8 @@ expect_rc 0 diffusers-flags -- "$bin" "${tiny[@]}" --steps 2 --prediction_type v
 grep_in "$work/df/results.json" '"prediction_type": "v_prediction"'
 grep_in "$work/df/results.json" '"gradient_accumulation_steps": 2'
 [ "$(wc -l <"$work/logs/loss.csv")" -eq 3 ] || fail "the loss log is not in --logging_dir"
-expect_rc 105 bad-beta -- "$bin" --adam_beta2 1.5 --out "$work/flags"
-expect_rc 105 bad-kernel -- "$bin" --adam-kernel apex --out "$work/flags"
+expect_rc 2 bad-beta -- "$bin" --adam_beta2 1.5 --out "$work/flags"
+expect_rc 2 bad-kernel -- "$bin" --adam-kernel apex --out "$work/flags"
 grep_in "$work/bad-kernel.err" "--adam-kernel"
 
 # diffusers' flag names, and a config file whose values the command line overrides; the schedule

@@ -17,7 +17,7 @@ tiny=(--data-dir "$data" --limit 2000 --base-steps 8 --batch-size 16 --adapter-i
 
 expect_rc 0 help -- "$bin" --help
 grep_in "$work/help.out" "--lora-rank"
-expect_rc 105 bad-class -- "$bin" "${tiny[@]}" --new-class 12 --out "$work/bad"
+expect_rc 2 bad-class -- "$bin" "${tiny[@]}" --new-class 12 --out "$work/bad"
 grep_in "$work/bad-class.err" "--new-class: must lie in \[0, 9\]"
 expect_rc 2 bad-init -- "$bin" "${tiny[@]}" --init-word "ankle boot" --out "$work/bad"
 grep_in "$work/bad-init.err" "--init-word"
@@ -73,16 +73,16 @@ grep_in "$work/a/results.json" '"unconditional_side": "base"'
 grep_in "$work/a/results.json" '"adapter_seed": 3'
 
 # Another adapter seed on the cached base model: only the adapters train again.
-expect_rc 105 bad-adapter-seed -- "$bin" "${tiny[@]}" --adapter-seed -2 --out "$work/bad"
+expect_rc 2 bad-adapter-seed -- "$bin" "${tiny[@]}" --adapter-seed -2 --out "$work/bad"
 grep_in "$work/bad-adapter-seed.err" "--adapter-seed"
 expect_rc 0 again -- "$bin" "${tiny[@]}" --adapter-seed 4 --methods embedding --out "$work/a"
 grep_in "$work/again.err" "base: cached"
 grep_in "$work/a/results.json" '"adapter_seed": 4'
-expect_rc 105 bad-side -- "$bin" "${tiny[@]}" --unconditional-side none --out "$work/bad"
+expect_rc 2 bad-side -- "$bin" "${tiny[@]}" --unconditional-side none --out "$work/bad"
 grep_in "$work/bad-side.err" "--unconditional-side: none not in"
 # The new class's images never seen: another base model (its settings differ, so the cached one is
 # not taken); the hypernetwork on guidance's unconditional side too, as the web UI has it.
-expect_rc 105 bad-held-out -- "$bin" "${tiny[@]}" --held-out-images hidden --out "$work/bad"
+expect_rc 2 bad-held-out -- "$bin" "${tiny[@]}" --held-out-images hidden --out "$work/bad"
 grep_in "$work/bad-held-out.err" "--held-out-images: hidden not in"
 expect_rc 0 unseen -- "$bin" "${tiny[@]}" --held-out-images unseen --methods hypernetwork \
   --unconditional-side adapted --out "$work/a"

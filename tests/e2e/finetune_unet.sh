@@ -31,7 +31,7 @@ grep_in "$work/resolution.err" "--resolution"
 expect_rc 2 prediction -- "$bin" "${tiny[@]}" --resolution 16 --prediction-type flow --unet "$unet" --vae "$vae" --out "$work/bad"
 grep_in "$work/prediction.err" "prediction_type"
 
-expect_rc 0 full -- "$bin" "${tiny[@]}" --resolution 16 --unet "$unet" --vae "$vae" --steps 30 --snr-gamma 5 \
+expect_rc 0 full -- "$bin" "${tiny[@]}" --resolution 16 --unet "$unet" --vae "$vae" --steps 30 --snr-gamma 5 --alpha 12 \
   --scheduler-config "$work/scheduler_config.json" --out "$work/run"
 for f in pytorch_lora_weights.safetensors lora_kohya.safetensors samples.png results.json; do
   [ -s "$work/run/$f" ] || fail "the run did not write $f"
@@ -64,6 +64,32 @@ for name in ("pytorch_lora_weights.safetensors", "lora_kohya.safetensors"):
             modules.add(key.rsplit(".lora_", 1)[0])
     assert len(modules) == 32 and modules <= linear, sorted(modules - linear)[:5]
     print(f"{name}: {len(sd)} tensors on {len(modules)} of diffusers' Linear layers")
+# Rank 4 at alpha 12: diffusers' load_lora_weights gives one UNet from either file (the PEFT
+# file's scale from its adapter metadata, the kohya file's from its alpha tensors).
+from diffusers.loaders.lora_pipeline import StableDiffusionLoraLoaderMixin
+class Pipeline(StableDiffusionLoraLoaderMixin):
+    hf_device_map = None
+    def __init__(self, unet):
+        self.unet, self.text_encoder = unet, None
+    @property
+    def components(self):
+        return {"unet": self.unet}
+torch.manual_seed(0)
+cfg = unet.config
+x = torch.randn(2, cfg.in_channels, 8, 8)
+ctx = torch.randn(2, 5, cfg.cross_attention_dim if isinstance(cfg.cross_attention_dim, int) else cfg.cross_attention_dim[0])
+outs = {}
+for name in ("pytorch_lora_weights.safetensors", "lora_kohya.safetensors"):
+    u = UNet2DConditionModel.from_pretrained(unet_dir).eval()
+    Pipeline(u).load_lora_weights(str(run), weight_name=name)
+    with torch.no_grad():
+        outs[name] = u(x, torch.tensor([10, 500]), ctx).sample
+with torch.no_grad():
+    plain = UNet2DConditionModel.from_pretrained(unet_dir).eval()(x, torch.tensor([10, 500]), ctx).sample
+a, b = outs.values()
+worst, effect = (a - b).abs().max().item(), (a - plain).abs().max().item()
+assert effect > 1e-4 and worst <= 1e-5 * max(1.0, effect), (worst, effect)
+print(f"rank 4, alpha 12: the PEFT and the kohya file give one UNet ({worst:.1e} apart; the LoRA's effect {effect:.2e})")
 PY
 cat "$work/python.out"
 [ "$failures" -eq 0 ] && echo "finetune_unet end to end: ok" || exit 1

@@ -45,9 +45,10 @@ expect_rc 2 prediction -- "$bin" "${base[@]}" --prediction_type flow --output_di
 grep_in "$work/prediction.err" "prediction_type"
 [ -e "$work/bad/checkpoints" ] && fail "a refused run left checkpoints"
 
-# LoRA on the UNet and the text encoder, cached latents and flips: once straight through, once
+# LoRA on the UNet and the text encoder at alpha != rank (scale 0.5, which only the PEFT file's
+# adapter metadata tells diffusers), cached latents and flips: once straight through, once
 # stopped at step 20 and resumed.
-lora=("${base[@]}" --use_lora --train_text_encoder --rank 4 --cache_latents --center_crop
+lora=("${base[@]}" --use_lora --train_text_encoder --rank 4 --lora_alpha 2 --cache_latents --center_crop
       --random_flip --learning_rate 2e-3 --max_train_steps 40 --checkpointing_steps 10
       --validation_prompt "a photo of a sneaker")
 expect_rc 0 lora -- "$bin" "${lora[@]}" --output_dir "$work/lora"
@@ -190,6 +191,16 @@ base.load_lora_weights(str(work / "lora"))
 adapted = generate(base)
 assert not np.allclose(plain, adapted), "the LoRA changed nothing"
 print("load_lora_weights: generates, and differently from the base")
+# The kohya file of the same run (alpha in its tensors) gives the same images as the PEFT file
+# (alpha in its metadata): a reader of either applies the scale the run trained at.
+assert base.unet.peft_config["default_0"].lora_alpha == 2 and base.unet.peft_config["default_0"].r == 4
+assert base.text_encoder.peft_config["default_0"].lora_alpha == 2
+via_kohya = StableDiffusionPipeline.from_pretrained(sd, safety_checker=None)
+via_kohya.load_lora_weights(str(work / "lora"), weight_name="lora_kohya.safetensors")
+worst = float(np.abs(generate(via_kohya) - adapted).max())
+assert worst < 1e-4, f"the kohya and PEFT files of one run give images {worst} apart"
+print(f"rank 4, alpha 2: the PEFT and the kohya file give the same images ({worst:.1e} apart)")
+del via_kohya
 kohya = load_file(work / "lora" / "lora_kohya.safetensors")
 assert any(k.startswith("lora_unet_") for k in kohya) and any(k.startswith("lora_te_") for k in kohya)
 full = StableDiffusionPipeline.from_pretrained(str(work / "full"), safety_checker=None)

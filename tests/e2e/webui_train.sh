@@ -51,7 +51,13 @@ expect_rc 0 embedding-more -- "$bin" "${base[@]}" --embedding fm-sneaker --learn
   --steps 14 --latent_sampling_method random --output_dir "$work/run"
 grep_in "$work/run/results.json" '"resumed_optimizer": true'
 grep_in "$work/run/results.json" '"final_step": 14'
-expect_rc 0 hypernetwork -- "$bin" "${base[@]}" --hypernetwork fm-hn --layer_structure 1,2,1 \
+# The web UI's default modules (768, 320, 640, 1280) fit none of the tiny UNet's widths (text 32,
+# blocks 16 and 32): refused before training nothing, naming the widths there are.
+expect_rc 2 hn-sizes -- "$bin" "${base[@]}" --hypernetwork fm-none --steps 2 --output_dir "$work/bad-hn"
+grep_in "$work/hn-sizes.err" "hypernetwork_layer_sizes 16,32"
+# Modules at the text width (cross-attention and the 32-channel self-attention) and at 16 (the
+# first block's self-attention), as the web UI's default covers SD 1.x's.
+expect_rc 0 hypernetwork -- "$bin" "${base[@]}" --hypernetwork fm-hn --hypernetwork_layer_sizes 32,16 --layer_structure 1,2,1 \
   --activation_func relu --learn_rate 0.0005 --steps 10 --latent_sampling_method deterministic \
   --shuffle_tags --tag_drop_out 0.2 --create_image_every 10 --preview_steps 2 \
   --preview_prompt "a photo of a shoe" --preview_seed 7 --output_dir "$work/hn"
@@ -85,9 +91,9 @@ expect_rc 0 dp-two -- "${launch[@]}" "${base[@]}" "${dp[@]}" --gradient_step 1 -
 grep_in "$work/dp-two/results.json" '"ranks": 2'
 [ "$(grep -c "embedding 'fm-dp'" "$work/dp-two.out")" -eq 1 ] || fail "more than one rank reported"
 expect_rc 0 dp-hn-one -- "$bin" "${base[@]}" "${dp_once[@]}" --gradient_step 2 \
-  --hypernetwork fm-dp-hn --activation_func relu --output_dir "$work/dp-one"
+  --hypernetwork fm-dp-hn --hypernetwork_layer_sizes 32 --activation_func relu --output_dir "$work/dp-one"
 expect_rc 0 dp-hn-two -- "${launch[@]}" "${base[@]}" "${dp_once[@]}" --gradient_step 1 \
-  --hypernetwork fm-dp-hn --activation_func relu --output_dir "$work/dp-two"
+  --hypernetwork fm-dp-hn --hypernetwork_layer_sizes 32 --activation_func relu --output_dir "$work/dp-two"
 n=$(find "$work/images" -name '*.txt' | wc -l)
 expect_rc 1 dp-few -- "${launch[@]}" "${base[@]}" "${dp[@]}" --batch_size "$n" --gradient_step 1 \
   --embedding fm-few --output_dir "$work/dp-few"
@@ -103,7 +109,7 @@ assert vec.shape == (2, 32) and e["step"] == 14 and e["name"] == "fm-sneaker", e
 first = torch.load(work / "run" / "log" / "embedding" / "embeddings" / "fm-sneaker-5.pt", weights_only=False)
 assert not torch.equal(first["string_to_param"]["*"], vec), "the vectors did not move"
 hn = torch.load(work / "hn" / "hypernetworks" / "fm-hn.pt", weights_only=False)
-assert 32 in hn and hn["layer_structure"] == [1, 2, 1] and hn["activation_func"] == "relu", list(hn)
+assert 32 in hn and 16 in hn and hn["layer_structure"] == [1, 2, 1] and hn["activation_func"] == "relu", list(hn)
 assert hn["step"] == 10 and len(hn[32]) == 2, hn["step"]
 # The previews: the prompt in the PNG's parameters; the embedding's PNG is the copy of its step,
 # read both ways the web UI reads it.

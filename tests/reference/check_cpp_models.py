@@ -1,6 +1,7 @@
-"""A UNet, a VAE, a DiT and a CogVideoX transformer and VAE folder, and SD3 and CogVideoX LoRA files, written
-by difftrain load in diffusers (from_pretrained, load_lora_weights) and give the outputs difftrain
-computed. Usage: check_cpp_models.py TEST_BINARY GOLDEN_DIR"""
+"""A UNet, a VAE, a DiT and a CogVideoX transformer and VAE folder, Stable Diffusion LoRA files over a
+sweep of rank and alpha, and SD3 and CogVideoX LoRA files, written by difftrain load in diffusers
+(from_pretrained, load_lora_weights) and give the outputs difftrain computed. Usage: check_cpp_models.py TEST_BINARY GOLDEN_DIR"""
+import json
 import os
 import pathlib
 import subprocess
@@ -20,7 +21,7 @@ def main(binary, golden_dir):
     out = pathlib.Path(tempfile.mkdtemp())
     env = dict(os.environ, DIFFTRAIN_MODELS_OUT=str(out), DIFFTRAIN_GOLDEN_DIR=golden_dir)
     subprocess.run([binary, "--gtest_filter=Models.SavedFoldersRoundTrip:Models.UNetLora*:Transformers.SavedDiT*:Transformers.CogVideoXLora*:"
-                    "Transformers.TransformerLoraFiles*:CogVideoXVae.SavedFolder*"],
+                    "Transformers.TransformerLoraFiles*:CogVideoXVae.SavedFolder*:ModelConfigs.*"],
                    check=True, env=env)
     t = load_file(out / "outputs.safetensors")
     unet = UNet2DConditionModel.from_pretrained(out / "unet").eval()
@@ -40,6 +41,7 @@ def main(binary, golden_dir):
     check_cogvideox(out)
     check_cogvideox_vae(out)
     check_transformer_loras(out, pathlib.Path(golden_dir))
+    check_configs(out)
 
 
 def check_dit(out):
@@ -132,49 +134,95 @@ def check_sdxl(out, golden):
     print(f"SDXL-layout UNet with added conditions and a mask: max scaled error {err:.2e}")
 
 
-def merged(unet, state_dict, alphas):
-    """Applies a LoRA in diffusers' own key form (what its lora_state_dict returns) to a copy of the
-    UNet's weights with PEFT's formula W + (alpha / rank) * B @ A; every key must name a Linear."""
-    weights = {k: v.clone() for k, v in unet.state_dict().items()}
-    pairs = {}
-    for key, value in state_dict.items():
-        assert key.startswith("unet."), key
-        key = key[len("unet."):]
-        if ".processor." in key:  # kohya files come back in the attention-processor naming
-            module, rest = key.split(".processor.")
-            proj, part = rest.split("_lora.")
-            proj = "to_out.0" if proj == "to_out" else proj
-            side = "A" if part.startswith("down") else "B"
-            alpha = alphas.get("unet." + key + ".alpha")
-            pairs.setdefault(f"{module}.{proj}", {})[side] = value
-            if alpha is not None:
-                pairs[f"{module}.{proj}"]["alpha"] = alpha
-        else:
-            module, side = key.rsplit(".lora_", 1)
-            pairs.setdefault(module, {})[side[0]] = value
-    for module, p in pairs.items():
-        w = weights[module + ".weight"]
-        rank = p["A"].shape[0]
-        scale = p.get("alpha", 8.0) / rank  # PEFT keeps alpha in its adapter config: 8 here
-        weights[module + ".weight"] = w + scale * p["B"] @ p["A"]
-    return weights, len(pairs)
-
-
 def check_lora(out, golden):
-    from diffusers.loaders.lora_pipeline import StableDiffusionLoraLoaderMixin as Loader
-
+    """The LoRA files difftrain's Stable Diffusion programs write (adapters::
+    save_stable_diffusion_lora_files), over a sweep of rank and alpha: diffusers' own
+    load_lora_weights, on the PEFT file and on the kohya file, gives the UNet and text-encoder
+    outputs difftrain computed with the trained branches. A PEFT file without its adapter metadata
+    would load at alpha = rank and fail every case but alpha = rank."""
+    from diffusers.loaders.lora_pipeline import StableDiffusionLoraLoaderMixin, StableDiffusionXLLoraLoaderMixin
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
+    from transformers.utils import logging as transformers_logging
+    transformers_logging.set_verbosity_error()
     io = load_file(golden / "models" / "unet_conv_proj.io.safetensors")
-    want = load_file(out / "lora_output.safetensors")["output"]
-    for layout in ("peft", "kohya"):
-        state_dict, alphas = Loader.lora_state_dict(load_file(out / f"lora_{layout}.safetensors"))
-        unet = UNet2DConditionModel.from_pretrained(golden / "models" / "unet_conv_proj").eval()
-        weights, n = merged(unet, state_dict, alphas or {})
-        unet.load_state_dict(weights)
-        with torch.no_grad():
-            y = unet(io["input.sample"], io["input.timestep"], io["input.encoder_hidden_states"]).sample
-        err = (y - want).abs().max().item() / max(1.0, want.abs().max().item())
-        assert err < 1e-5, (layout, err)
-        print(f"LoRA ({layout}, {n} layers) read by diffusers' lora_state_dict: max scaled error {err:.2e}")
+    cases = json.loads((out / "lora_cases.json").read_text())
+    assert len(cases) >= 6, cases
+    for case in cases:
+        folder = out / case["name"]
+        want = load_file(folder / "outputs.safetensors")
+        loader = StableDiffusionXLLoraLoaderMixin if case["sdxl"] else StableDiffusionLoraLoaderMixin
+
+        class Pipeline(loader):  # what load_lora_weights needs of a pipeline
+            hf_device_map = None
+
+            def __init__(self, **modules):
+                self.__dict__.update(modules)
+
+            @property
+            def components(self):
+                return {k: v for k, v in self.__dict__.items() if isinstance(v, torch.nn.Module)}
+
+        for name in ("pytorch_lora_weights.safetensors", "lora_kohya.safetensors"):
+            modules = dict(
+                unet=UNet2DConditionModel.from_pretrained(golden / "models" / "unet_conv_proj").eval(),
+                text_encoder=CLIPTextModel.from_pretrained(golden / "text_encoders" / "tiny_quick_gelu").eval())
+            if case["sdxl"]:
+                modules["text_encoder_2"] = CLIPTextModelWithProjection.from_pretrained(
+                    golden / "text_encoders" / "tiny_gelu_projection").eval()
+            Pipeline(**modules).load_lora_weights(str(folder), weight_name=name)
+            with torch.no_grad():
+                got = {"unet": modules["unet"](io["input.sample"], io["input.timestep"],
+                                               io["input.encoder_hidden_states"]).sample,
+                       "text_encoder": modules["text_encoder"](want["input_ids"]).last_hidden_state}
+                if case["sdxl"]:
+                    got["text_encoder_2"] = modules["text_encoder_2"](want["input_ids"]).last_hidden_state
+            for part, y in got.items():
+                err = (y - want[part]).abs().max().item() / max(1.0, want[part].abs().max().item())
+                assert err < 1e-5, (case["name"], name, part, err)
+        print(f"LoRA {case['name']}: diffusers' load_lora_weights on the PEFT and the kohya file gives "
+              f"difftrain's UNet and text-encoder outputs")
+
+
+def check_configs(out):
+    """Every model folder difftrain loaded, fine-tuned and saved (ModelConfigs.*) reads in diffusers
+    or transformers into the config of the folder it came from, value for value and type for type
+    (4 is not 4.0: pipelines compute sizes with some fields). ControlNetModel.from_unet, as
+    diffusers' train_controlnet.py starts, builds and runs on a fine-tuned UNet and on a UNet built
+    in code."""
+    import diffusers
+    import transformers
+    from diffusers import ControlNetModel
+
+    def load(folder):
+        j = json.loads((pathlib.Path(folder) / "config.json").read_text())
+        variant = None if any(pathlib.Path(folder).glob("*model.safetensors*")) or any(
+            pathlib.Path(folder).glob("*model-0*")) else "fp16"
+        if "_class_name" in j:
+            return getattr(diffusers, j["_class_name"]).from_pretrained(folder, variant=variant)
+        return getattr(transformers, j["architectures"][0]).from_pretrained(folder, variant=variant)
+
+    def typed(config):
+        d = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+        skip = {"_name_or_path", "_diffusers_version", "transformers_version", "_use_default_values", "dtype"}
+        return json.dumps({k: v for k, v in d.items() if k not in skip}, sort_keys=True, default=str)
+
+    listing = json.loads((out / "configs.json").read_text())
+    for entry in listing:
+        original, saved = load(entry["original"]), load(entry["saved"])
+        assert typed(saved.config) == typed(original.config), (entry, typed(saved.config), typed(original.config))
+        if entry["saved"].endswith(("unet_conv_proj", "unet_sdxl_text_time_bin")):
+            ControlNetModel.from_unet(saved)  # a TypeError when a scalar came back as a list
+    print(f"{len(listing)} fine-tuned folders: diffusers and transformers read each one's config as its base's")
+    unet = diffusers.UNet2DConditionModel.from_pretrained(out / "unet_built_in_code").eval()
+    assert isinstance(unet.config.layers_per_block, int) and isinstance(unet.config.cross_attention_dim, int)
+    controlnet = ControlNetModel.from_unet(unet, conditioning_channels=3).eval()
+    with torch.no_grad():
+        down, mid = controlnet(torch.randn(1, 4, 8, 8), torch.tensor([10]), torch.randn(1, 5, 12),
+                               controlnet_cond=torch.randn(1, 3, 64, 64), return_dict=False)
+        y = unet(torch.randn(1, 4, 8, 8), torch.tensor([10]), torch.randn(1, 5, 12),
+                 down_block_additional_residuals=down, mid_block_additional_residual=mid).sample
+    assert torch.isfinite(y).all()
+    print("ControlNetModel.from_unet builds on a UNet difftrain built in code and the pair runs")
 
 
 if __name__ == "__main__":

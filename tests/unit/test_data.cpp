@@ -247,6 +247,23 @@ TEST(ImageFolder, MistakesAreTypedErrorsNamingThem) {
     o.caption_column = "caption";
     EXPECT_EQ(data::scan_image_folder(f.dir, o).images.at(0).caption, "x");
   }
+  // A caption that is not text (null, a number, a list, an object, one nested 100,000 deep) is a
+  // FormatError naming the line, never trained on under its JSON spelling.
+  for (const std::string& value : {std::string("null"), std::string("3"), std::string("[\"a\"]"),
+                                  std::string("{\"t\": 1}"),
+                                  std::string(100000, '[') + std::string(100000, ']')}) {
+    ScratchFolder f("caption-type");
+    f.image("a.jpg", "baseline_420.jpg");
+    f.text("metadata.jsonl", "{\"file_name\": \"a.jpg\", \"text\": " + value + "}\n");
+    try {
+      (void)data::scan_image_folder(f.dir);
+      ADD_FAILURE() << "the caption " << value.substr(0, 20) << " was accepted";
+    } catch (const dt::FormatError& e) {
+      const std::string w = e.what();
+      EXPECT_NE(w.find("metadata.jsonl line 1"), std::string::npos) << w.substr(0, 300);
+      EXPECT_LT(w.size(), 400U) << "a message quotes the value whole";
+    }
+  }
   {
     ScratchFolder f("csv");
     f.image("a.jpg", "baseline_420.jpg");

@@ -2,12 +2,15 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 #include <zlib.h>
 #include <difftrain/io/csv_log.hpp>
 #include <difftrain/io/embedded_data.hpp>
 #include <difftrain/io/idx.hpp>
+#include <difftrain/io/json_file.hpp>
+#include <difftrain/io/sha256.hpp>
 #include <difftrain/io/remove_tree.hpp>
 #include <difftrain/io/torch_file.hpp>
 
@@ -312,7 +315,7 @@ TEST(EmbeddedData, PlainPicturesCarryNothingAndDamageIsAFormatError) {
       "not base64 at offset 2"));
   EXPECT_TRUE(contains(error_of<dt::FormatError>(
                            [] { (void)io::embedded_detail::parse_json_data("{\"a\": [1,", "t"); }),
-                       "does not parse"));
+                       "is not valid JSON"));
   EXPECT_TRUE(contains(error_of<dt::ShapeError>([] {
                          (void)io::embedded_detail::parse_json_data(
                              R"({"v": {"TORCHTENSOR": [[1, 2], [3]]}})", "t");
@@ -695,4 +698,45 @@ TEST(RemoveTree, RemovesEverythingBelowAndNeverFollowsALink) {
   EXPECT_NE(msg.find("/proc/self/status"), std::string::npos) << msg;
   EXPECT_THROW((void)io::remove_tree(""), dt::IoError);
   (void)io::remove_tree(outside);
+}
+
+// Files that are not what they claim, at every reader's door: a FIFO where a file belongs is
+// refused at once (opening one for reading would wait forever for a writer), and JSON nested
+// beyond any real file's depth is a FormatError before any tree is built (nlohmann's recursive
+// copy, compare and dump would overflow the stack on it).
+TEST(HostileFiles, FifosAndDeepJsonAreTypedErrors) {
+  const fs::path dir = scratch("hostile");
+  fs::create_directories(dir);
+  const fs::path fifo = dir / "vocab.json";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  EXPECT_TRUE(contains(error_of<dt::IoError>([&] { (void)dt::io::read_file(fifo); }), "FIFO"));
+  EXPECT_TRUE(contains(error_of<dt::IoError>([&] { (void)dt::io::read_json(fifo); }), "vocab.json"));
+  EXPECT_TRUE(contains(error_of<dt::IoError>([&] { (void)dt::io::sha256_file(fifo); }), "FIFO"));
+
+  // Depth: every nesting the readers refuse, for arrays, objects and their mix; 200,000 levels
+  // (far past what overflowed) in a file and in a string.
+  for (const std::size_t depth : {dt::io::kJsonMaxDepth + 1, std::size_t{100000}, std::size_t{200000}})
+    for (const auto& [open, close] : {std::pair{"[", "]"}, std::pair{"{\"a\":", "}"}}) {
+      std::string text;
+      for (std::size_t i = 0; i < depth; ++i) text += open;
+      text += "1";
+      for (std::size_t i = 0; i < depth; ++i) text += close;
+      EXPECT_TRUE(contains(error_of<dt::FormatError>([&] { (void)dt::io::parse_json(text, "t"); }),
+                           "nests deeper than"));
+      const fs::path file = dir / "config.json";
+      std::ofstream(file) << text;
+      EXPECT_TRUE(contains(error_of<dt::FormatError>([&] { (void)dt::io::read_json(file); }),
+                           "config.json"));
+    }
+  // At the limit it reads; ordered_json too.
+  std::string ok;
+  for (std::size_t i = 0; i < dt::io::kJsonMaxDepth; ++i) ok += "[";
+  for (std::size_t i = 0; i < dt::io::kJsonMaxDepth; ++i) ok += "]";
+  EXPECT_NO_THROW((void)dt::io::parse_json(ok, "t"));
+  EXPECT_NO_THROW((void)dt::io::parse_json<nlohmann::ordered_json>(ok, "t"));
+  // A long value is quoted short.
+  const std::string brief = dt::io::json_brief(nlohmann::json(std::string(5000, 'x')));
+  EXPECT_LT(brief.size(), 120U);
+  EXPECT_TRUE(contains(brief, "5002 characters"));
+  dt::io::remove_tree(dir);
 }

@@ -3,6 +3,8 @@
 // full-size Stable Diffusion configurations have diffusers' parameter names and shapes, folders
 // round-trip, and bad folders and configs fail with typed errors naming the file and field.
 #include <unistd.h>
+#include <difftrain/adapters/stable_diffusion_lora_files.hpp>
+#include <difftrain/adapters/text_encoder_adapters.hpp>
 #include <difftrain/adapters/unet_adapters.hpp>
 #include <difftrain/io/remove_tree.hpp>
 #include <difftrain/io/safetensors.hpp>
@@ -803,12 +805,135 @@ TEST(Models, UNetLoraTrainsAndItsFilesLoadBack) {
                                 t.at("input.encoder_hidden_states")),
                  out, 1e-6, file == &peft ? "peft" : "kohya");
   }
-  if (const char* dir = std::getenv("DIFFTRAIN_MODELS_OUT")) {
-    const fs::path o = dir;
-    fs::create_directories(o);
-    dt::io::save_safetensors(o / "lora_peft.safetensors", peft);
-    dt::io::save_safetensors(o / "lora_kohya.safetensors", kohya);
-    dt::io::save_safetensors(o / "lora_output.safetensors", {{"output", out}});
+}
+
+// The LoRA files a Stable Diffusion run writes, over a sweep of rank and alpha (alpha above,
+// below and equal to the rank, and a UNet whose self- and cross-attention branches differ in
+// both, PEFT's rank_pattern / alpha_pattern), with SD 1.x's and SDXL's text encoders: the PEFT
+// file's adapter metadata gives every branch its alpha back, and both files load into fresh
+// models as the trained ones. tests/reference/check_cpp_models.py loads every case with
+// diffusers' own load_lora_weights (DIFFTRAIN_MODELS_OUT) and compares the outputs.
+TEST(Models, UNetLoraFilesAtEveryScale) {
+  namespace ad = difftrain::adapters;
+  using Unet = models::UNet2DConditionModel<>;
+  using Clip = models::CLIPTextModel<Backend>;
+  const auto io = dt::io::load_safetensors(golden_models() / "unet_conv_proj.io.safetensors", true);
+  const auto& t = io.tensors;
+  const fs::path encoders = fs::path(DIFFTRAIN_GOLDEN_DIR) / "text_encoders";
+  struct Case {
+    std::string name;
+    std::int64_t rank, alpha_rank;  // attn1's rank, attn2's rank
+    double alpha, alpha2;           // attn1's alpha, attn2's alpha (and the text encoders')
+    bool sdxl;
+  };
+  const std::vector<Case> cases{{"r4_a8", 4, 4, 8.0, 8.0, false},
+                                {"r4_a2", 4, 4, 2.0, 2.0, false},
+                                {"r2_a2", 2, 2, 2.0, 2.0, false},
+                                {"r8_a1.5", 8, 8, 1.5, 1.5, false},
+                                {"mixed", 2, 4, 6.0, 1.0, false},
+                                {"xl_r2_a5", 2, 2, 5.0, 5.0, true}};
+  const at::Tensor ids = at::arange(3, 19, at::kLong).view({2, 8});
+  const char* out_env = std::getenv("DIFFTRAIN_MODELS_OUT");
+  nlohmann::json listing = nlohmann::json::array();
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.name);
+    at::manual_seed(11);
+    auto unet = models::from_pretrained<Unet>(golden_models() / "unet_conv_proj");
+    auto te = models::from_pretrained<Clip>(encoders / "tiny_quick_gelu");
+    auto te2 = models::from_pretrained<Clip>(encoders / "tiny_gelu_projection");
+    (void)ad::inject_lora(*unet, {{"attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0"}, {}},
+                          {.rank = c.rank, .alpha = c.alpha});
+    (void)ad::inject_lora(*unet, {{"attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0"}, {}},
+                          {.rank = c.alpha_rank, .alpha = c.alpha2});
+    (void)ad::inject_lora(*te, ad::text_encoder_lora_targets(), {.rank = c.rank, .alpha = c.alpha2});
+    if (c.sdxl)
+      (void)ad::inject_lora(*te2, ad::text_encoder_lora_targets(), {.rank = c.rank, .alpha = c.alpha});
+    {
+      at::NoGradGuard no_grad;  // B starts at zero: give every branch an effect
+      for (torch::nn::Module* m : {static_cast<torch::nn::Module*>(unet.get()),
+                                   static_cast<torch::nn::Module*>(te.get()),
+                                   static_cast<torch::nn::Module*>(te2.get())})
+        for (const auto& [name, h] : ad::lora_layers(*m)) h->lora_b().normal_(0.0, 0.3);
+    }
+    const ad::StableDiffusionLoraModules modules{
+        .unet = unet.get(), .text_encoder = te.get(),
+        .text_encoder_2 = c.sdxl ? te2.get() : nullptr, .sdxl = c.sdxl};
+    auto run = [&](Unet& u, Clip& e, Clip& e2) {
+      u->eval();
+      e->eval();
+      e2->eval();
+      at::NoGradGuard no_grad;
+      std::map<std::string, at::Tensor> o{
+          {"unet", u->forward(t.at("input.sample"), t.at("input.timestep"),
+                              t.at("input.encoder_hidden_states"))},
+          {"text_encoder", e->forward(ids, std::nullopt, false).last_hidden_state}};
+      if (c.sdxl) o["text_encoder_2"] = e2->forward(ids, std::nullopt, false).last_hidden_state;
+      return o;
+    };
+    const auto want = run(unet, te, te2);
+    const fs::path dir = out_env ? fs::path(out_env) / ("lora_" + c.name) : scratch("lora-" + c.name);
+    fs::create_directories(dir);
+    const auto files = ad::save_stable_diffusion_lora_files(dir, modules, {{"base_model", "tiny"}});
+    const auto peft = dt::io::load_safetensors(files.peft, true);
+    const auto kohya = dt::io::load_safetensors(files.kohya, true);
+    // The metadata names every component and gives each branch its own alpha back.
+    for (const auto& [module, h] : ad::lora_layers(*unet)) {
+      const auto o = ad::peft_lora_defaults(peft.metadata, "unet", module, h->lora_options().rank);
+      ASSERT_TRUE(o.alpha.has_value()) << module;
+      EXPECT_EQ(*o.alpha, *h->lora_options().alpha) << module;
+    }
+    for (const char* component : {"text_encoder", "text_encoder_2"}) {
+      const bool present = peft.metadata.at("lora_adapter_metadata").find(
+                               std::string("\"") + component + ".r\"") != std::string::npos;
+      EXPECT_EQ(present, std::string(component) == "text_encoder" || c.sdxl) << component;
+    }
+    // Both files into fresh models: the trained outputs.
+    for (const auto layout : {ad::LoraLayout::peft, ad::LoraLayout::kohya}) {
+      const bool is_peft = layout == ad::LoraLayout::peft;
+      const auto& file = is_peft ? peft : kohya;
+      auto u = models::from_pretrained<Unet>(golden_models() / "unet_conv_proj");
+      auto e = models::from_pretrained<Clip>(encoders / "tiny_quick_gelu");
+      auto e2 = models::from_pretrained<Clip>(encoders / "tiny_gelu_projection");
+      auto load = [&](const std::string& component, torch::nn::Module& m,
+                        const ad::LoraKeyOptions& keys) {
+        std::map<std::string, at::Tensor> part;
+        for (const auto& [k, v] : file.tensors)
+          if (k.starts_with(keys.prefix)) part[k] = v;
+        if (!is_peft) {
+          (void)ad::load_lora_state_dict(m, part, keys);  // alpha from each module's tensor
+          return;
+        }
+        // PEFT: each module's alpha from the metadata, as diffusers reads it.
+        std::map<std::string, std::map<std::string, at::Tensor>> by_module;
+        for (const auto& [k, v] : part) {
+          const std::string module = k.substr(keys.prefix.size(), k.rfind(".lora_") - keys.prefix.size());
+          by_module[module][k] = v;
+        }
+        for (const auto& [module, tensors] : by_module)
+          (void)ad::load_lora_state_dict(
+              m, tensors, keys,
+              ad::peft_lora_defaults(file.metadata, component, module,
+                                     tensors.begin()->second.size(0)));
+      };
+      load("unet", *u, ad::unet_lora_keys(layout));
+      using Slot = ad::TextEncoderSlot;
+      load("text_encoder", *e, ad::text_encoder_lora_keys(layout, c.sdxl ? Slot::first : Slot::single));
+      if (c.sdxl) load("text_encoder_2", *e2, ad::text_encoder_lora_keys(layout, Slot::second));
+      const auto got = run(u, e, e2);
+      for (const auto& [name, w] : want) expect_close(got.at(name), w, 1e-6, name + (is_peft ? " peft" : " kohya"));
+    }
+    if (out_env) {
+      std::map<std::string, at::Tensor> outs = want;
+      outs["input_ids"] = ids;
+      dt::io::save_safetensors(dir / "outputs.safetensors", outs);
+      listing.push_back({{"name", "lora_" + c.name}, {"sdxl", c.sdxl}});
+    } else {
+      dt::io::remove_tree(dir);
+    }
+  }
+  if (out_env) {
+    const std::string text = listing.dump();
+    std::ofstream(fs::path(out_env) / "lora_cases.json") << text;
   }
 }
 

@@ -550,6 +550,41 @@ TEST(WebuiPrompt, AttentionTable) {
                                 "a weight of two dots", {"1.2.3"});
 }
 
+// tests/reference/ref_webui_prompt.py: the web UI's parser on 3,000 random prompts of brackets,
+// weights in every script's digits, BREAK beside Python's white space (U+001C-U+001F too).
+TEST(WebuiPrompt, AttentionEqualsTheWebUiOnRandomPrompts) {
+  const auto& cases = dt::test::golden("webui_prompt.json")["cases"];
+  ASSERT_GT(cases.size(), 3000U);
+  std::size_t refused = 0, weighted = 0;
+  for (const auto& c : cases) {
+    const auto prompt = c["prompt"].get<std::string>();
+    const std::string shown = nlohmann::json(prompt).dump();
+    if (c.contains("refused")) {
+      ++refused;
+      EXPECT_THROW((void)text::parse_prompt_attention(prompt), dt::ConfigError) << shown;
+      continue;
+    }
+    const auto got = text::parse_prompt_attention(prompt);
+    const auto& want = c["parts"];
+    ASSERT_EQ(got.size(), want.size()) << shown;
+    for (std::size_t i = 0; i < got.size(); ++i) {
+      EXPECT_EQ(got[i].text, want[i][0].get<std::string>()) << shown << " part " << i;
+      EXPECT_NEAR(got[i].weight, want[i][1].get<double>(), 1e-12) << shown << " part " << i;
+      weighted += got[i].weight != 1.0 && got[i].weight != -1.0;
+    }
+  }
+  EXPECT_GT(refused, 10U);
+  EXPECT_GT(weighted, 500U);
+  // 100,000 colons, or escaped brackets, are one run of text each (merged in linear time).
+  for (const std::string unit : {":", "\\("}) {
+    std::string many;
+    for (int i = 0; i < 100000; ++i) many += unit;
+    const auto got = text::parse_prompt_attention(many);
+    ASSERT_EQ(got.size(), 1U);
+    EXPECT_EQ(got[0].text.size(), 100000U);
+  }
+}
+
 namespace {
 
 std::string repeat(const std::string& word, int n) {

@@ -9,6 +9,7 @@
 #include "difftrain/adapters/lora.hpp"
 #include "difftrain/adapters/lora_inject.hpp"
 #include "difftrain/adapters/optimizer_sidecar.hpp"
+#include "difftrain/adapters/stable_diffusion_lora_files.hpp"
 #include "difftrain/adapters/text_encoder_adapters.hpp"
 #include "difftrain/adapters/unet_adapters.hpp"
 #include "difftrain/adapters/webui_training.hpp"

@@ -34,6 +34,7 @@
 
 #include "difftrain/adapters/lora.hpp"
 #include "difftrain/core/error.hpp"
+#include "difftrain/io/json_parse.hpp"
 
 namespace difftrain::adapters {
 
@@ -206,12 +207,7 @@ inline LoraOptions peft_lora_defaults(const std::map<std::string, std::string>& 
   o.rank = rank;
   const auto it = file_metadata.find("lora_adapter_metadata");
   if (it == file_metadata.end()) return o;
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(it->second);
-  } catch (const nlohmann::json::parse_error& e) {
-    throw FormatError(std::string("is not JSON: ") + e.what(), "lora_adapter_metadata");
-  }
+  const nlohmann::json j = io::parse_json(it->second, "lora_adapter_metadata");
   const std::string p = component + ".";
   try {
     if (j.contains(p + "alpha_pattern") && j[p + "alpha_pattern"].contains(module))

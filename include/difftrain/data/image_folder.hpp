@@ -39,6 +39,7 @@
 
 #include "difftrain/core/error.hpp"
 #include "difftrain/data/image.hpp"
+#include "difftrain/io/json_parse.hpp"
 #include "difftrain/io/read_file.hpp"
 
 namespace difftrain::data {
@@ -167,12 +168,7 @@ inline std::map<std::filesystem::path, std::string> read_metadata(const std::fil
       start = end + 1;
       if (row.find_first_not_of(" \t\r") == std::string::npos) continue;
       const std::string at = where + " line " + std::to_string(line);
-      nlohmann::json j;
-      try {
-        j = nlohmann::json::parse(row);
-      } catch (const nlohmann::json::exception& e) {
-        throw FormatError(std::string("is not JSON: ") + e.what(), at);
-      }
+      const nlohmann::json j = io::parse_json(row, at);
       if (!j.is_object()) throw FormatError("is not a JSON object", at);
       if (!j.contains(o.image_column) || !j[o.image_column].is_string())
         throw FormatError("has no string '" + o.image_column + "' (the image column)", at);
@@ -184,8 +180,14 @@ inline std::map<std::filesystem::path, std::string> read_metadata(const std::fil
                           at);
       }
       const auto& c = j[o.caption_column];
-      add(j[o.image_column].get<std::string>(), c.is_string() ? c.get<std::string>() : c.dump(),
-          at);
+      // As diffusers' scripts: a caption is text; null, a number or an object is a mistake in
+      // the file, not a caption to train on under its JSON spelling.
+      if (!c.is_string())
+        throw FormatError("has a " + std::string(c.type_name()) + " in the caption column '" +
+                              o.caption_column + "' (" + io::json_brief(c) +
+                              "), where a caption is text",
+                          at);
+      add(j[o.image_column].get<std::string>(), c.get<std::string>(), at);
     }
     return out;
   }

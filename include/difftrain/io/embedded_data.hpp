@@ -24,6 +24,7 @@
 
 #include "difftrain/core/error.hpp"
 #include "difftrain/io/png.hpp"
+#include "difftrain/io/json_parse.hpp"
 #include "difftrain/io/torch_file.hpp"
 
 namespace difftrain::io {
@@ -245,12 +246,7 @@ inline nlohmann::ordered_json to_json_with_tensors(const c10::IValue& v, const s
 }
 
 inline TorchValue parse_json_data(std::string_view text, const std::string& where) {
-  nlohmann::ordered_json j;
-  try {
-    j = nlohmann::ordered_json::parse(text);
-  } catch (const nlohmann::json::exception& e) {
-    throw FormatError(std::string("holds JSON that does not parse: ") + e.what(), where);
-  }
+  const auto j = parse_json<nlohmann::ordered_json>(text, where);
   return TorchValue(from_json(j, where, 0), where);
 }
 

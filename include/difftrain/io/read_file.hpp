@@ -22,9 +22,11 @@ inline std::string errno_text() { return std::strerror(errno); }
 }  // namespace detail
 
 /// Opens `path` for reading and checks that it is a regular file; returns the descriptor (the
-/// caller closes it) and fills `st`. A missing file, a folder or no permission is an IoError.
+/// caller closes it) and fills `st`. A missing file, a folder, a FIFO or device, or no permission
+/// is an IoError. Opened non-blocking, so a FIFO where a file belongs is refused at once instead of
+/// waiting forever for a writer; blocking reads are restored before the descriptor is returned.
 inline int open_for_reading(const std::filesystem::path& path, struct stat& st) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0)
     throw IoError("cannot open the file for reading: " + detail::errno_text(), path.string());
   if (::fstat(fd, &st) != 0) {
@@ -34,9 +36,13 @@ inline int open_for_reading(const std::filesystem::path& path, struct stat& st) 
   }
   if (!S_ISREG(st.st_mode)) {
     ::close(fd);
-    throw IoError(S_ISDIR(st.st_mode) ? "is a folder, not a file" : "is not a regular file",
+    throw IoError(S_ISDIR(st.st_mode)    ? "is a folder, not a file"
+                  : S_ISFIFO(st.st_mode) ? "is a FIFO (named pipe), not a file"
+                                         : "is not a regular file",
                   path.string());
   }
+  const int flags = ::fcntl(fd, F_GETFL);
+  if (flags >= 0) (void)::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
   return fd;
 }
 

@@ -11,12 +11,12 @@
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "difftrain/core/error.hpp"
+#include "difftrain/io/read_file.hpp"
 
 namespace difftrain::io {
 
@@ -97,17 +97,24 @@ class Sha256 {
 
 inline std::string sha256_hex(std::string_view bytes) { return Sha256().update(bytes).hex(); }
 
-/// The SHA-256 of a file's contents, read in 1 MiB blocks.
+/// The SHA-256 of a file's contents, read in 1 MiB blocks. A missing file, a folder or a FIFO is
+/// an IoError naming it (open_for_reading).
 inline std::string sha256_file(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw IoError("cannot be opened to hash", path.string());
+  struct stat st {};
+  const int fd = open_for_reading(path, st);
   Sha256 h;
   std::vector<char> buf(1 << 20);
-  while (in) {
-    in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
-    h.update(buf.data(), static_cast<std::size_t>(in.gcount()));
+  while (true) {
+    const ssize_t n = ::read(fd, buf.data(), buf.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      ::close(fd);
+      throw IoError("could not be read to the end", path.string());
+    }
+    if (n == 0) break;
+    h.update(buf.data(), static_cast<std::size_t>(n));
   }
-  if (in.bad()) throw IoError("could not be read to the end", path.string());
+  ::close(fd);
   return h.hex();
 }
 

@@ -124,6 +124,9 @@ struct AutoencoderKLConfig {
     return c;
   }
 
+  /// The file from_pretrained read this config from (see ConfigAsRead).
+  ConfigAsRead as_read{};
+
   [[nodiscard]] nlohmann::json to_json() const {
     nlohmann::json j = vae_config_json(*this);
     j["sample_size"] = sample_size;

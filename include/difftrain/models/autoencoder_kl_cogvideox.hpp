@@ -140,10 +140,13 @@ struct AutoencoderKLCogVideoXConfig {
     return c;
   }
 
+  /// The file from_pretrained read this config from (see ConfigAsRead).
+  ConfigAsRead as_read{};
+
   [[nodiscard]] nlohmann::json to_json() const {
     nlohmann::json j = vae_config_json(*this);
     j["norm_eps"] = norm_eps;
-    j["temporal_compression_ratio"] = temporal_compression_ratio;
+    j["temporal_compression_ratio"] = config_number(temporal_compression_ratio);
     j["sample_height"] = sample_height;
     j["sample_width"] = sample_width;
     j["invert_scale_latents"] = invert_scale_latents;

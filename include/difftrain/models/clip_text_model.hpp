@@ -125,6 +125,9 @@ struct CLIPTextConfig {
     return c;
   }
 
+  /// The file from_pretrained read this config from (see ConfigAsRead).
+  ConfigAsRead as_read{};
+
   [[nodiscard]] nlohmann::json to_json() const {
     return {{"architectures", {with_projection ? "CLIPTextModelWithProjection" : "CLIPTextModel"}},
             {"model_type", "clip_text_model"},

@@ -228,6 +228,9 @@ struct CogVideoXTransformer3DConfig {
     return c;
   }
 
+  /// The file from_pretrained read this config from (see ConfigAsRead).
+  ConfigAsRead as_read{};
+
   [[nodiscard]] nlohmann::json to_json() const {
     nlohmann::json j = diffusers_config_json<CogVideoXTransformer3DConfig>();
     j["num_attention_heads"] = num_attention_heads;

@@ -5,9 +5,11 @@
 // the file describes). Fields starting with "_" (`_class_name`, `_diffusers_version`, ...) are
 // bookkeeping and always accepted.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <nlohmann/json.hpp>
+#include <memory>
 #include <optional>
 #include <set>
 #include <string>
@@ -231,6 +233,56 @@ class ConfigReader {
   std::string where_;
   std::set<std::string> read_;
 };
+
+/// The config.json a config was read from, kept by from_pretrained. Saving writes it back as it
+/// was while the config still describes the same model: a fine-tune's config equals its base's,
+/// scalars stay scalars and every field keeps its type and place, as diffusers' own save keeps
+/// them (tools downstream, ControlNetModel.from_unet among them, read fields by their type). Not
+/// part of what the config says: two configs that differ only here are the same model.
+struct ConfigAsRead {
+  std::shared_ptr<const nlohmann::json> json;
+};
+
+/// A number as diffusers' configs write it: an integer when it has no fraction (the published
+/// configs write `4`, not `4.0`, and pipelines use some such fields in integer arithmetic).
+inline nlohmann::json config_number(double v) {
+  if (std::isfinite(v) && v == std::floor(v) && std::fabs(v) < 9.0e15)
+    return nlohmann::json(static_cast<std::int64_t>(v));
+  return nlohmann::json(v);
+}
+
+/// A per-block list as diffusers writes a field whose signature takes an int or a list: the one
+/// value when every block has it (what a config that named one value read into), else the list.
+template <class T>
+nlohmann::json per_block_json(const std::vector<T>& v) {
+  if (!v.empty() && std::all_of(v.begin(), v.end(), [&](const T& x) { return x == v.front(); }))
+    return nlohmann::json(static_cast<T>(v.front()));
+  return nlohmann::json(v);
+}
+
+/// What save_pretrained writes for `c`: the file it was read from when that still reads into the
+/// same config (the file's own keys, values and types), else `c.to_json()`.
+template <class Config>
+nlohmann::json config_json_to_save(const Config& c) {
+  nlohmann::json mine = c.to_json();
+  if constexpr (requires { c.as_read.json; }) {
+    if (c.as_read.json && c.as_read.json->is_object()) {
+      bool same = false;
+      try {
+        same = Config::from_json(*c.as_read.json, "config.json").to_json() == mine;
+      } catch (const Error&) {
+        same = false;
+      }
+      if (same) {
+        nlohmann::json j = *c.as_read.json;
+        for (const char* key : {"_class_name", "_diffusers_version", "architectures", "model_type"})
+          if (!j.contains(key) && mine.contains(key)) j[key] = mine[key];
+        return j;
+      }
+    }
+  }
+  return mine;
+}
 
 /// The diffusers version the configs difftrain writes name: the one its tests load them in.
 inline constexpr std::string_view kDiffusersVersion = "0.42.1";

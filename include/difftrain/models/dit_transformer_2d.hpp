@@ -162,6 +162,9 @@ struct DiTTransformer2DConfig {
     return c;
   }
 
+  /// The file from_pretrained read this config from (see ConfigAsRead).
+  ConfigAsRead as_read{};
+
   [[nodiscard]] nlohmann::json to_json() const {
     nlohmann::json j = diffusers_config_json<DiTTransformer2DConfig>();
     j["num_attention_heads"] = num_attention_heads;

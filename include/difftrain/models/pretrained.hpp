@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <map>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <regex>
@@ -322,6 +323,7 @@ Holder from_pretrained(const std::filesystem::path& folder, const LoadOptions& o
         "the folder holds a " + j["_class_name"].get<std::string>() + ", not a " + expected,
         config_path);
   Config config = Config::from_json(j, config_path);
+  config.as_read.json = std::make_shared<const nlohmann::json>(j);
   // The weights are memory-mapped (names and shapes cost no parameter memory): compared with what
   // the config implies before the model is built.
   auto weights = read_model_weights(folder, options.variant, weight_names_for<Config>());
@@ -426,7 +428,7 @@ std::vector<std::filesystem::path> save_pretrained(const Holder& model,
   for (const auto& p : model->named_parameters(true)) tensors[p.key()] = p.value();
   for (const auto& b : model->named_buffers(true)) tensors[b.key()] = b.value();
   using Config = std::decay_t<decltype(model->config())>;
-  return save_pretrained_tensors(tensors, model->config().to_json(), folder, options,
+  return save_pretrained_tensors(tensors, config_json_to_save(model->config()), folder, options,
                                  weight_names_for<Config>());
 }
 

@@ -148,6 +148,9 @@ struct SD3Transformer2DConfig {
     return c;
   }
 
+  /// The file from_pretrained read this config from (see ConfigAsRead).
+  ConfigAsRead as_read{};
+
   [[nodiscard]] nlohmann::json to_json() const {
     nlohmann::json j = diffusers_config_json<SD3Transformer2DConfig>();
     j["sample_size"] = sample_size;

@@ -156,6 +156,9 @@ struct T5EncoderConfig {
     return c;
   }
 
+  /// The file from_pretrained read this config from (see ConfigAsRead).
+  ConfigAsRead as_read{};
+
   [[nodiscard]] nlohmann::json to_json() const {
     const std::string act = gated() ? feed_forward_proj.substr(6) : feed_forward_proj;
     return {{"architectures", {"T5EncoderModel"}},

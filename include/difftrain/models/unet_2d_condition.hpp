@@ -335,6 +335,9 @@ struct UNet2DConditionConfig {
   }
 
   /// The config as diffusers writes it (so `from_pretrained` reads the folder back).
+  /// The file from_pretrained read this config from (see ConfigAsRead).
+  ConfigAsRead as_read{};
+
   [[nodiscard]] nlohmann::json to_json() const {
     nlohmann::json j = diffusers_config_json<UNet2DConditionConfig>();
     j["sample_size"] = sample_size.value_or(nullptr);
@@ -342,25 +345,25 @@ struct UNet2DConditionConfig {
     j["out_channels"] = out_channels;
     j["center_input_sample"] = center_input_sample;
     j["flip_sin_to_cos"] = flip_sin_to_cos;
-    j["freq_shift"] = freq_shift;
+    j["freq_shift"] = config_number(freq_shift);
     j["down_block_types"] = down_block_types;
     j["mid_block_type"] = value_or_null(mid_block_type);
     j["up_block_types"] = up_block_types;
-    j["only_cross_attention"] = only_cross_attention;
+    j["only_cross_attention"] = per_block_json(only_cross_attention);
     j["mid_block_only_cross_attention"] = value_or_null(mid_block_only_cross_attention);
     j["block_out_channels"] = block_out_channels;
-    j["layers_per_block"] = layers_per_block;
+    j["layers_per_block"] = per_block_json(layers_per_block);
     j["downsample_padding"] = downsample_padding;
-    j["mid_block_scale_factor"] = mid_block_scale_factor;
+    j["mid_block_scale_factor"] = config_number(mid_block_scale_factor);
     j["dropout"] = dropout;
     j["act_fn"] = act_fn;
     j["norm_num_groups"] = norm_num_groups;
     j["norm_eps"] = norm_eps;
-    j["cross_attention_dim"] = cross_attention_dim;
-    j["transformer_layers_per_block"] = transformer_layers_per_block;
+    j["cross_attention_dim"] = per_block_json(cross_attention_dim);
+    j["transformer_layers_per_block"] = per_block_json(transformer_layers_per_block);
     j["encoder_hid_dim"] = value_or_null(encoder_hid_dim);
     j["encoder_hid_dim_type"] = value_or_null(encoder_hid_dim_type);
-    j["attention_head_dim"] = attention_head_dim;
+    j["attention_head_dim"] = per_block_json(attention_head_dim);
     j["use_linear_projection"] = use_linear_projection;
     j["class_embed_type"] = value_or_null(class_embed_type);
     j["num_class_embeds"] = value_or_null(num_class_embeds);

@@ -67,6 +67,9 @@ class CLIPTokenizer : public TokenTable {
   static constexpr std::array<const char*, 7> special_keys{
       "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"};
 
+  /// How far past the ids before it an id may lie (the id table is sized by the largest id).
+  static constexpr std::int64_t kIdGap = std::int64_t{1} << 16;
+
   /// A tokenizer from a vocabulary (token → id), merges in rank order, and the special tokens.
   /// A merge whose parts or result the vocabulary lacks is a FormatError naming its rank.
   CLIPTokenizer(std::unordered_map<std::string, std::int64_t> vocab,
@@ -79,9 +82,16 @@ class CLIPTokenizer : public TokenTable {
         model_max_length_(model_max_length),
         byte_level_regex_(byte_level_regex) {
     std::int64_t max_id = -1;
+    // The id table is sized by the largest id: an id far past the entries (a typo, a hostile
+    // file) would allocate gigabytes for a handful of tokens. No tokenizer leaves such a gap.
+    const auto id_bound = static_cast<std::int64_t>(vocab_.size()) + kIdGap;
     for (const auto& [token, id] : vocab_) {
-      if (id < 0 || id > std::numeric_limits<std::int32_t>::max())
-        throw FormatError("gives token '" + token + "' the id " + std::to_string(id), where_);
+      if (id < 0 || id >= id_bound)
+        throw FormatError("gives token '" + token + "' the id " + std::to_string(id) +
+                              " (the vocabulary has " + std::to_string(vocab_.size()) +
+                              " entries; ids run from 0 to fewer than " +
+                              std::to_string(id_bound) + ")",
+                          where_);
       max_id = std::max(max_id, id);
     }
     id_to_token_.assign(static_cast<std::size_t>(max_id + 1), std::string());
@@ -150,6 +160,19 @@ class CLIPTokenizer : public TokenTable {
   /// FormatError naming it; a tokenizer.json that is not CLIP's (another normalizer,
   /// pre-tokenizer or model) is refused by name rather than tokenized differently.
   static CLIPTokenizer from_folder(const std::filesystem::path& dir) {
+    // A field of an unexpected JSON type anywhere below (an object where a string belongs, a
+    // number where a list does) is a FormatError naming the folder, never nlohmann's own error.
+    try {
+      return read_folder(dir);
+    } catch (const nlohmann::json::exception& e) {
+      throw FormatError(std::string("holds a tokenizer file with a field of the wrong type: ") +
+                            e.what(),
+                        dir.string());
+    }
+  }
+
+  /// from_folder's reading, whose JSON type errors from_folder turns into FormatErrors.
+  static CLIPTokenizer read_folder(const std::filesystem::path& dir) {
     namespace fs = std::filesystem;
     const fs::path config_file = dir / "tokenizer_config.json";
     const fs::path map_file = dir / "special_tokens_map.json";
@@ -279,6 +302,12 @@ class CLIPTokenizer : public TokenTable {
     } else if (t.id < 0 || t.id < static_cast<std::int64_t>(id_to_token_.size())) {
       t.id = static_cast<std::int64_t>(id_to_token_.size());
     }
+    if (t.id >= static_cast<std::int64_t>(id_to_token_.size()) + kIdGap)
+      throw FormatError("gives the added token '" + t.content + "' the id " +
+                            std::to_string(t.id) + ", past the " +
+                            std::to_string(id_to_token_.size()) + " ids before it by more than " +
+                            std::to_string(kIdGap),
+                        where_);
     if (t.id >= static_cast<std::int64_t>(id_to_token_.size()))
       id_to_token_.resize(static_cast<std::size_t>(t.id + 1));
     id_to_token_[static_cast<std::size_t>(t.id)] = t.content;

@@ -20,6 +20,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "difftrain/core/error.hpp"
@@ -39,6 +40,30 @@ namespace webui_detail {
 
 inline bool is_word_char(char32_t c) { return c == U'_' || is_letter(c) || is_number(c); }
 
+/// Python's `\s` on str (str.isspace): the White_Space characters and also U+001C-U+001F, which
+/// Python counts (bidirectional class B or S) and Unicode's White_Space does not.
+inline bool is_python_space(char32_t c) { return (c >= 0x1C && c <= 0x1F) || is_space(c); }
+
+/// Python's `\d` on str: a decimal digit of any script (category Nd); its value, or -1.
+inline int decimal_digit(char32_t c) {
+  if (c < 0x80) return c >= U'0' && c <= U'9' ? static_cast<int>(c - U'0') : -1;
+  return u_charType(static_cast<UChar32>(c)) == U_DECIMAL_DIGIT_NUMBER
+             ? u_charDigitValue(static_cast<UChar32>(c))
+             : -1;
+}
+
+/// The code point of UTF-8 `text` at byte `i` and its length in bytes (a byte that starts no
+/// valid sequence: itself, length 1; the prompt was checked as UTF-8 where it matters).
+inline std::pair<char32_t, std::size_t> code_point_at(std::string_view text, std::size_t i) {
+  const auto* p = reinterpret_cast<const std::uint8_t*>(text.data());
+  if (p[i] < 0x80) return {p[i], 1};
+  auto k = static_cast<std::int32_t>(i);
+  UChar32 c = 0;
+  U8_NEXT(p, k, static_cast<std::int32_t>(text.size()), c);
+  if (c < 0) return {p[i], 1};
+  return {static_cast<char32_t>(c), static_cast<std::size_t>(k) - i};
+}
+
 /// Python's re.split(r"\s*\bBREAK\b\s*", text): the pieces between the BREAK words.
 inline std::vector<std::string> split_break(const std::string& text) {
   const std::u32string s = utf8_to_u32(text, "prompt");
@@ -48,7 +73,7 @@ inline std::vector<std::string> split_break(const std::string& text) {
     // The leftmost match: a run of white space (possibly empty) then BREAK between word
     // boundaries, then white space.
     std::size_t j = i;
-    while (j < s.size() && is_space(s[j])) ++j;
+    while (j < s.size() && is_python_space(s[j])) ++j;
     const bool at_word = s.compare(j, 5, U"BREAK") == 0 && (j == 0 || !is_word_char(s[j - 1])) &&
                          (j + 5 == s.size() || !is_word_char(s[j + 5]));
     if (!at_word) {
@@ -56,7 +81,7 @@ inline std::vector<std::string> split_break(const std::string& text) {
       continue;
     }
     std::size_t end = j + 5;
-    while (end < s.size() && is_space(s[end])) ++end;
+    while (end < s.size() && is_python_space(s[end])) ++end;
     parts.push_back(u32_to_utf8(s.substr(piece_start, i - piece_start)));
     piece_start = end;
     i = end;
@@ -104,13 +129,20 @@ inline std::vector<WeightedText> parse_prompt_attention(std::string_view text) {
       square.push_back(res.size());
       ++i;
     } else if (c == ':') {
-      // ":<number>)" is one token when a number of digits and dots is followed by ')'.
+      // ":<number>)" is one token when a number of dots and digits (Python's \d: any script's
+      // decimal digits, which Python's float() reads too) is followed by ')'.
       std::size_t j = i + 1;
-      if (j < n && (text[j] == '+' || text[j] == '-')) ++j;
+      std::string number;  // in ASCII digits
+      if (j < n && (text[j] == '+' || text[j] == '-')) number.push_back(text[j++]);
       const std::size_t digits = j;
-      while (j < n && (text[j] == '.' || (text[j] >= '0' && text[j] <= '9'))) ++j;
+      while (j < n) {
+        const auto [cp, len] = webui_detail::code_point_at(text, j);
+        const int d = cp == U'.' ? -2 : webui_detail::decimal_digit(cp);
+        if (d == -1) break;
+        number.push_back(d == -2 ? '.' : static_cast<char>('0' + d));
+        j += len;
+      }
       if (j > digits && j < n && text[j] == ')') {
-        const std::string number(text.substr(i + 1, j - i - 1));
         if (!round.empty()) {
           char* end = nullptr;
           const double w = std::strtod(number.c_str(), &end);
@@ -151,15 +183,17 @@ inline std::vector<WeightedText> parse_prompt_attention(std::string_view text) {
   for (const std::size_t pos : round) multiply_range(pos, round_mult);
   for (const std::size_t pos : square) multiply_range(pos, square_mult);
   if (res.empty()) res.push_back({"", 1.0});
-  for (std::size_t i = 0; i + 1 < res.size();) {
-    if (res[i].weight == res[i + 1].weight) {
-      res[i].text += res[i + 1].text;
-      res.erase(res.begin() + static_cast<std::ptrdiff_t>(i) + 1);
-    } else {
-      ++i;
-    }
+  // Neighbours of equal weight merged, in one pass (erasing one at a time was quadratic: a
+  // prompt of 100,000 ':' took tens of seconds).
+  std::vector<WeightedText> merged;
+  merged.reserve(res.size());
+  for (auto& r : res) {
+    if (!merged.empty() && merged.back().weight == r.weight)
+      merged.back().text += r.text;
+    else
+      merged.push_back(std::move(r));
   }
-  return res;
+  return merged;
 }
 
 /// How the web UI treats emphasis (its "Emphasis mode" setting).

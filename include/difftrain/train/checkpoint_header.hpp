@@ -10,6 +10,7 @@
 #include <string_view>
 
 #include "difftrain/core/error.hpp"
+#include "difftrain/io/json_parse.hpp"
 #include "difftrain/io/torch_file.hpp"
 
 namespace difftrain::train {
@@ -37,11 +38,7 @@ inline void check_checkpoint_format(const io::TorchValue& root, std::string_view
 /// The file's "json" entry, parsed; `what` names it in the message ("settings", "names").
 [[nodiscard]] inline nlohmann::json checkpoint_json(const io::TorchValue& root,
                                                     std::string_view what) {
-  try {
-    return nlohmann::json::parse(root.at("json").string());
-  } catch (const nlohmann::json::exception& e) {
-    throw FormatError("has unreadable " + std::string(what) + ": " + e.what(), root.where());
-  }
+  return io::parse_json(root.at("json").string(), root.where() + " " + std::string(what));
 }
 
 }  // namespace difftrain::train

@@ -1,0 +1,99 @@
+#pragma once
+// The two LoRA files a Stable Diffusion run leaves: `pytorch_lora_weights.safetensors` (PEFT keys
+// under "unet.", "text_encoder.", "text_encoder_2.", what diffusers' load_lora_weights reads) and
+// `lora_kohya.safetensors` (kohya's keys with an `.alpha` per module, what the web UI, ComfyUI
+// and kohya's scripts read).
+//
+// The PEFT layout keeps no alpha beside its tensors: diffusers takes it from the file's
+// `lora_adapter_metadata` (one LoraConfig per component) and, without one, applies alpha = rank.
+// So the PEFT file always carries that entry for every component it holds: a run trained at alpha
+// != rank loads at the scale it trained at, and both files give the same model.
+
+#include <filesystem>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "difftrain/adapters/lora_inject.hpp"
+#include "difftrain/adapters/text_encoder_adapters.hpp"
+#include "difftrain/adapters/unet_adapters.hpp"
+#include "difftrain/core/error.hpp"
+#include "difftrain/io/safetensors.hpp"
+
+namespace difftrain::adapters {
+
+/// The modules of a Stable Diffusion pipeline whose LoRA branches a file holds; a null text
+/// encoder is left out (its branches were not trained). `sdxl` names the text encoders as SDXL's
+/// files do ("lora_te1_" / "lora_te2_" in kohya's layout).
+struct StableDiffusionLoraModules {
+  torch::nn::Module* unet = nullptr;
+  torch::nn::Module* text_encoder = nullptr;
+  torch::nn::Module* text_encoder_2 = nullptr;
+  bool sdxl = false;
+};
+
+/// The file names a run writes, as diffusers' and kohya's tools name them.
+struct StableDiffusionLoraFiles {
+  std::filesystem::path peft = "pytorch_lora_weights.safetensors";
+  std::filesystem::path kohya = "lora_kohya.safetensors";
+};
+
+namespace sd_lora_detail {
+/// (component as diffusers names it, module, key options) for each module present.
+inline std::vector<std::pair<std::string, std::pair<torch::nn::Module*, LoraKeyOptions>>> parts(
+    const StableDiffusionLoraModules& m, LoraLayout layout) {
+  if (m.unet == nullptr && m.text_encoder == nullptr && m.text_encoder_2 == nullptr)
+    throw ConfigError("names no module", "stable_diffusion_lora_state_dict");
+  if (m.text_encoder_2 != nullptr && !m.sdxl)
+    throw ConfigError("has a second text encoder but is not marked sdxl",
+                      "stable_diffusion_lora_state_dict");
+  using Slot = TextEncoderSlot;
+  std::vector<std::pair<std::string, std::pair<torch::nn::Module*, LoraKeyOptions>>> out;
+  if (m.unet != nullptr) out.push_back({"unet", {m.unet, unet_lora_keys(layout)}});
+  if (m.text_encoder != nullptr)
+    out.push_back({"text_encoder",
+                   {m.text_encoder,
+                    text_encoder_lora_keys(layout, m.sdxl ? Slot::first : Slot::single)}});
+  if (m.text_encoder_2 != nullptr)
+    out.push_back({"text_encoder_2", {m.text_encoder_2, text_encoder_lora_keys(layout, Slot::second)}});
+  return out;
+}
+}  // namespace sd_lora_detail
+
+/// Every module's branches in one layout, as one flat map (CPU copies).
+inline std::map<std::string, at::Tensor> stable_diffusion_lora_state_dict(
+    const StableDiffusionLoraModules& m, LoraLayout layout) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& [component, part] : sd_lora_detail::parts(m, layout))
+    out.merge(lora_state_dict(*part.first, part.second));
+  return out;
+}
+
+/// The PEFT file's metadata: diffusers' `lora_adapter_metadata` with a LoraConfig for every
+/// component (rank, alpha, per-module patterns, targets), `format` = "pt", and `extra`.
+inline std::map<std::string, std::string> stable_diffusion_peft_metadata(
+    const StableDiffusionLoraModules& m, std::map<std::string, std::string> extra = {}) {
+  nlohmann::json adapter = nlohmann::json::object();
+  for (const auto& [component, part] : sd_lora_detail::parts(m, LoraLayout::peft))
+    add_peft_adapter_metadata(adapter, *part.first, component);
+  return lora_file_metadata(adapter, std::move(extra));
+}
+
+/// Writes both files into `folder` (each atomically) and returns their paths. `extra` goes into
+/// both files' metadata (the base model, the run's rank and alpha, ...).
+inline StableDiffusionLoraFiles save_stable_diffusion_lora_files(
+    const std::filesystem::path& folder, const StableDiffusionLoraModules& m,
+    const std::map<std::string, std::string>& extra = {}, const StableDiffusionLoraFiles& names = {}) {
+  StableDiffusionLoraFiles written{folder / names.peft, folder / names.kohya};
+  io::save_safetensors(written.peft, stable_diffusion_lora_state_dict(m, LoraLayout::peft),
+                       stable_diffusion_peft_metadata(m, extra));
+  auto kohya_meta = extra;
+  kohya_meta["format"] = "pt";
+  io::save_safetensors(written.kohya, stable_diffusion_lora_state_dict(m, LoraLayout::kohya),
+                       kohya_meta);
+  return written;
+}
+
+}  // namespace difftrain::adapters

@@ -1,0 +1,92 @@
+#pragma once
+// Every JSON text difftrain reads goes through `parse_json`: model and tokenizer configs,
+// `metadata.jsonl` rows, checkpoint settings, LoRA metadata, embedded data. A first SAX pass
+// counts the nesting (linear time, no tree built) and refuses a text nested deeper than any file
+// difftrain reads needs; only then is the tree built. nlohmann's tree copies, compares, dumps
+// and frees itself recursively, so an unbounded nesting (a few hundred kilobytes of '[') would
+// overflow the stack wherever the value went next. `json_brief` quotes a value in an error
+// message without ever printing a large one whole.
+
+#include <cstddef>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <string_view>
+
+#include "difftrain/core/error.hpp"
+
+namespace difftrain::io {
+
+/// Deeper than every config, tokenizer and metadata file in use (they nest under ten levels),
+/// far below what the recursive copy and dump can take on any thread's stack.
+inline constexpr std::size_t kJsonMaxDepth = 256;
+
+namespace json_detail {
+/// A SAX consumer that builds nothing: it counts the nesting and stops past `max_depth`.
+template <class Json>
+class DepthCheck {
+ public:
+  DepthCheck(std::size_t max_depth, const std::string& where) : max_(max_depth), where_(where) {}
+  using number_integer_t = typename Json::number_integer_t;
+  using number_unsigned_t = typename Json::number_unsigned_t;
+  using number_float_t = typename Json::number_float_t;
+  using string_t = typename Json::string_t;
+  using binary_t = typename Json::binary_t;
+  bool null() { return true; }
+  bool boolean(bool) { return true; }
+  bool number_integer(number_integer_t) { return true; }
+  bool number_unsigned(number_unsigned_t) { return true; }
+  bool number_float(number_float_t, const string_t&) { return true; }
+  bool string(string_t&) { return true; }
+  bool binary(binary_t&) { return true; }
+  bool key(string_t&) { return true; }
+  bool start_object(std::size_t) { return open(); }
+  bool start_array(std::size_t) { return open(); }
+  bool end_object() { return close(); }
+  bool end_array() { return close(); }
+  bool parse_error(std::size_t position, const std::string&, const nlohmann::json::exception& e) {
+    throw FormatError(std::string("is not valid JSON (byte ") + std::to_string(position) +
+                          "): " + e.what(),
+                      where_);
+  }
+
+ private:
+  bool open() {
+    if (++depth_ > max_)
+      throw FormatError("nests deeper than " + std::to_string(max_) + " levels", where_);
+    return true;
+  }
+  bool close() {
+    --depth_;
+    return true;
+  }
+  std::size_t max_, depth_ = 0;
+  const std::string& where_;
+};
+}  // namespace json_detail
+
+/// `text` parsed as JSON (`Json` = nlohmann::json or ordered_json); text that is not JSON, or
+/// nests deeper than `max_depth`, is a FormatError naming `where`.
+template <class Json = nlohmann::json>
+Json parse_json(std::string_view text, const std::string& where,
+                std::size_t max_depth = kJsonMaxDepth) {
+  json_detail::DepthCheck<Json> check(max_depth, where);
+  try {
+    Json::sax_parse(text.begin(), text.end(), &check);
+    return Json::parse(text.begin(), text.end());
+  } catch (const nlohmann::json::exception& e) {
+    throw FormatError(std::string("is not valid JSON: ") + e.what(), where);
+  }
+}
+
+/// A value quoted for an error message: scalars and short values whole, anything longer than
+/// `max_chars` cut there ("... (N characters)"), so a message stays one readable line.
+template <class Json>
+std::string json_brief(const Json& v, std::size_t max_chars = 80) {
+  std::string s = v.dump();
+  if (s.size() <= max_chars) return s;
+  const std::size_t n = s.size();
+  s.resize(max_chars);
+  return s + "... (" + std::to_string(n) + " characters)";
+}
+
+}  // namespace difftrain::io
