@@ -492,18 +492,18 @@ int run(Settings s) {
     o.output = out / "hypernetworks" / (name + ".pt");
     const bool exists = fs::exists(o.output);
     std::vector<std::int64_t> sizes;
-    if (!exists) sizes = hypernetwork_sizes(s.hypernetwork_layer_sizes, attention_context_widths(*p.unet));
+    if (!exists)
+      sizes = hypernetwork_sizes(s.hypernetwork_layer_sizes, attention_context_widths(*p.unet));
     fs::create_directories(o.output.parent_path());
     ad::Hypernetwork hn =
-        exists
-            ? ad::Hypernetwork::load(o.output)
-            : ad::Hypernetwork(
-                  name, sizes,
-                  {.layer_structure = parse_numbers(s.layer_structure, "--layer_structure"),
-                   .activation_func = s.activation_func,
-                   .weight_init = s.weight_init,
-                   .add_layer_norm = s.add_layer_norm},
-                  s.use_dropout);
+        exists ? ad::Hypernetwork::load(o.output)
+               : ad::Hypernetwork(
+                     name, sizes,
+                     {.layer_structure = parse_numbers(s.layer_structure, "--layer_structure"),
+                      .activation_func = s.activation_func,
+                      .weight_init = s.weight_init,
+                      .add_layer_norm = s.add_layer_norm},
+                     s.use_dropout);
     for (auto& [size, pair] : hn.layers) {
       (void)size;
       pair.first->to(device);

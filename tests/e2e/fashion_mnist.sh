@@ -221,7 +221,7 @@ grep_in "$work/cfg/results.json" '"lr_scheduler": "linear"'
 grep_in "$work/cfg/results.json" '"steps": 3'
 grep_in "$work/cfg/results.json" '"lr": 0.002'
 printf 'no_such_option = 1\n' >"$work/bad.toml"
-expect_rc 110 bad-config -- "$bin" --config "$work/bad.toml" --out "$work/flags"
+expect_rc 2 bad-config -- "$bin" --config "$work/bad.toml" --out "$work/flags"
 grep_in "$work/bad-config.err" "no_such_option"
 
 # A stray file whose step does not fit in 64 bits is not a checkpoint: the run ignores it.

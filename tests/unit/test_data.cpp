@@ -249,9 +249,9 @@ TEST(ImageFolder, MistakesAreTypedErrorsNamingThem) {
   }
   // A caption that is not text (null, a number, a list, an object, one nested 100,000 deep) is a
   // FormatError naming the line, never trained on under its JSON spelling.
-  for (const std::string& value : {std::string("null"), std::string("3"), std::string("[\"a\"]"),
-                                  std::string("{\"t\": 1}"),
-                                  std::string(100000, '[') + std::string(100000, ']')}) {
+  for (const std::string& value :
+       {std::string("null"), std::string("3"), std::string("[\"a\"]"), std::string("{\"t\": 1}"),
+        std::string(100000, '[') + std::string(100000, ']')}) {
     ScratchFolder f("caption-type");
     f.image("a.jpg", "baseline_420.jpg");
     f.text("metadata.jsonl", "{\"file_name\": \"a.jpg\", \"text\": " + value + "}\n");

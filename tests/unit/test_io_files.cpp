@@ -10,8 +10,8 @@
 #include <difftrain/io/embedded_data.hpp>
 #include <difftrain/io/idx.hpp>
 #include <difftrain/io/json_file.hpp>
-#include <difftrain/io/sha256.hpp>
 #include <difftrain/io/remove_tree.hpp>
+#include <difftrain/io/sha256.hpp>
 #include <difftrain/io/torch_file.hpp>
 
 #include <chrono>
@@ -710,12 +710,14 @@ TEST(HostileFiles, FifosAndDeepJsonAreTypedErrors) {
   const fs::path fifo = dir / "vocab.json";
   ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
   EXPECT_TRUE(contains(error_of<dt::IoError>([&] { (void)dt::io::read_file(fifo); }), "FIFO"));
-  EXPECT_TRUE(contains(error_of<dt::IoError>([&] { (void)dt::io::read_json(fifo); }), "vocab.json"));
+  EXPECT_TRUE(
+      contains(error_of<dt::IoError>([&] { (void)dt::io::read_json(fifo); }), "vocab.json"));
   EXPECT_TRUE(contains(error_of<dt::IoError>([&] { (void)dt::io::sha256_file(fifo); }), "FIFO"));
 
   // Depth: every nesting the readers refuse, for arrays, objects and their mix; 200,000 levels
   // (far past what overflowed) in a file and in a string.
-  for (const std::size_t depth : {dt::io::kJsonMaxDepth + 1, std::size_t{100000}, std::size_t{200000}})
+  for (const std::size_t depth :
+       {dt::io::kJsonMaxDepth + 1, std::size_t{100000}, std::size_t{200000}})
     for (const auto& [open, close] : {std::pair{"[", "]"}, std::pair{"{\"a\":", "}"}}) {
       std::string text;
       for (std::size_t i = 0; i < depth; ++i) text += open;

@@ -112,7 +112,7 @@ TEST(ModelConfigs, AFineTuneKeepsTheConfigFileItWasReadFrom) {
                          models::UNet2DConditionModel<Backend, act::Mish>>(from, to);
     else if (cls == "AutoencoderKL")
       fine_tune_and_save<models::AutoencoderKL<>, models::AutoencoderKL<Backend, act::Mish>>(from,
-                                                                                           to);
+                                                                                             to);
     else if (cls == "AutoencoderKLCogVideoX")
       fine_tune_and_save<models::AutoencoderKLCogVideoX<act::SiLU>,
                          models::AutoencoderKLCogVideoX<act::Mish>>(from, to);
@@ -143,9 +143,9 @@ TEST(ModelConfigs, AFineTuneKeepsTheConfigFileItWasReadFrom) {
     listing.push_back({{"original", from.string()}, {"saved", to.string()}});
   }
   // Every class difftrain reads was swept.
-  for (const char* cls : {"UNet2DConditionModel", "AutoencoderKL", "AutoencoderKLCogVideoX",
-                          "SD3Transformer2DModel", "CogVideoXTransformer3DModel", "CLIPTextModel",
-                          "T5EncoderModel"})
+  for (const char* cls :
+       {"UNet2DConditionModel", "AutoencoderKL", "AutoencoderKLCogVideoX", "SD3Transformer2DModel",
+        "CogVideoXTransformer3DModel", "CLIPTextModel", "T5EncoderModel"})
     EXPECT_GT(per_class[cls], 0) << cls;
   EXPECT_GT(per_class["DiTTransformer2DModel"] + per_class["Transformer2DModel"] +
                 per_class["PixArtTransformer2DModel"],
@@ -191,7 +191,8 @@ TEST(ModelConfigs, ConfigsBuiltInCodeAreWrittenWithDiffusersTypes) {
   auto changed = vae->config();
   changed.scaling_factor = 0.5;
   const nlohmann::json v = models::config_json_to_save(changed);
-  EXPECT_TRUE(v["temporal_compression_ratio"].is_number_integer()) << v["temporal_compression_ratio"];
+  EXPECT_TRUE(v["temporal_compression_ratio"].is_number_integer())
+      << v["temporal_compression_ratio"];
   EXPECT_EQ(v["scaling_factor"], 0.5);
 
   if (const char* out_env = std::getenv("DIFFTRAIN_MODELS_OUT")) {

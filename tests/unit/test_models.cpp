@@ -826,12 +826,10 @@ TEST(Models, UNetLoraFilesAtEveryScale) {
     double alpha, alpha2;           // attn1's alpha, attn2's alpha (and the text encoders')
     bool sdxl;
   };
-  const std::vector<Case> cases{{"r4_a8", 4, 4, 8.0, 8.0, false},
-                                {"r4_a2", 4, 4, 2.0, 2.0, false},
-                                {"r2_a2", 2, 2, 2.0, 2.0, false},
-                                {"r8_a1.5", 8, 8, 1.5, 1.5, false},
-                                {"mixed", 2, 4, 6.0, 1.0, false},
-                                {"xl_r2_a5", 2, 2, 5.0, 5.0, true}};
+  const std::vector<Case> cases{
+      {"r4_a8", 4, 4, 8.0, 8.0, false}, {"r4_a2", 4, 4, 2.0, 2.0, false},
+      {"r2_a2", 2, 2, 2.0, 2.0, false}, {"r8_a1.5", 8, 8, 1.5, 1.5, false},
+      {"mixed", 2, 4, 6.0, 1.0, false}, {"xl_r2_a5", 2, 2, 5.0, 5.0, true}};
   const at::Tensor ids = at::arange(3, 19, at::kLong).view({2, 8});
   const char* out_env = std::getenv("DIFFTRAIN_MODELS_OUT");
   nlohmann::json listing = nlohmann::json::array();
@@ -845,19 +843,22 @@ TEST(Models, UNetLoraFilesAtEveryScale) {
                           {.rank = c.rank, .alpha = c.alpha});
     (void)ad::inject_lora(*unet, {{"attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0"}, {}},
                           {.rank = c.alpha_rank, .alpha = c.alpha2});
-    (void)ad::inject_lora(*te, ad::text_encoder_lora_targets(), {.rank = c.rank, .alpha = c.alpha2});
+    (void)ad::inject_lora(*te, ad::text_encoder_lora_targets(),
+                          {.rank = c.rank, .alpha = c.alpha2});
     if (c.sdxl)
-      (void)ad::inject_lora(*te2, ad::text_encoder_lora_targets(), {.rank = c.rank, .alpha = c.alpha});
+      (void)ad::inject_lora(*te2, ad::text_encoder_lora_targets(),
+                            {.rank = c.rank, .alpha = c.alpha});
     {
       at::NoGradGuard no_grad;  // B starts at zero: give every branch an effect
-      for (torch::nn::Module* m : {static_cast<torch::nn::Module*>(unet.get()),
-                                   static_cast<torch::nn::Module*>(te.get()),
-                                   static_cast<torch::nn::Module*>(te2.get())})
+      for (torch::nn::Module* m :
+           {static_cast<torch::nn::Module*>(unet.get()), static_cast<torch::nn::Module*>(te.get()),
+            static_cast<torch::nn::Module*>(te2.get())})
         for (const auto& [name, h] : ad::lora_layers(*m)) h->lora_b().normal_(0.0, 0.3);
     }
-    const ad::StableDiffusionLoraModules modules{
-        .unet = unet.get(), .text_encoder = te.get(),
-        .text_encoder_2 = c.sdxl ? te2.get() : nullptr, .sdxl = c.sdxl};
+    const ad::StableDiffusionLoraModules modules{.unet = unet.get(),
+                                                 .text_encoder = te.get(),
+                                                 .text_encoder_2 = c.sdxl ? te2.get() : nullptr,
+                                                 .sdxl = c.sdxl};
     auto run = [&](Unet& u, Clip& e, Clip& e2) {
       u->eval();
       e->eval();
@@ -871,7 +872,8 @@ TEST(Models, UNetLoraFilesAtEveryScale) {
       return o;
     };
     const auto want = run(unet, te, te2);
-    const fs::path dir = out_env ? fs::path(out_env) / ("lora_" + c.name) : scratch("lora-" + c.name);
+    const fs::path dir =
+        out_env ? fs::path(out_env) / ("lora_" + c.name) : scratch("lora-" + c.name);
     fs::create_directories(dir);
     const auto files = ad::save_stable_diffusion_lora_files(dir, modules, {{"base_model", "tiny"}});
     const auto peft = dt::io::load_safetensors(files.peft, true);
@@ -883,8 +885,9 @@ TEST(Models, UNetLoraFilesAtEveryScale) {
       EXPECT_EQ(*o.alpha, *h->lora_options().alpha) << module;
     }
     for (const char* component : {"text_encoder", "text_encoder_2"}) {
-      const bool present = peft.metadata.at("lora_adapter_metadata").find(
-                               std::string("\"") + component + ".r\"") != std::string::npos;
+      const bool present =
+          peft.metadata.at("lora_adapter_metadata").find(std::string("\"") + component + ".r\"") !=
+          std::string::npos;
       EXPECT_EQ(present, std::string(component) == "text_encoder" || c.sdxl) << component;
     }
     // Both files into fresh models: the trained outputs.
@@ -895,7 +898,7 @@ TEST(Models, UNetLoraFilesAtEveryScale) {
       auto e = models::from_pretrained<Clip>(encoders / "tiny_quick_gelu");
       auto e2 = models::from_pretrained<Clip>(encoders / "tiny_gelu_projection");
       auto load = [&](const std::string& component, torch::nn::Module& m,
-                        const ad::LoraKeyOptions& keys) {
+                      const ad::LoraKeyOptions& keys) {
         std::map<std::string, at::Tensor> part;
         for (const auto& [k, v] : file.tensors)
           if (k.starts_with(keys.prefix)) part[k] = v;
@@ -906,21 +909,23 @@ TEST(Models, UNetLoraFilesAtEveryScale) {
         // PEFT: each module's alpha from the metadata, as diffusers reads it.
         std::map<std::string, std::map<std::string, at::Tensor>> by_module;
         for (const auto& [k, v] : part) {
-          const std::string module = k.substr(keys.prefix.size(), k.rfind(".lora_") - keys.prefix.size());
+          const std::string module =
+              k.substr(keys.prefix.size(), k.rfind(".lora_") - keys.prefix.size());
           by_module[module][k] = v;
         }
         for (const auto& [module, tensors] : by_module)
-          (void)ad::load_lora_state_dict(
-              m, tensors, keys,
-              ad::peft_lora_defaults(file.metadata, component, module,
-                                     tensors.begin()->second.size(0)));
+          (void)ad::load_lora_state_dict(m, tensors, keys,
+                                         ad::peft_lora_defaults(file.metadata, component, module,
+                                                                tensors.begin()->second.size(0)));
       };
       load("unet", *u, ad::unet_lora_keys(layout));
       using Slot = ad::TextEncoderSlot;
-      load("text_encoder", *e, ad::text_encoder_lora_keys(layout, c.sdxl ? Slot::first : Slot::single));
+      load("text_encoder", *e,
+           ad::text_encoder_lora_keys(layout, c.sdxl ? Slot::first : Slot::single));
       if (c.sdxl) load("text_encoder_2", *e2, ad::text_encoder_lora_keys(layout, Slot::second));
       const auto got = run(u, e, e2);
-      for (const auto& [name, w] : want) expect_close(got.at(name), w, 1e-6, name + (is_peft ? " peft" : " kohya"));
+      for (const auto& [name, w] : want)
+        expect_close(got.at(name), w, 1e-6, name + (is_peft ? " peft" : " kohya"));
     }
     if (out_env) {
       std::map<std::string, at::Tensor> outs = want;

@@ -261,6 +261,34 @@ TEST(ClipTokenizer, DamagedFoldersAreRefused) {
     expect_error<dt::FormatError>(load(f.dir), "a config that is a list",
                                   {"tokenizer_config.json"});
   }
+  // An id far past the vocabulary (1e8, 2^31 - 1, 2^62) would size the id table by itself:
+  // refused before anything is allocated, naming the token and the bound.
+  for (const char* id : {"100000000", "2147483647", "4611686018427387904"}) {
+    DamagedFolder f(std::string("vocab-id-") + id);
+    std::string v = f.read("vocab.json");
+    v.replace(v.find("\"!\": 0"), 6, std::string("\"!\": ") + id);
+    f.write("vocab.json", v);
+    expect_error<dt::FormatError>(load(f.dir), std::string("the id ") + id,
+                                  {"vocab.json", "'!'", id, "entries"});
+  }
+  // JSON of the wrong type below the top of tokenizer.json ("model": {"type": 5}, a list where
+  // the vocabulary belongs) is a FormatError naming the folder, never nlohmann's own error.
+  for (const auto& [from, to] :
+       {std::pair<std::string, std::string>{"\"type\": \"BPE\"", "\"type\": 5"},
+        {"\"added_tokens\": [", "\"added_tokens\": [5, "}}) {
+    DamagedFolder f("json-types", tokenizer_dir("json"));
+    std::string j = f.read("tokenizer.json");
+    ASSERT_NE(j.find(from), std::string::npos) << from;
+    j.replace(j.find(from), from.size(), to);
+    f.write("tokenizer.json", j);
+    try {
+      (void)text::CLIPTokenizer::from_folder(f.dir);
+      ADD_FAILURE() << to << " was accepted";
+    } catch (const dt::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(f.dir.filename().string()), std::string::npos)
+          << e.what();
+    }
+  }
 }
 
 // ---- CLIP text encoders ----------------------------------------------------------------------

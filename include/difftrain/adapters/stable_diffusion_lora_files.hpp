@@ -53,11 +53,12 @@ inline std::vector<std::pair<std::string, std::pair<torch::nn::Module*, LoraKeyO
   std::vector<std::pair<std::string, std::pair<torch::nn::Module*, LoraKeyOptions>>> out;
   if (m.unet != nullptr) out.push_back({"unet", {m.unet, unet_lora_keys(layout)}});
   if (m.text_encoder != nullptr)
-    out.push_back({"text_encoder",
-                   {m.text_encoder,
-                    text_encoder_lora_keys(layout, m.sdxl ? Slot::first : Slot::single)}});
+    out.push_back(
+        {"text_encoder",
+         {m.text_encoder, text_encoder_lora_keys(layout, m.sdxl ? Slot::first : Slot::single)}});
   if (m.text_encoder_2 != nullptr)
-    out.push_back({"text_encoder_2", {m.text_encoder_2, text_encoder_lora_keys(layout, Slot::second)}});
+    out.push_back(
+        {"text_encoder_2", {m.text_encoder_2, text_encoder_lora_keys(layout, Slot::second)}});
   return out;
 }
 }  // namespace sd_lora_detail
@@ -85,7 +86,8 @@ inline std::map<std::string, std::string> stable_diffusion_peft_metadata(
 /// both files' metadata (the base model, the run's rank and alpha, ...).
 inline StableDiffusionLoraFiles save_stable_diffusion_lora_files(
     const std::filesystem::path& folder, const StableDiffusionLoraModules& m,
-    const std::map<std::string, std::string>& extra = {}, const StableDiffusionLoraFiles& names = {}) {
+    const std::map<std::string, std::string>& extra = {},
+    const StableDiffusionLoraFiles& names = {}) {
   StableDiffusionLoraFiles written{folder / names.peft, folder / names.kohya};
   io::save_safetensors(written.peft, stable_diffusion_lora_state_dict(m, LoraLayout::peft),
                        stable_diffusion_peft_metadata(m, extra));

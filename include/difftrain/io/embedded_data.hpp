@@ -23,8 +23,8 @@
 #include <vector>
 
 #include "difftrain/core/error.hpp"
-#include "difftrain/io/png.hpp"
 #include "difftrain/io/json_parse.hpp"
+#include "difftrain/io/png.hpp"
 #include "difftrain/io/torch_file.hpp"
 
 namespace difftrain::io {

@@ -1,8 +1,8 @@
 #pragma once
 // A JSON file read whole and parsed, with the errors every reader of one gives: a file that cannot
 // be read is an IoError naming it, text that is not JSON a FormatError naming the file and where
-// the parser stopped (parse_json: nesting bounded). Model folders, pipeline indexes, tokenizer files, scheduler configs and
-// consolidate's config all read their files through it.
+// the parser stopped (parse_json: nesting bounded). Model folders, pipeline indexes, tokenizer
+// files, scheduler configs and consolidate's config all read their files through it.
 
 #include <filesystem>
 #include <nlohmann/json.hpp>

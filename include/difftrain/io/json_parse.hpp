@@ -44,9 +44,9 @@ class DepthCheck {
   bool end_object() { return close(); }
   bool end_array() { return close(); }
   bool parse_error(std::size_t position, const std::string&, const nlohmann::json::exception& e) {
-    throw FormatError(std::string("is not valid JSON (byte ") + std::to_string(position) +
-                          "): " + e.what(),
-                      where_);
+    throw FormatError(
+        std::string("is not valid JSON (byte ") + std::to_string(position) + "): " + e.what(),
+        where_);
   }
 
  private:

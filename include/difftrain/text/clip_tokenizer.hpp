@@ -89,8 +89,8 @@ class CLIPTokenizer : public TokenTable {
       if (id < 0 || id >= id_bound)
         throw FormatError("gives token '" + token + "' the id " + std::to_string(id) +
                               " (the vocabulary has " + std::to_string(vocab_.size()) +
-                              " entries; ids run from 0 to fewer than " +
-                              std::to_string(id_bound) + ")",
+                              " entries; ids run from 0 to fewer than " + std::to_string(id_bound) +
+                              ")",
                           where_);
       max_id = std::max(max_id, id);
     }
@@ -165,9 +165,9 @@ class CLIPTokenizer : public TokenTable {
     try {
       return read_folder(dir);
     } catch (const nlohmann::json::exception& e) {
-      throw FormatError(std::string("holds a tokenizer file with a field of the wrong type: ") +
-                            e.what(),
-                        dir.string());
+      throw FormatError(
+          std::string("holds a tokenizer file with a field of the wrong type: ") + e.what(),
+          dir.string());
     }
   }
 
@@ -303,10 +303,9 @@ class CLIPTokenizer : public TokenTable {
       t.id = static_cast<std::int64_t>(id_to_token_.size());
     }
     if (t.id >= static_cast<std::int64_t>(id_to_token_.size()) + kIdGap)
-      throw FormatError("gives the added token '" + t.content + "' the id " +
-                            std::to_string(t.id) + ", past the " +
-                            std::to_string(id_to_token_.size()) + " ids before it by more than " +
-                            std::to_string(kIdGap),
+      throw FormatError("gives the added token '" + t.content + "' the id " + std::to_string(t.id) +
+                            ", past the " + std::to_string(id_to_token_.size()) +
+                            " ids before it by more than " + std::to_string(kIdGap),
                         where_);
     if (t.id >= static_cast<std::int64_t>(id_to_token_.size()))
       id_to_token_.resize(static_cast<std::size_t>(t.id + 1));

@@ -159,9 +159,9 @@ class T5Tokenizer : public TokenTable {
     try {
       return read_folder(dir);
     } catch (const nlohmann::json::exception& e) {
-      throw FormatError(std::string("holds a tokenizer file with a field of the wrong type: ") +
-                            e.what(),
-                        dir.string());
+      throw FormatError(
+          std::string("holds a tokenizer file with a field of the wrong type: ") + e.what(),
+          dir.string());
     }
   }
 
