@@ -77,8 +77,24 @@ inline std::map<std::string, at::Tensor> stable_diffusion_lora_state_dict(
 inline std::map<std::string, std::string> stable_diffusion_peft_metadata(
     const StableDiffusionLoraModules& m, std::map<std::string, std::string> extra = {}) {
   nlohmann::json adapter = nlohmann::json::object();
-  for (const auto& [component, part] : sd_lora_detail::parts(m, LoraLayout::peft))
+  for (const auto& [component, part] : sd_lora_detail::parts(m, LoraLayout::peft)) {
     add_peft_adapter_metadata(adapter, *part.first, component);
+    if (component == "unet") continue;
+    // transformers 5's CLIP text models name their modules without the "text_model." that
+    // transformers 4's (and difftrain's) have; PEFT matches a target as a name's suffix, so the
+    // names without it fit both.
+    const auto strip = [](const std::string& name) {
+      const std::string head = "text_model.";
+      return name.starts_with(head) ? name.substr(head.size()) : name;
+    };
+    auto& targets = adapter[component + ".target_modules"];
+    for (auto& t : targets) t = strip(t.get<std::string>());
+    for (const char* field : {".rank_pattern", ".alpha_pattern"}) {
+      nlohmann::json renamed = nlohmann::json::object();
+      for (const auto& [name, v] : adapter[component + field].items()) renamed[strip(name)] = v;
+      adapter[component + field] = renamed;
+    }
+  }
   return lora_file_metadata(adapter, std::move(extra));
 }
 
