@@ -103,18 +103,6 @@ std::vector<double> parse_numbers(const std::string& text, const std::string& fl
   return out;
 }
 
-/// The widths of the contexts the hypernetwork's hooks see: every self-attention layer's channels
-/// and every cross-attention layer's text width (a hypernetwork module acts where its size is one).
-template <class Unet>
-std::set<std::int64_t> attention_context_widths(Unet& unet) {
-  std::set<std::int64_t> widths;
-  for (auto& [name, transformer] : unet.transformers())
-    for (auto block : transformer->blocks())
-      for (auto attn : {block->attn1, block->attn2})
-        widths.insert(attn->to_k->options.in_features());
-  return widths;
-}
-
 /// --hypernetwork_layer_sizes for a new hypernetwork: positive widths, at least one of which this
 /// UNet's attention layers use (otherwise it would train nothing).
 std::vector<std::int64_t> hypernetwork_sizes(const std::string& text,
@@ -493,7 +481,8 @@ int run(Settings s) {
     const bool exists = fs::exists(o.output);
     std::vector<std::int64_t> sizes;
     if (!exists)
-      sizes = hypernetwork_sizes(s.hypernetwork_layer_sizes, attention_context_widths(*p.unet));
+      sizes =
+          hypernetwork_sizes(s.hypernetwork_layer_sizes, ad::hypernetwork_context_widths(*p.unet));
     fs::create_directories(o.output.parent_path());
     ad::Hypernetwork hn =
         exists ? ad::Hypernetwork::load(o.output)

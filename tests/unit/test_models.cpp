@@ -958,6 +958,9 @@ TEST(Models, HypernetworkHooksEveryUNetAttentionLayer) {
   const at::Tensor plain = run().detach();
   ad::HypernetworkOptions ho;
   ho.activation_func = "relu";
+  // The widths its modules act on: the blocks' channels (self-attention: 32 in the outer
+  // blocks, 64 in the mid block) and the text width (cross-attention: 32).
+  EXPECT_EQ(ad::hypernetwork_context_widths(*unet), (std::set<std::int64_t>{32, 64}));
   ad::Hypernetwork hn("test", {32, 64}, ho);
   hn.train();
   std::size_t blocks = 0;

@@ -7,6 +7,8 @@
 //     attn2's the text), chosen by the context width as the web UI does.
 
 #include <cstddef>
+#include <cstdint>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -40,6 +42,20 @@ std::size_t attach_hypernetwork(models::UNet2DConditionModelImpl<Backend, Act>& 
         ++hooked;
       }
   return hooked;
+}
+
+/// The widths of the contexts attach_hypernetwork's hooks see: every self-attention layer's
+/// channels and every cross-attention layer's text width. A hypernetwork acts on a layer only
+/// where it has a module of that width.
+template <class Backend, class Act>
+std::set<std::int64_t> hypernetwork_context_widths(
+    models::UNet2DConditionModelImpl<Backend, Act>& unet) {
+  std::set<std::int64_t> widths;
+  for (auto& [name, transformer] : unet.transformers())
+    for (auto block : transformer->blocks())
+      for (auto attn : {block->attn1, block->attn2})
+        widths.insert(attn->to_k->options.in_features());
+  return widths;
 }
 
 /// Removes every context hook attach_hypernetwork put on `unet`.

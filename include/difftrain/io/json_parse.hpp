@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
+#include <utility>
 
 #include "difftrain/core/error.hpp"
 
@@ -20,12 +21,15 @@ namespace difftrain::io {
 /// far below what the recursive copy and dump can take on any thread's stack.
 inline constexpr std::size_t kJsonMaxDepth = 256;
 
-namespace json_detail {
-/// A SAX consumer that builds nothing: it counts the nesting and stops past `max_depth`.
-template <class Json>
-class DepthCheck {
+/// A SAX consumer that builds nothing: it counts the nesting and refuses it past `max_depth`
+/// ("<what>nests deeper than N levels", naming `where`). A check that needs more derives from it
+/// and hides the callbacks it extends (nlohmann's sax_parse calls them by the static type), as
+/// the safetensors header check adds its duplicate-key rule.
+template <class Json = nlohmann::json>
+class JsonDepthCheck {
  public:
-  DepthCheck(std::size_t max_depth, const std::string& where) : max_(max_depth), where_(where) {}
+  JsonDepthCheck(std::size_t max_depth, std::string where, std::string what = {})
+      : max_(max_depth), where_(std::move(where)), what_(std::move(what)) {}
   using number_integer_t = typename Json::number_integer_t;
   using number_unsigned_t = typename Json::number_unsigned_t;
   using number_float_t = typename Json::number_float_t;
@@ -52,7 +56,7 @@ class DepthCheck {
  private:
   bool open() {
     if (++depth_ > max_)
-      throw FormatError("nests deeper than " + std::to_string(max_) + " levels", where_);
+      throw FormatError(what_ + "nests deeper than " + std::to_string(max_) + " levels", where_);
     return true;
   }
   bool close() {
@@ -60,16 +64,15 @@ class DepthCheck {
     return true;
   }
   std::size_t max_, depth_ = 0;
-  const std::string& where_;
+  std::string where_, what_;
 };
-}  // namespace json_detail
 
 /// `text` parsed as JSON (`Json` = nlohmann::json or ordered_json); text that is not JSON, or
 /// nests deeper than `max_depth`, is a FormatError naming `where`.
 template <class Json = nlohmann::json>
 Json parse_json(std::string_view text, const std::string& where,
                 std::size_t max_depth = kJsonMaxDepth) {
-  json_detail::DepthCheck<Json> check(max_depth, where);
+  JsonDepthCheck<Json> check(max_depth, where);
   try {
     Json::sax_parse(text.begin(), text.end(), &check);
     return Json::parse(text.begin(), text.end());

@@ -32,6 +32,7 @@
 
 #include "difftrain/core/error.hpp"
 #include "difftrain/io/atomic_file.hpp"
+#include "difftrain/io/json_parse.hpp"
 #include "difftrain/io/read_file.hpp"
 
 namespace difftrain::io {
@@ -98,24 +99,13 @@ struct Mapping {
 
 /// A SAX pass over a header: no value is built; it throws at the first duplicate key within one
 /// object or at nesting deeper than kSafetensorsMaxDepth. Time and memory linear in the header.
-class HeaderShapeCheck {
+class HeaderShapeCheck : public JsonDepthCheck<> {
  public:
-  explicit HeaderShapeCheck(std::string where) : where_(std::move(where)) {}
-  using number_integer_t = nlohmann::json::number_integer_t;
-  using number_unsigned_t = nlohmann::json::number_unsigned_t;
-  using number_float_t = nlohmann::json::number_float_t;
-  using string_t = nlohmann::json::string_t;
-  using binary_t = nlohmann::json::binary_t;
-
-  bool null() { return true; }
-  bool boolean(bool) { return true; }
-  bool number_integer(number_integer_t) { return true; }
-  bool number_unsigned(number_unsigned_t) { return true; }
-  bool number_float(number_float_t, const string_t&) { return true; }
-  bool string(string_t&) { return true; }
-  bool binary(binary_t&) { return true; }
-  bool start_object(std::size_t) {
-    open();
+  explicit HeaderShapeCheck(std::string where)
+      : JsonDepthCheck(kSafetensorsMaxDepth, where + ": header", "header "),
+        where_(std::move(where)) {}
+  bool start_object(std::size_t n) {
+    JsonDepthCheck::start_object(n);
     keys_.emplace_back();
     return true;
   }
@@ -126,16 +116,7 @@ class HeaderShapeCheck {
   }
   bool end_object() {
     keys_.pop_back();
-    --depth_;
-    return true;
-  }
-  bool start_array(std::size_t) {
-    open();
-    return true;
-  }
-  bool end_array() {
-    --depth_;
-    return true;
+    return JsonDepthCheck::end_object();
   }
   bool parse_error(std::size_t position, const std::string&, const nlohmann::json::exception& e) {
     throw FormatError(std::string("header is not valid JSON: ") + e.what(),
@@ -143,14 +124,7 @@ class HeaderShapeCheck {
   }
 
  private:
-  void open() {
-    if (++depth_ > kSafetensorsMaxDepth)
-      throw FormatError(
-          "header nests deeper than " + std::to_string(kSafetensorsMaxDepth) + " levels",
-          where_ + ": header");
-  }
   std::string where_;
-  std::size_t depth_ = 0;
   std::vector<std::unordered_set<std::string>> keys_;  // one set per open object
 };
 

@@ -154,18 +154,10 @@ class T5Tokenizer : public TokenTable {
   };
 
   static T5Tokenizer from_folder(const std::filesystem::path& dir) {
-    // A field of an unexpected JSON type anywhere below (an object where a string belongs, a
-    // number where a list does) is a FormatError naming the folder, never nlohmann's own error.
-    try {
-      return read_folder(dir);
-    } catch (const nlohmann::json::exception& e) {
-      throw FormatError(
-          std::string("holds a tokenizer file with a field of the wrong type: ") + e.what(),
-          dir.string());
-    }
+    return tokenizer_detail::with_typed_json_errors(dir, [&] { return read_folder(dir); });
   }
 
-  /// from_folder's reading, whose JSON type errors from_folder turns into FormatErrors.
+  /// from_folder's reading; from_folder turns its JSON type errors into FormatErrors.
   static T5Tokenizer read_folder(const std::filesystem::path& dir) {
     namespace fs = std::filesystem;
     const fs::path config_file = dir / "tokenizer_config.json";

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <filesystem>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -85,6 +86,21 @@ class TokenTable {
 };
 
 namespace tokenizer_detail {
+
+/// `read()`, a tokenizer's reading of the folder `dir`, with nlohmann's type errors from anywhere
+/// below (an object where a string belongs, a number where a list does) turned into a FormatError
+/// naming the folder: the files' JSON is taken apart in many places, and no reader should let
+/// nlohmann's own error escape.
+template <class Read>
+auto with_typed_json_errors(const std::filesystem::path& dir, Read&& read) -> decltype(read()) {
+  try {
+    return read();
+  } catch (const nlohmann::json::exception& e) {
+    throw FormatError(
+        std::string("holds a tokenizer file with a field of the wrong type: ") + e.what(),
+        dir.string());
+  }
+}
 
 inline const nlohmann::json& at_key(const nlohmann::json& j, const char* key,
                                     const std::string& where) {
