@@ -207,6 +207,15 @@ def save_legacy(model, folder, dit=True):
 def generate(out):
     root = out / "transformers"
     root.mkdir(parents=True, exist_ok=True)
+    # CogVideoX 1.0's fixed position table as diffusers computes it (float64: float32 positions,
+    # float64 frequencies), for two grids and interpolation scales.
+    from diffusers.models.embeddings import get_3d_sincos_pos_embed
+    tables = {}
+    for dim, frames, h, w, ss, ts in ((64, 4, 3, 5, 1.875, 1.0), (96, 13, 6, 9, 1.0, 2.0)):
+        t = get_3d_sincos_pos_embed(dim, (w, h), frames, ss, ts, output_type="pt")
+        tables[f"table_{dim}_{frames}_{h}_{w}_{ss}_{ts}"] = t.flatten(0, 1).contiguous()
+    assert all(t.dtype == torch.float64 for t in tables.values())
+    save_file(tables, root / "cogvideox_sincos_tables.safetensors")
     index = {"dit": []}
     for name, config, size, legacy in DIT_CASES:
         torch.manual_seed(0)

@@ -828,6 +828,27 @@ TEST(Transformers, CogVideoXLoraAndSavedFoldersRoundTrip) {
   dt::io::remove_tree(dir);
 }
 
+// CogVideoX 1.0's fixed position table is diffusers' float64 table (float32 positions, float64
+// frequencies): equal to the bit in float64, and its float32 rounding in a float32 model.
+TEST(Transformers, CogVideoXSincosTableIsDiffusersFloat64Table) {
+  const auto tables =
+      dt::io::load_safetensors(golden_transformers() / "cogvideox_sincos_tables.safetensors", true)
+          .tensors;
+  ASSERT_EQ(tables.size(), 2U);
+  for (const auto& [name, want] : tables) {
+    SCOPED_TRACE(name);
+    std::int64_t dim = 0, frames = 0, h = 0, w = 0;
+    double ss = 0, ts = 0;
+    ASSERT_EQ(
+        std::sscanf(name.c_str(), "table_%ld_%ld_%ld_%ld_%lf_%lf", &dim, &frames, &h, &w, &ss, &ts),
+        6);
+    const at::Tensor got = models::sincos_3d_pos_embed(dim, frames, h, w, ss, ts);
+    ASSERT_EQ(got.scalar_type(), at::kDouble);
+    ASSERT_EQ(got.sizes(), want.sizes());
+    EXPECT_LE((got - want).abs().max().item<double>(), 1e-14);
+  }
+}
+
 namespace {
 /// Gives every LoRA branch of `model` non-zero weights (B starts at zero).
 void perturb_lora(torch::nn::Module& model) {

@@ -266,7 +266,9 @@ struct CogVideoXTransformer3DConfig {
 };
 
 /// get_3d_sincos_pos_embed(embed_dim, (grid_w, grid_h), frames, spatial and temporal
-/// interpolation scales): (frames·grid_h·grid_w, embed_dim) float32, frame-major. Each vector is
+/// interpolation scales): (frames·grid_h·grid_w, embed_dim) float64, frame-major, as diffusers
+/// computes it (float32 positions, float64 frequencies, sines and cosines; a float32 model uses
+/// the table rounded to float32, a float64 model the table itself). Each vector is
 /// the frame's 1-D table (a quarter of the width) then the 2-D table of its position in the frame
 /// (three quarters); positions are arange(n) / scale.
 inline at::Tensor sincos_3d_pos_embed(std::int64_t embed_dim, std::int64_t frames,
@@ -280,9 +282,10 @@ inline at::Tensor sincos_3d_pos_embed(std::int64_t embed_dim, std::int64_t frame
   const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device);
   const at::Tensor spatial =
       sincos_2d_pos_embed_from_positions(embed_dim / 4 * 3, at::arange(grid_h, f32) / spatial_scale,
-                                         at::arange(grid_w, f32) / spatial_scale);  // (h·w, 3D/4)
-  const at::Tensor temporal =
-      sincos_1d_pos_embed(embed_dim / 4, at::arange(frames, f32) / temporal_scale);  // (F, D/4)
+                                         at::arange(grid_w, f32) / spatial_scale,
+                                         at::kDouble);  // (h·w, 3D/4)
+  const at::Tensor temporal = sincos_1d_pos_embed(
+      embed_dim / 4, at::arange(frames, f32) / temporal_scale, at::kDouble);  // (F, D/4)
   const std::int64_t n = grid_h * grid_w;
   return at::cat({temporal.unsqueeze(1).expand({frames, n, embed_dim / 4}),
                   spatial.unsqueeze(0).expand({frames, n, embed_dim / 4 * 3})},
@@ -508,7 +511,8 @@ class CogVideoXPatchEmbedImpl : public torch::nn::Module {
         (f - 1) * c_.temporal_compression_ratio + 1 == c_.sample_frames)
       pos = pos_embedding;  // its size was checked against the config by the model
     else
-      pos = table(gh, gw, f, video.device());
+      pos = table(gh, gw, f, video.device(),
+                  embeds.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
     return embeds + pos.to(embeds.device(), embeds.scalar_type());
   }
 
@@ -519,16 +523,17 @@ class CogVideoXPatchEmbedImpl : public torch::nn::Module {
 
  private:
   /// (1, max_text_seq_length + F·h·w, D): zeros over the text, the 3-D table over the video.
-  at::Tensor table(std::int64_t grid_h, std::int64_t grid_w, std::int64_t frames,
-                   at::Device device) {
-    if (cached_.defined() && cached_.device() == device &&
+  at::Tensor table(std::int64_t grid_h, std::int64_t grid_w, std::int64_t frames, at::Device device,
+                   at::ScalarType dtype = at::kFloat) {
+    if (cached_.defined() && cached_.device() == device && cached_.scalar_type() == dtype &&
         cached_key_ == std::tuple(grid_h, grid_w, frames))
       return cached_;
     const at::Tensor video =
         sincos_3d_pos_embed(c_.inner_dim(), frames, grid_h, grid_w, c_.spatial_interpolation_scale,
                             c_.temporal_interpolation_scale, device);
     cached_ = at::cat({at::zeros({c_.max_text_seq_length, c_.inner_dim()}, video.options()), video})
-                  .unsqueeze(0);
+                  .unsqueeze(0)
+                  .to(dtype);
     cached_key_ = {grid_h, grid_w, frames};
     return cached_;
   }

@@ -22,9 +22,12 @@
 
 namespace difftrain::models {
 
-/// get_1d_sincos_pos_embed_from_grid(embed_dim, positions): (N, embed_dim) float32, the sines of
-/// positions · 10000^(−i / (embed_dim/2)) then their cosines, taken in float64 as diffusers does.
-inline at::Tensor sincos_1d_pos_embed(std::int64_t embed_dim, const at::Tensor& positions) {
+/// get_1d_sincos_pos_embed_from_grid(embed_dim, positions): (N, embed_dim), the sines of
+/// positions · 10000^(−i / (embed_dim/2)) then their cosines, taken in float64 as diffusers does
+/// and returned in `dtype` (float32, as diffusers' 2-D tables are; CogVideoX's 3-D table keeps
+/// float64).
+inline at::Tensor sincos_1d_pos_embed(std::int64_t embed_dim, const at::Tensor& positions,
+                                      at::ScalarType dtype = at::kFloat) {
   if (embed_dim <= 0 || embed_dim % 2 != 0)
     throw ConfigError("the embedding width " + std::to_string(embed_dim) +
                           " must be a positive even number (a sine and a cosine half)",
@@ -33,7 +36,7 @@ inline at::Tensor sincos_1d_pos_embed(std::int64_t embed_dim, const at::Tensor& 
   at::Tensor omega = at::arange(half, positions.options().dtype(at::kDouble)) / (embed_dim / 2.0);
   omega = 1.0 / at::pow(10000.0, omega);
   const at::Tensor out = at::outer(positions.reshape(-1).to(at::kDouble), omega);
-  return at::cat({out.sin(), out.cos()}, 1).to(at::kFloat);
+  return at::cat({out.sin(), out.cos()}, 1).to(dtype);
 }
 
 /// The 2-D table for float32 positions of the rows and columns of a (rows × cols) grid:
@@ -41,7 +44,8 @@ inline at::Tensor sincos_1d_pos_embed(std::int64_t embed_dim, const at::Tensor& 
 /// encodes the column and the second half the row (its meshgrid is "xy").
 inline at::Tensor sincos_2d_pos_embed_from_positions(std::int64_t embed_dim,
                                                      const at::Tensor& row_positions,
-                                                     const at::Tensor& col_positions) {
+                                                     const at::Tensor& col_positions,
+                                                     at::ScalarType dtype = at::kFloat) {
   if (embed_dim <= 0 || embed_dim % 4 != 0)
     throw ConfigError("the embedding width " + std::to_string(embed_dim) +
                           " must be a positive multiple of 4 (a sine and a cosine half for each "
@@ -53,8 +57,9 @@ inline at::Tensor sincos_2d_pos_embed_from_positions(std::int64_t embed_dim,
                      "sincos_2d_pos_embed");
   const at::Tensor rows = row_positions.view({h, 1}).expand({h, w}).reshape(-1);
   const at::Tensor cols = col_positions.view({1, w}).expand({h, w}).reshape(-1);
-  return at::cat(
-      {sincos_1d_pos_embed(embed_dim / 2, cols), sincos_1d_pos_embed(embed_dim / 2, rows)}, 1);
+  return at::cat({sincos_1d_pos_embed(embed_dim / 2, cols, dtype),
+                  sincos_1d_pos_embed(embed_dim / 2, rows, dtype)},
+                 1);
 }
 
 /// get_2d_sincos_pos_embed(embed_dim, (grid_h, grid_w), base_size, interpolation_scale):
