@@ -1,5 +1,5 @@
 // Model configs written as diffusers and transformers write them. Every model folder the reference
-// scripts made (every class difftrain reads, 41 configurations) is loaded, fine-tuned (every weight
+// scripts made (every class difftrain reads, 43 configurations) is loaded, fine-tuned (every weight
 // moved) and saved: the saved config.json is the file that was read, key for key and type for
 // type, so a fine-tune's config equals its base's. A config built in code, or changed after
 // reading, is written from its fields with diffusers' types: one value where diffusers' signature
