@@ -183,46 +183,48 @@ struct CogVideoXTransformer3DConfig {
     return s;
   }
 
+  /// The fields read and written as they are (the others have rules of their own).
+  static constexpr auto fields() {
+    using C = CogVideoXTransformer3DConfig;
+    return std::tuple{
+        config_field("num_attention_heads", &C::num_attention_heads),
+        config_field("attention_head_dim", &C::attention_head_dim),
+        config_field("in_channels", &C::in_channels),
+        config_field("out_channels", &C::out_channels),
+        config_field("flip_sin_to_cos", &C::flip_sin_to_cos),
+        config_field("freq_shift", &C::freq_shift),
+        config_field("time_embed_dim", &C::time_embed_dim),
+        config_field("ofs_embed_dim", &C::ofs_embed_dim),
+        config_field("text_embed_dim", &C::text_embed_dim),
+        config_field("num_layers", &C::num_layers),
+        config_field("dropout", &C::dropout),
+        config_field("attention_bias", &C::attention_bias),
+        config_field("sample_width", &C::sample_width),
+        config_field("sample_height", &C::sample_height),
+        config_field("sample_frames", &C::sample_frames),
+        config_field("patch_size", &C::patch_size),
+        config_field("patch_size_t", &C::patch_size_t),
+        config_field("temporal_compression_ratio", &C::temporal_compression_ratio),
+        config_field("max_text_seq_length", &C::max_text_seq_length),
+        config_field("activation_fn", &C::activation_fn),
+        config_field("timestep_activation_fn", &C::timestep_activation_fn),
+        config_field("norm_elementwise_affine", &C::norm_elementwise_affine),
+        config_field("norm_eps", &C::norm_eps),
+        config_field("spatial_interpolation_scale", &C::spatial_interpolation_scale),
+        config_field("temporal_interpolation_scale", &C::temporal_interpolation_scale),
+        config_field("use_rotary_positional_embeddings", &C::use_rotary_positional_embeddings),
+        config_field("use_learned_positional_embeddings", &C::use_learned_positional_embeddings),
+        config_field("patch_bias", &C::patch_bias)};
+  }
+
   static CogVideoXTransformer3DConfig from_json(const nlohmann::json& j, const std::string& where) {
     ConfigReader r(j, where);
     CogVideoXTransformer3DConfig c;
-    c.num_attention_heads = r.get("num_attention_heads", c.num_attention_heads);
-    c.attention_head_dim = r.get("attention_head_dim", c.attention_head_dim);
-    c.in_channels = r.get("in_channels", c.in_channels);
+    read_fields(r, c, fields());
     r.accept("out_channels");
     if (j.contains("out_channels") && j["out_channels"].is_null())
       throw ConfigError("'out_channels' = null: diffusers needs it to size proj_out", where);
-    c.out_channels = r.get("out_channels", c.out_channels);
-    c.flip_sin_to_cos = r.get("flip_sin_to_cos", c.flip_sin_to_cos);
-    c.freq_shift = r.get("freq_shift", c.freq_shift);
-    c.time_embed_dim = r.get("time_embed_dim", c.time_embed_dim);
-    c.ofs_embed_dim = r.optional<std::int64_t>("ofs_embed_dim");
     if (c.ofs_embed_dim == 0) c.ofs_embed_dim.reset();  // diffusers tests it for truth
-    c.text_embed_dim = r.get("text_embed_dim", c.text_embed_dim);
-    c.num_layers = r.get("num_layers", c.num_layers);
-    c.dropout = r.get("dropout", c.dropout);
-    c.attention_bias = r.get("attention_bias", c.attention_bias);
-    c.sample_width = r.get("sample_width", c.sample_width);
-    c.sample_height = r.get("sample_height", c.sample_height);
-    c.sample_frames = r.get("sample_frames", c.sample_frames);
-    c.patch_size = r.get("patch_size", c.patch_size);
-    c.patch_size_t = r.optional<std::int64_t>("patch_size_t");
-    c.temporal_compression_ratio =
-        r.get("temporal_compression_ratio", c.temporal_compression_ratio);
-    c.max_text_seq_length = r.get("max_text_seq_length", c.max_text_seq_length);
-    c.activation_fn = r.get("activation_fn", c.activation_fn);
-    c.timestep_activation_fn = r.get("timestep_activation_fn", c.timestep_activation_fn);
-    c.norm_elementwise_affine = r.get("norm_elementwise_affine", c.norm_elementwise_affine);
-    c.norm_eps = r.get("norm_eps", c.norm_eps);
-    c.spatial_interpolation_scale =
-        r.get("spatial_interpolation_scale", c.spatial_interpolation_scale);
-    c.temporal_interpolation_scale =
-        r.get("temporal_interpolation_scale", c.temporal_interpolation_scale);
-    c.use_rotary_positional_embeddings =
-        r.get("use_rotary_positional_embeddings", c.use_rotary_positional_embeddings);
-    c.use_learned_positional_embeddings =
-        r.get("use_learned_positional_embeddings", c.use_learned_positional_embeddings);
-    c.patch_bias = r.get("patch_bias", c.patch_bias);
     r.finish();
     c.validate(where);
     return c;
@@ -233,34 +235,7 @@ struct CogVideoXTransformer3DConfig {
 
   [[nodiscard]] nlohmann::json to_json() const {
     nlohmann::json j = diffusers_config_json<CogVideoXTransformer3DConfig>();
-    j["num_attention_heads"] = num_attention_heads;
-    j["attention_head_dim"] = attention_head_dim;
-    j["in_channels"] = in_channels;
-    j["out_channels"] = out_channels;
-    j["flip_sin_to_cos"] = flip_sin_to_cos;
-    j["freq_shift"] = freq_shift;
-    j["time_embed_dim"] = time_embed_dim;
-    j["ofs_embed_dim"] = value_or_null(ofs_embed_dim);
-    j["text_embed_dim"] = text_embed_dim;
-    j["num_layers"] = num_layers;
-    j["dropout"] = dropout;
-    j["attention_bias"] = attention_bias;
-    j["sample_width"] = sample_width;
-    j["sample_height"] = sample_height;
-    j["sample_frames"] = sample_frames;
-    j["patch_size"] = patch_size;
-    j["patch_size_t"] = value_or_null(patch_size_t);
-    j["temporal_compression_ratio"] = temporal_compression_ratio;
-    j["max_text_seq_length"] = max_text_seq_length;
-    j["activation_fn"] = activation_fn;
-    j["timestep_activation_fn"] = timestep_activation_fn;
-    j["norm_elementwise_affine"] = norm_elementwise_affine;
-    j["norm_eps"] = norm_eps;
-    j["spatial_interpolation_scale"] = spatial_interpolation_scale;
-    j["temporal_interpolation_scale"] = temporal_interpolation_scale;
-    j["use_rotary_positional_embeddings"] = use_rotary_positional_embeddings;
-    j["use_learned_positional_embeddings"] = use_learned_positional_embeddings;
-    j["patch_bias"] = patch_bias;
+    write_fields(j, *this, fields());
     return j;
   }
 };

@@ -15,6 +15,7 @@
 #include <string>
 #include <string_view>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -282,6 +283,63 @@ nlohmann::json config_json_to_save(const Config& c) {
     }
   }
   return mine;
+}
+
+/// One plain field of a config: its name in config.json and the member that holds it. A config
+/// lists its plain fields once (`static constexpr auto fields()`), and read_fields and
+/// write_fields serve reading and writing from that one list, so a field cannot be read and then
+/// forgotten when written. Fields with rules of their own (legacy names, a null refused, a number
+/// diffusers writes as an integer) stay outside the list, read and written by hand.
+template <class C, class T>
+struct ConfigField {
+  std::string_view name;
+  T C::*member;
+};
+
+template <class C, class T>
+constexpr ConfigField<C, T> config_field(std::string_view name, T C::*member) {
+  return {name, member};
+}
+
+namespace config_detail {
+template <class T>
+struct IsOptional : std::false_type {};
+template <class T>
+struct IsOptional<std::optional<T>> : std::true_type {};
+
+template <class C, class T>
+void read_field(ConfigReader& r, C& c, const ConfigField<C, T>& f) {
+  const std::string key(f.name);
+  if constexpr (IsOptional<T>::value) {
+    // Absent: the config's default; null: none (diffusers writes an absent option as null).
+    const bool present = r.json().contains(key);
+    auto v = r.optional<typename T::value_type>(key);
+    if (present) c.*f.member = std::move(v);
+  } else {
+    c.*f.member = r.get(key, c.*f.member);
+  }
+}
+
+template <class C, class T>
+void write_field(nlohmann::json& j, const C& c, const ConfigField<C, T>& f) {
+  if constexpr (IsOptional<T>::value)
+    j[std::string(f.name)] = value_or_null(c.*f.member);
+  else
+    j[std::string(f.name)] = c.*f.member;
+}
+}  // namespace config_detail
+
+/// Reads every field of `fields` into `c` (an absent or null field keeps `c`'s default; an
+/// optional one that is null becomes none).
+template <class C, class... F>
+void read_fields(ConfigReader& r, C& c, const std::tuple<F...>& fields) {
+  std::apply([&](const auto&... f) { (config_detail::read_field(r, c, f), ...); }, fields);
+}
+
+/// Writes every field of `fields` from `c` into `j` (an optional that is none as null).
+template <class C, class... F>
+void write_fields(nlohmann::json& j, const C& c, const std::tuple<F...>& fields) {
+  std::apply([&](const auto&... f) { (config_detail::write_field(j, c, f), ...); }, fields);
 }
 
 /// The diffusers version the configs difftrain writes name: the one its tests load them in.

@@ -36,10 +36,12 @@
 #include <vector>
 
 #include "difftrain/core/error.hpp"
+#include "difftrain/models/adaln.hpp"
 #include "difftrain/models/config_reader.hpp"
 #include "difftrain/models/embeddings.hpp"
 #include "difftrain/models/feed_forward.hpp"
 #include "difftrain/models/patch_embed.hpp"
+#include "difftrain/models/patched_transformer_config.hpp"
 #include "difftrain/nn/activation/elementwise.hpp"
 #include "difftrain/nn/attention/concepts.hpp"
 #include "difftrain/nn/attention/sdpa.hpp"
@@ -76,42 +78,14 @@ struct DiTTransformer2DConfig {
 
   /// Checks every size before anything is built.
   void validate(const std::string& where) const {
-    check_config_range("num_attention_heads", num_attention_heads, 1, ConfigLimits::channels,
-                       where);
-    check_config_range("attention_head_dim", attention_head_dim, 1, ConfigLimits::channels, where);
-    check_config_range("in_channels", in_channels, 1, ConfigLimits::channels, where);
-    check_config_range("out_channels", out(), 1, ConfigLimits::channels, where);
-    check_config_range("num_layers", num_layers, 1, ConfigLimits::layers, where);
-    check_config_range("sample_size", sample_size, 1, ConfigLimits::spatial, where);
-    check_config_range("patch_size", patch_size, 1, ConfigLimits::spatial, where);
+    validate_patched_transformer(*this, where);
     check_config_range("num_embeds_ada_norm", num_embeds_ada_norm, 1, ConfigLimits::classes, where);
-    if (inner_dim() > ConfigLimits::channels || inner_dim() % 4 != 0)
-      throw ConfigError(
-          "num_attention_heads × attention_head_dim = " + std::to_string(inner_dim()) +
-              " must be a multiple of 4 (the 2-D sine-cosine position table) and " + "at most " +
-              std::to_string(ConfigLimits::channels),
-          where);
-    if (sample_size < patch_size)
-      throw ConfigError("'sample_size' " + std::to_string(sample_size) +
-                            " is smaller than one patch ('patch_size' " +
-                            std::to_string(patch_size) + ")",
-                        where);
-    if (!feed_forward_activation(activation_fn))
-      throw ConfigError("'activation_fn' = \"" + activation_fn +
-                            "\" is not a feed-forward activation diffusers has",
-                        where);
-    if (!(dropout >= 0.0 && dropout < 1.0))
-      throw ConfigError("'dropout' must lie in [0, 1), got " + std::to_string(dropout), where);
-    if (!(norm_eps > 0.0))
-      throw ConfigError("'norm_eps' must be positive, got " + std::to_string(norm_eps), where);
   }
 
   /// A folder's `_class_name` this config reads: its own, or diffusers' legacy Transformer2DModel
   /// with the adaLN-Zero norm (which diffusers remaps to DiT).
   static bool reads_class(const std::string& name, const nlohmann::json& j) {
-    if (name == class_name) return true;
-    return name == "Transformer2DModel" && j.contains("norm_type") &&
-           j["norm_type"] == "ada_norm_zero";
+    return reads_transformer_2d_class(class_name, "ada_norm_zero", name, j);
   }
 
   [[nodiscard]] WeightSignature weight_signature() const {
@@ -125,30 +99,36 @@ struct DiTTransformer2DConfig {
     return s;
   }
 
+  /// The fields read and written as they are (the others have rules of their own).
+  static constexpr auto fields() {
+    using C = DiTTransformer2DConfig;
+    return std::tuple{config_field("num_attention_heads", &C::num_attention_heads),
+                      config_field("attention_head_dim", &C::attention_head_dim),
+                      config_field("in_channels", &C::in_channels),
+                      config_field("num_layers", &C::num_layers),
+                      config_field("dropout", &C::dropout),
+                      config_field("norm_num_groups", &C::norm_num_groups),
+                      config_field("attention_bias", &C::attention_bias),
+                      config_field("sample_size", &C::sample_size),
+                      config_field("patch_size", &C::patch_size),
+                      config_field("activation_fn", &C::activation_fn),
+                      config_field("num_embeds_ada_norm", &C::num_embeds_ada_norm),
+                      config_field("upcast_attention", &C::upcast_attention),
+                      config_field("norm_elementwise_affine", &C::norm_elementwise_affine),
+                      config_field("norm_eps", &C::norm_eps)};
+  }
+
   static DiTTransformer2DConfig from_json(const nlohmann::json& j, const std::string& where) {
     ConfigReader r(j, where);
     DiTTransformer2DConfig c;
-    c.num_attention_heads = r.get("num_attention_heads", c.num_attention_heads);
-    c.attention_head_dim = r.get("attention_head_dim", c.attention_head_dim);
-    c.in_channels = r.get("in_channels", c.in_channels);
+    read_fields(r, c, fields());
     c.out_channels = r.optional<std::int64_t>("out_channels");
-    c.num_layers = r.get("num_layers", c.num_layers);
-    c.dropout = r.get("dropout", c.dropout);
-    c.norm_num_groups = r.get("norm_num_groups", c.norm_num_groups);
-    c.attention_bias = r.get("attention_bias", c.attention_bias);
-    c.sample_size = r.get("sample_size", c.sample_size);
-    c.patch_size = r.get("patch_size", c.patch_size);
-    c.activation_fn = r.get("activation_fn", c.activation_fn);
     r.accept("num_embeds_ada_norm");
     if (j.contains("num_embeds_ada_norm") && j["num_embeds_ada_norm"].is_null())
       throw ConfigError(
           "'num_embeds_ada_norm' = null: the adaLN-Zero norm needs the number of classes", where);
-    c.num_embeds_ada_norm = r.get("num_embeds_ada_norm", c.num_embeds_ada_norm);
-    c.upcast_attention = r.get("upcast_attention", c.upcast_attention);
     r.require_default("norm_type", "ada_norm_zero",
                       "diffusers' DiTTransformer2DModel implements only adaLN-Zero");
-    c.norm_elementwise_affine = r.get("norm_elementwise_affine", c.norm_elementwise_affine);
-    c.norm_eps = r.get("norm_eps", c.norm_eps);
     // Fields of the legacy Transformer2DModel config, meaningful only at these values for a DiT.
     r.require_default("cross_attention_dim", nullptr, "DiT has no cross-attention");
     r.require_default("num_vector_embeds", nullptr, "DiT takes continuous latents");
@@ -167,22 +147,9 @@ struct DiTTransformer2DConfig {
 
   [[nodiscard]] nlohmann::json to_json() const {
     nlohmann::json j = diffusers_config_json<DiTTransformer2DConfig>();
-    j["num_attention_heads"] = num_attention_heads;
-    j["attention_head_dim"] = attention_head_dim;
-    j["in_channels"] = in_channels;
+    write_fields(j, *this, fields());
     j["out_channels"] = out_channels ? nlohmann::json(*out_channels) : nlohmann::json(nullptr);
-    j["num_layers"] = num_layers;
-    j["dropout"] = dropout;
-    j["norm_num_groups"] = norm_num_groups;
-    j["attention_bias"] = attention_bias;
-    j["sample_size"] = sample_size;
-    j["patch_size"] = patch_size;
-    j["activation_fn"] = activation_fn;
-    j["num_embeds_ada_norm"] = num_embeds_ada_norm;
-    j["upcast_attention"] = upcast_attention;
     j["norm_type"] = "ada_norm_zero";
-    j["norm_elementwise_affine"] = norm_elementwise_affine;
-    j["norm_eps"] = norm_eps;
     return j;
   }
 };
@@ -205,22 +172,17 @@ TORCH_MODULE(LabelEmbedding);
 /// projection (flip_sin_to_cos, shift 1) plus the class embedding.
 class CombinedTimestepLabelEmbeddingsImpl : public torch::nn::Module {
  public:
-  static constexpr std::int64_t kProjectionChannels = 256;
-
   CombinedTimestepLabelEmbeddingsImpl(std::int64_t num_classes, std::int64_t embedding_dim,
                                       double class_dropout_prob) {
-    TimestepEmbeddingOptions te;
-    te.in_channels = kProjectionChannels;
-    te.time_embed_dim = embedding_dim;
-    timestep_embedder = register_module("timestep_embedder", TimestepEmbedding<>(te));
+    timestep_embedder =
+        register_module("timestep_embedder", adaln_timestep_embedder(embedding_dim));
     class_embedder = register_module(
         "class_embedder", LabelEmbedding(num_classes, embedding_dim, class_dropout_prob));
   }
 
   /// The sinusoidal projection of timesteps (B,), shared by every block's embedding.
   static at::Tensor project(const at::Tensor& timesteps) {
-    return timestep_embedding(timesteps, kProjectionChannels, /*flip_sin_to_cos=*/true,
-                              /*downscale_freq_shift=*/1.0);
+    return project_timesteps(timesteps, /*downscale_freq_shift=*/1.0);
   }
 
   /// `projected` from project(), cast to `dtype` as diffusers casts it to the hidden states'.
@@ -248,10 +210,7 @@ class AdaLayerNormZeroImpl : public torch::nn::Module {
     emb = register_module(
         "emb", CombinedTimestepLabelEmbeddings(num_embeddings, embedding_dim, class_dropout_prob));
     linear = register_module("linear", torch::nn::Linear(embedding_dim, 6 * embedding_dim));
-    norm = register_module(
-        "norm",
-        torch::nn::LayerNorm(
-            torch::nn::LayerNormOptions({embedding_dim}).elementwise_affine(false).eps(1e-6)));
+    norm = register_module("norm", adaln_layer_norm(embedding_dim));
   }
 
   AdaLayerNormZeroOutput forward(const at::Tensor& x, const at::Tensor& projected,
@@ -259,8 +218,7 @@ class AdaLayerNormZeroImpl : public torch::nn::Module {
     const at::Tensor e =
         linear->forward(at::silu(emb->forward(projected, labels, x.scalar_type())));
     const auto c = e.chunk(6, 1);  // shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp
-    at::Tensor y = norm->forward(x) * (1 + c[1].unsqueeze(1)) + c[0].unsqueeze(1);
-    return {y, c[2], c[3], c[4], c[5]};
+    return {modulate(norm->forward(x), c[0], c[1]), c[2], c[3], c[4], c[5]};
   }
 
   CombinedTimestepLabelEmbeddings emb{nullptr};
@@ -299,8 +257,7 @@ class DiTBlockImpl : public torch::nn::Module {
   at::Tensor forward(const at::Tensor& x, const at::Tensor& projected, const at::Tensor& labels) {
     const AdaLayerNormZeroOutput n = norm1->forward(x, projected, labels);
     at::Tensor h = n.gate_msa.unsqueeze(1) * attn1->forward(n.x) + x;
-    const at::Tensor m =
-        norm3->forward(h) * (1 + n.scale_mlp.unsqueeze(1)) + n.shift_mlp.unsqueeze(1);
+    const at::Tensor m = modulate(norm3->forward(h), n.shift_mlp, n.scale_mlp);
     return n.gate_mlp.unsqueeze(1) * ff->forward(m) + h;
   }
 
@@ -337,9 +294,7 @@ class DiTTransformer2DModelImpl : public torch::nn::Module {
       blocks_.push_back(DiTBlock<Backend, Act>(c_, gated));
       transformer_blocks->push_back(blocks_.back());
     }
-    norm_out = register_module(
-        "norm_out",
-        torch::nn::LayerNorm(torch::nn::LayerNormOptions({d}).elementwise_affine(false).eps(1e-6)));
+    norm_out = register_module("norm_out", adaln_layer_norm(d));
     proj_out_1 = register_module("proj_out_1", torch::nn::Linear(d, 2 * d));
     proj_out_2 = register_module("proj_out_2",
                                  torch::nn::Linear(d, c_.patch_size * c_.patch_size * c_.out()));
@@ -394,7 +349,7 @@ class DiTTransformer2DModelImpl : public torch::nn::Module {
       return blocks_.front()->norm1->emb->forward(projected, labels, x.scalar_type());
     });
     const auto ss = proj_out_1->forward(at::silu(cond)).chunk(2, 1);
-    x = norm_out->forward(x) * (1 + ss[1].unsqueeze(1)) + ss[0].unsqueeze(1);
+    x = modulate(norm_out->forward(x), ss[0], ss[1]);
     x = proj_out_2->forward(x);
     return unpatchify(x, h, w, c_.patch_size, c_.out());
   }

@@ -31,10 +31,12 @@
 #include <vector>
 
 #include "difftrain/core/error.hpp"
+#include "difftrain/models/adaln.hpp"
 #include "difftrain/models/config_reader.hpp"
 #include "difftrain/models/embeddings.hpp"
 #include "difftrain/models/feed_forward.hpp"
 #include "difftrain/models/patch_embed.hpp"
+#include "difftrain/models/patched_transformer_config.hpp"
 #include "difftrain/nn/activation/elementwise.hpp"
 #include "difftrain/nn/attention/concepts.hpp"
 #include "difftrain/nn/attention/sdpa.hpp"
@@ -82,23 +84,10 @@ struct PixArtTransformer2DConfig {
   }
 
   void validate(const std::string& where) const {
-    check_config_range("num_attention_heads", num_attention_heads, 1, ConfigLimits::channels,
-                       where);
-    check_config_range("attention_head_dim", attention_head_dim, 1, ConfigLimits::channels, where);
-    check_config_range("in_channels", in_channels, 1, ConfigLimits::channels, where);
-    check_config_range("out_channels", out(), 1, ConfigLimits::channels, where);
-    check_config_range("num_layers", num_layers, 1, ConfigLimits::layers, where);
-    check_config_range("sample_size", sample_size, 1, ConfigLimits::spatial, where);
-    check_config_range("patch_size", patch_size, 1, ConfigLimits::spatial, where);
+    validate_patched_transformer(*this, where);
     check_config_range("cross_attention_dim", cross_attention_dim, 1, ConfigLimits::channels,
                        where);
     check_config_range("caption_channels", caption_channels, 1, ConfigLimits::channels, where);
-    if (inner_dim() > ConfigLimits::channels || inner_dim() % 4 != 0)
-      throw ConfigError(
-          "num_attention_heads × attention_head_dim = " + std::to_string(inner_dim()) +
-              " must be a multiple of 4 (the 2-D sine-cosine position table) and " + "at most " +
-              std::to_string(ConfigLimits::channels),
-          where);
     if (additional_conditions() && inner_dim() % 3 != 0)
       throw ConfigError("with resolution and aspect-ratio conditions the inner width " +
                             std::to_string(inner_dim()) +
@@ -109,28 +98,13 @@ struct PixArtTransformer2DConfig {
                             " must equal the inner width " + std::to_string(inner_dim()) +
                             " when 'caption_channels' projects the text to it",
                         where);
-    if (sample_size < patch_size)
-      throw ConfigError("'sample_size' " + std::to_string(sample_size) +
-                            " is smaller than one patch ('patch_size' " +
-                            std::to_string(patch_size) + ")",
-                        where);
-    if (!feed_forward_activation(activation_fn))
-      throw ConfigError("'activation_fn' = \"" + activation_fn +
-                            "\" is not a feed-forward activation diffusers has",
-                        where);
     if (interpolation_scale && !(*interpolation_scale > 0.0))
       throw ConfigError("'interpolation_scale' must be positive", where);
-    if (!(dropout >= 0.0 && dropout < 1.0))
-      throw ConfigError("'dropout' must lie in [0, 1), got " + std::to_string(dropout), where);
-    if (!(norm_eps > 0.0))
-      throw ConfigError("'norm_eps' must be positive, got " + std::to_string(norm_eps), where);
   }
 
   /// Its own class, or diffusers' legacy Transformer2DModel with adaLN-single (remapped there).
   static bool reads_class(const std::string& name, const nlohmann::json& j) {
-    if (name == class_name) return true;
-    return name == "Transformer2DModel" && j.contains("norm_type") &&
-           j["norm_type"] == "ada_norm_single";
+    return reads_transformer_2d_class(class_name, "ada_norm_single", name, j);
   }
 
   [[nodiscard]] WeightSignature weight_signature() const {
@@ -145,38 +119,43 @@ struct PixArtTransformer2DConfig {
     return s;
   }
 
+  /// The fields read and written as they are (the others have rules of their own).
+  static constexpr auto fields() {
+    using C = PixArtTransformer2DConfig;
+    return std::tuple{config_field("num_attention_heads", &C::num_attention_heads),
+                      config_field("attention_head_dim", &C::attention_head_dim),
+                      config_field("in_channels", &C::in_channels),
+                      config_field("out_channels", &C::out_channels),
+                      config_field("num_layers", &C::num_layers),
+                      config_field("dropout", &C::dropout),
+                      config_field("norm_num_groups", &C::norm_num_groups),
+                      config_field("cross_attention_dim", &C::cross_attention_dim),
+                      config_field("attention_bias", &C::attention_bias),
+                      config_field("sample_size", &C::sample_size),
+                      config_field("patch_size", &C::patch_size),
+                      config_field("activation_fn", &C::activation_fn),
+                      config_field("num_embeds_ada_norm", &C::num_embeds_ada_norm),
+                      config_field("upcast_attention", &C::upcast_attention),
+                      config_field("norm_elementwise_affine", &C::norm_elementwise_affine),
+                      config_field("norm_eps", &C::norm_eps),
+                      config_field("interpolation_scale", &C::interpolation_scale),
+                      config_field("use_additional_conditions", &C::use_additional_conditions),
+                      config_field("caption_channels", &C::caption_channels)};
+  }
+
   static PixArtTransformer2DConfig from_json(const nlohmann::json& j, const std::string& where) {
     ConfigReader r(j, where);
     PixArtTransformer2DConfig c;
-    c.num_attention_heads = r.get("num_attention_heads", c.num_attention_heads);
-    c.attention_head_dim = r.get("attention_head_dim", c.attention_head_dim);
-    c.in_channels = r.get("in_channels", c.in_channels);
-    r.accept("out_channels");
-    if (j.contains("out_channels")) c.out_channels = r.optional<std::int64_t>("out_channels");
-    c.num_layers = r.get("num_layers", c.num_layers);
-    c.dropout = r.get("dropout", c.dropout);
-    c.norm_num_groups = r.get("norm_num_groups", c.norm_num_groups);
+    read_fields(r, c, fields());
     r.accept("cross_attention_dim");
     if (j.contains("cross_attention_dim") && j["cross_attention_dim"].is_null())
       throw ConfigError("'cross_attention_dim' = null: PixArt attends to text", where);
-    c.cross_attention_dim = r.get("cross_attention_dim", c.cross_attention_dim);
-    c.attention_bias = r.get("attention_bias", c.attention_bias);
-    c.sample_size = r.get("sample_size", c.sample_size);
-    c.patch_size = r.get("patch_size", c.patch_size);
-    c.activation_fn = r.get("activation_fn", c.activation_fn);
     r.accept("num_embeds_ada_norm");
     if (j.contains("num_embeds_ada_norm") && j["num_embeds_ada_norm"].is_null())
       throw ConfigError("'num_embeds_ada_norm' = null is refused by diffusers for adaLN-single",
                         where);
-    c.num_embeds_ada_norm = r.get("num_embeds_ada_norm", c.num_embeds_ada_norm);
-    c.upcast_attention = r.get("upcast_attention", c.upcast_attention);
     r.require_default("norm_type", "ada_norm_single",
                       "diffusers' PixArtTransformer2DModel implements only adaLN-single");
-    c.norm_elementwise_affine = r.get("norm_elementwise_affine", c.norm_elementwise_affine);
-    c.norm_eps = r.get("norm_eps", c.norm_eps);
-    c.interpolation_scale = r.optional<double>("interpolation_scale");
-    c.use_additional_conditions = r.optional<bool>("use_additional_conditions");
-    c.caption_channels = r.optional<std::int64_t>("caption_channels");
     r.require_default("attention_type", "default");
     // Fields of the legacy Transformer2DModel config, meaningful only at these values here.
     r.require_default("num_vector_embeds", nullptr, "PixArt takes continuous latents");
@@ -193,26 +172,8 @@ struct PixArtTransformer2DConfig {
 
   [[nodiscard]] nlohmann::json to_json() const {
     nlohmann::json j = diffusers_config_json<PixArtTransformer2DConfig>();
-    j["num_attention_heads"] = num_attention_heads;
-    j["attention_head_dim"] = attention_head_dim;
-    j["in_channels"] = in_channels;
-    j["out_channels"] = value_or_null(out_channels);
-    j["num_layers"] = num_layers;
-    j["dropout"] = dropout;
-    j["norm_num_groups"] = norm_num_groups;
-    j["cross_attention_dim"] = cross_attention_dim;
-    j["attention_bias"] = attention_bias;
-    j["sample_size"] = sample_size;
-    j["patch_size"] = patch_size;
-    j["activation_fn"] = activation_fn;
-    j["num_embeds_ada_norm"] = num_embeds_ada_norm;
-    j["upcast_attention"] = upcast_attention;
+    write_fields(j, *this, fields());
     j["norm_type"] = "ada_norm_single";
-    j["norm_elementwise_affine"] = norm_elementwise_affine;
-    j["norm_eps"] = norm_eps;
-    j["interpolation_scale"] = value_or_null(interpolation_scale);
-    j["use_additional_conditions"] = value_or_null(use_additional_conditions);
-    j["caption_channels"] = value_or_null(caption_channels);
     j["attention_type"] = "default";
     return j;
   }
@@ -223,14 +184,15 @@ struct PixArtTransformer2DConfig {
 /// (height, width) and aspect ratio each through their own (D/3 wide, concatenated).
 class PixArtTimestepSizeEmbeddingsImpl : public torch::nn::Module {
  public:
-  static constexpr std::int64_t kProjection = 256;
-
   PixArtTimestepSizeEmbeddingsImpl(std::int64_t embedding_dim, bool additional)
       : additional_(additional) {
-    timestep_embedder = register_module("timestep_embedder", make(embedding_dim));
+    timestep_embedder =
+        register_module("timestep_embedder", adaln_timestep_embedder(embedding_dim));
     if (additional) {
-      resolution_embedder = register_module("resolution_embedder", make(embedding_dim / 3));
-      aspect_ratio_embedder = register_module("aspect_ratio_embedder", make(embedding_dim / 3));
+      resolution_embedder =
+          register_module("resolution_embedder", adaln_timestep_embedder(embedding_dim / 3));
+      aspect_ratio_embedder =
+          register_module("aspect_ratio_embedder", adaln_timestep_embedder(embedding_dim / 3));
     }
   }
 
@@ -250,14 +212,8 @@ class PixArtTimestepSizeEmbeddingsImpl : public torch::nn::Module {
       aspect_ratio_embedder{nullptr};
 
  private:
-  static TimestepEmbedding<> make(std::int64_t width) {
-    TimestepEmbeddingOptions o;
-    o.in_channels = kProjection;
-    o.time_embed_dim = width;
-    return TimestepEmbedding<>(o);
-  }
   static at::Tensor project(const at::Tensor& t) {
-    return timestep_embedding(t, kProjection, /*flip_sin_to_cos=*/true, /*shift=*/0.0);
+    return project_timesteps(t, /*downscale_freq_shift=*/0.0);
   }
   bool additional_;
 };
@@ -281,26 +237,6 @@ class AdaLayerNormSingleImpl : public torch::nn::Module {
   torch::nn::Linear linear{nullptr};
 };
 TORCH_MODULE(AdaLayerNormSingle);
-
-/// diffusers' PixArtAlphaTextProjection: linear_1 → GELU-tanh (PixArt's captions) or SiLU (SD3's
-/// pooled text) → linear_2.
-class PixArtTextProjectionImpl : public torch::nn::Module {
- public:
-  PixArtTextProjectionImpl(std::int64_t in_features, std::int64_t hidden_size, bool silu = false)
-      : silu_(silu) {
-    linear_1 = register_module("linear_1", torch::nn::Linear(in_features, hidden_size));
-    linear_2 = register_module("linear_2", torch::nn::Linear(hidden_size, hidden_size));
-  }
-  at::Tensor forward(const at::Tensor& caption) {
-    const at::Tensor h = linear_1->forward(caption);
-    return linear_2->forward(silu_ ? at::silu(h) : at::gelu(h, "tanh"));
-  }
-  torch::nn::Linear linear_1{nullptr}, linear_2{nullptr};
-
- private:
-  bool silu_;
-};
-TORCH_MODULE(PixArtTextProjection);
 
 /// diffusers' BasicTransformerBlock with norm_type "ada_norm_single" and cross-attention.
 template <nn::attention::AttentionBackend Backend, nn::ElementwiseActivation Act>
@@ -340,13 +276,13 @@ class PixArtBlockImpl : public torch::nn::Module {
     const std::int64_t b = x.size(0);
     // shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp: each (B, 1, D).
     const auto m = (scale_shift_table.unsqueeze(0) + modulation.reshape({b, 6, -1})).chunk(6, 1);
-    at::Tensor h = norm1->forward(x) * (1 + m[1]) + m[0];
+    at::Tensor h = modulate(norm1->forward(x), m[0], m[1]);
     at::Tensor out = m[2] * attn1->forward(h) + x;
     nn::blocks::AttentionCall call;
     call.context = text;
     call.mask = text_bias;
     out = attn2->forward(out, call) + out;
-    h = norm2->forward(out) * (1 + m[4]) + m[3];
+    h = modulate(norm2->forward(out), m[3], m[4]);
     return m[5] * ff->forward(h) + out;
   }
 
@@ -390,9 +326,7 @@ class PixArtTransformer2DModelImpl : public torch::nn::Module {
       blocks_.push_back(PixArtBlock<Backend, Act>(c_, gated));
       transformer_blocks->push_back(blocks_.back());
     }
-    norm_out = register_module(
-        "norm_out",
-        torch::nn::LayerNorm(torch::nn::LayerNormOptions({d}).elementwise_affine(false).eps(1e-6)));
+    norm_out = register_module("norm_out", adaln_layer_norm(d));
     scale_shift_table = register_parameter("scale_shift_table",
                                            at::randn({2, d}) / std::sqrt(static_cast<double>(d)));
     proj_out =
@@ -463,7 +397,7 @@ class PixArtTransformer2DModelImpl : public torch::nn::Module {
       });
     }
     const auto ss = (scale_shift_table.unsqueeze(0) + embedded.unsqueeze(1)).chunk(2, 1);
-    x = norm_out->forward(x) * (1 + ss[1]) + ss[0];
+    x = modulate(norm_out->forward(x), ss[0], ss[1]);
     x = proj_out->forward(x);
     return unpatchify(x, h, w, c_.patch_size, c_.out());
   }

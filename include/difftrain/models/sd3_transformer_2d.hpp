@@ -35,11 +35,11 @@
 #include <vector>
 
 #include "difftrain/core/error.hpp"
+#include "difftrain/models/adaln.hpp"
 #include "difftrain/models/config_reader.hpp"
 #include "difftrain/models/embeddings.hpp"
 #include "difftrain/models/feed_forward.hpp"
 #include "difftrain/models/patch_embed.hpp"
-#include "difftrain/models/pixart_transformer_2d.hpp"
 #include "difftrain/nn/activation/elementwise.hpp"
 #include "difftrain/nn/attention/concepts.hpp"
 #include "difftrain/nn/attention/sdpa.hpp"
@@ -120,29 +120,37 @@ struct SD3Transformer2DConfig {
     s.shapes.push_back({"pos_embed.proj.weight", {d, in_channels, patch_size, patch_size}});
     s.shapes.push_back({"proj_out.weight", {patch_size * patch_size * out(), d}});
     s.shapes.push_back({"context_embedder.weight", {caption_projection_dim, joint_attention_dim}});
+    // The saved position table: its size is checked before the model allocates it (a config
+    // asking for a 4096² table must find one in the weights).
+    if (pos_embed_max_size)
+      s.shapes.push_back(
+          {"pos_embed.pos_embed", {1, *pos_embed_max_size * *pos_embed_max_size, d}});
     s.counts.push_back({"transformer_blocks.", num_layers});
     return s;
+  }
+
+  /// The fields read and written as they are (the others have rules of their own).
+  static constexpr auto fields() {
+    using C = SD3Transformer2DConfig;
+    return std::tuple{config_field("sample_size", &C::sample_size),
+                      config_field("patch_size", &C::patch_size),
+                      config_field("in_channels", &C::in_channels),
+                      config_field("num_layers", &C::num_layers),
+                      config_field("attention_head_dim", &C::attention_head_dim),
+                      config_field("num_attention_heads", &C::num_attention_heads),
+                      config_field("joint_attention_dim", &C::joint_attention_dim),
+                      config_field("caption_projection_dim", &C::caption_projection_dim),
+                      config_field("pooled_projection_dim", &C::pooled_projection_dim),
+                      config_field("out_channels", &C::out_channels),
+                      config_field("pos_embed_max_size", &C::pos_embed_max_size),
+                      config_field("qk_norm", &C::qk_norm)};
   }
 
   static SD3Transformer2DConfig from_json(const nlohmann::json& j, const std::string& where) {
     ConfigReader r(j, where);
     SD3Transformer2DConfig c;
-    c.sample_size = r.get("sample_size", c.sample_size);
-    c.patch_size = r.get("patch_size", c.patch_size);
-    c.in_channels = r.get("in_channels", c.in_channels);
-    c.num_layers = r.get("num_layers", c.num_layers);
-    c.attention_head_dim = r.get("attention_head_dim", c.attention_head_dim);
-    c.num_attention_heads = r.get("num_attention_heads", c.num_attention_heads);
-    c.joint_attention_dim = r.get("joint_attention_dim", c.joint_attention_dim);
-    c.caption_projection_dim = r.get("caption_projection_dim", c.caption_projection_dim);
-    c.pooled_projection_dim = r.get("pooled_projection_dim", c.pooled_projection_dim);
-    r.accept("out_channels");
-    if (j.contains("out_channels")) c.out_channels = r.optional<std::int64_t>("out_channels");
-    r.accept("pos_embed_max_size");
-    if (j.contains("pos_embed_max_size"))
-      c.pos_embed_max_size = r.optional<std::int64_t>("pos_embed_max_size");
+    read_fields(r, c, fields());
     c.dual_attention_layers = r.get("dual_attention_layers", std::vector<std::int64_t>{});
-    c.qk_norm = r.optional<std::string>("qk_norm");
     r.finish();
     c.validate(where);
     return c;
@@ -153,19 +161,8 @@ struct SD3Transformer2DConfig {
 
   [[nodiscard]] nlohmann::json to_json() const {
     nlohmann::json j = diffusers_config_json<SD3Transformer2DConfig>();
-    j["sample_size"] = sample_size;
-    j["patch_size"] = patch_size;
-    j["in_channels"] = in_channels;
-    j["num_layers"] = num_layers;
-    j["attention_head_dim"] = attention_head_dim;
-    j["num_attention_heads"] = num_attention_heads;
-    j["joint_attention_dim"] = joint_attention_dim;
-    j["caption_projection_dim"] = caption_projection_dim;
-    j["pooled_projection_dim"] = pooled_projection_dim;
-    j["out_channels"] = value_or_null(out_channels);
-    j["pos_embed_max_size"] = value_or_null(pos_embed_max_size);
+    write_fields(j, *this, fields());
     j["dual_attention_layers"] = dual_attention_layers;
-    j["qk_norm"] = value_or_null(qk_norm);
     return j;
   }
 };
@@ -196,9 +193,7 @@ class ModulatedNormImpl : public torch::nn::Module {
  public:
   ModulatedNormImpl(std::int64_t dim, std::int64_t chunks) : chunks_(chunks) {
     linear = register_module("linear", torch::nn::Linear(dim, chunks * dim));
-    norm = register_module(
-        "norm", torch::nn::LayerNorm(
-                    torch::nn::LayerNormOptions({dim}).elementwise_affine(false).eps(1e-6)));
+    norm = register_module("norm", adaln_layer_norm(dim));
   }
   /// (norm(x), the chunks of linear(silu(temb)), each (B, D)).
   std::pair<at::Tensor, std::vector<at::Tensor>> forward(const at::Tensor& x,
@@ -213,20 +208,13 @@ class ModulatedNormImpl : public torch::nn::Module {
 };
 TORCH_MODULE(ModulatedNorm);
 
-/// x·(1 + scale) + shift with (B, D) modulations broadcast over the tokens.
-inline at::Tensor modulate(const at::Tensor& x, const at::Tensor& shift, const at::Tensor& scale) {
-  return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1);
-}
-
 /// diffusers' AdaLayerNormContinuous (layer norm, no affine, eps 1e-6): linear(silu(cond)) gives
 /// scale, then shift.
 class AdaLayerNormContinuousImpl : public torch::nn::Module {
  public:
   AdaLayerNormContinuousImpl(std::int64_t dim, std::int64_t conditioning_dim) {
     linear = register_module("linear", torch::nn::Linear(conditioning_dim, 2 * dim));
-    norm = register_module(
-        "norm", torch::nn::LayerNorm(
-                    torch::nn::LayerNormOptions({dim}).elementwise_affine(false).eps(1e-6)));
+    norm = register_module("norm", adaln_layer_norm(dim));
   }
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cond) {
     const auto c = linear->forward(at::silu(cond).to(x.scalar_type())).chunk(2, 1);
@@ -338,10 +326,7 @@ class JointTransformerBlockImpl : public torch::nn::Module {
     if (dual_attention)
       attn2 = register_module(
           "attn2", JointAttention<Backend>(dim, heads, head_dim, false, false, rms_qk_norm));
-    auto plain_norm = [dim] {
-      return torch::nn::LayerNorm(
-          torch::nn::LayerNormOptions({dim}).elementwise_affine(false).eps(1e-6));
-    };
+    auto plain_norm = [dim] { return adaln_layer_norm(dim); };
     norm2 = register_module("norm2", plain_norm());
     FeedForwardOptions f;
     f.dim = dim;
@@ -400,15 +385,13 @@ using JointTransformerBlock = torch::nn::ModuleHolder<JointTransformerBlockImpl<
 class CombinedTimestepTextProjEmbeddingsImpl : public torch::nn::Module {
  public:
   CombinedTimestepTextProjEmbeddingsImpl(std::int64_t embedding_dim, std::int64_t pooled_dim) {
-    TimestepEmbeddingOptions o;
-    o.in_channels = 256;
-    o.time_embed_dim = embedding_dim;
-    timestep_embedder = register_module("timestep_embedder", TimestepEmbedding<>(o));
+    timestep_embedder =
+        register_module("timestep_embedder", adaln_timestep_embedder(embedding_dim));
     text_embedder = register_module("text_embedder",
                                     PixArtTextProjection(pooled_dim, embedding_dim, /*silu=*/true));
   }
   at::Tensor forward(const at::Tensor& timestep, const at::Tensor& pooled) {
-    const at::Tensor proj = timestep_embedding(timestep, 256, true, 0.0);
+    const at::Tensor proj = project_timesteps(timestep, /*downscale_freq_shift=*/0.0);
     return timestep_embedder->forward(proj.to(pooled.scalar_type())) +
            text_embedder->forward(pooled);
   }

@@ -234,6 +234,10 @@ struct UNet2DConditionConfig {
         {"conv_out.weight", {out_channels, ch[0], conv_out_kernel, conv_out_kernel}});
     s.counts.push_back({"down_blocks.", n});
     s.counts.push_back({"up_blocks.", n});
+    // The class table is checked before the model allocates it (num_class_embeds of 2^24 must
+    // find that table in the weights).
+    if (!class_embed_type && num_class_embeds)
+      s.shapes.push_back({"class_embedding.weight", {*num_class_embeds, time_embed_dim()}});
     for (std::int64_t i = 0; i < n; ++i) {
       const auto k = static_cast<std::size_t>(i);
       const std::string down = "down_blocks." + std::to_string(i) + ".";
@@ -259,35 +263,56 @@ struct UNet2DConditionConfig {
            mid_block_type == "UNetMidBlock2DCrossAttn";
   }
 
+  /// The fields read and written as they are (the others have rules of their own).
+  static constexpr auto fields() {
+    using C = UNet2DConditionConfig;
+    return std::tuple{
+        config_field("in_channels", &C::in_channels),
+        config_field("center_input_sample", &C::center_input_sample),
+        config_field("flip_sin_to_cos", &C::flip_sin_to_cos),
+        // null on purpose: no mid block; absent: the default
+        config_field("mid_block_type", &C::mid_block_type),
+        config_field("mid_block_only_cross_attention", &C::mid_block_only_cross_attention),
+        config_field("downsample_padding", &C::downsample_padding),
+        config_field("dropout", &C::dropout), config_field("act_fn", &C::act_fn),
+        config_field("norm_num_groups", &C::norm_num_groups),
+        config_field("norm_eps", &C::norm_eps),
+        config_field("encoder_hid_dim", &C::encoder_hid_dim),
+        config_field("encoder_hid_dim_type", &C::encoder_hid_dim_type),
+        config_field("use_linear_projection", &C::use_linear_projection),
+        config_field("class_embed_type", &C::class_embed_type),
+        config_field("num_class_embeds", &C::num_class_embeds),
+        config_field("upcast_attention", &C::upcast_attention),
+        config_field("resnet_time_scale_shift", &C::resnet_time_scale_shift),
+        config_field("time_embedding_dim", &C::time_embedding_dim),
+        config_field("time_embedding_act_fn", &C::time_embedding_act_fn),
+        config_field("timestep_post_act", &C::timestep_post_act),
+        config_field("time_cond_proj_dim", &C::time_cond_proj_dim),
+        config_field("conv_in_kernel", &C::conv_in_kernel),
+        config_field("class_embeddings_concat", &C::class_embeddings_concat),
+        config_field("addition_embed_type", &C::addition_embed_type),
+        config_field("addition_time_embed_dim", &C::addition_time_embed_dim),
+        config_field("addition_embed_type_num_heads", &C::addition_embed_type_num_heads)};
+  }
+
   static UNet2DConditionConfig from_json(const nlohmann::json& j, const std::string& where) {
     ConfigReader r(j, where);
     UNet2DConditionConfig c;
     c.sample_size = r.optional<nlohmann::json>("sample_size");
-    c.in_channels = r.get("in_channels", c.in_channels);
+    read_fields(r, c, fields());
     c.out_channels = r.get("out_channels", c.out_channels);
-    c.center_input_sample = r.get("center_input_sample", c.center_input_sample);
-    c.flip_sin_to_cos = r.get("flip_sin_to_cos", c.flip_sin_to_cos);
     c.freq_shift = r.get("freq_shift", c.freq_shift);
     c.down_block_types = r.get("down_block_types", c.down_block_types);
-    // mid_block_type may be null on purpose (no mid block): absent means the default.
-    r.accept("mid_block_type");
-    if (j.contains("mid_block_type")) c.mid_block_type = r.optional<std::string>("mid_block_type");
     c.up_block_types = r.get("up_block_types", c.up_block_types);
     const std::size_t n = c.down_block_types.size();
     c.only_cross_attention = r.per_block("only_cross_attention", n, false);
-    c.mid_block_only_cross_attention = r.optional<bool>("mid_block_only_cross_attention");
     c.block_out_channels = r.get("block_out_channels", c.block_out_channels);
     c.layers_per_block = r.per_block<std::int64_t>("layers_per_block", n, 2);
-    c.downsample_padding = r.get("downsample_padding", c.downsample_padding);
     c.mid_block_scale_factor = r.get("mid_block_scale_factor", c.mid_block_scale_factor);
-    c.dropout = r.get("dropout", c.dropout);
-    c.act_fn = r.get("act_fn", c.act_fn);
     r.accept("norm_num_groups");
     if (j.contains("norm_num_groups") && j["norm_num_groups"].is_null())
       throw ConfigError("'norm_num_groups' = null is not supported (the resnets need groups)",
                         where);
-    c.norm_num_groups = r.get("norm_num_groups", c.norm_num_groups);
-    c.norm_eps = r.get("norm_eps", c.norm_eps);
     c.cross_attention_dim = r.per_block<std::int64_t>("cross_attention_dim", n, 1280);
     if (j.contains("transformer_layers_per_block") && j["transformer_layers_per_block"].is_array())
       for (const auto& e : j["transformer_layers_per_block"])
@@ -299,35 +324,18 @@ struct UNet2DConditionConfig {
     c.transformer_layers_per_block =
         r.per_block<std::int64_t>("transformer_layers_per_block", n, 1);
     r.require_default("reverse_transformer_layers_per_block", nullptr);
-    c.encoder_hid_dim = r.optional<std::int64_t>("encoder_hid_dim");
-    c.encoder_hid_dim_type = r.optional<std::string>("encoder_hid_dim_type");
     c.attention_head_dim = r.per_block<std::int64_t>("attention_head_dim", n, 8);
     r.require_default("num_attention_heads", nullptr,
                       "diffusers itself refuses it for this model; use attention_head_dim");
     r.require_default("dual_cross_attention", false);
-    c.use_linear_projection = r.get("use_linear_projection", c.use_linear_projection);
-    c.class_embed_type = r.optional<std::string>("class_embed_type");
-    c.addition_embed_type = r.optional<std::string>("addition_embed_type");
-    c.addition_time_embed_dim = r.optional<std::int64_t>("addition_time_embed_dim");
-    c.addition_embed_type_num_heads =
-        r.get("addition_embed_type_num_heads", c.addition_embed_type_num_heads);
-    c.num_class_embeds = r.optional<std::int64_t>("num_class_embeds");
-    c.upcast_attention = r.get("upcast_attention", c.upcast_attention);
-    c.resnet_time_scale_shift = r.get("resnet_time_scale_shift", c.resnet_time_scale_shift);
     // Passed by diffusers only to block types difftrain does not build: no effect here.
     r.accept("resnet_skip_time_act");
     r.accept("resnet_out_scale_factor");
     r.require_default("time_embedding_type", "positional");
-    c.time_embedding_dim = r.optional<std::int64_t>("time_embedding_dim");
-    c.time_embedding_act_fn = r.optional<std::string>("time_embedding_act_fn");
-    c.timestep_post_act = r.optional<std::string>("timestep_post_act");
-    c.time_cond_proj_dim = r.optional<std::int64_t>("time_cond_proj_dim");
-    c.conv_in_kernel = r.get("conv_in_kernel", c.conv_in_kernel);
     c.conv_out_kernel = r.get("conv_out_kernel", c.conv_out_kernel);
     c.projection_class_embeddings_input_dim =
         r.optional<std::int64_t>("projection_class_embeddings_input_dim");
     r.require_default("attention_type", "default");
-    c.class_embeddings_concat = r.get("class_embeddings_concat", c.class_embeddings_concat);
     r.require_default("cross_attention_norm", nullptr);
     r.finish();
     c.resolve(where);
@@ -341,47 +349,22 @@ struct UNet2DConditionConfig {
   [[nodiscard]] nlohmann::json to_json() const {
     nlohmann::json j = diffusers_config_json<UNet2DConditionConfig>();
     j["sample_size"] = sample_size.value_or(nullptr);
-    j["in_channels"] = in_channels;
+    write_fields(j, *this, fields());
     j["out_channels"] = out_channels;
-    j["center_input_sample"] = center_input_sample;
-    j["flip_sin_to_cos"] = flip_sin_to_cos;
     j["freq_shift"] = config_number(freq_shift);
     j["down_block_types"] = down_block_types;
-    j["mid_block_type"] = value_or_null(mid_block_type);
     j["up_block_types"] = up_block_types;
     j["only_cross_attention"] = per_block_json(only_cross_attention);
-    j["mid_block_only_cross_attention"] = value_or_null(mid_block_only_cross_attention);
     j["block_out_channels"] = block_out_channels;
     j["layers_per_block"] = per_block_json(layers_per_block);
-    j["downsample_padding"] = downsample_padding;
     j["mid_block_scale_factor"] = config_number(mid_block_scale_factor);
-    j["dropout"] = dropout;
-    j["act_fn"] = act_fn;
-    j["norm_num_groups"] = norm_num_groups;
-    j["norm_eps"] = norm_eps;
     j["cross_attention_dim"] = per_block_json(cross_attention_dim);
     j["transformer_layers_per_block"] = per_block_json(transformer_layers_per_block);
-    j["encoder_hid_dim"] = value_or_null(encoder_hid_dim);
-    j["encoder_hid_dim_type"] = value_or_null(encoder_hid_dim_type);
     j["attention_head_dim"] = per_block_json(attention_head_dim);
-    j["use_linear_projection"] = use_linear_projection;
-    j["class_embed_type"] = value_or_null(class_embed_type);
-    j["num_class_embeds"] = value_or_null(num_class_embeds);
-    j["upcast_attention"] = upcast_attention;
-    j["resnet_time_scale_shift"] = resnet_time_scale_shift;
     j["time_embedding_type"] = "positional";
-    j["time_embedding_dim"] = value_or_null(time_embedding_dim);
-    j["time_embedding_act_fn"] = value_or_null(time_embedding_act_fn);
-    j["timestep_post_act"] = value_or_null(timestep_post_act);
-    j["time_cond_proj_dim"] = value_or_null(time_cond_proj_dim);
-    j["conv_in_kernel"] = conv_in_kernel;
     j["conv_out_kernel"] = conv_out_kernel;
     j["projection_class_embeddings_input_dim"] =
         value_or_null(projection_class_embeddings_input_dim);
-    j["class_embeddings_concat"] = class_embeddings_concat;
-    j["addition_embed_type"] = value_or_null(addition_embed_type);
-    j["addition_time_embed_dim"] = value_or_null(addition_time_embed_dim);
-    j["addition_embed_type_num_heads"] = addition_embed_type_num_heads;
     return j;
   }
 };

@@ -1,0 +1,476 @@
+#pragma once
+// finetune_transformer's CogVideoX family: the CogVideoXPipeline folder, a data folder of captioned
+// videos (frames chosen as diffusers' train_cogvideox_lora.py does), the v-prediction trainee and
+// the validation videos.
+
+#include "run_common.hpp"
+
+namespace {
+
+// ---- CogVideoX ----------------------------------------------------------------------------------
+// A CogVideoXPipeline folder (T5 with its tokenizer, AutoencoderKLCogVideoX,
+// CogVideoXTransformer3DModel, CogVideoXDDIMScheduler or CogVideoXDPMScheduler) trained as
+// diffusers' train_cogvideox_lora.py trains it: videos encoded by the frozen 3-D VAE (a posterior
+// sample × scaling_factor per step), captions by the frozen T5 (max_text_seq_length tokens, no
+// mask), t ~ U{0, …, N−1}, x_t = add_noise, the v-prediction turned into x̂₀ (get_velocity(out,
+// x_t, t)) and the loss (1/(1 − ᾱ_t))·|x̂₀ − x₀|².
+
+using CogTransformer = models::CogVideoXTransformer3DModel<>;
+using CogVae = models::AutoencoderKLCogVideoX<>;
+
+struct CogPipeline {
+  fs::path root;
+  std::optional<text::T5Tokenizer> tokenizer;
+  T5 text_encoder{nullptr};
+  CogVae vae{nullptr};
+  CogTransformer transformer{nullptr};
+  examples::SchedulerConfig scheduler;
+  bool dpm = false;  // CogVideoXDPMScheduler (else DDIM) samples the validation videos
+
+  [[nodiscard]] std::int64_t text_length() const {
+    return transformer->config().max_text_seq_length;
+  }
+  [[nodiscard]] at::Tensor encode(const std::vector<std::string>& prompts) {
+    return text::t5_prompt_embeds(*tokenizer, text_encoder, prompts, text_length());
+  }
+};
+
+CogPipeline load_cogvideox_pipeline(const std::string& model, const std::string& variant = {}) {
+  models::LoadOptions lo;
+  if (!variant.empty()) lo.variant = variant;
+  CogPipeline p;
+  p.root = model;
+  const fs::path index_file = p.root / "model_index.json";
+  const nlohmann::json index = dt::io::read_json_object(index_file);
+  check_component(index, "transformer", {"CogVideoXTransformer3DModel"}, index_file);
+  check_component(index, "vae", {"AutoencoderKLCogVideoX"}, index_file);
+  check_component(index, "text_encoder", {"T5EncoderModel"}, index_file);
+  check_component(index, "tokenizer", {"T5TokenizerFast", "T5Tokenizer"}, index_file);
+  check_component(index, "scheduler", {"CogVideoXDDIMScheduler", "CogVideoXDPMScheduler"},
+                  index_file);
+  p.dpm = index["scheduler"][1].get<std::string>() == "CogVideoXDPMScheduler";
+  p.scheduler = examples::read_scheduler_config(p.root / "scheduler" / "scheduler_config.json");
+  p.tokenizer.emplace(text::T5Tokenizer::from_folder(p.root / "tokenizer"));
+  p.text_encoder = models::from_pretrained<T5>(p.root / "text_encoder", lo);
+  p.vae = models::from_pretrained<CogVae>(p.root / "vae", lo);
+  p.transformer = models::from_pretrained<CogTransformer>(p.root / "transformer", lo);
+  const auto& tc = p.transformer->config();
+  const std::int64_t latent = p.vae->config().latent_channels;
+  if (tc.in_channels != latent)
+    throw ConfigError("takes " + std::to_string(tc.in_channels) + " channels, the VAE's latents " +
+                          std::to_string(latent) +
+                          (tc.in_channels == 2 * latent
+                               ? " (an image-to-video model: this program trains text-to-video)"
+                               : std::string()),
+                      (p.root / "transformer").string());
+  if (tc.text_embed_dim != p.text_encoder->config().d_model)
+    throw ConfigError("reads text of width " + std::to_string(tc.text_embed_dim) + ", T5 writes " +
+                          std::to_string(p.text_encoder->config().d_model),
+                      (p.root / "transformer").string());
+  return p;
+}
+
+/// One training video: the frames chosen from its folder (or a single image) and its caption.
+struct VideoClip {
+  fs::path source;
+  std::vector<fs::path> frames;
+  std::string caption;
+};
+
+std::vector<std::string> read_lines(const fs::path& file, const std::string& flag) {
+  if (!fs::is_regular_file(file))
+    throw dt::IoError(
+        "does not exist (" + flag + " names a file of the data folder, one entry per line)",
+        file.string());
+  const std::vector<char> bytes = dt::io::read_file(file);
+  std::vector<std::string> lines;
+  std::string line;
+  for (const char c : bytes) {
+    if (c != '\n') {
+      line += c;
+      continue;
+    }
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    lines.push_back(line);
+    line.clear();
+  }
+  if (!line.empty()) lines.push_back(line);
+  while (!lines.empty() && lines.back().empty()) lines.pop_back();
+  return lines;
+}
+
+/// diffusers' frame choice: skip the first and last frames asked, take every k-th frame when more
+/// than max_num_frames remain, cut to max_num_frames and then to 4k + 1 (what the VAE compresses).
+std::vector<std::size_t> chosen_frames(std::size_t count, const Settings& s) {
+  const auto start = std::min<std::size_t>(static_cast<std::size_t>(s.skip_frames_start), count);
+  const std::size_t end =
+      count > static_cast<std::size_t>(s.skip_frames_end) ? count - s.skip_frames_end : 0;
+  const auto max = static_cast<std::size_t>(s.max_num_frames);
+  std::vector<std::size_t> idx;
+  if (end <= start) {
+    idx.push_back(std::min(start, count - 1));
+  } else if (end - start <= max) {
+    for (std::size_t i = start; i < end; ++i) idx.push_back(i);
+  } else {
+    const std::size_t step = (end - start) / max;
+    for (std::size_t i = start; i < end; i += step) idx.push_back(i);
+  }
+  if (idx.size() > max) idx.resize(max);
+  const std::size_t remainder = (3 + idx.size() % 4) % 4;
+  idx.resize(idx.size() - remainder);
+  return idx;
+}
+
+/// diffusers' local dataset layout: `--caption_column` and `--video_column` name two files in the
+/// data folder, one caption and one video per line. A video is a folder of its frames (JPEG, PNG
+/// or WebP, in name order) or one image; every clip is cut to the shortest clip's frame count so
+/// clips batch together.
+std::vector<VideoClip> scan_videos(const Settings& s) {
+  const fs::path root(s.data_dir);
+  if (!fs::is_directory(root))
+    throw dt::IoError("is not a folder", "--train_data_dir " + s.data_dir);
+  const auto captions = read_lines(root / s.caption_column, "--caption_column");
+  const auto videos = read_lines(root / s.video_column, "--video_column");
+  if (captions.size() != videos.size())
+    throw ConfigError(std::to_string(captions.size()) + " captions for " +
+                          std::to_string(videos.size()) + " videos",
+                      (root / s.caption_column).string());
+  if (videos.empty()) throw ConfigError("lists no videos", (root / s.video_column).string());
+  std::vector<VideoClip> clips;
+  std::size_t shortest = std::numeric_limits<std::size_t>::max();
+  for (std::size_t i = 0; i < videos.size(); ++i) {
+    VideoClip c{root / videos[i], {}, captions[i]};
+    const std::string where = (root / s.video_column).string() + " line " + std::to_string(i + 1);
+    if (fs::is_directory(c.source)) {
+      for (const auto& e : fs::directory_iterator(c.source))
+        if (e.is_regular_file() && data::is_image_name(e.path())) c.frames.push_back(e.path());
+      std::sort(c.frames.begin(), c.frames.end());
+      if (c.frames.empty())
+        throw ConfigError("names " + c.source.string() + ", a folder without frames", where);
+    } else if (fs::is_regular_file(c.source) && data::is_image_name(c.source)) {
+      c.frames.push_back(c.source);
+    } else {
+      throw ConfigError("names " + c.source.string() +
+                            ", which is not a folder of frames or an image (decode a video file "
+                            "to frames first, e.g. ffmpeg -i clip.mp4 clip/%04d.png)",
+                        where);
+    }
+    std::vector<fs::path> kept;
+    for (const std::size_t k : chosen_frames(c.frames.size(), s)) kept.push_back(c.frames[k]);
+    c.frames = std::move(kept);
+    shortest = std::min(shortest, c.frames.size());
+    clips.push_back(std::move(c));
+    if (s.limit > 0 && static_cast<std::int64_t>(clips.size()) >= s.limit) break;
+  }
+  for (auto& c : clips) c.frames.resize(shortest);
+  return clips;
+}
+
+/// A clip's frames (1, 3, F, height, width) in [−1, 1], each resized to the training size (as
+/// decord's reader does: no crop), mirrored when asked.
+at::Tensor load_clip(const VideoClip& c, const Settings& s, bool flip) {
+  std::vector<at::Tensor> frames;
+  for (const auto& f : c.frames) {
+    const at::Tensor chw = data::read_image(f).pixels.permute({2, 0, 1});
+    at::Tensor x = data::resize(chw, {s.height, s.width});
+    if (flip) x = data::horizontal_flip(x);
+    frames.push_back(data::to_unit_range(x));
+  }
+  return at::stack(frames, 1).unsqueeze(0);
+}
+
+/// The transformer with CogVideoX's v-prediction loss on video latents (B, F, C, h, w).
+struct CogTraineeImpl : torch::nn::Module {
+  struct Batch {
+    at::Tensor latents, embeds;
+    [[nodiscard]] std::int64_t size() const { return latents.size(0); }
+    [[nodiscard]] Batch slice(std::int64_t start, std::int64_t length) const {
+      return {latents.narrow(0, start, length), embeds.narrow(0, start, length)};
+    }
+  };
+  CogTraineeImpl(CogTransformer t, const examples::SchedulerConfig& c)
+      : transformer(register_module("transformer", t)),
+        schedule_(c.schedule),
+        prediction_(c.prediction) {}
+  at::Tensor loss(const Batch& b) {
+    const at::Tensor& x0 = b.latents;
+    const std::int64_t n = x0.size(0);
+    const at::Tensor noise = at::randn_like(x0);
+    const at::Tensor t = schedule_.sample_timesteps(n, x0.options());
+    const at::Tensor noisy = schedule_.add_noise(x0, noise, t);
+    return df::cogvideox_loss(schedule_, prediction_, transformer->forward(noisy, b.embeds, t),
+                              noisy, x0, t);
+  }
+  CogTransformer transformer{nullptr};
+
+ private:
+  df::NoiseSchedule schedule_;
+  df::Prediction prediction_;
+};
+
+/// The run's batches by place in the run: shuffled clips per epoch (the same for a seed), their
+/// posteriors encoded once per clip and flip, a latent sample drawn per step.
+class VideoBatchStream {
+ public:
+  VideoBatchStream(const Settings& s, CogPipeline& p, const std::vector<VideoClip>& clips,
+                   at::Device device)
+      : s_(s), p_(p), clips_(clips), device_(device), epoch_batches_(batches(0)) {}
+
+  [[nodiscard]] std::size_t batches_per_epoch() const { return epoch_batches_.size(); }
+
+  CogTraineeImpl::Batch at_place(std::int64_t place) {
+    const std::size_t per_epoch = batches_per_epoch();
+    const auto epoch = static_cast<std::uint64_t>(place) / per_epoch;
+    if (epoch != epoch_) {  // one shuffle per epoch, not per micro-batch
+      epoch_batches_ = batches(epoch);
+      epoch_ = epoch;
+    }
+    const std::vector<std::size_t> batch =
+        epoch_batches_.at(static_cast<std::size_t>(place) % per_epoch);
+    std::vector<at::Tensor> latents, embeds;
+    for (const std::size_t i : batch) {
+      // The flip draw belongs to (seed, place, clip), so a resumed run flips as the first did.
+      const bool flip =
+          s_.random_flip && at::rand({1}, at::make_generator<at::CPUGeneratorImpl>(
+                                              static_cast<std::uint64_t>(s_.seed) * 1'000'003 +
+                                              static_cast<std::uint64_t>(place) * 131 + i))
+                                    .item<double>() < 0.5;
+      const auto& [mean, std] = posterior(i, flip);
+      at::Tensor z;
+      {
+        at::NoGradGuard no_grad;
+        z = (mean + std * at::randn(mean.sizes(), mean.options())) *
+            p_.vae->config().scaling_factor;
+      }
+      latents.push_back(z.permute({0, 2, 1, 3, 4}));  // (1, F, C, h, w), as the transformer reads
+      embeds.push_back(caption(clips_[i].caption));
+    }
+    return {at::cat(latents).to(device_), at::cat(embeds).to(device_)};
+  }
+
+  /// Frames the training videos have (the same for every clip).
+  [[nodiscard]] std::int64_t frames() const {
+    return static_cast<std::int64_t>(clips_.front().frames.size());
+  }
+
+ private:
+  [[nodiscard]] std::vector<std::vector<std::size_t>> batches(std::uint64_t epoch) const {
+    const std::vector<data::Bucket> one(clips_.size(), data::Bucket{s_.width, s_.height});
+    return data::bucket_batches(one, {}, static_cast<std::size_t>(s_.train_batch_size), s_.seed,
+                                epoch);
+  }
+  const std::pair<at::Tensor, at::Tensor>& posterior(std::size_t i, bool flip) {
+    const auto key = std::make_pair(i, flip);
+    auto it = posteriors_.find(key);
+    if (it != posteriors_.end()) return it->second;
+    at::NoGradGuard no_grad;
+    const auto d = p_.vae->encode(load_clip(clips_[i], s_, flip).to(device_));
+    return posteriors_.emplace(key, std::make_pair(d.mean, d.std)).first->second;
+  }
+  at::Tensor caption(const std::string& c) {
+    auto it = text_.find(c);
+    if (it != text_.end()) return it->second;
+    at::NoGradGuard no_grad;
+    return text_.emplace(c, p_.encode({c}).cpu()).first->second;
+  }
+
+  const Settings& s_;
+  CogPipeline& p_;
+  const std::vector<VideoClip>& clips_;
+  at::Device device_;
+  std::vector<std::vector<std::size_t>> epoch_batches_;  // epoch_'s order
+  std::uint64_t epoch_ = 0;
+  std::map<std::pair<std::size_t, bool>, std::pair<at::Tensor, at::Tensor>> posteriors_;
+  std::map<std::string, at::Tensor> text_;
+};
+
+/// Videos of the validation prompts, as CogVideoXPipeline samples them (its scheduler, classifier-
+/// free guidance against the empty prompt), decoded by the VAE: (n, 3, F, height, width) in
+/// [−1, 1] on the CPU.
+at::Tensor validation_videos(CogPipeline& p, const Settings& s, std::int64_t frames,
+                             at::Device device) {
+  at::NoGradGuard no_grad;
+  const bool was_training = p.transformer->is_training();
+  p.transformer->eval();
+  std::vector<std::string> prompts;
+  for (const auto& prompt : s.validation_prompts)
+    for (std::int64_t k = 0; k < s.num_validation_images; ++k) prompts.push_back(prompt);
+  const auto n = static_cast<std::int64_t>(prompts.size());
+  const at::Tensor embeds =
+      at::cat({p.encode(prompts), p.encode(std::vector<std::string>(prompts.size(), ""))})
+          .to(device);
+  const at::Tensor rows = at::arange(n, at::TensorOptions().dtype(at::kLong).device(device));
+  const auto& vc = p.vae->config();
+  const std::int64_t latent_frames =
+      (frames - 1) / static_cast<std::int64_t>(vc.temporal_compression_ratio) + 1;
+  const std::int64_t down = p.vae->spatial_downscale();
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(s.seed + 7);
+  const at::Tensor noise =
+      at::randn({n, latent_frames, vc.latent_channels, s.height / down, s.width / down}, gen)
+          .to(device);
+  const df::NoiseSchedule schedule(p.scheduler.schedule);
+  df::CogVideoXSamplerOptions so;
+  so.prediction_type = p.scheduler.prediction;
+  so.set_alpha_to_one = p.scheduler.ddim.set_alpha_to_one;
+  so.steps_offset = p.scheduler.ddim.steps_offset;
+  so.timestep_spacing = p.scheduler.ddim.timestep_spacing;
+  auto model = [&](const at::Tensor& x, const at::Tensor& t, const at::Tensor& row) {
+    return p.transformer->forward(x, embeds.index_select(0, row), t);
+  };
+  const df::SampleOptions o{.num_inference_steps = s.num_inference_steps,
+                            .guidance_scale = s.guidance_scale,
+                            .chunk_size = n};
+  at::Tensor z;
+  if (p.dpm) {
+    df::CogVideoXDpm sampler(schedule, so);
+    z = df::sample(sampler, model, noise, o, rows, rows + n, gen);
+  } else {
+    df::CogVideoXDdim sampler(schedule, so);
+    z = df::sample(sampler, model, noise, o, rows, rows + n);
+  }
+  const at::Tensor videos = p.vae->decode_latents(z.permute({0, 2, 1, 3, 4})).clamp(-1, 1).cpu();
+  p.transformer->train(was_training);
+  return videos;
+}
+
+/// validation/video-<i>/frame-<k>.png for every frame, and validation.png: one row per video of
+/// up to eight evenly spaced frames.
+void write_validation_videos(const at::Tensor& videos, const Settings& s, const fs::path& out) {
+  const std::int64_t frames = videos.size(2);
+  const std::int64_t shown = std::min<std::int64_t>(frames, 8);
+  std::vector<at::Tensor> strip;
+  for (std::int64_t i = 0; i < videos.size(0); ++i) {
+    const fs::path dir = out / "validation" / ("video-" + std::to_string(i));
+    fs::create_directories(dir);
+    const at::Tensor v = videos[i].permute({1, 0, 2, 3});  // (F, 3, H, W)
+    const std::string prompt =
+        s.validation_prompts[static_cast<std::size_t>(i / s.num_validation_images)];
+    for (std::int64_t k = 0; k < frames; ++k) {
+      char name[32];
+      std::snprintf(name, sizeof name, "frame-%04lld.png", static_cast<long long>(k));
+      dt::io::write_png(dir / name,
+                        dt::io::image_grid(v.narrow(0, k, 1), {.columns = 1, .padding = 0}),
+                        {{"Description", prompt}});
+    }
+    for (std::int64_t j = 0; j < shown; ++j)
+      strip.push_back(v[shown == 1 ? 0 : j * (frames - 1) / (shown - 1)]);
+  }
+  dt::io::write_png(out / "validation.png",
+                    dt::io::image_grid(at::stack(strip), {.columns = shown, .padding = 2}),
+                    {{"Description", "one row per validation video, frames left to right"}});
+}
+
+int run_cogvideox(Settings s, const Ranks& ranks) {
+  const auto t0 = std::chrono::steady_clock::now();
+  check_sd_run_flags(s);
+  examples::apply_threads(s);
+  const bool main_rank = ranks.main();
+  // The videos first: a wrong data folder is found before the models load.
+  const std::vector<VideoClip> clips = scan_videos(s);
+  const examples::OutputFolder output_folder(s.out, main_rank);
+  tr::set_seed(s.seed);
+  CogPipeline p = load_cogvideox_pipeline(s.model, s.variant);
+  const auto& tc = p.transformer->config();
+  const std::int64_t unit = p.vae->spatial_downscale() * tc.patch_size;
+  if (s.height % unit != 0)
+    throw ConfigError(
+        "must be a multiple of " + std::to_string(unit) + " (the VAE's downscale × the patch size)",
+        "--height");
+  if (s.width % unit != 0)
+    throw ConfigError(
+        "must be a multiple of " + std::to_string(unit) + " (the VAE's downscale × the patch size)",
+        "--width");
+  const auto frames = static_cast<std::int64_t>(clips.front().frames.size());
+  const std::int64_t latent_frames =
+      (frames - 1) / static_cast<std::int64_t>(p.vae->config().temporal_compression_ratio) + 1;
+  if (latent_frames % tc.frame_patch() != 0)
+    throw ConfigError(std::to_string(frames) + " frames give " + std::to_string(latent_frames) +
+                          " latent frames, not a multiple of patch_size_t " +
+                          std::to_string(tc.frame_patch()) + "; choose another --max_num_frames",
+                      "--max_num_frames");
+  const at::Device device = ranks.device;
+
+  freeze(*p.vae);
+  freeze(*p.text_encoder);
+  std::vector<std::string> adapted;
+  if (s.use_lora) {
+    const double alpha = s.lora_alpha > 0 ? s.lora_alpha : static_cast<double>(s.rank);
+    // diffusers' CogVideoX LoRA targets: the attention projections.
+    adapted =
+        ad::inject_lora(*p.transformer, {.target_modules = {"to_k", "to_q", "to_v", "to_out.0"}},
+                        {.rank = s.rank, .alpha = alpha});
+  }
+  p.vae->to(device);
+  p.vae->eval();
+  p.text_encoder->to(device);
+  p.text_encoder->eval();
+  p.transformer->to(device);
+  if (s.gradient_checkpointing) p.transformer->set_gradient_checkpointing(true);
+
+  VideoBatchStream stream(s, p, clips, device);
+  resolve_max_train_steps(
+      s, ranks.batches_each(stream.batches_per_epoch(), "--train_data_dir / --train_batch_size"),
+      main_rank);
+  CogTraineeImpl trainee(p.transformer, p.scheduler);
+  trainee.train();
+  using Trainer = tr::Trainer<CogTraineeImpl, TrainerConfig>;
+  Trainer::Options o;
+  set_optimizer_and_schedule(o, s, s.learning_rate);
+  o.clipping.max_norm = s.max_grad_norm;
+  set_parallel(o, s, ranks.world);
+  const RunFolders folders = prepare_run_folders(s, main_rank);
+  const nlohmann::json run_settings = {
+      {"pretrained_model_name_or_path", s.model},
+      {"train_data_dir", s.data_dir},
+      {"videos", clips.size()},
+      {"frames", frames},
+      {"latent_frames", latent_frames},
+      {"height", s.height},
+      {"width", s.width},
+      {"train_batch_size", s.train_batch_size},
+      {"gradient_accumulation_steps", s.gradient_accumulation_steps},
+      {"max_train_steps", s.max_train_steps},
+      {"learning_rate", s.learning_rate},
+      {"lr_scheduler", s.lr_scheduler},
+      {"use_lora", s.use_lora},
+      {"rank", s.rank},
+      {"scheduler", std::string(p.dpm ? "CogVideoXDPMScheduler" : "CogVideoXDDIMScheduler")},
+      {"snr_shift_scale", p.scheduler.schedule.snr_shift_scale.value_or(1.0)},
+      {"mixed_precision", s.mixed_precision},
+      {"gradient_checkpointing", s.gradient_checkpointing},
+      {"ranks", ranks.world->size()},
+      {"sharding", s.sharding},
+      {"seed", s.seed}};
+  if (main_rank)
+    std::printf("%zu videos of %lld frames (%lld latent frames) at %lldx%lld\n", clips.size(),
+                static_cast<long long>(frames), static_cast<long long>(latent_frames),
+                static_cast<long long>(s.width), static_cast<long long>(s.height));
+  std::vector<double> losses;
+  Trainer trainer(trainee, o,
+                  TrainerConfig::Callbacks{
+                      progress_bar(s), checkpoint_every(s, folders),
+                      tr::TensorBoard({.dir = folders.tensorboard, .config = run_settings}),
+                      StopOnInterrupt{s.stop_at}, LossRecord{&losses}});
+  const std::int64_t resumed_from = resume_if_asked(trainer, s, folders);
+  ranks.seed(s.seed, resumed_from);
+  const FitResult fit = fit_until_done_or_stopped(
+      trainer, s, [&](std::int64_t place) { return stream.at_place(ranks.place(place)); });
+  // Every rank: under --sharded_mixed_precision the parameters hold the float32 masters from
+  // here on, for what rank 0 writes (nothing otherwise: they are whole between steps).
+  const auto whole = trainer.whole_parameters();
+  if (!main_rank) return fit.finished ? 0 : 130;  // rank 0 writes what the run leaves
+
+  const fs::path out(s.out);
+  nlohmann::json files;
+  if (fit.finished) {
+    save_trained_transformer(p.transformer, p.root, s, files);
+    if (!s.validation_prompts.empty()) {
+      write_validation_videos(validation_videos(p, s, frames, device), s, out);
+      files["validation"] = "validation.png";
+    }
+  }
+  return write_run_results(s, run_settings, files, fit, resumed_from, trainer.global_step(),
+                           adapted.size(), losses, t0);
+}
+
+}  // namespace

@@ -1,0 +1,187 @@
+#pragma once
+// What every model family of finetune_transformer shares: the flags, the trainer configuration, the
+// ranks of a torchrun launch, the trained transformer's files and results.json. A family is one
+// more header beside sd3.hpp and cogvideox.hpp, with its run_<family>(Settings, Ranks) and its
+// pipeline class in run() (finetune_transformer.cpp).
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <CLI/CLI.hpp>
+#include <difftrain/adapters/lora_inject.hpp>
+#include <difftrain/data/data.hpp>
+#include <difftrain/diffusion/cogvideox_dpm.hpp>
+#include <difftrain/diffusion/flow_matching.hpp>
+#include <difftrain/diffusion/sample.hpp>
+#include <difftrain/diffusion/weighting.hpp>
+#include <difftrain/io/atomic_file.hpp>
+#include <difftrain/io/json_file.hpp>
+#include <difftrain/io/read_file.hpp>
+#include <difftrain/io/safetensors.hpp>
+#include <difftrain/models/models.hpp>
+#include <difftrain/schedule/by_name.hpp>
+#include <difftrain/text/clip_tokenizer.hpp>
+#include <difftrain/text/encode_prompt.hpp>
+#include <difftrain/text/t5_tokenizer.hpp>
+#include <difftrain/train/callbacks.hpp>
+#include <difftrain/train/seeding.hpp>
+#include <difftrain/train/tensorboard.hpp>
+#include <difftrain/train/trainer.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <limits>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "../common/cli_checks.hpp"
+#include "../common/run_skeleton.hpp"
+#include "../common/scheduler_config.hpp"
+#include "../common/sd_pipeline.hpp"
+#include "../common/sd_run.hpp"
+#include "../common/sd_torchrun.hpp"
+#include "../common/training_folder.hpp"
+
+namespace {
+namespace dt = difftrain;
+namespace df = difftrain::diffusion;
+namespace ad = difftrain::adapters;
+namespace data = difftrain::data;
+namespace models = difftrain::models;
+namespace text = difftrain::text;
+namespace tr = difftrain::train;
+namespace fs = std::filesystem;
+using dt::ConfigError;
+using namespace examples::sd;  // the run's flags, folders, checkpoints and results
+
+using Transformer = models::SD3Transformer2DModel<>;
+using Clip = models::CLIPTextModel<>;
+using T5 = models::T5EncoderModel<>;
+
+struct Settings : SdRunFlags, ImageFolderFlags, LoraFlags, TorchrunFlags {
+  std::string weighting_scheme = "logit_normal";
+  double logit_mean = 0.0, logit_std = 1.0, mode_scale = 1.29;
+  bool precondition_outputs = true;
+  std::int64_t max_sequence_length = 77;
+  // CogVideoX folders (diffusers' train_cogvideox_lora.py flags).
+  std::string video_column = "video";
+  std::int64_t height = 480, width = 720, max_num_frames = 49;
+  std::int64_t skip_frames_start = 0, skip_frames_end = 0;
+  Settings() {
+    out = "runs/finetune_transformer";
+    learning_rate = 1e-4;
+    guidance_scale = 5.0;
+  }
+};
+
+/// The trainer both families run: AdamW, the precision, LR schedule and sharding stage the flags
+/// name, and the program's callbacks.
+struct TrainerConfig : tr::DefaultConfig {
+  using Optimizer = tr::AdamW;
+  using Precision = tr::PrecisionByName;  // --mixed_precision
+  using Schedule = dt::schedule::ByName;  // --lr_scheduler, diffusers' names
+  using Clipping = tr::ClipByNorm;
+  // --sharding picks the stage at run time; 0 is DataParallel itself (one process without
+  // torchrun).
+  using Parallel = dt::distributed::ShardedDataParallel;
+  using Callbacks = std::tuple<tr::ProgressBar, tr::CheckpointEvery, tr::TensorBoard,
+                               StopOnInterrupt, LossRecord>;
+};
+
+// ---- what both kinds of run write --------------------------------------------------------------
+
+/// The trained transformer: with --use_lora, pytorch_lora_weights.safetensors (PEFT keys under
+/// transformer. with diffusers' adapter metadata); otherwise the pipeline folder at `base` with the
+/// trained transformer/.
+template <class Transformer>
+void save_trained_transformer(Transformer& transformer, const fs::path& base, const Settings& s,
+                              nlohmann::json& files) {
+  const fs::path out(s.out);
+  if (s.use_lora) {
+    nlohmann::json adapter;
+    ad::add_peft_adapter_metadata(adapter, *transformer, "transformer");
+    dt::io::save_safetensors(
+        out / "pytorch_lora_weights.safetensors",
+        ad::lora_state_dict(*transformer, {ad::LoraLayout::peft, "transformer."}),
+        ad::lora_file_metadata(adapter, {{"base_model", s.model}}));
+    files["peft"] = "pytorch_lora_weights.safetensors";
+  } else {
+    copy_pipeline_except_unet(base, out, "transformer");
+    // In the variant the base was read in, so the folder loads with the same --variant.
+    models::SaveOptions so;
+    if (!s.variant.empty()) so.variant = s.variant;
+    // diffusers' fp16 and bf16 variants hold weights of that dtype.
+    if (s.variant == "fp16") so.dtype = at::kHalf;
+    if (s.variant == "bf16") so.dtype = at::kBFloat16;
+    models::save_pretrained(transformer, out / "transformer", so);
+    files["pipeline"] = ".";
+  }
+}
+
+/// results.json (the run's settings, what it wrote, its steps, losses and times) and the closing
+/// line; the exit status: 0, or 130 for a stopped run, as a shell reports a run ended by Ctrl-C.
+int write_run_results(const Settings& s, const nlohmann::json& run_settings,
+                      const nlohmann::json& files, const FitResult& fit, std::int64_t resumed_from,
+                      std::int64_t global_step, std::size_t lora_layers,
+                      const std::vector<double>& losses, std::chrono::steady_clock::time_point t0) {
+  const std::size_t tenth = std::max<std::size_t>(1, losses.size() / 10);
+  nlohmann::json results = run_settings;
+  results["files"] = files;
+  results["finished"] = fit.finished;
+  results["resumed_from_step"] = resumed_from;
+  results["global_step"] = global_step;
+  results["lora_layers"] = lora_layers;
+  results["first_loss"] = mean_of(losses, tenth, false);
+  results["last_loss"] = mean_of(losses, tenth, true);
+  results["train_seconds"] = fit.seconds;
+  results["total_seconds"] = examples::seconds_since(t0);
+  write_results(fs::path(s.out), results);
+  std::printf("%s: %lld steps (loss %.4f → %.4f); %s\n",
+              s.use_lora ? ("LoRA on " + std::to_string(lora_layers) + " layers").c_str()
+                         : "full fine-tuning",
+              static_cast<long long>(global_step), results["first_loss"].get<double>(),
+              results["last_loss"].get<double>(),
+              written_files(fs::path(s.out), files, fit.finished).c_str());
+  return fit.finished ? 0 : 130;
+}
+
+// ---- the run ------------------------------------------------------------------------------------
+
+void check_flags(const Settings& s) {
+  const std::set<std::string> schemes{"sigma_sqrt", "logit_normal", "mode", "cosmap", "none"};
+  if (!schemes.contains(s.weighting_scheme))
+    throw ConfigError("is '" + s.weighting_scheme +
+                          "'; diffusers' schemes are sigma_sqrt, logit_normal, mode, cosmap, none",
+                      "--weighting_scheme");
+  if (s.resolution % 8 != 0) throw ConfigError("must be a multiple of 8", "--resolution");
+}
+
+/// The ranks of a torchrun launch (a world of one without it) and this rank's device.
+struct Ranks {
+  std::shared_ptr<dt::distributed::World> world;
+  at::Device device;
+  [[nodiscard]] bool main() const { return world->is_main(); }
+  /// The steps of an epoch of `batches` shared by the ranks; a ConfigError when some rank would
+  /// have none.
+  [[nodiscard]] std::int64_t batches_each(std::size_t batches, const std::string& what) const {
+    const auto n = static_cast<std::int64_t>(batches);
+    if (n < world->size())
+      throw ConfigError("make " + std::to_string(n) + " batches an epoch, fewer than the " +
+                            std::to_string(world->size()) + " ranks",
+                        what);
+    return (n + world->size() - 1) / world->size();
+  }
+  /// Batch `place` of this rank: batch place · ranks + rank of the run's order.
+  [[nodiscard]] std::int64_t place(std::int64_t local) const {
+    return local * world->size() + world->rank();
+  }
+  /// Each rank its own noise (a resumed run restores each rank's generator).
+  void seed(std::int64_t seed, std::int64_t resumed_from) const {
+    if (world->rank() > 0 && resumed_from == 0) tr::set_seed(seed + 7919 * world->rank());
+  }
+};
+
+}  // namespace

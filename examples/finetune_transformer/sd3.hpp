@@ -1,0 +1,407 @@
+#pragma once
+// finetune_transformer's Stable Diffusion 3 / 3.5 family: the StableDiffusion3Pipeline folder, the
+// rectified-flow trainee, captions encoded once by the frozen text encoders, an image folder's
+// batches and the validation images.
+
+#include "run_common.hpp"
+
+namespace {
+
+// ---- the pipeline folder ------------------------------------------------------------------------
+
+/// A StableDiffusion3Pipeline folder's components, read and checked before any work.
+struct Sd3Pipeline {
+  fs::path root;
+  std::optional<text::CLIPTokenizer> tokenizer, tokenizer_2;
+  std::optional<text::T5Tokenizer> tokenizer_3;
+  Clip text_encoder{nullptr}, text_encoder_2{nullptr};
+  T5 text_encoder_3{nullptr};  // null: the pipeline has no T5
+  Vae vae{nullptr};
+  Transformer transformer{nullptr};
+  df::FlowMatchEuler::Options flow;
+
+  [[nodiscard]] text::SD3TextEncoders<Clip, Clip, T5> encoders() {
+    return {*tokenizer,
+            text_encoder,
+            *tokenizer_2,
+            text_encoder_2,
+            tokenizer_3 ? &*tokenizer_3 : nullptr,
+            text_encoder_3 ? &text_encoder_3 : nullptr,
+            transformer->config().joint_attention_dim};
+  }
+};
+
+/// FlowMatchEulerDiscreteScheduler's config: the training table's length and shift.
+df::FlowMatchEuler::Options read_flow_scheduler(const fs::path& file) {
+  const nlohmann::json j = dt::io::read_json_object(file);
+  const std::string cls = j.value("_class_name", std::string());
+  if (cls != "FlowMatchEulerDiscreteScheduler")
+    throw ConfigError("is a " + cls + "; SD3 trains with FlowMatchEulerDiscreteScheduler",
+                      file.string() + ": _class_name");
+  df::FlowMatchEuler::Options o;
+  try {
+    o.num_train_timesteps = j.value("num_train_timesteps", o.num_train_timesteps);
+    o.shift = j.value("shift", o.shift);
+    if (j.value("use_dynamic_shifting", false))
+      throw ConfigError("is true; this program trains with a fixed shift (SD3's, SD3.5's)",
+                        file.string() + ": use_dynamic_shifting");
+  } catch (const nlohmann::json::exception& e) {
+    throw ConfigError(std::string("a field has the wrong type: ") + e.what(), file.string());
+  }
+  return o;
+}
+
+Sd3Pipeline load_sd3_pipeline(const std::string& model, const std::string& variant = {}) {
+  models::LoadOptions lo;
+  if (!variant.empty()) lo.variant = variant;
+  Sd3Pipeline p;
+  p.root = model;
+  if (!fs::is_directory(p.root))
+    throw dt::IoError("is not a folder (name a diffusers pipeline folder)",
+                      "--pretrained_model_name_or_path " + model);
+  const fs::path index_file = p.root / "model_index.json";
+  const nlohmann::json index = dt::io::read_json_object(index_file);
+  const std::string cls = index.value("_class_name", std::string());
+  if (cls != "StableDiffusion3Pipeline")
+    throw ConfigError("is a " + (cls.empty() ? std::string("pipeline without _class_name") : cls) +
+                          "; this program trains StableDiffusion3Pipeline and CogVideoXPipeline "
+                          "folders",
+                      index_file.string() + ": _class_name");
+  check_component(index, "transformer", {"SD3Transformer2DModel"}, index_file);
+  check_component(index, "vae", {"AutoencoderKL"}, index_file);
+  for (const char* name : {"text_encoder", "text_encoder_2"})
+    check_component(index, name, {"CLIPTextModelWithProjection"}, index_file);
+  for (const char* name : {"tokenizer", "tokenizer_2"})
+    check_component(index, name, {"CLIPTokenizer", "CLIPTokenizerFast"}, index_file);
+  check_component(index, "scheduler", {"FlowMatchEulerDiscreteScheduler"}, index_file);
+  // T5 is optional (diffusers' text_encoder_3=None): [null, null] in model_index.json.
+  const bool t5 = index.contains("text_encoder_3") && index["text_encoder_3"].is_array() &&
+                  !index["text_encoder_3"].empty() && !index["text_encoder_3"][0].is_null();
+  if (t5) {
+    check_component(index, "text_encoder_3", {"T5EncoderModel"}, index_file);
+    check_component(index, "tokenizer_3", {"T5TokenizerFast", "T5Tokenizer"}, index_file);
+  }
+  p.flow = read_flow_scheduler(p.root / "scheduler" / "scheduler_config.json");
+  p.tokenizer.emplace(text::CLIPTokenizer::from_folder(p.root / "tokenizer"));
+  p.tokenizer_2.emplace(text::CLIPTokenizer::from_folder(p.root / "tokenizer_2"));
+  p.text_encoder = models::from_pretrained<Clip>(p.root / "text_encoder", lo);
+  p.text_encoder_2 = models::from_pretrained<Clip>(p.root / "text_encoder_2", lo);
+  if (t5) {
+    p.tokenizer_3.emplace(text::T5Tokenizer::from_folder(p.root / "tokenizer_3"));
+    p.text_encoder_3 = models::from_pretrained<T5>(p.root / "text_encoder_3", lo);
+  }
+  p.vae = models::from_pretrained<Vae>(p.root / "vae", lo);
+  p.transformer = models::from_pretrained<Transformer>(p.root / "transformer", lo);
+  if (p.transformer->config().in_channels != p.vae->config().latent_channels)
+    throw ConfigError("takes " + std::to_string(p.transformer->config().in_channels) +
+                          " channels but the VAE's latents have " +
+                          std::to_string(p.vae->config().latent_channels),
+                      (p.root / "transformer").string());
+  return p;
+}
+
+// ---- the trainee --------------------------------------------------------------------------------
+
+/// The transformer with SD3's rectified-flow loss on latents.
+struct Sd3TraineeImpl : torch::nn::Module {
+  struct Batch {
+    at::Tensor latents, embeds, pooled;
+    [[nodiscard]] std::int64_t size() const { return latents.size(0); }
+    [[nodiscard]] Batch slice(std::int64_t start, std::int64_t length) const {
+      return {latents.narrow(0, start, length), embeds.narrow(0, start, length),
+              pooled.narrow(0, start, length)};
+    }
+  };
+  Sd3TraineeImpl(Transformer t, const df::FlowMatchEuler::Options& flow, const Settings& s)
+      : transformer(register_module("transformer", t)), flow_(flow), s_(s) {
+    const std::string& w = s.weighting_scheme;
+    density_ = w == "logit_normal" ? df::TimestepDensity::logit_normal
+               : w == "mode"       ? df::TimestepDensity::mode
+                                   : df::TimestepDensity::uniform;
+    weighting_ = w == "sigma_sqrt" ? df::Sd3Weighting::sigma_sqrt
+                 : w == "cosmap"   ? df::Sd3Weighting::cosmap
+                                   : df::Sd3Weighting::none;
+  }
+  at::Tensor loss(const Batch& b) {
+    const at::Tensor& x0 = b.latents;
+    const std::int64_t n = x0.size(0), steps = flow_.options().num_train_timesteps;
+    const at::Tensor noise = at::randn_like(x0);
+    // diffusers' compute_density_for_timestep_sampling, then indices = ⌊u · N⌋ into the
+    // scheduler's (shifted) table.
+    const at::Tensor u = df::density_for_timestep_sampling(
+        density_, n,
+        {.logit_mean = s_.logit_mean, .logit_std = s_.logit_std, .mode_scale = s_.mode_scale});
+    const at::Tensor idx = (u * static_cast<double>(steps)).to(at::kLong).clamp(0, steps - 1);
+    const at::Tensor sigmas = flow_.sigmas_for(idx).to(x0.device()).view({n, 1, 1, 1});
+    const at::Tensor noisy = flow_.noisy_input(x0, noise, sigmas);
+    at::Tensor pred =
+        transformer->forward(noisy, b.embeds, b.pooled, flow_.timesteps_for(idx).to(x0.device()))
+            .to(at::kFloat);
+    at::Tensor target;
+    if (s_.precondition_outputs) {  // the prediction turned into x̂₀
+      pred = pred * (-sigmas) + noisy.to(at::kFloat);
+      target = x0.to(at::kFloat);
+    } else {
+      target = flow_.target(x0, noise).to(at::kFloat);
+    }
+    const at::Tensor w = df::sd3_loss_weighting(weighting_, sigmas.to(at::kFloat));
+    return (w * (pred - target).square()).reshape({n, -1}).mean(1).mean();
+  }
+  Transformer transformer{nullptr};
+
+ private:
+  df::FlowMatchEuler flow_;
+  const Settings& s_;
+  df::TimestepDensity density_;
+  df::Sd3Weighting weighting_;
+};
+
+// ---- text and images ----------------------------------------------------------------------------
+
+/// Each caption's conditioning, encoded once by the frozen encoders.
+class CaptionConditioning {
+ public:
+  CaptionConditioning(Sd3Pipeline& p, const Settings& s) : p_(p), s_(s) {}
+  /// (embeds, pooled) for `captions`, stacked, on `device`.
+  std::pair<at::Tensor, at::Tensor> operator()(const std::vector<std::string>& captions,
+                                               at::Device device) {
+    for (const auto& c : captions) {
+      if (known_.contains(c)) continue;
+      // One caption at a time: a matrix product's last bits depend on the batch it is in, and a
+      // resumed run meets its captions in other batches than the uninterrupted one.
+      at::NoGradGuard no_grad;
+      text::SD3PromptOptions o;
+      o.do_classifier_free_guidance = false;
+      o.max_sequence_length = s_.max_sequence_length;
+      const text::EncodedPrompt e = text::encode_prompt_sd3(p_.encoders(), {c}, o);
+      known_[c] = {e.prompt_embeds[0].cpu(), e.pooled_prompt_embeds[0].cpu()};
+    }
+    std::vector<at::Tensor> embeds, pooled;
+    for (const auto& c : captions) {
+      embeds.push_back(known_.at(c).first);
+      pooled.push_back(known_.at(c).second);
+    }
+    return {at::stack(embeds).to(device), at::stack(pooled).to(device)};
+  }
+
+ private:
+  Sd3Pipeline& p_;
+  const Settings& s_;
+  std::map<std::string, std::pair<at::Tensor, at::Tensor>> known_;
+};
+
+/// The run's batches as a function of the micro-batch's place in the run (a resumed run sees the
+/// batches the uninterrupted one would have).
+class BatchStream {
+ public:
+  BatchStream(const Settings& s, Sd3Pipeline& p, const data::ImageFolder& folder,
+              const data::BucketManager& buckets, at::Device device)
+      : s_(s), p_(p), folder_(folder), buckets_(buckets), text_(p, s), device_(device) {
+    std::vector<data::Bucket> assigned;
+    std::vector<std::int64_t> repeats;
+    for (const auto& r : folder.images) {
+      assigned.push_back(buckets.select(r.width, r.height).bucket);
+      repeats.push_back(r.repeats);
+    }
+    per_epoch_ = data::bucket_batches(assigned, repeats,
+                                      static_cast<std::size_t>(s.train_batch_size), s.seed, 0)
+                     .size();
+  }
+  [[nodiscard]] std::size_t batches_per_epoch() const { return per_epoch_; }
+
+  Sd3TraineeImpl::Batch at_place(std::int64_t place) {
+    const auto epoch = static_cast<std::uint64_t>(place) / per_epoch_;
+    const auto pos = static_cast<std::size_t>(static_cast<std::uint64_t>(place) % per_epoch_);
+    if (!pixels_ || epoch != epoch_ || pixels_->position() != pos) {
+      data::ImageBatchOptions o;
+      o.batch_size = static_cast<std::size_t>(s_.train_batch_size);
+      o.random_crop = !s_.center_crop;
+      o.flip_p = s_.random_flip ? 0.5 : 0.0;
+      o.seed = s_.seed;
+      o.workers = static_cast<std::size_t>(s_.dataloader_num_workers);
+      o.pin_memory = device_.is_cuda();
+      pixels_.emplace(folder_, buckets_, o, epoch, pos);
+    }
+    epoch_ = epoch;
+    data::ImageBatch i = *pixels_->next();
+    Sd3TraineeImpl::Batch b;
+    {
+      at::NoGradGuard no_grad;
+      b.latents = p_.vae->encode_latents(i.pixels.to(device_, /*non_blocking=*/true));
+    }
+    std::tie(b.embeds, b.pooled) = text_(i.captions, device_);
+    return b;
+  }
+  CaptionConditioning& text() { return text_; }
+
+ private:
+  const Settings& s_;
+  Sd3Pipeline& p_;
+  const data::ImageFolder& folder_;
+  const data::BucketManager& buckets_;
+  CaptionConditioning text_;
+  at::Device device_;
+  std::size_t per_epoch_ = 1;
+  std::uint64_t epoch_ = 0;
+  std::optional<data::ImageBatches> pixels_;
+};
+
+/// Images of the validation prompts: flow-matching Euler with classifier-free guidance against
+/// the empty prompt, as StableDiffusion3Pipeline samples, decoded by the VAE (in [−1, 1], CPU).
+at::Tensor validation_images(Sd3Pipeline& p, const Settings& s, at::Device device) {
+  at::NoGradGuard no_grad;
+  const bool was_training = p.transformer->is_training();
+  p.transformer->eval();
+  std::vector<std::string> prompts;
+  for (const auto& prompt : s.validation_prompts)
+    for (std::int64_t k = 0; k < s.num_validation_images; ++k) prompts.push_back(prompt);
+  text::SD3PromptOptions o;
+  o.max_sequence_length = s.max_sequence_length;
+  const text::EncodedPrompt e = text::encode_prompt_sd3(p.encoders(), prompts, o);
+  const auto n = static_cast<std::int64_t>(prompts.size());
+  // Rows 0..n−1 the prompts, n..2n−1 the empty prompt: the sampler's conditioning is the row.
+  const at::Tensor embeds = at::cat({e.prompt_embeds, e.negative_prompt_embeds}).to(device);
+  const at::Tensor pooled =
+      at::cat({e.pooled_prompt_embeds, e.negative_pooled_prompt_embeds}).to(device);
+  const at::Tensor rows = at::arange(n, at::TensorOptions().dtype(at::kLong).device(device));
+  const std::int64_t side = s.resolution / p.vae->downscale();
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(s.seed + 7);
+  const at::Tensor noise =
+      at::randn({n, p.transformer->config().in_channels, side, side}, gen).to(device);
+  df::FlowMatchEuler sampler(p.flow);
+  const at::Tensor z = df::sample(
+      sampler,
+      [&](const at::Tensor& x, const at::Tensor& t, const at::Tensor& row) {
+        return p.transformer->forward(x, embeds.index_select(0, row), pooled.index_select(0, row),
+                                      t);
+      },
+      noise,
+      {.num_inference_steps = s.num_inference_steps,
+       .guidance_scale = s.guidance_scale,
+       .chunk_size = n},
+      rows, rows + n);
+  const at::Tensor images = p.vae->decode_latents(z).clamp(-1, 1).cpu();
+  p.transformer->train(was_training);
+  return images;
+}
+
+// ---- the run ------------------------------------------------------------------------------------
+
+int run_sd3(Settings s, const Ranks& ranks) {
+  const auto t0 = std::chrono::steady_clock::now();
+  check_sd_run_flags(s);
+  check_flags(s);
+  examples::apply_threads(s);
+  const bool main_rank = ranks.main();
+  data::BucketOptions bo;  // diffusers' square: the shorter side resized, then cropped
+  bo.max_width = bo.max_height = bo.min_size = bo.max_size = s.resolution;
+  bo.steps = 8;
+  bo.check("--resolution");
+  const data::BucketManager buckets(bo);
+  // The images first: a wrong folder or caption column is found before the models load.
+  data::ImageFolderOptions fo;
+  fo.image_column = s.image_column;
+  fo.caption_column = s.caption_column;
+  // Every rank scans the same folder; rank 0 reports it.
+  data::ImageFolder folder = examples::scan_training_folder(
+      s.data_dir, fo, {.say = main_rank, .limit = s.limit, .require_captions = s.require_captions});
+  const examples::OutputFolder output_folder(s.out, main_rank);
+  tr::set_seed(s.seed);
+  Sd3Pipeline p = load_sd3_pipeline(s.model, s.variant);
+  if (s.resolution % p.vae->downscale() != 0 ||
+      (s.resolution / p.vae->downscale()) % p.transformer->config().patch_size != 0)
+    throw ConfigError("must be a multiple of the VAE's downscale × the patch size (" +
+                          std::to_string(p.vae->downscale() * p.transformer->config().patch_size) +
+                          ")",
+                      "--resolution");
+  const at::Device device = ranks.device;
+
+  // Frozen: the VAE and the text encoders; LoRA: the base transformer too.
+  freeze(*p.vae);
+  freeze(*p.text_encoder);
+  freeze(*p.text_encoder_2);
+  if (p.text_encoder_3) freeze(*p.text_encoder_3);
+  std::vector<std::string> adapted;
+  if (s.use_lora) {
+    const double alpha = s.lora_alpha > 0 ? s.lora_alpha : static_cast<double>(s.rank);
+    // diffusers' SD3 LoRA targets: both streams' attention projections.
+    adapted = ad::inject_lora(*p.transformer,
+                              {.target_modules = {"attn.add_k_proj", "attn.add_q_proj",
+                                                  "attn.add_v_proj", "attn.to_add_out", "attn.to_k",
+                                                  "attn.to_out.0", "attn.to_q", "attn.to_v"}},
+                              {.rank = s.rank, .alpha = alpha});
+  }
+  for (torch::nn::Module* m : std::initializer_list<torch::nn::Module*>{
+           p.vae.ptr().get(), p.text_encoder.ptr().get(), p.text_encoder_2.ptr().get()}) {
+    m->to(device);
+    m->eval();
+  }
+  if (p.text_encoder_3) {
+    p.text_encoder_3->to(device);
+    p.text_encoder_3->eval();
+  }
+  p.transformer->to(device);
+  if (s.gradient_checkpointing) p.transformer->set_gradient_checkpointing(true);
+
+  BatchStream stream(s, p, folder, buckets, device);
+  resolve_max_train_steps(
+      s, ranks.batches_each(stream.batches_per_epoch(), "--train_data_dir / --train_batch_size"),
+      main_rank);
+  Sd3TraineeImpl trainee(p.transformer, p.flow, s);
+  trainee.train();
+  using Trainer = tr::Trainer<Sd3TraineeImpl, TrainerConfig>;
+  Trainer::Options o;
+  set_optimizer_and_schedule(o, s, s.learning_rate);
+  o.clipping.max_norm = s.max_grad_norm;
+  set_parallel(o, s, ranks.world);
+  const RunFolders folders = prepare_run_folders(s, main_rank);
+  const nlohmann::json run_settings = {
+      {"pretrained_model_name_or_path", s.model},
+      {"train_data_dir", s.data_dir},
+      {"images", folder.images.size()},
+      {"resolution", s.resolution},
+      {"train_batch_size", s.train_batch_size},
+      {"gradient_accumulation_steps", s.gradient_accumulation_steps},
+      {"max_train_steps", s.max_train_steps},
+      {"learning_rate", s.learning_rate},
+      {"lr_scheduler", s.lr_scheduler},
+      {"use_lora", s.use_lora},
+      {"rank", s.rank},
+      {"weighting_scheme", s.weighting_scheme},
+      {"precondition_outputs", s.precondition_outputs},
+      {"shift", p.flow.shift},
+      {"t5", static_cast<bool>(p.text_encoder_3)},
+      {"mixed_precision", s.mixed_precision},
+      {"gradient_checkpointing", s.gradient_checkpointing},
+      {"ranks", ranks.world->size()},
+      {"sharding", s.sharding},
+      {"seed", s.seed}};
+  std::vector<double> losses;
+  Trainer trainer(trainee, o,
+                  TrainerConfig::Callbacks{
+                      progress_bar(s), checkpoint_every(s, folders),
+                      tr::TensorBoard({.dir = folders.tensorboard, .config = run_settings}),
+                      StopOnInterrupt{s.stop_at}, LossRecord{&losses}});
+  const std::int64_t resumed_from = resume_if_asked(trainer, s, folders);
+  ranks.seed(s.seed, resumed_from);
+  const FitResult fit = fit_until_done_or_stopped(
+      trainer, s, [&](std::int64_t place) { return stream.at_place(ranks.place(place)); });
+  // Every rank: under --sharded_mixed_precision the parameters hold the float32 masters from
+  // here on, for what rank 0 writes (nothing otherwise: they are whole between steps).
+  const auto whole = trainer.whole_parameters();
+  if (!main_rank) return fit.finished ? 0 : 130;  // rank 0 writes what the run leaves
+
+  const fs::path out(s.out);
+  nlohmann::json files;
+  if (fit.finished) {
+    save_trained_transformer(p.transformer, p.root, s, files);
+    if (!s.validation_prompts.empty()) {
+      const at::Tensor images = validation_images(p, s, device);
+      write_validation_images(images, validation_options(s, s.resolution), out);
+      files["validation"] = "validation.png";
+    }
+  }
+  return write_run_results(s, run_settings, files, fit, resumed_from, trainer.global_step(),
+                           adapted.size(), losses, t0);
+}
+}  // namespace
