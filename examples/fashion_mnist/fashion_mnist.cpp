@@ -341,8 +341,7 @@ int run(const Settings& s) {
     if (ec) throw difftrain::IoError("cannot remove: " + ec.message(), path.string());
   };
   const fs::path loss_csv = (s.logging_dir.empty() ? out : fs::path(s.logging_dir)) / "loss.csv";
-  if (main_rank && s.overwrite && !s.resume)
-    for (const auto& [step, path] : tr::CheckpointEvery::list(ckpt_dir)) remove(path);
+  if (main_rank && s.overwrite && !s.resume) tr::CheckpointEvery::remove_all(ckpt_dir);
   if (main_rank && !s.resume) remove(loss_csv);
   // TensorBoard: a fresh run starts a fresh folder (a folder named with --tensorboard only with
   // --overwrite: it may hold other runs); a resumed one adds a file whose restart marker replaces

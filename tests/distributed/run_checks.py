@@ -13,6 +13,8 @@ checks:
   faults         a rank that exits, and one that hangs, make the other stop with a
                  DistributedError within the timeout
   nan            a NaN loss on one rank skips the step on both (or stops both)
+  agreement      ranks started with different stages, policies, accumulation, chunking or NaN
+                 policy refuse at start-up, every rank naming the option and the ranks' values
   world_size     a 2-rank checkpoint resumed by 1 process is a ConfigError unless allowed
   sharded        ShardedDataParallel (ZeRO stages 0, 1 and 2): N ranks equal 1 process (float64,
                  1e-10) over stage x accumulation x chunks x clipping x parameter groups x
@@ -346,6 +348,67 @@ def check_faults(worker, tmp):
     ok(r1["error"] is not None and r1["error"]["type"] == "difftrain::DistributedError"
        and "rendezvous" in r1["error"]["message"],
        f"an unanswered rendezvous is a DistributedError ({r1['error']})")
+
+
+def launch_each(worker, out, rank_args, timeout=120):
+    """Runs one rank per entry of `rank_args`, each with its own arguments; returns each rank's
+    JSON (or None) and exit codes."""
+    world = len(rank_args)
+    for r in range(world):
+        pathlib.Path(f"{out}.rank{r}.json").unlink(missing_ok=True)
+    port = free_port()
+    procs = []
+    for r, args in enumerate(rank_args):
+        procs.append(subprocess.Popen([worker, "--out", out, *map(str, args)],
+                                      env=env_for(r, world, port), stderr=subprocess.PIPE,
+                                      text=True))
+        if r == 0:
+            wait_until_listening(port, procs[0])
+    return collect(procs, out, world, timeout)
+
+
+def check_agreement(worker, tmp):
+    """Ranks started with options that change the collectives refuse at start-up, every rank
+    with a ConfigError naming the option and which ranks hold which value (they hung until the
+    timeout, or one rank aborted inside Gloo)."""
+    cases = [
+        ([1, 2, 2], "'stage' differs between the ranks (rank 0 has 1; ranks 1, 2 have 2)"),
+        ([3, 2, 2], "'stage' differs between the ranks (rank 0 has 3; ranks 1, 2 have 2)"),
+        ([2, 2, 0], "'stage' differs between the ranks (ranks 0, 1 have 2; rank 2 has 0)"),
+        ([0, 1, 1], "'stage' differs between the ranks (rank 0 has 0; ranks 1, 2 have 1)"),
+    ]
+    for stages, want in cases:
+        start = time.monotonic()
+        res, _ = launch_each(worker, f"{tmp}/stage-{''.join(map(str, stages))}",
+                             [["--steps", 3, "--sharding", st, "--sharded-policy", "--wide", 3,
+                               "--timeout-ms", 60000] for st in stages], timeout=90)
+        for r, x in enumerate(res):
+            e = x and x["error"]
+            ok(e is not None and e["type"] == "difftrain::ConfigError" and want in e["message"],
+               f"stages {stages}: rank {r} refuses naming the option and the ranks ({e})")
+        ok(time.monotonic() - start < 45, f"stages {stages}: at start-up, not at the timeout")
+    # The DataParallel policy against the sharded one, and the trainer's own settings.
+    res, _ = launch_each(worker, f"{tmp}/policies", [["--steps", 3, "--sharding", 0],
+                                                     ["--steps", 3, "--sharding", 1]])
+    for r, x in enumerate(res):
+        e = x and x["error"]
+        ok(e is not None and e["type"] == "difftrain::ConfigError" and
+           "'policy' differs between the ranks (rank 0 has data-parallel; rank 1 has "
+           "sharded-data-parallel)" in e["message"],
+           f"DataParallel beside ShardedDataParallel: rank {r} refuses naming the policies ({e})")
+    for flag, values, name in (("--accumulation", (1, 2), "accumulation_steps"),
+                               ("--chunk", (0, 3), "max_batch_size"),
+                               ("--on-nan", ("skip", "stop"), "on_nan")):
+        res, _ = launch_each(worker, f"{tmp}/{name}",
+                             [["--steps", 3, "--sharding", 2, flag, v] for v in values])
+        for r, x in enumerate(res):
+            e = x and x["error"]
+            ok(e is not None and e["type"] == "difftrain::ConfigError" and
+               f"'{name}' differs between the ranks (rank 0 has" in e["message"],
+               f"{flag} {values[0]} and {values[1]}: rank {r} refuses naming {name} ({e})")
+    # Ranks that agree still train (the check is one small all-gather at start-up).
+    res, _ = launch_each(worker, f"{tmp}/agreed", [["--steps", 3, "--sharding", 2]] * 2)
+    no_errors(res, "ranks with the same options")
 
 
 def check_nan(worker, tmp):
@@ -757,6 +820,60 @@ def check_sharded_resume(worker, tmp):
     no_errors(again, "resume after a failed save")
     ok(again[0]["resumed_from"] == "checkpoint-5.pt",
        f"it resumed from the last complete set ({again[0]['resumed_from']})")
+    # Resumed on the same ranks each rank continues its own generator; on more ranks, ranks 0
+    # and 1 continue theirs and the new ranks start from seeds of their own: no two ranks draw
+    # the same noise (they did when every rank took rank 0's generator).
+    same = launch(worker, 2, f"{tmp}/rng2", *base, "--steps", 30, "--sharding", 2,
+                  "--checkpoint-dir", f"{tmp}/a", "--resume")[0]
+    more = launch(worker, 4, f"{tmp}/rng4", *base, "--steps", 30, "--sharding", 2,
+                  "--checkpoint-dir", f"{tmp}/a", "--resume", "--allow-world-size-change")[0]
+    again4 = launch(worker, 4, f"{tmp}/rng4b", *base, "--steps", 30, "--sharding", 2,
+                    "--checkpoint-dir", f"{tmp}/a", "--resume", "--allow-world-size-change")[0]
+    no_errors(same + more + again4, "resumed on 2 and 4 ranks")
+    sums = [r["rng_checksum"] for r in more]
+    ok(len(set(sums)) == 4, f"resumed on 4 ranks, every rank holds its own generator ({sums})")
+    ok(sums[:2] == [r["rng_checksum"] for r in same],
+       "ranks 0 and 1 continue the generators they saved")
+    ok(sums == [r["rng_checksum"] for r in again4], "and the same resume gives the same ones")
+    # At stage 0 rank 0 alone builds a checkpoint's contents; the other ranks take part in its
+    # collectives only (each copied the model and its optimizer state as rank 0 does before,
+    # +19 B/param at the save).
+    res = launch(worker, 2, f"{tmp}/peaksave", "--steps", 4, "--dtype", "float32", "--wide", 48,
+                 "--sharding", 0, "--sharded-policy", "--save-every", 4, "--checkpoint-dir",
+                 f"{tmp}/peaksave-c", "--budget-kb", 0)[0]
+    no_errors(res, "stage 0 saving with counted memory")
+    numel = res[0]["numel"]
+    extra = res[0]["peak_bytes"] - res[1]["peak_bytes"]
+    # (the counting allocator sees tensors: rank 0's copy of the weights, 4 B/param; the
+    # optimizer's archive is host memory it does not count)
+    ok(extra >= 3 * numel, f"stage 0: rank 1's peak is {extra / numel:.1f} B/param below rank 0's "
+       "(it copies nothing for the checkpoint rank 0 writes)")
+    # At stage 2 a save holds each rank's optimizer shard once, serialized, while it is written (a
+    # copy of it into a tensor was 8/N B/param more): the peak of a run that saves is within
+    # 1 B/param of the same run's without the save.
+    common = ["--steps", 4, "--dtype", "float32", "--wide", 48, "--sharding", 2, "--budget-kb", 0]
+    plain_run = launch(worker, 2, f"{tmp}/peak2", *common)[0]
+    saving = launch(worker, 2, f"{tmp}/peak2s", *common, "--save-every", 4, "--checkpoint-dir",
+                    f"{tmp}/peak2s-c")[0]
+    no_errors(plain_run + saving, "stage 2 with counted memory, with and without a save")
+    worst = max(s["peak_bytes"] - p["peak_bytes"] for s, p in zip(saving, plain_run)) / numel
+    ok(worst <= 1.0, f"stage 2: a save raises a rank's peak by {worst:.2f} B/param (at most 1)")
+    # An optimizer shard of another run at the same step, rank and world is refused by the
+    # checkpoint's CRC-32 of it (its moments were used before).
+    mix = pathlib.Path(f"{tmp}/mix")
+    mix.mkdir()
+    for p in pathlib.Path(f"{tmp}/a").glob("checkpoint-10.pt*"):
+        (mix / p.name).write_bytes(p.read_bytes())
+    other = pathlib.Path(f"{tmp}/x-22-41/checkpoint-10.pt.shard-1-of-2")
+    ok(other.read_bytes() != (mix / other.name).read_bytes(), "the other run's shard differs")
+    (mix / other.name).write_bytes(other.read_bytes())
+    mixed = launch(worker, 2, f"{tmp}/mixed", *base, "--steps", 12, "--sharding", 2,
+                   "--checkpoint-dir", str(mix), "--resume")[0]
+    e = mixed[1] and mixed[1]["error"]
+    ok(e is not None and "no checkpoint to resume from" in e["message"],
+       f"a set holding another run's optimizer shard is not resumed from ({e})")
+    ok("shard-1-of-2" in e["message"] and "CRC-32" in e["message"],
+       "rank 1 names the shard and its CRC-32")
     # A damaged shard of the newest set: resume falls back to the set before it.
     shard = pathlib.Path(f"{tmp}/a/checkpoint-30.pt.shard-1-of-2")
     raw = bytearray(shard.read_bytes())

@@ -398,10 +398,21 @@ nlohmann::json run_single(const Settings& s, std::int64_t& rank_out) {
   if (s.resume) {
     std::vector<std::string> skipped;
     const auto used = dt::train::resume_latest(trainer, co.dir, &skipped);
-    if (!used) throw dt::IoError("no checkpoint to resume from", co.dir.string());
+    if (!used) {
+      std::string why;
+      for (const auto& e : skipped) why += "; skipped: " + e;
+      throw dt::IoError("no checkpoint to resume from" + why, co.dir.string());
+    }
     resumed_from = used->filename().string();
     for (const auto& e : skipped) skipped_files.push_back(e);
   }
+  // What the resume left in this rank's CPU generator (a checksum of its state): every rank must
+  // draw its own noise.
+  const at::Tensor rng_state = at::detail::getDefaultCPUGenerator().get_state();
+  const double rng_checksum =
+      (rng_state.to(at::kDouble) * at::arange(1, rng_state.numel() + 1, at::kDouble))
+          .sum()
+          .item<double>();
   const std::int64_t world_size = world->size();
   // Under mixed precision the batches come in the parameters' compute dtype (FSDP casts the
   // inputs of its root module so).
@@ -485,6 +496,7 @@ nlohmann::json run_single(const Settings& s, std::int64_t& rank_out) {
           {"compute_dtype", std::string(c10::toString(net.compute_dtype))},
           {"skipped_nonfinite", trainer.skipped_nonfinite()},
           {"resumed_from", resumed_from},
+          {"rng_checksum", rng_checksum},
           {"skipped_checkpoints", skipped_files},
           {"numel", numel},
           {"buckets_sent_during_backward", overlapped},

@@ -791,6 +791,58 @@ TEST(Callbacks, PruningTakesASetsShardsAndWeightsFilesAndLeftOversWithIt) {
                       "checkpoint-9.pt.shard-0-of-2.safetensors"}));
 }
 
+TEST(Callbacks, StartingAgainRemovesEveryFileOfEverySet) {
+  const fs::path dir = scratch("remove_all");
+  dt::io::remove_tree(dir);
+  fs::create_directories(dir);
+  const auto touch = [&](const std::string& name) { std::ofstream(dir / name) << "x"; };
+  for (const std::string name : {"checkpoint-2.pt", "checkpoint-2.pt.shard-0-of-3",
+                                 "checkpoint-2.pt.shard-2-of-3.safetensors",
+                                 "checkpoint-7.pt.shard-1-of-2", "checkpoint-10.pt"})
+    touch(name);
+  touch("notes.txt");            // not the library's
+  touch("checkpoint-2.pt.tmp");  // not a file of a set
+  EXPECT_EQ(tr::CheckpointEvery::remove_all(dir), 5U);
+  std::set<std::string> left;
+  for (const auto& e : fs::directory_iterator(dir)) left.insert(e.path().filename().string());
+  EXPECT_EQ(left, (std::set<std::string>{"checkpoint-2.pt.tmp", "notes.txt"}));
+  EXPECT_EQ(tr::CheckpointEvery::remove_all(dir / "missing"), 0U);
+}
+
+// A checkpoint of other parameter groups is refused in one short sentence naming the first
+// difference, never the whole list of names (a UNet's was one 19 KB line).
+TEST(Trainer, OtherParameterGroupsAreNamedByTheirFirstDifference) {
+  namespace td = tr::trainer_detail;
+  auto group = [](const std::string& label, int n, int renamed = -1) {
+    nlohmann::json names = nlohmann::json::array();
+    for (int i = 0; i < n; ++i)
+      names.push_back("down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q.weight." +
+                      std::to_string(i == renamed ? 1000 + i : i));
+    return nlohmann::json{{"label", label}, {"names", names}};
+  };
+  const nlohmann::json now = {group("default", 400), group("text", 3)};
+  struct Case {
+    nlohmann::json saved;
+    std::string says;
+  };
+  for (const auto& [saved, says] : std::vector<Case>{
+           {nlohmann::json{group("default", 400)}, "1 parameter groups, this trainer has 2"},
+           {nlohmann::json{group("default", 400), group("lora", 3)},
+            "group 1 = \"lora\", this trainer's is 'text'"},
+           {nlohmann::json{group("default", 400, 17), group("text", 3)},
+            "group 'default' holding \"down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q."
+            "weight.1017\" as parameter 17"},
+           {nlohmann::json{group("default", 401), group("text", 3)},
+            "group 'default' of 401 parameters (first extra: "},
+           {nlohmann::json{group("default", 399), group("text", 3)},
+            "group 'default' of 399 parameters (first missing: "},
+           {nlohmann::json("not a list"), "param_groups = \"not a list\""}}) {
+    const std::string text = td::group_difference(saved, now);
+    EXPECT_NE(text.find(says), std::string::npos) << text;
+    EXPECT_LT(text.size(), 400U) << text;
+  }
+}
+
 TEST(Callbacks, LogStatisticsCheckpointsAndEarlyStop) {
   const fs::path dir = scratch("callbacks");
   (void)dt::io::remove_tree(dir);

@@ -68,6 +68,13 @@ class DataParallel {
       throw ConfigError("bucket sizes must be positive", "DataParallel options");
     world_ = o_.world ? o_.world : World::from_environment(o_.world_options);
     if (!world_->distributed()) return;
+    check_same_settings(*world_,
+                        {{"policy", std::string(name)},
+                         {"bucket_cap_mb", setting_text(o_.bucket_cap_mb)},
+                         {"first_bucket_cap_mb", setting_text(o_.first_bucket_cap_mb)},
+                         {"broadcast_buffers", o_.broadcast_buffers ? "true" : "false"},
+                         {"find_unused_parameters", o_.find_unused_parameters ? "true" : "false"}},
+                        "DataParallel options");
     check_same_model(*world_, params_, *model_, "DataParallel");
     start();
     std::vector<bool> sparse(params_.size(), false);
@@ -91,6 +98,12 @@ class DataParallel {
 
   DataParallel(const DataParallel&) = delete;
   DataParallel& operator=(const DataParallel&) = delete;
+
+  /// Refuses on every rank, naming the setting, unless every rank holds the same `settings` (the
+  /// trainer's own that change the collectives: accumulation steps, chunking, precision).
+  void agree_on(const std::vector<RankSetting>& settings, const std::string& who) const {
+    check_same_settings(*world_, settings, who);
+  }
 
   [[nodiscard]] std::int64_t rank() const { return world_->rank(); }
   [[nodiscard]] std::int64_t world_size() const { return world_->size(); }

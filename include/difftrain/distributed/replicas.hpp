@@ -5,7 +5,11 @@
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <map>
 #include <string>
 #include <utility>
@@ -41,6 +45,94 @@ inline void check_same_model(const World& world, const std::vector<at::Tensor>& 
                             " trains a model with different parameters or buffers than rank 0 "
                             "(count, shapes or dtypes differ)",
                         who + ", rank " + std::to_string(world.rank()));
+}
+
+/// One setting every rank must share because it changes which collectives run and when (ZeRO's
+/// stage, a bucket size, accumulation steps): its name and its value as text.
+/// (A pair, so that the trainer names its own without including this layer.)
+using RankSetting = std::pair<std::string, std::string>;
+
+/// A number as a setting's value: the shortest text that reads back as it.
+inline std::string setting_text(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.17g", v);
+  for (int precision = 1; precision < 17; ++precision) {
+    char shorter[32];
+    std::snprintf(shorter, sizeof shorter, "%.*g", precision, v);
+    if (std::strtod(shorter, nullptr) == v) return shorter;
+  }
+  return buf;
+}
+
+/// The same value of every setting on every rank, checked before any other collective: ranks
+/// started with different options would otherwise wait for each other in different collectives
+/// until the timeout, or fail inside the transport. A ConfigError on every rank naming the first
+/// setting that differs and which ranks hold which value. `settings` must list the same names in
+/// the same order on every rank (the same code builds it), at most 255 of them.
+inline void check_same_settings(const World& world, const std::vector<RankSetting>& settings,
+                                const std::string& who) {
+  if (!world.distributed()) return;
+  constexpr std::int64_t kSlots = 256;
+  if (static_cast<std::int64_t>(settings.size()) >= kSlots)
+    throw ConfigError("lists " + std::to_string(settings.size()) + " settings, more than 255", who);
+  auto fnv = [](const std::string& text) {
+    std::uint64_t h = 1469598103934665603ULL;
+    for (const unsigned char c : text) {
+      h ^= c;
+      h *= 1099511628211ULL;
+    }
+    return static_cast<std::int64_t>(h >> 1);
+  };
+  at::Tensor mine = at::zeros({kSlots}, at::kLong);
+  auto* m = mine.data_ptr<std::int64_t>();
+  m[0] = static_cast<std::int64_t>(settings.size());
+  for (std::size_t i = 0; i < settings.size(); ++i)
+    m[i + 1] = fnv(settings[i].first + '\0' + settings[i].second);
+  const auto all = world.all_gather(mine);
+  // The settings first (a setting that names the policy tells more than their count), the count
+  // last.
+  std::int64_t differing = -1;
+  for (std::int64_t step = 1; step <= kSlots && differing < 0; ++step) {
+    const std::int64_t k = step % kSlots;
+    for (const auto& other : all)
+      if (other[k].item<std::int64_t>() != m[k]) {
+        differing = k;
+        break;
+      }
+  }
+  if (differing < 0) return;
+  // Every rank found the same slot: each sends that setting's value, so the message names them.
+  constexpr std::int64_t kText = 96;
+  const std::string what = differing == 0 ? std::string("(the number of settings)")
+                                          : settings[static_cast<std::size_t>(differing - 1)].first;
+  const std::string value = differing == 0
+                                ? std::to_string(settings.size())
+                                : settings[static_cast<std::size_t>(differing - 1)].second;
+  at::Tensor text = at::zeros({kText}, at::kByte);
+  std::memcpy(text.data_ptr(), value.data(),
+              std::min<std::size_t>(value.size(), static_cast<std::size_t>(kText - 1)));
+  const auto texts = world.all_gather(text);
+  std::vector<std::pair<std::string, std::vector<std::size_t>>> by_value;
+  for (std::size_t r = 0; r < texts.size(); ++r) {
+    const at::Tensor c = texts[r].contiguous();
+    std::string v(static_cast<const char*>(c.data_ptr()), static_cast<std::size_t>(kText));
+    v.resize(v.find('\0') == std::string::npos ? v.size() : v.find('\0'));
+    auto it = std::find_if(by_value.begin(), by_value.end(),
+                           [&](const auto& entry) { return entry.first == v; });
+    if (it == by_value.end()) it = by_value.insert(by_value.end(), {v, {}});
+    it->second.push_back(r);
+  }
+  std::string held;
+  for (const auto& [v, ranks] : by_value) {
+    if (!held.empty()) held += "; ";
+    held += ranks.size() == 1 ? "rank " : "ranks ";
+    for (std::size_t i = 0; i < ranks.size(); ++i)
+      held += (i == 0 ? "" : ", ") + std::to_string(ranks[i]);
+    held += (ranks.size() == 1 ? " has " : " have ") + v;
+  }
+  throw ConfigError("'" + what + "' differs between the ranks (" + held +
+                        "); start every rank with the same options",
+                    who + ", rank " + std::to_string(world.rank()));
 }
 
 /// Rank 0's values into `tensors`, one broadcast per dtype and device.

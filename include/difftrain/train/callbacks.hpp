@@ -240,6 +240,22 @@ class CheckpointEvery {
     return out;
   }
 
+  /// Removes every checkpoint in `dir` with the files of its set (optimizer shards and weights
+  /// files beside it, those a stopped save left too): a run that starts again leaves nothing of
+  /// the old one that a later resume could mix in. Returns how many files went.
+  static std::size_t remove_all(const std::filesystem::path& dir) {
+    static const std::regex mine(
+        "checkpoint-[0-9]+\\.pt(\\.shard-[0-9]+-of-[0-9]+(\\.safetensors)?)?");
+    std::error_code ec;
+    std::vector<std::filesystem::path> files;
+    for (const auto& e : std::filesystem::directory_iterator(dir, ec))
+      if (std::regex_match(e.path().filename().string(), mine)) files.push_back(e.path());
+    for (const auto& f : files)
+      if (!std::filesystem::remove(f, ec) && ec)
+        throw IoError("cannot remove: " + ec.message(), f.string());
+    return files.size();
+  }
+
  private:
   void prune() const {
     auto all = list(o_.dir);

@@ -120,7 +120,14 @@ class MultiTrainer {
       if (!trainers_[i]->all_finite())
         throw NumericError("model " + std::to_string(i) + " holds non-finite weights; not saving",
                            path.string());
-    const c10::IValue st = state();
+    // Rank 0 writes: the other ranks take part in the states' collectives and copy nothing.
+    auto root = io::torch_dict();
+    root.insert("format", std::string("difftrain.multi_checkpoint"));
+    root.insert("version", kCheckpointFormatVersion);
+    auto list = io::torch_list();
+    for (auto& t : trainers_) list.push_back(t->state_for_writing());
+    root.insert("models", list);
+    const c10::IValue st = root;
     agreed(
         [&] {
           if (rank() == 0) io::save_torch_file(path, st);

@@ -88,6 +88,14 @@ inline std::string optimizer_state_bytes(torch::optim::Optimizer& optimizer) {
   std::string bytes;
   torch::serialize::OutputArchive archive;
   save_optimizer(archive, optimizer);
+  // Sized first, then written into place: a string grown as the archive streams would hold up
+  // to twice the state while it reallocates (the state is 8 B per parameter for AdamW).
+  std::size_t total = 0;
+  archive.save_to([&](const void*, std::size_t n) {
+    total += n;
+    return n;
+  });
+  bytes.reserve(total);
   archive.save_to([&](const void* data, std::size_t n) {
     bytes.append(static_cast<const char*>(data), n);
     return n;
