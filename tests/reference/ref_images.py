@@ -88,6 +88,15 @@ def generate(out: pathlib.Path):
          lossless=True)
     save("lossy.webp", img, format="WEBP", quality=80)
     save("exif_8.webp", img, format="WEBP", lossless=True, exif=exif_bytes(8))
+    # Animated WebPs: PIL opens the first frame (composited on the canvas as libwebp's animation
+    # decoder gives it), opaque and with alpha.
+    frames = [img] + [Image.fromarray(picture(23, 37, s)) for s in (4, 5)]
+    save("animated.webp", frames[0], format="WEBP", save_all=True, append_images=frames[1:],
+         lossless=True, duration=80, loop=0)
+    alpha = [Image.fromarray(np.dstack([picture(23, 37, s), picture(23, 37, s + 1)[..., 0]]))
+             for s in (6, 8)]
+    save("animated_alpha.webp", alpha[0], format="WEBP", save_all=True, append_images=alpha[1:],
+         lossless=True, duration=80)
     expected = {}
     exact = {}
     for name, data in files.items():
@@ -112,6 +121,11 @@ def generate(out: pathlib.Path):
             struct.pack(">II", 1, 1), struct.pack(">II", 100000, 100000), 1),
         "bomb.jpg": jpg.replace(struct.pack(">HH", 23, 37), struct.pack(">HH", 60000, 60000), 1),
         "cmyk.jpg": None,
+        # 16-bit grey declaring 9,400 x 9,400 pixels (under the pixel limit) in a few bytes of
+        # image data: 177 MB of rows its 69-byte body cannot hold.
+        "bomb16.png": (b"\x89PNG\r\n\x1a\n"
+                       + chunk(b"IHDR", struct.pack(">IIBBBBB", 9400, 9400, 16, 0, 0, 0, 0))
+                       + chunk(b"IDAT", zlib.compress(b"\x00" * 1000)) + chunk(b"IEND", b"")),
         "garbage_after_magic.jpg": b"\xff\xd8\xff" + bytes(range(256)) * 4,
     }
     buf = io.BytesIO()

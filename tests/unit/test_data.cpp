@@ -79,6 +79,7 @@ TEST(Images, HostileFilesAreFormatErrorsSayingWhy) {
       {"text.webp", "unknown kind of file"},
       {"bomb.png", "over the limit"},
       {"bomb.jpg", "over the limit"},
+      {"bomb16.png", "bytes of image data can hold"},
       {"cmyk.jpg", "CMYK"},
       {"garbage_after_magic.jpg", "has no pixels"},
   };
@@ -287,6 +288,100 @@ TEST(ImageFolder, MistakesAreTypedErrorsNamingThem) {
     EXPECT_NE(folder.skipped[0].reason.find("over the limit"), std::string::npos);
   }
   EXPECT_THROW((void)data::scan_image_folder("/no/such/folder"), dt::IoError);
+}
+
+// Python's strict decoder judges UTF-8 (bytes.decode, UnicodeDecodeError.start): every string of
+// one to four bytes from the bytes where the rules change.
+TEST(ImageFolder, Utf8IsWhatPythonsDecoderAccepts) {
+  const auto& g = tst::golden("utf8.json");
+  const auto bytes = g.at("bytes").get<std::vector<int>>();
+  const auto& want = g.at("first_invalid");
+  std::size_t k = 0, differ = 0;
+  const std::size_t b = bytes.size();
+  for (std::size_t n = 1; n <= 4; ++n) {
+    std::size_t count = 1;
+    for (std::size_t i = 0; i < n; ++i) count *= b;
+    for (std::size_t c = 0; c < count; ++c, ++k) {
+      std::string s(n, '\0');
+      std::size_t rest = c;
+      for (std::size_t i = n; i-- > 0;) {
+        s[i] = static_cast<char>(bytes[rest % b]);
+        rest /= b;
+      }
+      const auto got = dt::io::first_invalid_utf8(s);
+      const std::int64_t w = want.at(k).get<std::int64_t>();
+      if ((w < 0) != !got.has_value() || (got && static_cast<std::int64_t>(*got) != w)) ++differ;
+    }
+  }
+  EXPECT_EQ(k, want.size());
+  EXPECT_EQ(differ, 0U) << "of " << k << " strings";
+}
+
+// A caption that is not UTF-8 text is found by the scan and the image skipped, naming where the
+// caption came from (a sidecar, a CSV cell, a file name, a kohya folder); UTF-8 captions in other
+// scripts are kept. An epoch of images × repeats past kMaxEpochItems, and a metadata line past
+// kMaxMetadataLine, are refused before anything is built from them.
+TEST(ImageFolder, CaptionsMustBeUtf8AndEpochsAndLinesHaveBounds) {
+  {
+    ScratchFolder f("utf8");
+    f.image("side/a.jpg", "baseline_420.jpg");
+    f.text("side/a.txt", "caf\xe9 au lait");  // Latin-1
+    f.image("side/b.jpg", "baseline_420.jpg");
+    f.text("side/b.txt", "caf\xc3\xa9, \xe7\x8c\xab, \xf0\x9f\x90\x88");  // UTF-8
+    f.image("csv/c.jpg", "baseline_420.jpg");
+    f.image("csv/d.jpg", "baseline_420.jpg");
+    f.text("csv/metadata.csv", "file_name,text\nc.jpg,na\xefve\nd.jpg,fine\n");
+    f.image("names/\xe9t\xe9.jpg", "baseline_420.jpg");
+    f.image("3_\xe9t\xe9/e.jpg", "baseline_420.jpg");
+    const auto folder = data::scan_image_folder(f.dir);
+    std::set<std::string> kept;
+    for (const auto& r : folder.images) kept.insert(r.path.filename().string());
+    EXPECT_EQ(kept, (std::set<std::string>{"b.jpg", "d.jpg"}));
+    std::map<std::string, std::string> why;
+    for (const auto& s : folder.skipped) why[s.path.filename().string()] = s.reason;
+    ASSERT_EQ(why.size(), 4U);
+    EXPECT_NE(why["a.jpg"].find("a.txt (byte 3 is 0xE9)"), std::string::npos) << why["a.jpg"];
+    EXPECT_NE(why["c.jpg"].find("metadata"), std::string::npos) << why["c.jpg"];
+    EXPECT_NE(why["\xe9t\xe9.jpg"].find("file name (byte 0 is 0xE9)"), std::string::npos);
+    EXPECT_NE(why["e.jpg"].find("folder's name"), std::string::npos) << why["e.jpg"];
+    for (const auto& [name, reason] : why)
+      EXPECT_NE(reason.find("not UTF-8"), std::string::npos) << reason;
+  }
+  {
+    ScratchFolder f("repeats");
+    f.image("999999999_cat/a.jpg", "baseline_420.jpg");
+    f.image("2_dog/b.jpg", "baseline_420.jpg");
+    try {
+      (void)data::scan_image_folder(f.dir);
+      ADD_FAILURE() << "an epoch of 10^9 was accepted";
+    } catch (const dt::ConfigError& e) {
+      const std::string w = e.what();
+      EXPECT_NE(w.find("1000000001"), std::string::npos) << w;
+      EXPECT_NE(w.find("'999999999_cat' gives 999999999 repeats"), std::string::npos) << w;
+    }
+    f.image("67108864_big/c.jpg", "baseline_420.jpg");
+    dt::io::remove_tree(f.dir / "999999999_cat");
+    EXPECT_THROW((void)data::scan_image_folder(f.dir), dt::ConfigError);
+    dt::io::remove_tree(f.dir / "67108864_big");
+    f.image("67108862_big/c.jpg", "baseline_420.jpg");
+    EXPECT_EQ(data::scan_image_folder(f.dir).epoch_size(), std::int64_t{1} << 26);
+  }
+  {
+    ScratchFolder f("long-line");
+    f.image("a.jpg", "baseline_420.jpg");
+    f.text("metadata.jsonl", "{\"file_name\": \"a.jpg\", \"text\": \"" +
+                                 std::string(data::kMaxMetadataLine, 'x') + "\"}\n");
+    try {
+      (void)data::scan_image_folder(f.dir);
+      ADD_FAILURE() << "a line of more than 1 MiB was accepted";
+    } catch (const dt::FormatError& e) {
+      EXPECT_NE(std::string(e.what()).find("metadata.jsonl line 1"), std::string::npos) << e.what();
+    }
+    f.text("metadata.jsonl", "{\"file_name\": \"a.jpg\", \"text\": \"" +
+                                 std::string(data::kMaxMetadataLine - 40, 'x') + "\"}\n");
+    EXPECT_EQ(data::scan_image_folder(f.dir).images.at(0).caption.size(),
+              data::kMaxMetadataLine - 40);
+  }
 }
 
 // ---- transforms --------------------------------------------------------------------------------

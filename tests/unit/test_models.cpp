@@ -641,6 +641,11 @@ TEST(Models, ConfigsThatDescribeOtherWeightsAreRefusedBeforeTheBuild) {
     j["in_channels"] = j.value("in_channels", std::int64_t{4}) + 1;
     patches.push_back(j);
   }
+  {
+    nlohmann::json j = base;  // a class table of 2^24 rows (4.4 GB) the weights do not hold
+    j["num_class_embeds"] = std::int64_t{1} << 24;
+    patches.push_back(j);
+  }
   ASSERT_GE(n, 1u);
   for (std::size_t i = 0; i < patches.size(); ++i) {
     const fs::path d = copy_of(name, "signature_" + std::to_string(i));

@@ -497,6 +497,18 @@ TEST(EncodePrompt, EqualsDiffusersPipelines) {
   expect_error<dt::ConfigError>(
       [&] { (void)text::encode_prompt_sdxl(sd15(), te1, tok2, te1, prompts, {}); },
       "no projection on the second encoder", {"CLIPTextModelWithProjection"});
+  // A model_max_length past the encoder's positions (1e9 allocated rows of a billion tokens) is
+  // refused before anything is padded to it; one equal to them encodes.
+  for (const std::string length : {"78", "1000000000", "1e9"}) {
+    DamagedFolder d("max-length-" + length);
+    nlohmann::json cfg = nlohmann::json::parse(d.read("tokenizer_config.json"));
+    cfg["model_max_length"] = nlohmann::json::parse(length);
+    d.write("tokenizer_config.json", cfg.dump());
+    const auto tok = text::CLIPTokenizer::from_folder(d.dir);
+    expect_error<dt::ConfigError>([&] { (void)text::encode_prompt(tok, te1, prompts, {}); },
+                                  "model_max_length " + length,
+                                  {"model_max_length", "max_position_embeddings"});
+  }
 }
 
 // ---- textual inversion in the token table -----------------------------------------------------

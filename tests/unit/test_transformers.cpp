@@ -20,6 +20,7 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -631,6 +632,24 @@ TEST(Transformers, SD3MistakesAreTypedErrors) {
   EXPECT_NE(config_error({{"caption_projection_dim", 8}}).find("'caption_projection_dim' 8"),
             std::string::npos);
   EXPECT_NE(config_error({{"pos_embed_max_siz", 8}}).find("unknown field"), std::string::npos);
+  // A position table larger than the saved one (4096² positions: 4 GB) is refused by the weights'
+  // shapes before it is allocated.
+  for (const std::int64_t size : {11, 4096, 8192}) {
+    const fs::path d = fs::temp_directory_path() / ("difftrain-sd3-pos-" + std::to_string(size) +
+                                                    "-" + std::to_string(::getpid()));
+    dt::io::remove_tree(d);
+    fs::copy(folder, d);
+    nlohmann::json j = base;
+    j["pos_embed_max_size"] = size;
+    std::ofstream(d / "config.json") << j.dump();
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::string msg = error_of<dt::ConfigError>(
+        [&] { models::from_pretrained<models::SD3Transformer2DModel<>>(d); });
+    EXPECT_NE(msg.find("pos_embed.pos_embed"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("describe different models"), std::string::npos) << msg;
+    EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 20.0);
+    dt::io::remove_tree(d);
+  }
   // Its LoRA targets (diffusers' SD3 script): both streams' projections.
   const auto adapted = dt::adapters::inject_lora(
       *model,

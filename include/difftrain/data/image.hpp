@@ -7,14 +7,16 @@
 // What PIL does and so this does: grey, grey + alpha and palette images become RGB by repeating
 // the grey or looking up the palette; alpha is dropped, not composited; 16-bit PNG colour keeps
 // the high byte, 16-bit PNG grey (without alpha) is clipped at 255 (PIL reads it as "I;16" and
-// clips on conversion); the gAMA, cHRM, sRGB and iCCP chunks are ignored; the EXIF orientation
-// (JPEG APP1, PNG eXIf, WebP EXIF) is applied. A file larger than the pixel limit is refused before
-// any pixel memory is allocated (a decompression bomb), as is anything damaged, truncated or of
-// another kind: a FormatError naming the file and what is wrong.
+// clips on conversion); an animated WebP is its first frame on its canvas (libwebpdemux's
+// animation decoder, as PIL's); the gAMA, cHRM, sRGB and iCCP chunks are ignored; the EXIF
+// orientation (JPEG APP1, PNG eXIf, WebP EXIF) is applied. A file larger than the pixel limit is
+// refused before any pixel memory is allocated (a decompression bomb), as is anything damaged,
+// truncated or of another kind: a FormatError naming the file and what is wrong.
 
 #include <ATen/ATen.h>
 #include <turbojpeg.h>
 #include <webp/decode.h>
+#include <webp/demux.h>
 
 #include <csetjmp>
 #include <cstdint>
@@ -207,6 +209,35 @@ inline at::Tensor decode_jpeg(std::span<const char> bytes, const ImageLimits& li
   return out;
 }
 
+/// An animated WebP's first frame as PIL opens it: libwebp's animation decoder composites it on
+/// the canvas (transparent black where the frame does not reach), as RGBA; the alpha is dropped,
+/// as convert("RGB") drops it. The canvas size has passed the pixel limit already (the decoder
+/// allocates it).
+inline at::Tensor decode_webp_first_frame(std::span<const char> bytes, const std::string& where) {
+  WebPData data{reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size()};
+  WebPAnimDecoderOptions options;
+  if (WebPAnimDecoderOptionsInit(&options) == 0)
+    throw FormatError("cannot be decoded: libwebp's animation decoder is of another version",
+                      where);
+  options.color_mode = MODE_RGBA;
+  options.use_threads = 0;
+  const std::unique_ptr<WebPAnimDecoder, void (*)(WebPAnimDecoder*)> decoder(
+      WebPAnimDecoderNew(&data, &options), &WebPAnimDecoderDelete);
+  WebPAnimInfo info;
+  if (!decoder || WebPAnimDecoderGetInfo(decoder.get(), &info) == 0)
+    throw FormatError("is an animated WebP whose frames libwebp cannot read (damaged)", where);
+  std::uint8_t* rgba = nullptr;
+  int timestamp = 0;
+  if (WebPAnimDecoderGetNext(decoder.get(), &rgba, &timestamp) == 0 || rgba == nullptr)
+    throw FormatError("is damaged or truncated (libwebp cannot decode its first frame)", where);
+  const auto h = static_cast<std::int64_t>(info.canvas_height);
+  const auto w = static_cast<std::int64_t>(info.canvas_width);
+  at::Tensor out = at::empty({h, w, 3}, at::kByte);
+  auto* o = out.data_ptr<std::uint8_t>();
+  for (std::int64_t i = 0; i < h * w; ++i) std::memcpy(o + 3 * i, rgba + 4 * i, 3);
+  return out;
+}
+
 inline at::Tensor decode_webp(std::span<const char> bytes, const ImageLimits& limits,
                               const std::string& where) {
   WebPBitstreamFeatures f;
@@ -215,6 +246,7 @@ inline at::Tensor decode_webp(std::span<const char> bytes, const ImageLimits& li
     throw FormatError("is not a WebP libwebp can read (damaged header)", where);
   check_size(static_cast<std::uint64_t>(f.width), static_cast<std::uint64_t>(f.height), limits,
              where);
+  if (f.has_animation != 0) return decode_webp_first_frame(bytes, where);
   at::Tensor out = at::empty({f.height, f.width, 3}, at::kByte);
   if (WebPDecodeRGBInto(data, bytes.size(), out.data_ptr<std::uint8_t>(),
                         static_cast<std::size_t>(out.numel()), f.width * 3) == nullptr)
@@ -303,6 +335,9 @@ inline at::Tensor decode_png(std::span<const char> bytes, const ImageLimits& lim
   // alone, read by PIL as "I;16", is clipped at 255. (libpng's simplified API would convert the
   // samples.)
   const int channels = color_type == 0 ? 1 : color_type == 4 ? 2 : color_type == 2 ? 3 : 4;
+  // Its image data must hold what the header declares before the rows are allocated (a 69-byte
+  // body declaring 9400x9400 16-bit pixels is a decompression bomb, refused here).
+  io::check_png_chunks(plain, w, h, pl, where);
   std::vector<unsigned char> raw(static_cast<std::size_t>(w * h) * channels * 2);
   std::vector<unsigned char*> rows(static_cast<std::size_t>(h));
   for (std::uint64_t y = 0; y < h; ++y) rows[y] = raw.data() + y * w * channels * 2;

@@ -41,6 +41,7 @@
 #include "difftrain/data/image.hpp"
 #include "difftrain/io/json_parse.hpp"
 #include "difftrain/io/read_file.hpp"
+#include "difftrain/io/utf8.hpp"
 
 namespace difftrain::data {
 
@@ -71,6 +72,13 @@ struct SkippedFile {
   std::filesystem::path path;
   std::string reason;
 };
+
+/// The longest line of a metadata.jsonl difftrain reads (1 MiB).
+inline constexpr std::size_t kMaxMetadataLine = std::size_t{1} << 20;
+
+/// The most images × repeats an epoch of a folder may hold (kohya's "N_words" folders): an
+/// epoch is a list of that many entries.
+inline constexpr std::int64_t kMaxEpochItems = std::int64_t{1} << 26;
 
 struct ImageFolder {
   std::vector<ImageRecord> images;
@@ -153,7 +161,7 @@ inline std::map<std::filesystem::path, std::string> read_metadata(const std::fil
   std::map<fs::path, std::string> out;
   const std::string where = file.string();
   const std::vector<char> bytes = io::read_file(file);
-  const std::string text(bytes.begin(), bytes.end());
+  const std::string_view text(bytes.data(), bytes.size());
   auto add = [&](const std::string& name, const std::string& caption, const std::string& at) {
     if (name.empty()) throw FormatError("has an empty '" + o.image_column + "'", at);
     out[(file.parent_path() / fs::path(name)).lexically_normal()] = caption;
@@ -164,10 +172,17 @@ inline std::map<std::filesystem::path, std::string> read_metadata(const std::fil
       std::size_t end = text.find('\n', start);
       if (end == std::string::npos) end = text.size();
       ++line;
-      std::string row = text.substr(start, end - start);
+      const std::string_view row = text.substr(start, end - start);
       start = end + 1;
       if (row.find_first_not_of(" \t\r") == std::string::npos) continue;
       const std::string at = where + " line " + std::to_string(line);
+      // One image's name and caption: a line past this is not a caption (a 1 GB line took 6.5 GB
+      // to read).
+      if (row.size() > kMaxMetadataLine)
+        throw FormatError("is " + std::to_string(row.size()) +
+                              " bytes long; a line names one image and its caption, at most " +
+                              std::to_string(kMaxMetadataLine) + " bytes",
+                          at);
       const nlohmann::json j = io::parse_json(row, at);
       if (!j.is_object()) throw FormatError("is not a JSON object", at);
       if (!j.contains(o.image_column) || !j[o.image_column].is_string())
@@ -191,7 +206,12 @@ inline std::map<std::filesystem::path, std::string> read_metadata(const std::fil
     }
     return out;
   }
-  const auto rows = parse_csv(text, where);
+  if (bytes.size() > kMaxMetadataLine * 4096)
+    throw FormatError("is " + std::to_string(bytes.size()) +
+                          " bytes; a metadata.csv holds at most " +
+                          std::to_string(kMaxMetadataLine * 4096) + " bytes",
+                      where);
+  const auto rows = parse_csv(std::string(text), where);
   if (rows.empty()) throw FormatError("is empty (no header row)", where);
   const auto& header = rows[0];
   const auto col = [&](const std::string& name) -> std::optional<std::size_t> {
@@ -341,6 +361,7 @@ inline ImageFolder scan_image_folder(const std::filesystem::path& root,
       continue;
     }
     std::optional<std::string> folder_words;
+    fs::path caption_file;
     if (o.kohya_repeat_folders) {  // the deepest "N_words" folder between the root and the file
       const fs::path rel = f.parent_path().lexically_relative(root);
       for (const auto& part : rel)
@@ -360,6 +381,7 @@ inline ImageFolder scan_image_folder(const std::filesystem::path& root,
           const std::vector<char> b = io::read_file(side);
           r.caption.assign(b.begin(), b.end());
           r.caption_source = "sidecar";
+          caption_file = side;
           break;
         }
       }
@@ -373,8 +395,31 @@ inline ImageFolder scan_image_folder(const std::filesystem::path& root,
         }
       }
     }
+    // A caption must be text: one that is not UTF-8 (a Latin-1 sidecar, CSV cell or file name)
+    // is reported here at its file, as a damaged image is, not at the batch that tokenizes it.
+    if (const std::string why = io::utf8_problem(r.caption); !why.empty()) {
+      const std::string from =
+          r.caption_source == "metadata"   ? "the caption a metadata file gives it"
+          : r.caption_source == "folder"   ? "its folder's name"
+          : r.caption_source == "filename" ? "its file name"
+                                           : "its caption file " + caption_file.string();
+      out.skipped.push_back({f, "not UTF-8 text: " + from + " (" + why + ")"});
+      continue;
+    }
     out.images.push_back(std::move(r));
   }
+  std::int64_t epoch = 0;
+  const ImageRecord* most = nullptr;
+  for (const auto& r : out.images) {
+    epoch += r.repeats;
+    if (most == nullptr || r.repeats > most->repeats) most = &r;
+  }
+  if (epoch > kMaxEpochItems)
+    throw ConfigError("makes an epoch of " + std::to_string(epoch) +
+                          " images with repeats, more than " + std::to_string(kMaxEpochItems) +
+                          " (the folder '" + most->path.parent_path().filename().string() +
+                          "' gives " + std::to_string(most->repeats) + " repeats)",
+                      root.string());
   if (out.images.empty())
     throw ConfigError("holds no JPEG, PNG or WebP image that can be read (" +
                           std::to_string(out.skipped.size()) + " skipped)",

@@ -149,6 +149,34 @@ inline void append_chunk(std::vector<char>& out, const char* type, std::span<con
 }
 }  // namespace png_detail
 
+/// Deflate expands at most kMaxDeflateRatio:1, so the image data (`idat` bytes of IDAT chunks)
+/// bounds the rows a PNG can really hold: a few bytes declaring a huge image are refused before
+/// any pixel memory is allocated. Bits per pixel from IHDR (depth times channels; 16-bit images
+/// too).
+inline void check_image_data_holds(std::span<const char> bytes, std::uint64_t width,
+                                   std::uint64_t height, std::uint64_t idat,
+                                   const std::string& where) {
+  if (bytes.size() < 33) throw FormatError("is truncated before its image header", where);
+  const auto* ihdr = reinterpret_cast<const unsigned char*>(bytes.data()) + 16;
+  const std::uint64_t channels = ihdr[9] == 2 ? 3 : ihdr[9] == 4 ? 2 : ihdr[9] == 6 ? 4 : 1;
+  const std::uint64_t bits = std::uint64_t{ihdr[8]} * channels;
+  const std::uint64_t raw_rows = height * (1 + (width * bits + 7) / 8);
+  if (raw_rows > idat * kMaxDeflateRatio + 1024)
+    throw FormatError("declares " + std::to_string(width) + "x" + std::to_string(height) +
+                          " pixels, more than its " + std::to_string(idat) +
+                          " bytes of image data can hold",
+                      where);
+}
+
+/// Checks a PNG's chunks (lengths, CRCs, text within `limits`) and that its image data can hold
+/// the `width` x `height` pixels its header declares, before anything is allocated for them.
+inline void check_png_chunks(std::span<const char> bytes, std::uint64_t width, std::uint64_t height,
+                             const PngLimits& limits, const std::string& where) {
+  std::uint64_t idat = 0;
+  (void)png_detail::read_text_chunks(bytes, limits, where, &idat);
+  check_image_data_holds(bytes, width, height, idat, where);
+}
+
 /// Decodes PNG bytes (named `where` in errors).
 inline PngFile decode_png(std::span<const char> bytes, const std::string& where,
                           const PngLimits& limits = {}) {
@@ -169,19 +197,11 @@ inline PngFile decode_png(std::span<const char> bytes, const std::string& where,
                           " pixels, over the limit of " + std::to_string(limits.max_pixels),
                       where);
   }
-  // Deflate expands at most kMaxDeflateRatio:1, so the image data bounds the rows the file can
-  // really hold; a few bytes declaring a huge image are refused here, before any pixel memory is
-  // allocated. Bits per pixel from IHDR (libpng accepted it, so it is there): depth times channels.
-  const auto* ihdr = reinterpret_cast<const unsigned char*>(bytes.data()) + 16;
-  const std::uint64_t channels = ihdr[9] == 2 ? 3 : ihdr[9] == 4 ? 2 : ihdr[9] == 6 ? 4 : 1;
-  const std::uint64_t bits = std::uint64_t{ihdr[8]} * channels;
-  const std::uint64_t raw_rows = std::uint64_t{img.height} * (1 + (img.width * bits + 7) / 8);
-  if (raw_rows > idat * kMaxDeflateRatio + 1024) {
+  try {
+    check_image_data_holds(bytes, img.width, img.height, idat, where);
+  } catch (...) {
     png_image_free(&img);
-    throw FormatError("declares " + std::to_string(img.width) + "x" + std::to_string(img.height) +
-                          " pixels, more than its " + std::to_string(idat) +
-                          " bytes of image data can hold",
-                      where);
+    throw;
   }
   // Read as RGBA and drop alpha rather than composite it: PIL's convert('RGB') keeps the stored
   // RGB values, and the web UI's embedding images are decoded from exactly those values.

@@ -154,7 +154,7 @@ inline WeightFiles find_weight_files(const std::filesystem::path& folder,
             f.ends_with(suffix) && f.find(".index.") == std::string::npos)
           hint = "; it has " + f + ", weights saved with variant \"" +
                  f.substr(prefix.size(), f.size() - prefix.size() - suffix.size()) +
-                 "\" (pass it as LoadOptions::variant)";
+                 "\" (pass it as LoadOptions::variant, a program's --variant)";
     }
   throw IoError("the model folder has none of " + add_variant(names.single, variant) + ", " +
                     add_variant(names.index, variant) + ", " + add_variant(names.bin, variant) +

@@ -81,6 +81,15 @@ inline at::Tensor per_image(const at::Tensor& t, std::int64_t n) {
 template <class Encoder>
 at::Tensor ids_for(const CLIPTokenizer& tok, Encoder& encoder,
                    const std::vector<std::string>& texts, std::int64_t max_length) {
+  // Checked before anything is padded to it: a tokenizer_config.json's model_max_length of 1e9
+  // would otherwise allocate its rows first and fail later in the encoder.
+  const std::int64_t positions = encoder->config().max_position_embeddings;
+  if (max_length > positions)
+    throw ConfigError("prompts padded to " + std::to_string(max_length) +
+                          " tokens (the tokenizer's model_max_length) do not fit the text "
+                          "encoder's " +
+                          std::to_string(positions) + " positions (max_position_embeddings)",
+                      "encode_prompt");
   EncodeOptions o;
   o.max_length = max_length;
   // Prompts naming a multi-vector textual-inversion token get all its tokens (diffusers'
