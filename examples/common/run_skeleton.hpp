@@ -9,6 +9,8 @@
 #include <ATen/Parallel.h>
 #include <CLI/CLI.hpp>
 #include <difftrain/core/error.hpp>
+#include <difftrain/io/atomic_file.hpp>
+#include <difftrain/io/remove_tree.hpp>
 #include <difftrain/train/threads.hpp>
 
 #include <atomic>
@@ -23,6 +25,48 @@
 #include "cli_checks.hpp"
 
 namespace examples {
+
+/// The output folder, made (and proven writable) when the run starts; when the run ends without
+/// having written a file into it (a mistake found after start-up: a pipeline folder without
+/// tokenizer/, an unknown scheduler name), the folders this run made are removed again, so a
+/// refused run leaves no empty output folder behind. A folder that existed before is left as it
+/// was; once anything is written, everything stays. Under torchrun only rank 0 (`owner`) removes:
+/// the others may end first while it still writes.
+class OutputFolder {
+ public:
+  explicit OutputFolder(const std::filesystem::path& dir, bool owner = true) {
+    namespace fs = std::filesystem;
+    std::error_code ec;
+    fs::path p = fs::absolute(dir, ec).lexically_normal();
+    if (!p.empty() && !p.has_filename()) p = p.parent_path();  // "out/" names "out"
+    // The outermost folder of `dir` that does not exist yet: what this run makes.
+    while (!p.empty() && !fs::exists(p, ec) && p.has_parent_path() && p != p.parent_path()) {
+      made_ = p;
+      p = p.parent_path();
+    }
+    difftrain::io::ensure_writable_folder(dir);
+    if (!owner) made_.clear();
+  }
+  OutputFolder(const OutputFolder&) = delete;
+  OutputFolder& operator=(const OutputFolder&) = delete;
+  ~OutputFolder() {
+    namespace fs = std::filesystem;
+    if (made_.empty()) return;
+    std::error_code ec;
+    for (auto it = fs::recursive_directory_iterator(made_, ec);
+         !ec && it != fs::recursive_directory_iterator(); it.increment(ec))
+      if (!it->is_directory(ec)) return;  // something was written: the run's, kept
+    if (!ec) {
+      try {
+        (void)difftrain::io::remove_tree(made_);
+      } catch (...) {  // a destructor must not throw; an empty folder left is no harm
+      }
+    }
+  }
+
+ private:
+  std::filesystem::path made_;
+};
 
 /// Set by Ctrl-C (on_sigint, installed by the program while it trains).
 inline std::atomic<bool> g_interrupted{false};

@@ -52,6 +52,7 @@ struct Pipeline {
   TextEncoder text_encoder{nullptr}, text_encoder_2{nullptr};
   Vae vae{nullptr};
   Unet unet{nullptr};
+  std::optional<std::string> variant;  // the weights' variant the models were read in (--variant)
   examples::SchedulerConfig scheduler;
 };
 
@@ -71,9 +72,14 @@ inline void check_component(const nlohmann::json& index, const std::string& name
 }
 
 /// Reads the pipeline folder `model` (what --pretrained_model_name_or_path names); a non-empty
-/// `prediction_type` replaces the scheduler's.
-inline Pipeline load_pipeline(const std::string& model, const std::string& prediction_type) {
+/// `prediction_type` replaces the scheduler's. A non-empty `variant` (diffusers' --variant, e.g.
+/// "fp16") reads every model's weights from its variant files; they load into float32 models.
+inline Pipeline load_pipeline(const std::string& model, const std::string& prediction_type,
+                              const std::string& variant = {}) {
+  models::LoadOptions lo;
+  if (!variant.empty()) lo.variant = variant;
   Pipeline p;
+  p.variant = lo.variant;
   p.root = model;
   const fs::path index_file = p.root / "model_index.json";
   if (!fs::is_directory(p.root))
@@ -106,13 +112,23 @@ inline Pipeline load_pipeline(const std::string& model, const std::string& predi
   p.scheduler = examples::read_scheduler_config(p.root / "scheduler" / "scheduler_config.json",
                                                 prediction_type);
   p.tokenizer.emplace(text::CLIPTokenizer::from_folder(p.root / "tokenizer"));
-  p.text_encoder = models::from_pretrained<TextEncoder>(p.root / "text_encoder");
+  p.text_encoder = models::from_pretrained<TextEncoder>(p.root / "text_encoder", lo);
   if (p.xl) {
     p.tokenizer_2.emplace(text::CLIPTokenizer::from_folder(p.root / "tokenizer_2"));
-    p.text_encoder_2 = models::from_pretrained<TextEncoder>(p.root / "text_encoder_2");
+    p.text_encoder_2 = models::from_pretrained<TextEncoder>(p.root / "text_encoder_2", lo);
   }
-  p.vae = models::from_pretrained<Vae>(p.root / "vae");
-  p.unet = models::from_pretrained<Unet>(p.root / "unet");
+  // Each tokenizer pads prompts to its model_max_length: it must fit its encoder's positions.
+  for (const auto& [tok, enc, name] :
+       {std::tuple{&p.tokenizer, &p.text_encoder, "tokenizer"},
+        std::tuple{&p.tokenizer_2, &p.text_encoder_2, "tokenizer_2"}})
+    if (*tok && (*tok)->model_max_length() > (*enc)->config().max_position_embeddings)
+      throw ConfigError("pads prompts to " + std::to_string((*tok)->model_max_length()) +
+                            " tokens (model_max_length), more than the text encoder's " +
+                            std::to_string((*enc)->config().max_position_embeddings) +
+                            " positions (max_position_embeddings)",
+                        (p.root / name / "tokenizer_config.json").string());
+  p.vae = models::from_pretrained<Vae>(p.root / "vae", lo);
+  p.unet = models::from_pretrained<Unet>(p.root / "unet", lo);
   const auto& uc = p.unet->config();
   const std::string unet_where = (p.root / "unet").string();
   if (uc.in_channels != p.vae->config().latent_channels)
@@ -141,7 +157,7 @@ inline Pipeline load_pipeline(const std::string& model, const std::string& predi
 
 /// The fingerprint of the pipeline's VAE weights.
 inline std::string vae_fingerprint(const Pipeline& p) {
-  return data::tensors_fingerprint(models::read_model_weights(p.root / "vae"));
+  return data::tensors_fingerprint(models::read_model_weights(p.root / "vae", p.variant));
 }
 
 /// The fingerprint of the pipeline's text encoders and tokenizers.
@@ -149,8 +165,8 @@ inline std::string text_fingerprint(const Pipeline& p) {
   std::string fp;
   for (const std::string part : {"text_encoder", "text_encoder_2"}) {
     if (!p.xl && part == "text_encoder_2") continue;
-    fp += data::tensors_fingerprint(models::read_model_weights(p.root / part, std::nullopt,
-                                                               models::kTransformersWeights)) +
+    fp += data::tensors_fingerprint(
+              models::read_model_weights(p.root / part, p.variant, models::kTransformersWeights)) +
           "|";
   }
   for (const auto* tok : {&p.tokenizer, &p.tokenizer_2})

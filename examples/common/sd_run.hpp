@@ -9,6 +9,7 @@
 #include <difftrain/io/image_grid.hpp>
 #include <difftrain/io/png.hpp>
 #include <difftrain/io/remove_tree.hpp>
+#include <difftrain/schedule/registry.hpp>
 #include <difftrain/train/callbacks.hpp>
 
 #include <chrono>
@@ -47,6 +48,7 @@ struct SdRunFlags : RunFlags {
   std::int64_t num_validation_images = 2, validation_steps = 0, num_inference_steps = 25;
   double guidance_scale = 7.5;
   std::int64_t stop_at = 0;  // stop (with a checkpoint) after this step, as Ctrl-C does; 0: never
+  std::string variant;       // --variant: the pipeline's weights variant ("fp16"); empty: none
 };
 
 struct SdFlagGroups {
@@ -59,6 +61,7 @@ struct ImageFolderFlags {
   std::int64_t resolution = 512;
   bool center_crop = false, random_flip = false;
   double max_grad_norm = 1.0;
+  bool require_captions = false;
 };
 
 /// LoRA's flags: whether, rank and alpha.
@@ -75,6 +78,9 @@ inline SdFlagGroups add_sd_run_flags(CLI::App& app, SdRunFlags& f, const std::st
   g.run->add_option("--pretrained_model_name_or_path", f.model, "diffusers pipeline folder")
       ->required();
   g.run->add_option("--train_data_dir", f.data_dir, data_help)->required();
+  g.run->add_option("--variant", f.variant,
+                    "read the weights saved with this variant (diffusers' --variant: \"fp16\" "
+                    "reads *.fp16.safetensors); a full fine-tune writes its model with it too");
   g.run->add_option("--output_dir", f.out, "output folder")->capture_default_str();
   g.run->add_option("--device", f.device, "cpu, cuda or cuda:N")->capture_default_str();
   g.run->add_option("--seed", f.seed, "seeds batches, noise and samples")->capture_default_str();
@@ -164,6 +170,8 @@ inline CLI::Option_group* add_image_folder_flags(CLI::App& app, const SdFlagGrou
       ->capture_default_str();
   g.run->add_option("--max_train_samples", limit, "use only the first N images (0: all)")
       ->check(count_in(0, 100'000'000));
+  g.run->add_flag("--require_captions", f.require_captions,
+                  "refuse images without a caption of their own (else their file name stands in)");
   g.training->add_option("--max_grad_norm", f.max_grad_norm)
       ->check(number_in(0, 1e9, true))
       ->capture_default_str();
@@ -189,6 +197,14 @@ inline void add_lora_flags(const SdFlagGroups& g, LoraFlags& f, const std::strin
 
 /// Refuses what these programs cannot do, naming the flag, before anything is loaded.
 inline void check_sd_run_flags(SdRunFlags& f) {
+  // The schedule is made with the trainer, after the models load: its name is checked here, with
+  // the other flags, and named as the flag.
+  try {
+    (void)difftrain::schedule::get_scheduler(
+        f.lr_scheduler, {.step_rules = "1:1", .num_warmup_steps = 0, .num_training_steps = 1});
+  } catch (const difftrain::ConfigError& e) {
+    if (e.where() == "get_scheduler name") throw ConfigError(e.message(), "--lr_scheduler");
+  }
   if (f.report_to == "none")
     f.no_tensorboard = true;
   else if (f.report_to != "tensorboard")
@@ -347,6 +363,24 @@ FitResult fit_until_done_or_stopped(Trainer& trainer, const SdRunFlags& f, Sourc
                  static_cast<long long>(trainer.global_step()));
   }
   return r;
+}
+
+/// What the closing line says the run wrote into `out`: the files `files` names (results.json's
+/// "files") and results.json; a stopped run wrote no trained weights, only its checkpoint, and
+/// the line says so rather than naming files it did not write.
+inline std::string written_files(const fs::path& out, const nlohmann::json& files, bool finished) {
+  std::string list;
+  for (const auto& [key, value] : files.items()) {
+    if (!value.is_string()) continue;
+    const std::string name = value.get<std::string>();
+    list += (list.empty() ? "" : ", ") + (name == "." ? std::string("the pipeline folder") : name);
+  }
+  list += std::string(list.empty() ? "" : ", ") + "results.json";
+  std::string line = "wrote " + out.string() + ": " + list;
+  if (!finished)
+    line += " (stopped early: the trained weights are only in " + (out / "checkpoints").string() +
+            "; --resume_from_checkpoint latest continues)";
+  return line;
 }
 
 /// validation.png (a row per prompt) and validation/image-N.png (each with its prompt).

@@ -35,6 +35,7 @@
 #include <string>
 
 #include "../common/cli_checks.hpp"
+#include "../common/run_skeleton.hpp"
 #include "../common/scheduler_config.hpp"
 #include "../fashion_mnist/data.hpp"
 
@@ -124,7 +125,7 @@ int run(const Settings& s) {
   if (s.unet_dir.empty() || s.vae_dir.empty())
     throw ConfigError("name the diffusers UNet and VAE folders (--unet DIR --vae DIR)", "flags");
   const fs::path out(s.out);
-  dt::io::ensure_writable_folder(out);
+  const examples::OutputFolder output_folder(out);
   const examples::SchedulerConfig sc =
       examples::read_scheduler_config(s.scheduler_config, s.prediction_type);
   const df::Prediction prediction = sc.prediction;

@@ -62,6 +62,7 @@
 #include "../common/sd_pipeline.hpp"
 #include "../common/sd_run.hpp"
 #include "../common/sd_torchrun.hpp"
+#include "../common/training_folder.hpp"
 
 namespace {
 namespace ad = difftrain::adapters;
@@ -349,11 +350,8 @@ int run(Settings s) {
   const at::Device device = ranks.second;
   const bool main_rank = world->is_main();
   data::ImageFolderOptions fo;
-  data::ImageFolder folder = data::scan_image_folder(s.data_dir, fo);
-  if (main_rank)
-    for (const auto& skipped : folder.skipped)
-      std::fprintf(stderr, "skipped %s: %s\n", skipped.path.string().c_str(),
-                   skipped.reason.c_str());
+  // Its prompts come from templates, not captions: the folder is reported, captions or not.
+  data::ImageFolder folder = examples::scan_training_folder(s.data_dir, fo, {.say = main_rank});
   if (folder.images.empty()) throw ConfigError("holds no image", s.data_dir);
   const std::int64_t batches =
       static_cast<std::int64_t>(folder.images.size()) * s.repeats / s.train_batch_size;
@@ -363,9 +361,9 @@ int run(Settings s) {
                       "--train_data_dir / --repeats / --train_batch_size");
   resolve_max_train_steps(s, (batches + world->size() - 1) / world->size(), main_rank);
   const fs::path out(s.out);
-  dt::io::ensure_writable_folder(out);
+  const examples::OutputFolder output_folder(out, main_rank);
   tr::set_seed(s.seed);
-  Pipeline p = load_pipeline(s.model, "");
+  Pipeline p = load_pipeline(s.model, "", s.variant);
 
   // The new word: tokens and rows, each row the initializer's embedding (in both tokenizers and
   // tables of an SDXL pipeline). Every check comes before the first table grows.
@@ -511,10 +509,10 @@ int run(Settings s) {
   results["data_share"] = fit.seconds > 0 ? samples.data_seconds() / fit.seconds : 0.0;
   results["total_seconds"] = examples::seconds_since(t0);
   write_results(out, results);
-  std::printf("textual inversion of %s (%lld vectors): %lld steps (loss %.4f → %.4f); wrote %s\n",
+  std::printf("textual inversion of %s (%lld vectors): %lld steps (loss %.4f → %.4f); %s\n",
               s.placeholder_token.c_str(), static_cast<long long>(s.num_vectors),
               static_cast<long long>(trainer.global_step()), results["first_loss"].get<double>(),
-              results["last_loss"].get<double>(), s.out.c_str());
+              results["last_loss"].get<double>(), written_files(out, files, fit.finished).c_str());
   return fit.finished ? 0 : 130;
 }
 

@@ -72,6 +72,7 @@
 #include "../common/sd_pipeline.hpp"
 #include "../common/sd_run.hpp"
 #include "../common/sd_torchrun.hpp"
+#include "../common/training_folder.hpp"
 
 namespace {
 namespace dt = difftrain;
@@ -224,6 +225,11 @@ class BatchStream {
       text_cache_.emplace(cache_root(s) / "text", text_fingerprint(p),
                           p.xl ? "SDXL text conditioning (hidden states, pooled)"
                                : "CLIP text encoder outputs (last_hidden_state)");
+      // As the latent cache says it: a damaged shard is set aside and its captions encoded again.
+      if (rank_ == 0)
+        for (const auto& d : text_cache_->damaged())
+          std::fprintf(stderr, "text cache: %s was damaged (%s); its captions are encoded again\n",
+                       d.path.string().c_str(), d.reason.c_str());
     }
   }
   [[nodiscard]] std::size_t batches_per_epoch() const { return per_epoch_; }
@@ -539,7 +545,13 @@ int train(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
       files["kohya"] = names.kohya.string();
     } else {
       copy_pipeline_except_unet(p.root, out);
-      models::save_pretrained(p.unet, out / "unet");
+      // In the variant the base was read in, so the folder loads with the same --variant.
+      models::SaveOptions so;
+      if (!s.variant.empty()) so.variant = s.variant;
+      // diffusers' fp16 and bf16 variants hold weights of that dtype.
+      if (s.variant == "fp16") so.dtype = at::kHalf;
+      if (s.variant == "bf16") so.dtype = at::kBFloat16;
+      models::save_pretrained(p.unet, out / "unet", so);
       files["pipeline"] = ".";
     }
     if (!s.validation_prompts.empty()) {
@@ -569,11 +581,11 @@ int train(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
                                {"seconds", cache_report.seconds}};
   results["total_seconds"] = examples::seconds_since(t0);
   write_results(out, results);
-  std::printf("%s %lld steps (loss %.4f → %.4f, data %.1f%% of the time); wrote %s\n",
+  std::printf("%s %lld steps (loss %.4f → %.4f, data %.1f%% of the time); %s\n",
               s.use_lora ? "LoRA" : "full fine-tuning",
               static_cast<long long>(trainer.global_step()), results["first_loss"].get<double>(),
               results["last_loss"].get<double>(), 100.0 * results["data_share"].get<double>(),
-              s.out.c_str());
+              written_files(out, files, fit.finished).c_str());
   return fit.finished ? 0 : 130;
 }
 
@@ -592,17 +604,9 @@ int run(Settings s) {
   data::ImageFolderOptions fo;
   fo.image_column = s.image_column;
   fo.caption_column = s.caption_column;
-  data::ImageFolder folder = data::scan_image_folder(s.data_dir, fo);
   const bool say = world->is_main();  // every rank scans the same folder; rank 0 reports it
-  if (say)
-    for (const auto& skipped : folder.skipped)
-      std::fprintf(stderr, "skipped %s: %s\n", skipped.path.string().c_str(),
-                   skipped.reason.c_str());
-  if (s.limit > 0 && static_cast<std::int64_t>(folder.images.size()) > s.limit)
-    folder.images.resize(static_cast<std::size_t>(s.limit));
-  if (say)
-    std::fprintf(stderr, "%zu images (%lld with repeats), %zu skipped\n", folder.images.size(),
-                 static_cast<long long>(folder.epoch_size()), folder.skipped.size());
+  data::ImageFolder folder = examples::scan_training_folder(
+      s.data_dir, fo, {.say = say, .limit = s.limit, .require_captions = s.require_captions});
   // The epoch's batches (one bucket each) decide the steps of --num_train_epochs; the ranks share
   // them.
   const auto batches = static_cast<std::int64_t>(epoch_batch_count(folder, buckets, s));
@@ -611,9 +615,9 @@ int run(Settings s) {
                           std::to_string(world->size()) + " ranks",
                       "--train_data_dir / --train_batch_size");
   resolve_max_train_steps(s, (batches + world->size() - 1) / world->size(), say);
-  dt::io::ensure_writable_folder(s.out);
+  const examples::OutputFolder output_folder(s.out, say);
   tr::set_seed(s.seed);
-  Pipeline p = load_pipeline(s.model, s.prediction_type);
+  Pipeline p = load_pipeline(s.model, s.prediction_type, s.variant);
   if (!s.enable_bucket && s.resolution % p.vae->downscale() != 0)
     throw ConfigError(
         "must be a multiple of the VAE's downscale " + std::to_string(p.vae->downscale()),

@@ -52,6 +52,7 @@
 #include "../common/run_skeleton.hpp"
 #include "../common/sd_pipeline.hpp"
 #include "../common/sd_run.hpp"
+#include "../common/training_folder.hpp"
 
 namespace {
 namespace ad = difftrain::adapters;
@@ -249,11 +250,9 @@ int run(Settings s) {
       s.device == "cuda" && world->distributed()
           ? at::Device(at::kCUDA, static_cast<at::DeviceIndex>(world->local_rank()))
           : examples::device_from(s.device);
-  data::ImageFolder folder = data::scan_image_folder(s.data_dir);
-  for (const auto& skipped : folder.skipped)
-    if (world->is_main())
-      std::fprintf(stderr, "skipped %s: %s\n", skipped.path.string().c_str(),
-                   skipped.reason.c_str());
+  // [filewords] are the file names: the folder is reported, captions or not.
+  data::ImageFolder folder =
+      examples::scan_training_folder(s.data_dir, {}, {.say = world->is_main()});
   // Each rank's share of an epoch's micro-batches (every image is one); every rank needs a whole
   // optimizer step, which is known before any image is encoded.
   const auto images = static_cast<std::int64_t>(folder.images.size());
@@ -265,7 +264,7 @@ int run(Settings s) {
             std::to_string(ranks) + " ranks × --gradient_step " + std::to_string(s.gradient_step),
         s.data_dir);
   const fs::path out(s.out);
-  dt::io::ensure_writable_folder(out);
+  const examples::OutputFolder output_folder(out, world->is_main());
   const fs::path log = s.log_directory.empty() ? out / "log" : fs::path(s.log_directory);
   tr::set_seed(s.seed);
   Pipeline p = load_pipeline(s.model, "");

@@ -47,6 +47,10 @@ expect_rc 0 run -- "$bin" "${base[@]}" --max_train_steps 20 --save_steps 10 --ch
 for f in learned_embeds.safetensors learned_embeds-steps-10.safetensors fm-sneaker.pt validation.png; do
   [ -s "$work/run/$f" ] || fail "the run did not write $f"
 done
+# The folder is reported as every program reports it (its prompts come from templates).
+n=$(ls "$work/sneakers" | wc -l)
+grep_in "$work/run.err" "$n images ($n with repeats), 0 skipped"
+grep_in "$work/run.err" "$n images have no caption of their own: $n train under their file names"
 expect_rc 130 stopped -- "$bin" "${base[@]}" --max_train_steps 20 --checkpointing_steps 10 --stop_at 10 \
   --output_dir "$work/resumed"
 expect_rc 0 resumed -- "$bin" "${base[@]}" --max_train_steps 20 --checkpointing_steps 10 \

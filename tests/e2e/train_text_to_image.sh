@@ -43,6 +43,25 @@ expect_rc 2 te-without-lora -- "$bin" "${base[@]}" --train_text_encoder --output
 grep_in "$work/te-without-lora.err" "--use_lora"
 expect_rc 2 prediction -- "$bin" "${base[@]}" --prediction_type flow --output_dir "$work/bad"
 grep_in "$work/prediction.err" "prediction_type"
+expect_rc 2 scheduler -- "$bin" "${base[@]}" --lr_scheduler cosine_warmup --output_dir "$work/bad"
+grep_in "$work/scheduler.err" "at --lr_scheduler"
+grep_in "$work/scheduler.err" "cosine_warmup"
+# A mistake found once the run has started (a pipeline folder without its tokenizer) leaves no
+# output folder behind.
+mkdir -p "$work/no-tokenizer" && cp -r "$sd"/. "$work/no-tokenizer/" && rm -rf "$work/no-tokenizer/tokenizer"
+expect_rc 2 no-tokenizer -- "$bin" "${base[@]}" --pretrained_model_name_or_path "$work/no-tokenizer" \
+  --output_dir "$work/refused/out"
+grep_in "$work/no-tokenizer.err" "tokenizer"
+[ -e "$work/refused" ] && fail "a run refused after start-up left its output folder behind"
+# An image without a caption of its own trains under its file name, said so; --require_captions
+# refuses it by name.
+mkdir -p "$work/uncaptioned" && cp -r "$images"/. "$work/uncaptioned/"
+first=$(ls "$images" | grep -E '\.(png|jpg|webp)$' | grep -v '^broken' | head -n 1)
+cp "$images/$first" "$work/uncaptioned/zz_no_caption.${first##*.}"
+expect_rc 2 require-captions -- "$bin" "${base[@]}" --train_data_dir "$work/uncaptioned" \
+  --require_captions --output_dir "$work/bad"
+grep_in "$work/require-captions.err" "1 of 25 images have no caption of their own"
+grep_in "$work/require-captions.err" "zz_no_caption"
 [ -e "$work/bad/checkpoints" ] && fail "a refused run left checkpoints"
 
 # LoRA on the UNet and the text encoder at alpha != rank (scale 0.5, which only the PEFT file's
@@ -76,6 +95,22 @@ expect_rc 0 full -- "$bin" "${base[@]}" --use_ema --ema_decay 0.9 --snr_gamma 5 
   --enable_bucket --min_bucket_reso 16 --max_bucket_reso 64 --bucket_reso_steps 16 \
   --learning_rate 5e-4 --max_train_steps 30 --validation_prompt "a photo of a bag" --output_dir "$work/full"
 grep_in "$work/full.err" "number of buckets"
+# A pipeline folder holding only fp16 variant files (diffusers' save_pretrained(variant="fp16")):
+# refused without --variant, naming the variant; with --variant fp16 it trains, and its output
+# folder loads in diffusers with variant="fp16" (the trained UNet written in that variant too).
+"$py" - "$sd" "$work/sd-fp16" >"$work/variant-make.out" 2>&1 <<'PY' || fail "making an fp16-variant pipeline"
+import sys, torch
+from diffusers import StableDiffusionPipeline
+StableDiffusionPipeline.from_pretrained(sys.argv[1], torch_dtype=torch.float16).save_pretrained(
+    sys.argv[2], variant="fp16")
+PY
+expect_rc 2 variant-missing -- "$bin" "${base[@]}" --pretrained_model_name_or_path "$work/sd-fp16" \
+  --max_train_steps 2 --output_dir "$work/bad"
+grep_in "$work/variant-missing.err" 'variant "fp16"'
+expect_rc 0 variant -- "$bin" "${base[@]}" --pretrained_model_name_or_path "$work/sd-fp16" \
+  --variant fp16 --max_train_steps 2 --output_dir "$work/variant"
+ls "$work/variant/unet"/diffusion_pytorch_model.fp16.safetensors >/dev/null 2>&1 ||
+  fail "the fp16-variant run did not write its UNet in that variant"
 
 # SDXL: LoRA on the UNet and both text encoders, buckets, cached latents (time ids from each
 # image's size and crop).
@@ -101,8 +136,20 @@ grep_in "$work/dp/results.json" '"ranks": 2'
 [ "$(grep -c "latent cache: 24 entries, 0 reused, 24 encoded" "$work/dp.err")" -eq 1 ] &&
   [ "$(grep -c "latent cache:" "$work/dp.err")" -eq 1 ] || fail "the latent cache was not built once"
 [ "$(grep -c "24 images" "$work/dp.err")" -eq 1 ] || fail "the image folder should be reported once"
+# A damaged shard of the text cache is set aside and said so; its captions are encoded again.
+shard=$(find "$work/dp/cache/text" -name 'shard-*.safetensors' | head -n 1)
+[ -n "$shard" ] || fail "the 2-rank run wrote no text cache"
+"$py" -c "import sys; p = sys.argv[1]; b = bytearray(open(p, 'rb').read()); b[len(b) // 2] ^= 0xFF; open(p, 'wb').write(b)" "$shard"
+expect_rc 0 text-cache-damaged -- "$bin" "${base[@]}" --use_lora --rank 4 --cache_latents --center_crop \
+  --max_train_steps 1 --output_dir "$work/text-cache" --cache_dir "$work/dp/cache"
+grep_in "$work/text-cache-damaged.err" "text cache: $shard was damaged"
+grep_in "$work/text-cache-damaged.err" "its captions are encoded again"
+[ -e "$shard.damaged" ] || fail "the damaged text-cache shard was not set aside"
 expect_rc 1 zero2-stopped -- "${launch[@]}" "${ranks[@]}" --sharding 2 --stop_at 6 --output_dir "$work/zero"
 grep_in "$work/zero2-stopped.err" "stopped at step 6"
+# Its last line names what it wrote: results.json and the checkpoint, not the LoRA files.
+grep_in "$work/zero2-stopped.out" "wrote $work/zero: results.json (stopped early"
+grep -q "pytorch_lora_weights" "$work/zero2-stopped.out" && fail "a stopped run claims its LoRA file"
 for f in checkpoint-6.pt checkpoint-6.pt.shard-0-of-2 checkpoint-6.pt.shard-1-of-2; do
   [ -s "$work/zero/checkpoints/$f" ] || fail "the stage-2 run did not write $f"
 done
@@ -203,6 +250,11 @@ print(f"rank 4, alpha 2: the PEFT and the kohya file give the same images ({wors
 del via_kohya
 kohya = load_file(work / "lora" / "lora_kohya.safetensors")
 assert any(k.startswith("lora_unet_") for k in kohya) and any(k.startswith("lora_te_") for k in kohya)
+variant = StableDiffusionPipeline.from_pretrained(str(work / "variant"), variant="fp16",
+                                                  torch_dtype=torch.float32, safety_checker=None)
+assert variant.unet.dtype == torch.float32
+generate(variant)
+print("--variant fp16: the output folder loads with variant=\"fp16\" and generates")
 full = StableDiffusionPipeline.from_pretrained(str(work / "full"), safety_checker=None)
 trained = dict(full.unet.named_parameters())
 moved = sum(not torch.equal(p, trained[n]) for n, p in base.unet.named_parameters() if n in trained)
