@@ -1,0 +1,320 @@
+#pragma once
+// Stable Diffusion checkpoints as one file, the way the web UI, ComfyUI, kohya's scripts and
+// stable-diffusion.cpp keep them (a `.safetensors`, or a pickled `.ckpt` with a `state_dict`): the
+// UNet, the VAE and the text encoder under their original names (single_file/ldm_names.hpp), as
+// diffusers' `from_single_file` reads them and its conversion scripts write them.
+//
+//   auto file = models::read_single_file("v1-5-pruned-emaonly.safetensors");
+//   auto unet = models::unet_from_single_file(file, unet_config);       // diffusers' names
+//   auto vae = models::vae_from_single_file(file, vae_config);
+//   auto clip = models::clip_from_single_file(file, clip_config);
+//   models::save_stable_diffusion_single_file("out.safetensors", unet, vae, clip, {at::kHalf});
+//
+// The configs come from the caller (a diffusers folder's, as diffusers' `config=`): a file holds
+// no config. The family is told by the keys; SD 1.x (CLIP ViT-L under
+// `cond_stage_model.transformer.`) is read and written; SD 2.x (OpenCLIP), SDXL and SD3 files are
+// recognised and refused by name. Every tensor the model has must be in the file with its shape,
+// and every tensor the file holds under a component's prefix must be taken, or the file is a
+// FormatError naming the first such keys: nothing is guessed or left behind.
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "difftrain/core/error.hpp"
+#include "difftrain/io/safetensors.hpp"
+#include "difftrain/io/torch_file.hpp"
+#include "difftrain/models/autoencoder_kl.hpp"
+#include "difftrain/models/clip_text_model.hpp"
+#include "difftrain/models/pretrained.hpp"
+#include "difftrain/models/single_file/ldm_names.hpp"
+#include "difftrain/models/unet_2d_condition.hpp"
+
+namespace difftrain::models {
+
+/// The families of single files, by their keys.
+enum class SingleFileFamily { sd1, sd2, sdxl, sd3 };
+
+inline std::string_view single_file_family_name(SingleFileFamily f) {
+  switch (f) {
+    case SingleFileFamily::sd1:
+      return "Stable Diffusion 1.x";
+    case SingleFileFamily::sd2:
+      return "Stable Diffusion 2.x";
+    case SingleFileFamily::sdxl:
+      return "Stable Diffusion XL";
+    case SingleFileFamily::sd3:
+      return "Stable Diffusion 3";
+  }
+  return "?";
+}
+
+/// A single file's tensors by their original names (memory-mapped for `.safetensors`).
+struct SingleFile {
+  std::string where;
+  std::map<std::string, at::Tensor> tensors;
+  SingleFileFamily family = SingleFileFamily::sd1;
+};
+
+namespace single_file_detail {
+
+/// What each family must hold, and where its parts live: the first key that is not there is
+/// named when a file fits no family.
+struct FamilySignature {
+  SingleFileFamily family;
+  std::vector<std::string_view> required;
+};
+
+inline const std::vector<FamilySignature>& signatures() {
+  static const std::vector<FamilySignature> s = {
+      {SingleFileFamily::sd3,
+       {"model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight",
+        "model.diffusion_model.x_embedder.proj.weight"}},
+      {SingleFileFamily::sdxl,
+       {"model.diffusion_model.input_blocks.0.0.weight",
+        "model.diffusion_model.label_emb.0.0.weight",
+        "conditioner.embedders.1.model.ln_final.weight"}},
+      {SingleFileFamily::sd2,
+       {"model.diffusion_model.input_blocks.0.0.weight", "cond_stage_model.model.ln_final.weight"}},
+      {SingleFileFamily::sd1,
+       {"model.diffusion_model.input_blocks.0.0.weight", "first_stage_model.encoder.conv_in.weight",
+        "cond_stage_model.transformer.text_model.final_layer_norm.weight"}},
+  };
+  return s;
+}
+
+/// The tensors of a `.ckpt`: its `state_dict` (or the file's dict itself).
+inline std::map<std::string, at::Tensor> pickled_state_dict(const std::filesystem::path& path) {
+  const io::TorchValue root = io::load_torch_file(path);
+  if (!root.is_dict())
+    throw FormatError("is not a checkpoint (its root is not a dict)", path.string());
+  const io::TorchValue& sd = root.contains("state_dict") ? root.at("state_dict") : root;
+  std::map<std::string, at::Tensor> out;
+  for (const auto& [key, value] : sd.items()) {
+    if (!key.isString()) continue;
+    // Optimizer states and counters beside the weights are not a model's.
+    if (!value.is_tensor()) continue;
+    out.emplace(key.toStringRef(), value.tensor());
+  }
+  return out;
+}
+
+/// The original-layout tensors of one component taken into `model` by name (`ldm` gives a
+/// diffusers name's original one under `prefix`); `reshaped` says which tensors the original
+/// keeps in another shape of the same size (1x1 convolutions for linear layers). Every tensor the
+/// model has must be found, and every tensor under `prefix` taken (`ignored` aside).
+template <class Holder>
+void load_component(Holder& model, const SingleFile& file, std::string_view prefix,
+                    const std::function<std::string(const std::string&)>& ldm,
+                    const std::function<bool(const std::string&)>& reshaped,
+                    const std::set<std::string>& ignored, const std::string& what) {
+  const std::string where = file.where + " (" + what + ")";
+  std::map<std::string, at::Tensor> weights;
+  std::set<std::string> taken;
+  std::vector<std::string> missing;
+  auto take = [&](const std::string& name, const at::Tensor& own) {
+    const std::string key = std::string(prefix) + ldm(name);
+    const auto it = file.tensors.find(key);
+    if (it == file.tensors.end()) {
+      missing.push_back("'" + key + "' (diffusers' '" + name + "')");
+      return;
+    }
+    taken.insert(key);
+    at::Tensor t = it->second;
+    if (reshaped(name) && t.sizes() != own.sizes() && t.numel() == own.numel())
+      t = t.reshape(own.sizes());
+    weights.emplace(name, t);
+  };
+  for (const auto& p : model->named_parameters(true)) take(p.key(), p.value());
+  for (const auto& b : model->named_buffers(true)) take(b.key(), b.value());
+  if (!missing.empty()) {
+    std::string msg =
+        "lacks " + std::to_string(missing.size()) + " tensor(s) of the " + what + ": ";
+    for (std::size_t i = 0; i < missing.size() && i < 5; ++i) msg += (i ? ", " : "") + missing[i];
+    throw FormatError(msg + (missing.size() > 5 ? ", ..." : "") +
+                          " (a file of another layout, or of a model with another config?)",
+                      file.where);
+  }
+  std::vector<std::string> left;
+  for (auto it = file.tensors.lower_bound(std::string(prefix));
+       it != file.tensors.end() && it->first.starts_with(prefix); ++it)
+    if (!taken.contains(it->first) && !ignored.contains(it->first.substr(prefix.size())))
+      left.push_back(it->first);
+  if (!left.empty()) {
+    std::string msg = "holds " + std::to_string(left.size()) + " tensor(s) under '" +
+                      std::string(prefix) + "' the " + what + " of this config has no place for: ";
+    for (std::size_t i = 0; i < left.size() && i < 5; ++i) msg += (i ? ", " : "") + left[i];
+    throw FormatError(msg + (left.size() > 5 ? ", ..." : "") +
+                          " (the config describes a smaller model than the file)",
+                      file.where);
+  }
+  load_weights(*model, weights, where);
+}
+
+}  // namespace single_file_detail
+
+/// Which family a single file's keys belong to; a file of none is a FormatError naming the family
+/// it comes closest to and the keys it lacks for it.
+inline SingleFileFamily single_file_family(const std::map<std::string, at::Tensor>& tensors,
+                                           const std::string& where) {
+  const single_file_detail::FamilySignature* closest = nullptr;
+  std::size_t best = 0;
+  for (const auto& s : single_file_detail::signatures()) {
+    std::size_t have = 0;
+    for (const auto key : s.required) have += tensors.contains(std::string(key)) ? 1 : 0;
+    if (have == s.required.size()) return s.family;
+    if (closest == nullptr || have > best) {
+      closest = &s;
+      best = have;
+    }
+  }
+  std::string lacks;
+  for (const auto key : closest->required)
+    if (!tensors.contains(std::string(key)))
+      lacks += (lacks.empty() ? "'" : ", '") + std::string(key) + "'";
+  throw FormatError("is no Stable Diffusion single file difftrain knows (" +
+                        std::to_string(tensors.size()) + " tensors); it comes closest to " +
+                        std::string(single_file_family_name(closest->family)) + " but lacks " +
+                        lacks,
+                    where);
+}
+
+/// Reads a single file (`.safetensors` memory-mapped, `.ckpt`/`.pt` through the bounded pickle
+/// reader) and tells its family. `use_ema`: the UNet's EMA weights (`model_ema.*`, the web UI's
+/// and the original trainer's) stand in for the trained ones; a file without them is refused.
+inline SingleFile read_single_file(const std::filesystem::path& path, bool use_ema = false) {
+  SingleFile f;
+  f.where = path.string();
+  const std::string ext = path.extension().string();
+  if (ext == ".ckpt" || ext == ".pt" || ext == ".pth" || ext == ".bin")
+    f.tensors = single_file_detail::pickled_state_dict(path);
+  else
+    f.tensors = io::load_safetensors(path).tensors;
+  f.family = single_file_family(f.tensors, f.where);
+  if (use_ema) {
+    // The original EMA keeps each tensor as "model_ema." + its name after "model." without dots.
+    std::size_t found = 0;
+    for (auto& [key, t] : f.tensors) {
+      if (!key.starts_with(kLdmUnetPrefix)) continue;
+      std::string flat = "model_ema.";
+      for (const char ch : key.substr(6))
+        if (ch != '.') flat += ch;
+      const auto it = f.tensors.find(flat);
+      if (it == f.tensors.end()) continue;
+      t = it->second;
+      ++found;
+    }
+    if (found == 0)
+      throw ConfigError("holds no EMA weights (model_ema.*) to use in place of the trained ones",
+                        f.where);
+  }
+  // The EMA copies are not a component's: they are used above or left.
+  for (auto it = f.tensors.begin(); it != f.tensors.end();)
+    it = it->first.starts_with("model_ema.") ? f.tensors.erase(it) : std::next(it);
+  return f;
+}
+
+namespace single_file_detail {
+inline void require_sd1(const SingleFile& f, std::string_view what) {
+  if (f.family != SingleFileFamily::sd1)
+    throw ConfigError("is a " + std::string(single_file_family_name(f.family)) + " file; its " +
+                          std::string(what) +
+                          " is not read from single files yet (Stable Diffusion 1.x is)",
+                      f.where);
+}
+}  // namespace single_file_detail
+
+/// The UNet of an SD 1.x single file, built from `config` (diffusers' UNet config of the file's
+/// model: the file holds none).
+template <class Holder = UNet2DConditionModel<>>
+Holder unet_from_single_file(const SingleFile& f, UNet2DConditionConfig config) {
+  single_file_detail::require_sd1(f, "UNet");
+  Holder model(std::move(config), f.where);
+  const auto& c = model->config();
+  single_file_detail::load_component(
+      model, f, kLdmUnetPrefix, [&](const std::string& n) { return ldm_unet_name(n, c); },
+      [](const std::string&) { return false; }, {}, "UNet");
+  return model;
+}
+
+/// The VAE of an SD 1.x single file (its mid-block attention's 1x1 convolutions as linear layers).
+template <class Holder = AutoencoderKL<>>
+Holder vae_from_single_file(const SingleFile& f, AutoencoderKLConfig config) {
+  single_file_detail::require_sd1(f, "VAE");
+  Holder model(std::move(config), f.where);
+  const auto& c = model->config();
+  single_file_detail::load_component(
+      model, f, kLdmVaePrefix, [&](const std::string& n) { return ldm_vae_name(n, c); },
+      ldm_vae_conv_as_linear, {}, "VAE");
+  return model;
+}
+
+/// The text encoder (CLIP ViT-L) of an SD 1.x single file.
+template <class Holder = CLIPTextModel<>>
+Holder clip_from_single_file(const SingleFile& f, CLIPTextConfig config) {
+  single_file_detail::require_sd1(f, "text encoder");
+  Holder model(std::move(config), f.where);
+  single_file_detail::load_component(
+      model, f, kLdmClipPrefix, [](const std::string& n) { return n; },
+      [](const std::string&) { return false; }, {"text_model.embeddings.position_ids"},
+      "text encoder");
+  return model;
+}
+
+struct SingleFileSaveOptions {
+  /// The floating-point tensors in this dtype (the web UI's fp16 files); none: as trained.
+  std::optional<at::ScalarType> dtype;
+};
+
+/// The tensors of an SD 1.x single file for these models, by their original names.
+template <class Unet, class Vae, class Clip>
+std::map<std::string, at::Tensor> stable_diffusion_single_file_tensors(
+    Unet& unet, Vae& vae, Clip& clip, const SingleFileSaveOptions& o = {}) {
+  std::map<std::string, at::Tensor> out;
+  auto put = [&](const std::string& key, const at::Tensor& t) {
+    at::Tensor v = t.detach().to(at::kCPU).contiguous();
+    if (o.dtype && at::isFloatingType(v.scalar_type())) v = v.to(*o.dtype);
+    if (!out.emplace(key, v).second) throw ConfigError("two tensors map to one name", key);
+  };
+  auto all = [](auto& m, auto&& f) {
+    for (const auto& p : m->named_parameters(true)) f(p.key(), p.value());
+    for (const auto& b : m->named_buffers(true)) f(b.key(), b.value());
+  };
+  const auto& uc = unet->config();
+  all(unet, [&](const std::string& n, const at::Tensor& t) {
+    put(std::string(kLdmUnetPrefix) + ldm_unet_name(n, uc), t);
+  });
+  const auto& vc = vae->config();
+  all(vae, [&](const std::string& n, const at::Tensor& t) {
+    // The original's attention projections are 1x1 convolutions.
+    put(std::string(kLdmVaePrefix) + ldm_vae_name(n, vc),
+        ldm_vae_conv_as_linear(n) && t.dim() == 2 ? t.unsqueeze(-1).unsqueeze(-1) : t);
+  });
+  all(clip,
+      [&](const std::string& n, const at::Tensor& t) { put(std::string(kLdmClipPrefix) + n, t); });
+  // The original CLIP keeps its position ids as a buffer (the files in the wild hold it).
+  const std::string ids = std::string(kLdmClipPrefix) + "text_model.embeddings.position_ids";
+  if (!out.contains(ids))
+    out.emplace(ids, at::arange(clip->config().max_position_embeddings, at::kLong).unsqueeze(0));
+  return out;
+}
+
+/// Writes an SD 1.x single file (safetensors, atomically) that the web UI, ComfyUI and
+/// diffusers' `from_single_file` load.
+template <class Unet, class Vae, class Clip>
+void save_stable_diffusion_single_file(const std::filesystem::path& path, Unet& unet, Vae& vae,
+                                       Clip& clip, const SingleFileSaveOptions& o = {}) {
+  io::save_safetensors(path, stable_diffusion_single_file_tensors(unet, vae, clip, o),
+                       {{"format", "pt"}});
+}
+
+}  // namespace difftrain::models

@@ -1,0 +1,285 @@
+// Stable Diffusion single files (the web UI's, ComfyUI's and kohya's layout): the UNet, VAE and
+// CLIP text encoder under their original names, written and read back to the bit for every UNet
+// and VAE configuration the reference scripts made (SD 1.x and 2.x-like UNets, SDXL's added
+// embedding, timestep class embeddings; two- and three-level VAEs), in float32 and fp16, from
+// `.safetensors` and pickled `.ckpt`; the UNet's EMA copies when asked; files that do not fit are
+// typed errors naming the keys. tests/reference/check_cpp_single_file.py loads the file written
+// here with diffusers' StableDiffusionPipeline.from_single_file (DIFFTRAIN_MODELS_OUT) and finds
+// every tensor of the three models it came from.
+#include <unistd.h>
+#include <difftrain/io/remove_tree.hpp>
+#include <difftrain/io/safetensors.hpp>
+#include <difftrain/io/torch_file.hpp>
+#include <difftrain/models/models.hpp>
+#include <difftrain/models/single_file/stable_diffusion.hpp>
+
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+
+namespace dt = difftrain;
+namespace fs = std::filesystem;
+namespace models = difftrain::models;
+
+namespace {
+
+fs::path golden() { return fs::path(DIFFTRAIN_GOLDEN_DIR); }
+
+fs::path scratch(const std::string& name) {
+  const fs::path dir =
+      fs::temp_directory_path() / ("difftrain-single-" + name + "-" + std::to_string(::getpid()));
+  dt::io::remove_tree(dir);
+  fs::create_directories(dir);
+  return dir;
+}
+
+template <class Holder>
+std::map<std::string, at::Tensor> state_of(Holder& m) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& p : m->named_parameters(true)) out[p.key()] = p.value().detach();
+  for (const auto& b : m->named_buffers(true)) out[b.key()] = b.value().detach();
+  return out;
+}
+
+template <class Holder>
+void expect_same(Holder& got, Holder& want, const std::string& what,
+                 std::optional<at::ScalarType> stored = std::nullopt) {
+  const auto a = state_of(got);
+  const auto b = state_of(want);
+  ASSERT_EQ(a.size(), b.size()) << what;
+  for (const auto& [name, t] : b) {
+    const at::Tensor expected = stored ? t.to(*stored).to(t.scalar_type()) : t;
+    EXPECT_TRUE(at::equal(a.at(name), expected)) << what << ": " << name;
+  }
+}
+
+template <class E>
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const E& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    return std::string("wrong error type: ") + e.what();
+  }
+  return "accepted";
+}
+
+template <class Unet = models::UNet2DConditionModel<>>
+struct Sd1Models {
+  Unet unet{nullptr};
+  models::AutoencoderKL<> vae{nullptr};
+  models::CLIPTextModel<> clip{nullptr};
+};
+
+template <class Unet = models::UNet2DConditionModel<>>
+Sd1Models<Unet> load(const std::string& unet, const std::string& vae) {
+  models::LoadOptions lo;  // (a folder the reference scripts saved as an fp16 variant)
+  if (fs::exists(golden() / "models" / unet / "diffusion_pytorch_model.fp16.safetensors"))
+    lo.variant = "fp16";
+  return {models::from_pretrained<Unet>(golden() / "models" / unet, lo),
+          models::from_pretrained<models::AutoencoderKL<>>(golden() / "models" / vae),
+          models::from_pretrained<models::CLIPTextModel<>>(golden() / "encode_prompt" /
+                                                           "text_encoder")};
+}
+
+// One UNet and VAE with the CLIP encoder: written in the original layout (in `dtype`), checked for
+// its names, read back and built, every tensor as it was (its `dtype` rounding).
+template <class Unet = models::UNet2DConditionModel<>>
+void round_trip(const std::string& unet, const std::string& vae,
+                std::optional<at::ScalarType> dtype, const fs::path& dir) {
+  const std::string what = unet + " + " + vae + (dtype ? " (fp16)" : "");
+  SCOPED_TRACE(what);
+  Sd1Models<Unet> m = load<Unet>(unet, vae);
+  const auto tensors =
+      models::stable_diffusion_single_file_tensors(m.unet, m.vae, m.clip, {.dtype = dtype});
+  // The original layout: every tensor under one of the three prefixes, one per model
+  // tensor (and CLIP's position ids), the names the original code has.
+  std::size_t want = state_of(m.unet).size() + state_of(m.vae).size() + state_of(m.clip).size() + 1;
+  EXPECT_EQ(tensors.size(), want);
+  for (const auto& [key, t] : tensors) {
+    EXPECT_TRUE(key.starts_with("model.diffusion_model.") ||
+                key.starts_with("first_stage_model.") ||
+                key.starts_with("cond_stage_model.transformer.text_model."))
+        << key;
+    if (dtype && at::isFloatingType(t.scalar_type())) {
+      EXPECT_EQ(t.scalar_type(), at::kHalf) << key;
+    }
+  }
+  for (const char* key :
+       {"model.diffusion_model.input_blocks.0.0.weight",
+        "model.diffusion_model.time_embed.0.weight", "model.diffusion_model.out.2.weight",
+        "model.diffusion_model.input_blocks.1.0.in_layers.0.weight",
+        "model.diffusion_model.output_blocks.0.0.out_layers.3.weight",
+        "first_stage_model.encoder.down.0.block.0.norm1.weight",
+        "first_stage_model.decoder.up.0.block.0.conv1.weight",
+        "cond_stage_model.transformer.text_model.final_layer_norm.weight",
+        "cond_stage_model.transformer.text_model.embeddings.position_ids"})
+    EXPECT_TRUE(tensors.contains(key)) << key;
+  if (m.vae->config().mid_block_add_attention) {  // its projections as 1x1 convolutions
+    EXPECT_TRUE(tensors.contains("first_stage_model.encoder.mid.attn_1.norm.weight"));
+    EXPECT_EQ(tensors.at("first_stage_model.decoder.mid.attn_1.q.weight").dim(), 4);
+    EXPECT_EQ(tensors.at("first_stage_model.encoder.mid.attn_1.proj_out.weight").dim(), 4);
+  }
+  if (unet == "unet_sdxl_text_time_bin") {
+    EXPECT_TRUE(tensors.contains("model.diffusion_model.label_emb.0.0.weight"));
+  }
+  // Written, read back and built: every tensor as it was (as its fp16 rounding in fp16).
+  const fs::path file = dir / "model.safetensors";
+  dt::io::save_safetensors(file, tensors, {{"format", "pt"}});
+  const models::SingleFile f = models::read_single_file(file);
+  EXPECT_EQ(f.family, models::SingleFileFamily::sd1);
+  auto unet2 = models::unet_from_single_file<Unet>(f, m.unet->config());
+  auto vae2 = models::vae_from_single_file(f, m.vae->config());
+  auto clip2 = models::clip_from_single_file(f, m.clip->config());
+  expect_same(unet2, m.unet, "UNet", dtype);
+  expect_same(vae2, m.vae, "VAE", dtype);
+  expect_same(clip2, m.clip, "CLIP", dtype);
+}
+
+}  // namespace
+
+TEST(SingleFile, Sd1ComponentsRoundTripUnderTheOriginalNames) {
+  const fs::path dir = scratch("roundtrip");
+  for (const std::string vae : {"vae_two_levels", "vae_three_levels_plain"})
+    for (const auto dtype : {std::optional<at::ScalarType>{}, std::optional{at::kHalf}}) {
+      for (const std::string unet :
+           {"unet_conv_proj", "unet_linear_3_levels", "unet_sdxl_text_time_bin"})
+        round_trip(unet, vae, dtype, dir);
+    }
+  // A pickled checkpoint (the .ckpt of the original trainers: a state_dict beside other entries)
+  // reads the same, and the UNet's EMA copies stand in for it when asked.
+  Sd1Models<> m = load("unet_conv_proj", "vae_two_levels");
+  auto tensors = models::stable_diffusion_single_file_tensors(m.unet, m.vae, m.clip);
+  auto state = dt::io::torch_dict();
+  for (const auto& [key, t] : tensors) state.insert(key, t);
+  std::map<std::string, at::Tensor> ema;
+  for (const auto& [key, t] : tensors)
+    if (key.starts_with("model.diffusion_model.")) {
+      std::string flat = "model_ema.";
+      for (const char ch : key.substr(6))
+        if (ch != '.') flat += ch;
+      ema[key] = t + 1.0;
+      state.insert(flat, ema[key]);
+    }
+  auto root = dt::io::torch_dict();
+  root.insert("state_dict", state);
+  root.insert("global_step", std::int64_t{470000});
+  dt::io::save_torch_file(dir / "model.ckpt", root);
+  const auto ckpt = models::read_single_file(dir / "model.ckpt");
+  auto from_ckpt = models::unet_from_single_file(ckpt, m.unet->config());
+  expect_same(from_ckpt, m.unet, "UNet from .ckpt");
+  const auto with_ema = models::read_single_file(dir / "model.ckpt", /*use_ema=*/true);
+  auto ema_unet = models::unet_from_single_file(with_ema, m.unet->config());
+  for (const auto& p : ema_unet->named_parameters(true))
+    EXPECT_TRUE(at::equal(p.value(), ema.at("model.diffusion_model." +
+                                            models::ldm_unet_name(p.key(), m.unet->config()))))
+        << p.key();
+  EXPECT_NE(error_of<dt::ConfigError>([&] {
+              (void)models::read_single_file(dir / "model.safetensors", true);
+            }).find("no EMA weights"),
+            std::string::npos);
+  // For tests/reference/check_cpp_single_file.py: diffusers' from_single_file reads these.
+  if (const char* out_env = std::getenv("DIFFTRAIN_MODELS_OUT")) {
+    const fs::path out(out_env);
+    fs::create_directories(out);
+    models::save_stable_diffusion_single_file(out / "sd1_single.safetensors", m.unet, m.vae,
+                                              m.clip);
+    models::save_stable_diffusion_single_file(out / "sd1_single_fp16.safetensors", m.unet, m.vae,
+                                              m.clip, {.dtype = at::kHalf});
+  }
+  dt::io::remove_tree(dir);
+}
+
+TEST(SingleFile, FilesThatDoNotFitAreTypedErrorsNamingTheKeys) {
+  const fs::path dir = scratch("hostile");
+  Sd1Models<> m = load("unet_conv_proj", "vae_two_levels");
+  const auto good = models::stable_diffusion_single_file_tensors(m.unet, m.vae, m.clip);
+  auto read = [&](std::map<std::string, at::Tensor> t) {
+    dt::io::save_safetensors(dir / "f.safetensors", t);
+    return models::read_single_file(dir / "f.safetensors");
+  };
+  const std::string conv = "model.diffusion_model.input_blocks.1.0.in_layers.2.weight";
+  {
+    auto t = good;
+    t.erase(conv);
+    const auto f = read(t);
+    const std::string msg = error_of<dt::FormatError>(
+        [&] { (void)models::unet_from_single_file(f, m.unet->config()); });
+    EXPECT_NE(msg.find("lacks 1 tensor(s) of the UNet: '" + conv + "'"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("down_blocks.0.resnets.0.conv1.weight"), std::string::npos) << msg;
+  }
+  {
+    auto t = good;
+    t[conv] = at::zeros({3, 3, 3, 3});
+    const auto f = read(t);
+    const std::string msg = error_of<dt::FormatError>(
+        [&] { (void)models::unet_from_single_file(f, m.unet->config()); });
+    EXPECT_NE(msg.find("down_blocks.0.resnets.0.conv1.weight' has shape [3, 3, 3, 3]"),
+              std::string::npos)
+        << msg;
+  }
+  {
+    auto t = good;
+    t["model.diffusion_model.input_blocks.99.0.in_layers.0.weight"] = at::zeros({2});
+    const auto f = read(t);
+    const std::string msg = error_of<dt::FormatError>(
+        [&] { (void)models::unet_from_single_file(f, m.unet->config()); });
+    EXPECT_NE(msg.find("input_blocks.99.0.in_layers.0.weight"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("no place"), std::string::npos) << msg;
+  }
+  {
+    // A file of no family names the closest and what it lacks.
+    std::map<std::string, at::Tensor> t = {
+        {"model.diffusion_model.input_blocks.0.0.weight", at::zeros({1})},
+        {"something.else", at::zeros({1})}};
+    const std::string msg = error_of<dt::FormatError>([&] { (void)read(t); });
+    EXPECT_NE(msg.find("comes closest to"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("lacks"), std::string::npos) << msg;
+  }
+  {
+    // SD 2.x (OpenCLIP) and SDXL files are told by their keys and refused by name.
+    auto t = good;
+    t["cond_stage_model.model.ln_final.weight"] = at::zeros({4});
+    const auto f = read(t);
+    EXPECT_EQ(f.family, models::SingleFileFamily::sd2);
+    const std::string msg = error_of<dt::ConfigError>(
+        [&] { (void)models::unet_from_single_file(f, m.unet->config()); });
+    EXPECT_NE(msg.find("Stable Diffusion 2.x"), std::string::npos) << msg;
+  }
+  {
+    // A UNet config larger than the file's model: its tensors are missing, named.
+    nlohmann::json j = m.unet->config().to_json();
+    j["layers_per_block"] = m.unet->config().layers_per_block[0] + 1;
+    auto c = models::UNet2DConditionConfig::from_json(j, "config.json");
+    const auto f = read(good);
+    const std::string msg =
+        error_of<dt::FormatError>([&] { (void)models::unet_from_single_file(f, c); });
+    EXPECT_NE(msg.find("lacks"), std::string::npos) << msg;
+  }
+  {
+    // A UNet with a layer the original layout has no place for (a text projection,
+    // encoder_hid_proj) is refused by that layer's name, not written without it.
+    auto odd = load<models::UNet2DConditionModel<dt::nn::attention::Sdpa<dt::nn::attention::Auto>,
+                                                 dt::nn::activation::Mish>>("unet_timestep_classes",
+                                                                            "vae_two_levels");
+    const std::string msg = error_of<dt::ConfigError>(
+        [&] { (void)models::stable_diffusion_single_file_tensors(odd.unet, odd.vae, odd.clip); });
+    EXPECT_NE(msg.find("encoder_hid_proj.weight: has no place in the original UNet layout"),
+              std::string::npos)
+        << msg;
+  }
+  // Not a file of tensors at all.
+  std::ofstream(dir / "junk.safetensors") << "not a safetensors file";
+  const std::string junk =
+      error_of<dt::FormatError>([&] { (void)models::read_single_file(dir / "junk.safetensors"); });
+  EXPECT_NE(junk, "accepted");
+  EXPECT_EQ(junk.find("wrong error type"), std::string::npos) << junk;
+  dt::io::remove_tree(dir);
+}
