@@ -10,6 +10,7 @@
 #include <difftrain/io/json_file.hpp>
 #include <difftrain/io/sha256.hpp>
 #include <difftrain/models/models.hpp>
+#include <difftrain/models/single_file/stable_diffusion.hpp>
 #include <difftrain/text/clip_tokenizer.hpp>
 #include <difftrain/text/encode_prompt.hpp>
 #include <difftrain/train/trainer.hpp>
@@ -17,6 +18,7 @@
 #include <atomic>
 #include <csignal>
 #include <filesystem>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -53,6 +55,8 @@ struct Pipeline {
   Vae vae{nullptr};
   Unet unet{nullptr};
   std::optional<std::string> variant;  // the weights' variant the models were read in (--variant)
+  /// The single file the models were read from (the configs, tokenizer and scheduler from `root`).
+  std::optional<fs::path> single_file;
   examples::SchedulerConfig scheduler;
 };
 
@@ -71,11 +75,91 @@ inline void check_component(const nlohmann::json& index, const std::string& name
   }
 }
 
+/// The pipeline's parts fit each other: the UNet takes the VAE's latents and attends to text as
+/// wide as the encoders give, and takes SDXL's added conditions exactly when it is SDXL's.
+inline void check_pipeline_parts(const Pipeline& p, const std::string& unet_where) {
+  const auto& uc = p.unet->config();
+  if (uc.in_channels != p.vae->config().latent_channels)
+    throw ConfigError("takes " + std::to_string(uc.in_channels) +
+                          " channels but the VAE's latents have " +
+                          std::to_string(p.vae->config().latent_channels),
+                      unet_where);
+  const std::int64_t text_width = p.text_encoder->config().hidden_size +
+                                  (p.xl ? p.text_encoder_2->config().hidden_size : std::int64_t{0});
+  if (uc.cross_attention_dim.front() != text_width)
+    throw ConfigError("attends to " + std::to_string(uc.cross_attention_dim.front()) +
+                          "-wide text but the text encoder" + (p.xl ? "s give " : " gives ") +
+                          std::to_string(text_width),
+                      unet_where);
+  if (uc.class_embed_type || uc.num_class_embeds)
+    throw ConfigError("takes class labels; a Stable Diffusion UNet takes text", unet_where);
+  if (p.xl != (uc.addition_embed_type == std::optional<std::string>("text_time")))
+    throw ConfigError(p.xl ? "has no SDXL added conditions (addition_embed_type \"text_time\")"
+                           : "takes added conditions; an SD 1.x/2.x UNet takes text only",
+                      unet_where);
+}
+
+/// A component's config from its folder's config.json.
+template <class Config>
+Config component_config(const fs::path& folder) {
+  return Config::from_json(models::read_model_config(folder), (folder / "config.json").string());
+}
+
+/// An SD 1.x single file (the web UI's, ComfyUI's layout) as a pipeline: its UNet, VAE and text
+/// encoder from the file; their configs, the tokenizer and the scheduler from `config_folder`, a
+/// diffusers pipeline folder of the same model (diffusers' `from_single_file(config=)`), whose
+/// weights are not read.
+inline Pipeline load_single_file_pipeline(const std::string& file,
+                                          const std::string& prediction_type,
+                                          const std::string& config_folder) {
+  const std::string flag = "--pretrained_model_name_or_path " + file;
+  if (config_folder.empty())
+    throw ConfigError(
+        "is a single file, which holds no configs, tokenizer or scheduler: pass "
+        "--single_file_config FOLDER, a diffusers pipeline folder of the same model (its configs, "
+        "tokenizer and scheduler are used; its weights are not read)",
+        flag);
+  Pipeline p;
+  p.root = config_folder;
+  p.single_file = file;
+  if (!fs::is_directory(p.root))
+    throw dt::IoError("is not a folder (name a diffusers pipeline folder)",
+                      "--single_file_config " + config_folder);
+  const fs::path index_file = p.root / "model_index.json";
+  const nlohmann::json index = dt::io::read_json_object(index_file);
+  if (index.value("_class_name", std::string()) != "StableDiffusionPipeline")
+    throw ConfigError(
+        "is not a StableDiffusionPipeline folder; single files are read for SD 1.x pipelines",
+        index_file.string() + ": _class_name");
+  const models::SingleFile f = models::read_single_file(file);
+  p.scheduler = examples::read_scheduler_config(p.root / "scheduler" / "scheduler_config.json",
+                                                prediction_type);
+  p.tokenizer.emplace(text::CLIPTokenizer::from_folder(p.root / "tokenizer"));
+  p.text_encoder = models::clip_from_single_file<TextEncoder>(
+      f, component_config<models::CLIPTextConfig>(p.root / "text_encoder"));
+  p.vae = models::vae_from_single_file<Vae>(
+      f, component_config<models::AutoencoderKLConfig>(p.root / "vae"));
+  p.unet = models::unet_from_single_file<Unet>(
+      f, component_config<models::UNet2DConditionConfig>(p.root / "unet"));
+  if (p.tokenizer->model_max_length() > p.text_encoder->config().max_position_embeddings)
+    throw ConfigError("pads prompts to " + std::to_string(p.tokenizer->model_max_length()) +
+                          " tokens (model_max_length), more than the text encoder's " +
+                          std::to_string(p.text_encoder->config().max_position_embeddings) +
+                          " positions (max_position_embeddings)",
+                      (p.root / "tokenizer" / "tokenizer_config.json").string());
+  check_pipeline_parts(p, file + " (UNet)");
+  return p;
+}
+
 /// Reads the pipeline folder `model` (what --pretrained_model_name_or_path names); a non-empty
 /// `prediction_type` replaces the scheduler's. A non-empty `variant` (diffusers' --variant, e.g.
 /// "fp16") reads every model's weights from its variant files; they load into float32 models.
+/// A single file (`.safetensors`, `.ckpt`) is read with `single_file_config`'s configs.
 inline Pipeline load_pipeline(const std::string& model, const std::string& prediction_type,
-                              const std::string& variant = {}) {
+                              const std::string& variant = {},
+                              const std::string& single_file_config = {}) {
+  if (fs::is_regular_file(model))
+    return load_single_file_pipeline(model, prediction_type, single_file_config);
   models::LoadOptions lo;
   if (!variant.empty()) lo.variant = variant;
   Pipeline p;
@@ -129,34 +213,24 @@ inline Pipeline load_pipeline(const std::string& model, const std::string& predi
                         (p.root / name / "tokenizer_config.json").string());
   p.vae = models::from_pretrained<Vae>(p.root / "vae", lo);
   p.unet = models::from_pretrained<Unet>(p.root / "unet", lo);
-  const auto& uc = p.unet->config();
-  const std::string unet_where = (p.root / "unet").string();
-  if (uc.in_channels != p.vae->config().latent_channels)
-    throw ConfigError("takes " + std::to_string(uc.in_channels) +
-                          " channels but the VAE's latents have " +
-                          std::to_string(p.vae->config().latent_channels),
-                      unet_where);
-  const std::int64_t text_width = p.text_encoder->config().hidden_size +
-                                  (p.xl ? p.text_encoder_2->config().hidden_size : std::int64_t{0});
-  if (uc.cross_attention_dim.front() != text_width)
-    throw ConfigError("attends to " + std::to_string(uc.cross_attention_dim.front()) +
-                          "-wide text but the text encoder" + (p.xl ? "s give " : " gives ") +
-                          std::to_string(text_width),
-                      unet_where);
-  if (uc.class_embed_type || uc.num_class_embeds)
-    throw ConfigError("takes class labels; a Stable Diffusion UNet takes text", unet_where);
-  if (p.xl != (uc.addition_embed_type == std::optional<std::string>("text_time")))
-    throw ConfigError(p.xl ? "has no SDXL added conditions (addition_embed_type \"text_time\")"
-                           : "takes added conditions; an SD 1.x/2.x UNet takes text only",
-                      unet_where);
+  check_pipeline_parts(p, (p.root / "unet").string());
   return p;
 }
 
 // What the caches are keyed by: the weights as stored, so no model is needed to read them. Hashed
 // only by the runs that use a cache (a real pipeline's weights take seconds to hash).
 
+/// A module's tensors by name (a single file's components are hashed as loaded).
+inline std::map<std::string, at::Tensor> module_tensors(const torch::nn::Module& m) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& t : m.named_parameters(true)) out.emplace(t.key(), t.value().detach());
+  for (const auto& t : m.named_buffers(true)) out.emplace(t.key(), t.value().detach());
+  return out;
+}
+
 /// The fingerprint of the pipeline's VAE weights.
 inline std::string vae_fingerprint(const Pipeline& p) {
+  if (p.single_file) return data::tensors_fingerprint(module_tensors(*p.vae));
   return data::tensors_fingerprint(models::read_model_weights(p.root / "vae", p.variant));
 }
 
@@ -165,6 +239,10 @@ inline std::string text_fingerprint(const Pipeline& p) {
   std::string fp;
   for (const std::string part : {"text_encoder", "text_encoder_2"}) {
     if (!p.xl && part == "text_encoder_2") continue;
+    if (p.single_file) {
+      fp += data::tensors_fingerprint(module_tensors(*p.text_encoder)) + "|";
+      continue;
+    }
     fp += data::tensors_fingerprint(
               models::read_model_weights(p.root / part, p.variant, models::kTransformersWeights)) +
           "|";
@@ -270,6 +348,23 @@ struct Validation {
 
 /// Copies the pipeline folder `base` into `out` except its `trained` component (which the program
 /// writes itself), so `out` is a pipeline folder of its own.
+/// A diffusers pipeline folder at `out` for a pipeline read from a single file: the VAE and text
+/// encoder written from the models, the tokenizer, scheduler and model_index.json copied from its
+/// config folder (the UNet is the caller's to write).
+inline void write_single_file_pipeline_except_unet(const Pipeline& p, const fs::path& out) {
+  models::save_pretrained(p.vae, out / "vae");
+  models::save_pretrained(p.text_encoder, out / "text_encoder");
+  for (const char* part : {"tokenizer", "scheduler"})
+    for (const auto& f : fs::recursive_directory_iterator(p.root / part)) {
+      if (!f.is_regular_file()) continue;
+      const auto rel = fs::relative(f.path(), p.root);
+      fs::create_directories((out / rel).parent_path());
+      fs::copy_file(f.path(), out / rel, fs::copy_options::overwrite_existing);
+    }
+  fs::copy_file(p.root / "model_index.json", out / "model_index.json",
+                fs::copy_options::overwrite_existing);
+}
+
 inline void copy_pipeline_except_unet(const fs::path& base, const fs::path& out,
                                       const std::string& trained = "unet") {
   for (const auto& e : fs::directory_iterator(base)) {

@@ -49,6 +49,7 @@ struct SdRunFlags : RunFlags {
   double guidance_scale = 7.5;
   std::int64_t stop_at = 0;  // stop (with a checkpoint) after this step, as Ctrl-C does; 0: never
   std::string variant;       // --variant: the pipeline's weights variant ("fp16"); empty: none
+  std::string single_file_config;  // configs, tokenizer, scheduler for a single-file model
 };
 
 struct SdFlagGroups {
@@ -75,9 +76,15 @@ struct LoraFlags {
 inline SdFlagGroups add_sd_run_flags(CLI::App& app, SdRunFlags& f, const std::string& data_help) {
   SdFlagGroups g{app.add_option_group("data and run"), app.add_option_group("training"),
                  app.add_option_group("checkpoints and validation")};
-  g.run->add_option("--pretrained_model_name_or_path", f.model, "diffusers pipeline folder")
+  g.run
+      ->add_option("--pretrained_model_name_or_path", f.model,
+                   "diffusers pipeline folder, or a single file (with --single_file_config)")
       ->required();
   g.run->add_option("--train_data_dir", f.data_dir, data_help)->required();
+  g.run->add_option("--single_file_config", f.single_file_config,
+                    "with a single-file model (.safetensors, .ckpt in the web UI's layout): a "
+                    "diffusers pipeline folder of the same model for its configs, tokenizer and "
+                    "scheduler (diffusers' from_single_file config=)");
   g.run->add_option("--variant", f.variant,
                     "read the weights saved with this variant (diffusers' --variant: \"fp16\" "
                     "reads *.fp16.safetensors); a full fine-tune writes its model with it too");

@@ -97,6 +97,9 @@ struct Settings : SdRunFlags, ImageFolderFlags, LoraFlags, TorchrunFlags {
   bool train_text_encoder = false;
   bool cache_latents = false;
   std::string cache_dir;  // default OUT/cache
+  // A full fine-tune's output: a diffusers folder, or one file in the original layout.
+  std::string save_format = "diffusers";
+  std::string save_precision = "fp32";
   // under torchrun
   Settings() { out = "runs/train_text_to_image"; }
 };
@@ -366,6 +369,17 @@ void check_flags(const Settings& s) {
     throw ConfigError("must be a multiple of 8", "--resolution");
   if (!s.validation_prompts.empty() && s.num_validation_images < 1)
     throw ConfigError("must be at least 1 with --validation_prompt", "--num_validation_images");
+  if (s.save_format != "diffusers" && s.save_format != "single_file")
+    throw ConfigError("is '" + s.save_format + "'; the formats are diffusers and single_file",
+                      "--save_format");
+  if (s.save_format == "single_file" && s.use_lora)
+    throw ConfigError(
+        "writes a full fine-tune as one file; a LoRA run writes its LoRA files (drop --use_lora "
+        "or --save_format)",
+        "--save_format single_file");
+  if (s.save_precision != "fp32" && s.save_precision != "fp16" && s.save_precision != "bf16")
+    throw ConfigError("is '" + s.save_precision + "'; the precisions are fp32, fp16 and bf16",
+                      "--save_precision");
 }
 
 data::BucketOptions bucket_options(const Settings& s) {
@@ -543,8 +557,20 @@ int train(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
                                                  names);
       files["peft"] = names.peft.string();
       files["kohya"] = names.kohya.string();
+    } else if (s.save_format == "single_file") {
+      // The original layout the web UI, ComfyUI and stable-diffusion.cpp load: UNet, VAE and text
+      // encoder in one file.
+      models::SingleFileSaveOptions so;
+      if (s.save_precision == "fp16") so.dtype = at::kHalf;
+      if (s.save_precision == "bf16") so.dtype = at::kBFloat16;
+      models::save_stable_diffusion_single_file(out / "model.safetensors", p.unet, p.vae,
+                                                p.text_encoder, so);
+      files["single_file"] = "model.safetensors";
     } else {
-      copy_pipeline_except_unet(p.root, out);
+      if (p.single_file)
+        write_single_file_pipeline_except_unet(p, out);
+      else
+        copy_pipeline_except_unet(p.root, out);
       // In the variant the base was read in, so the folder loads with the same --variant.
       models::SaveOptions so;
       if (!s.variant.empty()) so.variant = s.variant;
@@ -617,7 +643,10 @@ int run(Settings s) {
   resolve_max_train_steps(s, (batches + world->size() - 1) / world->size(), say);
   const examples::OutputFolder output_folder(s.out, say);
   tr::set_seed(s.seed);
-  Pipeline p = load_pipeline(s.model, s.prediction_type, s.variant);
+  Pipeline p = load_pipeline(s.model, s.prediction_type, s.variant, s.single_file_config);
+  if (s.save_format == "single_file" && p.xl)
+    throw ConfigError("writes SD 1.x pipelines as one file; an SDXL one is written as a folder",
+                      "--save_format single_file");
   if (!s.enable_bucket && s.resolution % p.vae->downscale() != 0)
     throw ConfigError(
         "must be a multiple of the VAE's downscale " + std::to_string(p.vae->downscale()),
@@ -659,6 +688,14 @@ int main(int argc, char** argv) {
   t->add_option("--prediction_type", s.prediction_type,
                 "epsilon or v_prediction (default: the scheduler's)");
   t->add_flag("--use_ema", s.use_ema, "keep an EMA of the trained weights and save it");
+  g.saving
+      ->add_option("--save_format", s.save_format,
+                   "a full fine-tune as a diffusers folder, or single_file: one .safetensors "
+                   "in the original layout (the web UI's, ComfyUI's)")
+      ->capture_default_str();
+  g.saving
+      ->add_option("--save_precision", s.save_precision, "single_file's dtype: fp32, fp16 or bf16")
+      ->capture_default_str();
   t->add_option("--ema_decay", s.ema_decay)->check(number_in(0, 1))->capture_default_str();
   add_lora_flags(g, s, "UNet");
   t->add_flag("--train_text_encoder", s.train_text_encoder, "LoRA on the text encoders too");

@@ -95,6 +95,22 @@ expect_rc 0 full -- "$bin" "${base[@]}" --use_ema --ema_decay 0.9 --snr_gamma 5 
   --enable_bucket --min_bucket_reso 16 --max_bucket_reso 64 --bucket_reso_steps 16 \
   --learning_rate 5e-4 --max_train_steps 30 --validation_prompt "a photo of a bag" --output_dir "$work/full"
 grep_in "$work/full.err" "number of buckets"
+# A full fine-tune written as one file in the original layout (fp16, as the web UI's), trained on
+# again from that file (its configs from --single_file_config), written back as a diffusers folder.
+expect_rc 0 single -- "$bin" "${base[@]}" --max_train_steps 2 --save_format single_file \
+  --save_precision fp16 --output_dir "$work/single"
+[ -s "$work/single/model.safetensors" ] || fail "--save_format single_file wrote no model.safetensors"
+grep_in "$work/single.out" "model.safetensors"
+expect_rc 2 single-lora -- "$bin" "${base[@]}" --use_lora --save_format single_file --output_dir "$work/bad"
+grep_in "$work/single-lora.err" "--save_format single_file"
+expect_rc 2 single-no-config -- "$bin" "${base[@]}" --pretrained_model_name_or_path \
+  "$work/single/model.safetensors" --max_train_steps 1 --output_dir "$work/bad"
+grep_in "$work/single-no-config.err" "--single_file_config"
+expect_rc 0 from-single -- "$bin" "${base[@]}" --pretrained_model_name_or_path \
+  "$work/single/model.safetensors" --single_file_config "$sd" --max_train_steps 2 \
+  --output_dir "$work/from-single"
+[ -s "$work/from-single/text_encoder/config.json" ] && [ -d "$work/from-single/unet" ] ||
+  fail "a full fine-tune of a single file wrote no pipeline folder"
 # A pipeline folder holding only fp16 variant files (diffusers' save_pretrained(variant="fp16")):
 # refused without --variant, naming the variant; with --variant fp16 it trains, and its output
 # folder loads in diffusers with variant="fp16" (the trained UNet written in that variant too).
@@ -250,6 +266,13 @@ print(f"rank 4, alpha 2: the PEFT and the kohya file give the same images ({wors
 del via_kohya
 kohya = load_file(work / "lora" / "lora_kohya.safetensors")
 assert any(k.startswith("lora_unet_") for k in kohya) and any(k.startswith("lora_te_") for k in kohya)
+single = StableDiffusionPipeline.from_single_file(
+    str(work / "single" / "model.safetensors"), config=sd, local_files_only=True,
+    torch_dtype=torch.float32, safety_checker=None, requires_safety_checker=False)
+generate(single)
+from_single = StableDiffusionPipeline.from_pretrained(str(work / "from-single"), safety_checker=None)
+generate(from_single)
+print("single file: from_single_file loads difftrain's file and generates; the folder trained from it loads")
 variant = StableDiffusionPipeline.from_pretrained(str(work / "variant"), variant="fp16",
                                                   torch_dtype=torch.float32, safety_checker=None)
 assert variant.unet.dtype == torch.float32
