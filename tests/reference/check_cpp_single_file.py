@@ -21,7 +21,9 @@ def main(binary, golden_dir):
     golden = pathlib.Path(golden_dir)
     out = pathlib.Path(tempfile.mkdtemp())
     env = dict(os.environ, DIFFTRAIN_MODELS_OUT=str(out), DIFFTRAIN_GOLDEN_DIR=golden_dir)
-    subprocess.run([binary, "--gtest_filter=SingleFile.Sd1ComponentsRoundTrip*"], check=True, env=env)
+    subprocess.run([binary, "--gtest_filter=SingleFile.Sd1ComponentsRoundTrip*:SingleFile.FullSize*"],
+                   check=True, env=env)
+    check_full_size_names(out / "ldm_names.json")
     # The pipeline's configs, as a folder: what diffusers takes as `config=` for a single file.
     parts = {"unet": golden / "models" / "unet_conv_proj", "vae": golden / "models" / "vae_two_levels",
              "text_encoder": golden / "encode_prompt" / "text_encoder",
@@ -55,6 +57,31 @@ def main(binary, golden_dir):
                 assert torch.equal(got[k].to(w.dtype), w), (file, name, k)
             print(f"{file}: from_single_file's {name} holds difftrain's {len(names)} tensors")
     shutil.rmtree(out)
+
+
+def check_full_size_names(path):
+    """diffusers' own converters, run on the original names difftrain gives the full-size SD 1.5 and
+    2.1 UNets and the SD VAE (meta tensors of their shapes), give back every diffusers tensor with
+    its shape and nothing else."""
+    from diffusers.loaders.single_file_utils import convert_ldm_unet_checkpoint, convert_ldm_vae_checkpoint
+    tables = json.loads(path.read_text())
+    for key, convert, prefix in (("sd15_unet", convert_ldm_unet_checkpoint, "model.diffusion_model."),
+                                 ("sd21_unet", convert_ldm_unet_checkpoint, "model.diffusion_model."),
+                                 ("sd_vae", convert_ldm_vae_checkpoint, "first_stage_model.")):
+        t = tables[key]
+        checkpoint = {}
+        for name, ldm in t["names"].items():
+            shape = list(t["shapes"][name])
+            if key == "sd_vae" and "mid.attn_1." in ldm and ldm.endswith(("q.weight", "k.weight", "v.weight",
+                                                                           "proj_out.weight")):
+                shape = shape + [1, 1]  # the original's 1x1 convolutions
+            checkpoint[prefix + ldm] = torch.empty(shape, device="meta")
+        converted = convert(checkpoint, t["config"])
+        assert set(converted) == set(t["shapes"]), (key, sorted(set(converted) ^ set(t["shapes"]))[:5])
+        for name, tensor in converted.items():
+            assert list(tensor.shape) == list(t["shapes"][name]), (key, name, tensor.shape)
+        print(f"{key}: diffusers' converter maps difftrain's {len(checkpoint)} original names back to "
+              f"every diffusers tensor")
 
 
 if __name__ == "__main__":

@@ -21,11 +21,15 @@
 #include <functional>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
+
+#include "golden.hpp"
 
 namespace dt = difftrain;
 namespace fs = std::filesystem;
 namespace models = difftrain::models;
+namespace tst = difftrain::test;
 
 namespace {
 
@@ -282,4 +286,72 @@ TEST(SingleFile, FilesThatDoNotFitAreTypedErrorsNamingTheKeys) {
   EXPECT_NE(junk, "accepted");
   EXPECT_EQ(junk.find("wrong error type"), std::string::npos) << junk;
   dt::io::remove_tree(dir);
+}
+
+// The full-size Stable Diffusion 1.5 and 2.1 UNets and their VAE (diffusers' parameter lists, from
+// the reference scripts): every tensor has one original name, the blocks are numbered as the
+// original checkpoints number them, and names the published checkpoints hold are among them.
+// check_cpp_single_file.py runs diffusers' own converters (convert_ldm_unet_checkpoint,
+// convert_ldm_vae_checkpoint) on these names and gets every diffusers tensor back.
+TEST(SingleFile, FullSizeNamesAreThePublishedLayouts) {
+  const auto& full = tst::golden("models.json")["full_size"];
+  nlohmann::json out;
+  for (const char* key : {"sd15_unet", "sd21_unet"}) {
+    SCOPED_TRACE(key);
+    const auto c = models::UNet2DConditionConfig::from_json(full[key]["config"], key);
+    std::set<std::string> names;
+    std::set<std::int64_t> input, middle, output;
+    for (const auto& [name, shape] : full[key]["shapes"].items()) {
+      const std::string ldm = models::ldm_unet_name(name, c);
+      EXPECT_TRUE(names.insert(ldm).second) << ldm;
+      out[key]["names"][name] = ldm;
+      for (auto [prefix, set] :
+           {std::pair{"input_blocks.", &input}, std::pair{"middle_block.", &middle},
+            std::pair{"output_blocks.", &output}})
+        if (ldm.starts_with(prefix))
+          set->insert(std::stoll(ldm.substr(std::string_view(prefix).size())));
+    }
+    EXPECT_EQ(names.size(), 686U);
+    EXPECT_EQ(input.size(), 12U);
+    EXPECT_EQ(*input.rbegin(), 11);
+    EXPECT_EQ(middle, (std::set<std::int64_t>{0, 1, 2}));
+    EXPECT_EQ(output.size(), 12U);
+    for (const char* published :
+         {"time_embed.0.weight", "input_blocks.0.0.weight", "input_blocks.1.0.in_layers.0.weight",
+          "input_blocks.1.1.transformer_blocks.0.attn1.to_q.weight",
+          "input_blocks.1.1.transformer_blocks.0.ff.net.0.proj.weight",
+          "input_blocks.3.0.op.weight", "input_blocks.4.0.skip_connection.weight",
+          "input_blocks.11.0.emb_layers.1.weight", "middle_block.1.proj_in.weight",
+          "middle_block.2.out_layers.3.weight", "output_blocks.2.1.conv.weight",
+          "output_blocks.5.2.conv.weight", "output_blocks.8.2.conv.weight",
+          "output_blocks.11.1.transformer_blocks.0.attn2.to_k.weight",
+          "output_blocks.0.0.skip_connection.weight", "out.0.weight", "out.2.bias"})
+      EXPECT_TRUE(names.contains(published)) << published;
+    out[key]["config"] = full[key]["config"];
+    out[key]["shapes"] = full[key]["shapes"];
+  }
+  const auto vc = models::AutoencoderKLConfig::from_json(full["sd_vae"]["config"], "vae");
+  std::set<std::string> vae;
+  for (const auto& [name, shape] : full["sd_vae"]["shapes"].items()) {
+    const std::string ldm = models::ldm_vae_name(name, vc);
+    EXPECT_TRUE(vae.insert(ldm).second) << ldm;
+    out["sd_vae"]["names"][name] = ldm;
+  }
+  EXPECT_EQ(vae.size(), 248U);
+  for (const char* published :
+       {"encoder.conv_in.weight", "encoder.down.0.block.1.conv2.weight",
+        "encoder.down.0.downsample.conv.weight", "encoder.down.1.block.0.nin_shortcut.weight",
+        "encoder.mid.attn_1.q.weight", "encoder.mid.attn_1.proj_out.bias",
+        "encoder.mid.block_2.norm2.weight", "encoder.norm_out.weight",
+        "decoder.up.0.block.2.conv1.weight", "decoder.up.3.upsample.conv.weight",
+        "decoder.up.1.block.0.nin_shortcut.weight", "decoder.mid.attn_1.norm.weight",
+        "quant_conv.weight", "post_quant_conv.bias"})
+    EXPECT_TRUE(vae.contains(published)) << published;
+  EXPECT_FALSE(vae.contains("decoder.up.0.upsample.conv.weight"));  // the lowest has none
+  out["sd_vae"]["config"] = full["sd_vae"]["config"];
+  out["sd_vae"]["shapes"] = full["sd_vae"]["shapes"];
+  if (const char* out_env = std::getenv("DIFFTRAIN_MODELS_OUT")) {
+    fs::create_directories(out_env);
+    std::ofstream(fs::path(out_env) / "ldm_names.json") << out.dump();
+  }
 }
