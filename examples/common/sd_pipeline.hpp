@@ -45,6 +45,12 @@ using TextEncoder = models::CLIPTextModel<>;
 
 // ---- the pipeline folder ------------------------------------------------------------------------
 
+/// The layout a full fine-tune of `p` is written back in as one file: its single file's, or SD
+/// 2.x's (OpenCLIP's text tower) for a text encoder with GELU (OpenCLIP ViT-H's; CLIP ViT-L's is
+/// quick_gelu).
+struct Pipeline;
+inline models::SingleFileFamily single_file_layout(const Pipeline& p);
+
 /// The components of a Stable Diffusion pipeline folder, read and checked before any work.
 struct Pipeline {
   fs::path root;
@@ -57,6 +63,7 @@ struct Pipeline {
   std::optional<std::string> variant;  // the weights' variant the models were read in (--variant)
   /// The single file the models were read from (the configs, tokenizer and scheduler from `root`).
   std::optional<fs::path> single_file;
+  std::optional<models::SingleFileFamily> single_file_family;
   examples::SchedulerConfig scheduler;
 };
 
@@ -105,9 +112,9 @@ Config component_config(const fs::path& folder) {
   return Config::from_json(models::read_model_config(folder), (folder / "config.json").string());
 }
 
-/// An SD 1.x single file (the web UI's, ComfyUI's layout) as a pipeline: its UNet, VAE and text
-/// encoder from the file; their configs, the tokenizer and the scheduler from `config_folder`, a
-/// diffusers pipeline folder of the same model (diffusers' `from_single_file(config=)`), whose
+/// An SD 1.x or 2.x single file (the web UI's, ComfyUI's layout) as a pipeline: its UNet, VAE and
+/// text encoder from the file; their configs, the tokenizer and the scheduler from `config_folder`,
+/// a diffusers pipeline folder of the same model (diffusers' `from_single_file(config=)`), whose
 /// weights are not read.
 inline Pipeline load_single_file_pipeline(const std::string& file,
                                           const std::string& prediction_type,
@@ -129,9 +136,11 @@ inline Pipeline load_single_file_pipeline(const std::string& file,
   const nlohmann::json index = dt::io::read_json_object(index_file);
   if (index.value("_class_name", std::string()) != "StableDiffusionPipeline")
     throw ConfigError(
-        "is not a StableDiffusionPipeline folder; single files are read for SD 1.x pipelines",
+        "is not a StableDiffusionPipeline folder; single files are read for SD 1.x and 2.x "
+        "pipelines",
         index_file.string() + ": _class_name");
   const models::SingleFile f = models::read_single_file(file);
+  p.single_file_family = f.family;
   p.scheduler = examples::read_scheduler_config(p.root / "scheduler" / "scheduler_config.json",
                                                 prediction_type);
   p.tokenizer.emplace(text::CLIPTokenizer::from_folder(p.root / "tokenizer"));
@@ -219,6 +228,12 @@ inline Pipeline load_pipeline(const std::string& model, const std::string& predi
 
 // What the caches are keyed by: the weights as stored, so no model is needed to read them. Hashed
 // only by the runs that use a cache (a real pipeline's weights take seconds to hash).
+
+inline models::SingleFileFamily single_file_layout(const Pipeline& p) {
+  if (p.single_file_family) return *p.single_file_family;
+  return p.text_encoder->config().hidden_act == "gelu" ? models::SingleFileFamily::sd2
+                                                       : models::SingleFileFamily::sd1;
+}
 
 /// A module's tensors by name (a single file's components are hashed as loaded).
 inline std::map<std::string, at::Tensor> module_tensors(const torch::nn::Module& m) {

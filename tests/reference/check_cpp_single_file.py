@@ -1,5 +1,5 @@
-"""An SD 1.x single file difftrain wrote (float32 and fp16) loads with diffusers'
-StableDiffusionPipeline.from_single_file, given the pipeline's configs as a folder (diffusers'
+"""SD 1.x single files difftrain wrote (float32 and fp16), and an SD 2.x one (OpenCLIP's text
+tower), load with diffusers' StableDiffusionPipeline.from_single_file, given the pipeline's configs as a folder (diffusers'
 `config=`), and its UNet, VAE and text encoder hold every tensor of the diffusers models difftrain
 wrote it from (the fp16 file: their fp16 rounding). Usage: check_cpp_single_file.py TEST_BINARY GOLDEN_DIR"""
 import json
@@ -43,7 +43,8 @@ def main(binary, golden_dir):
     originals = {"unet": UNet2DConditionModel.from_pretrained(parts["unet"]),
                  "vae": AutoencoderKL.from_pretrained(parts["vae"]),
                  "text_encoder": CLIPTextModel.from_pretrained(parts["text_encoder"])}
-    for file, dtype in (("sd1_single.safetensors", None), ("sd1_single_fp16.safetensors", torch.float16)):
+    for file, dtype in (("sd1_single.safetensors", None), ("sd1_single_fp16.safetensors", torch.float16),
+                        ("sd2_single.safetensors", None)):
         pipe = StableDiffusionPipeline.from_single_file(
             str(out / file), config=str(config), local_files_only=True, safety_checker=None,
             requires_safety_checker=False)

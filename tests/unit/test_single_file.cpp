@@ -97,20 +97,27 @@ Sd1Models<Unet> load(const std::string& unet, const std::string& vae) {
 // its names, read back and built, every tensor as it was (its `dtype` rounding).
 template <class Unet = models::UNet2DConditionModel<>>
 void round_trip(const std::string& unet, const std::string& vae,
-                std::optional<at::ScalarType> dtype, const fs::path& dir) {
-  const std::string what = unet + " + " + vae + (dtype ? " (fp16)" : "");
+                std::optional<at::ScalarType> dtype, const fs::path& dir,
+                models::SingleFileFamily family = models::SingleFileFamily::sd1) {
+  const bool sd2 = family == models::SingleFileFamily::sd2;
+  const std::string what =
+      unet + " + " + vae + (dtype ? " (fp16)" : "") + (sd2 ? " as SD 2.x" : "");
   SCOPED_TRACE(what);
   Sd1Models<Unet> m = load<Unet>(unet, vae);
-  const auto tensors =
-      models::stable_diffusion_single_file_tensors(m.unet, m.vae, m.clip, {.dtype = dtype});
+  const auto tensors = models::stable_diffusion_single_file_tensors(
+      m.unet, m.vae, m.clip, {.dtype = dtype, .family = family});
   // The original layout: every tensor under one of the three prefixes, one per model
   // tensor (and CLIP's position ids), the names the original code has.
-  std::size_t want = state_of(m.unet).size() + state_of(m.vae).size() + state_of(m.clip).size() + 1;
+  // (SD 1.x: and CLIP's position ids; SD 2.x: q, k and v fused, 6 tensors a layer in 2)
+  const auto layers = static_cast<std::size_t>(m.clip->config().num_hidden_layers);
+  std::size_t want = state_of(m.unet).size() + state_of(m.vae).size() + state_of(m.clip).size() +
+                     (sd2 ? 0 : 1) - (sd2 ? 4 * layers : 0);
   EXPECT_EQ(tensors.size(), want);
   for (const auto& [key, t] : tensors) {
     EXPECT_TRUE(key.starts_with("model.diffusion_model.") ||
                 key.starts_with("first_stage_model.") ||
-                key.starts_with("cond_stage_model.transformer.text_model."))
+                key.starts_with(sd2 ? "cond_stage_model.model."
+                                    : "cond_stage_model.transformer.text_model."))
         << key;
     if (dtype && at::isFloatingType(t.scalar_type())) {
       EXPECT_EQ(t.scalar_type(), at::kHalf) << key;
@@ -122,10 +129,24 @@ void round_trip(const std::string& unet, const std::string& vae,
         "model.diffusion_model.input_blocks.1.0.in_layers.0.weight",
         "model.diffusion_model.output_blocks.0.0.out_layers.3.weight",
         "first_stage_model.encoder.down.0.block.0.norm1.weight",
-        "first_stage_model.decoder.up.0.block.0.conv1.weight",
-        "cond_stage_model.transformer.text_model.final_layer_norm.weight",
-        "cond_stage_model.transformer.text_model.embeddings.position_ids"})
+        "first_stage_model.decoder.up.0.block.0.conv1.weight"})
     EXPECT_TRUE(tensors.contains(key)) << key;
+  if (sd2) {
+    for (const char* key :
+         {"cond_stage_model.model.ln_final.weight", "cond_stage_model.model.positional_embedding",
+          "cond_stage_model.model.token_embedding.weight",
+          "cond_stage_model.model.transformer.resblocks.0.mlp.c_fc.weight",
+          "cond_stage_model.model.transformer.resblocks.0.attn.out_proj.bias"})
+      EXPECT_TRUE(tensors.contains(key)) << key;
+    const auto d = m.clip->config().hidden_size;
+    EXPECT_EQ(
+        tensors.at("cond_stage_model.model.transformer.resblocks.0.attn.in_proj_weight").sizes(),
+        (std::vector<std::int64_t>{3 * d, d}));
+  } else {
+    for (const char* key : {"cond_stage_model.transformer.text_model.final_layer_norm.weight",
+                            "cond_stage_model.transformer.text_model.embeddings.position_ids"})
+      EXPECT_TRUE(tensors.contains(key)) << key;
+  }
   if (m.vae->config().mid_block_add_attention) {  // its projections as 1x1 convolutions
     EXPECT_TRUE(tensors.contains("first_stage_model.encoder.mid.attn_1.norm.weight"));
     EXPECT_EQ(tensors.at("first_stage_model.decoder.mid.attn_1.q.weight").dim(), 4);
@@ -138,7 +159,7 @@ void round_trip(const std::string& unet, const std::string& vae,
   const fs::path file = dir / "model.safetensors";
   dt::io::save_safetensors(file, tensors, {{"format", "pt"}});
   const models::SingleFile f = models::read_single_file(file);
-  EXPECT_EQ(f.family, models::SingleFileFamily::sd1);
+  EXPECT_EQ(f.family, family);
   auto unet2 = models::unet_from_single_file<Unet>(f, m.unet->config());
   auto vae2 = models::vae_from_single_file(f, m.vae->config());
   auto clip2 = models::clip_from_single_file(f, m.clip->config());
@@ -156,6 +177,8 @@ TEST(SingleFile, Sd1ComponentsRoundTripUnderTheOriginalNames) {
       for (const std::string unet :
            {"unet_conv_proj", "unet_linear_3_levels", "unet_sdxl_text_time_bin"})
         round_trip(unet, vae, dtype, dir);
+      // SD 2.x's layout: linear projections, OpenCLIP's text tower.
+      round_trip("unet_linear_3_levels", vae, dtype, dir, models::SingleFileFamily::sd2);
     }
   // A pickled checkpoint (the .ckpt of the original trainers: a state_dict beside other entries)
   // reads the same, and the UNet's EMA copies stand in for it when asked.
@@ -197,6 +220,9 @@ TEST(SingleFile, Sd1ComponentsRoundTripUnderTheOriginalNames) {
                                               m.clip);
     models::save_stable_diffusion_single_file(out / "sd1_single_fp16.safetensors", m.unet, m.vae,
                                               m.clip, {.dtype = at::kHalf});
+    models::save_stable_diffusion_single_file(
+        out / "sd2_single.safetensors", m.unet, m.vae, m.clip,
+        {.dtype = std::nullopt, .family = models::SingleFileFamily::sd2});
   }
   dt::io::remove_tree(dir);
 }
@@ -248,14 +274,39 @@ TEST(SingleFile, FilesThatDoNotFitAreTypedErrorsNamingTheKeys) {
     EXPECT_NE(msg.find("lacks"), std::string::npos) << msg;
   }
   {
-    // SD 2.x (OpenCLIP) and SDXL files are told by their keys and refused by name.
+    // SDXL and SD3 files are told by their keys and refused by name.
     auto t = good;
-    t["cond_stage_model.model.ln_final.weight"] = at::zeros({4});
+    t["model.diffusion_model.label_emb.0.0.weight"] = at::zeros({4});
+    t["conditioner.embedders.1.model.ln_final.weight"] = at::zeros({4});
     const auto f = read(t);
-    EXPECT_EQ(f.family, models::SingleFileFamily::sd2);
+    EXPECT_EQ(f.family, models::SingleFileFamily::sdxl);
     const std::string msg = error_of<dt::ConfigError>(
         [&] { (void)models::unet_from_single_file(f, m.unet->config()); });
-    EXPECT_NE(msg.find("Stable Diffusion 2.x"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("Stable Diffusion XL file"), std::string::npos) << msg;
+    auto sd3 = good;
+    sd3["model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight"] = at::zeros({4});
+    sd3["model.diffusion_model.x_embedder.proj.weight"] = at::zeros({4});
+    EXPECT_EQ(read(sd3).family, models::SingleFileFamily::sd3);
+  }
+  {
+    // SD 2.x: OpenCLIP's 24th layer (SD 2.x reads the penultimate) and its projection are not
+    // the text encoder's, as in diffusers; a fused in_proj of the wrong height is named.
+    auto t = models::stable_diffusion_single_file_tensors(
+        m.unet, m.vae, m.clip, {.dtype = std::nullopt, .family = models::SingleFileFamily::sd2});
+    const auto layers = m.clip->config().num_hidden_layers;
+    const std::string last =
+        "cond_stage_model.model.transformer.resblocks." + std::to_string(layers);
+    t[last + ".ln_1.weight"] = at::zeros({4});
+    t["cond_stage_model.model.text_projection"] = at::zeros({4, 4});
+    t["cond_stage_model.model.logit_scale"] = at::zeros({});
+    auto clip2 = models::clip_from_single_file(read(t), m.clip->config());
+    expect_same(clip2, m.clip, "CLIP with OpenCLIP's extra layer");
+    t["cond_stage_model.model.transformer.resblocks.0.attn.in_proj_weight"] = at::zeros({5, 4});
+    const auto f = read(t);
+    const std::string msg = error_of<dt::FormatError>(
+        [&] { (void)models::clip_from_single_file(f, m.clip->config()); });
+    EXPECT_NE(msg.find("resblocks.0.attn.in_proj_weight' is not q, k and v"), std::string::npos)
+        << msg;
   }
   {
     // A UNet config larger than the file's model: its tensors are missing, named.

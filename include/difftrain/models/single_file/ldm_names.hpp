@@ -33,6 +33,8 @@ namespace difftrain::models {
 inline constexpr std::string_view kLdmUnetPrefix = "model.diffusion_model.";
 inline constexpr std::string_view kLdmVaePrefix = "first_stage_model.";
 inline constexpr std::string_view kLdmClipPrefix = "cond_stage_model.transformer.";
+/// SD 2.x's text encoder, OpenCLIP ViT-H's text tower.
+inline constexpr std::string_view kLdmOpenClipPrefix = "cond_stage_model.model.";
 
 namespace ldm_detail {
 
@@ -180,6 +182,37 @@ inline std::string ldm_vae_name(const std::string& key, const AutoencoderKLConfi
     }
   }
   throw ConfigError("has no place in the original VAE layout", key);
+}
+
+/// A CLIPTextModel tensor's place in OpenCLIP's text tower (SD 2.x): the name, and for q, k and
+/// v, which third of the fused `in_proj` they are (0, 1, 2; -1 for every other tensor).
+struct OpenClipPlace {
+  std::string name;
+  int third = -1;
+};
+
+inline OpenClipPlace openclip_place(const std::string& key) {
+  using namespace ldm_detail;
+  if (key == "text_model.embeddings.token_embedding.weight") return {"token_embedding.weight"};
+  if (key == "text_model.embeddings.position_embedding.weight") return {"positional_embedding"};
+  if (key.starts_with("text_model.final_layer_norm."))
+    return {"ln_final." + key.substr(std::string_view("text_model.final_layer_norm.").size())};
+  const std::vector<std::string> p = split(key);
+  // text_model.encoder.layers.N.<part>...
+  if (p.size() >= 6 && p[0] == "text_model" && p[1] == "encoder" && p[2] == "layers") {
+    const std::string block = "transformer.resblocks." + std::to_string(index_of(p[3], key)) + ".";
+    const std::string rest = join(p, 5);
+    if (p[4] == "layer_norm1") return {block + "ln_1." + rest};
+    if (p[4] == "layer_norm2") return {block + "ln_2." + rest};
+    if (p[4] == "mlp" && p.size() >= 7 && (p[5] == "fc1" || p[5] == "fc2"))
+      return {block + "mlp." + (p[5] == "fc1" ? "c_fc." : "c_proj.") + join(p, 6)};
+    if (p[4] == "self_attn" && p.size() >= 7) {
+      if (p[5] == "out_proj") return {block + "attn.out_proj." + join(p, 6)};
+      const int third = p[5] == "q_proj" ? 0 : p[5] == "k_proj" ? 1 : p[5] == "v_proj" ? 2 : -1;
+      if (third >= 0 && p.size() == 7) return {block + "attn.in_proj_" + p[6], third};
+    }
+  }
+  throw ConfigError("has no place in OpenCLIP's text tower", key);
 }
 
 /// Whether the original stores the VAE tensor `key` (diffusers' name) as a 1x1 convolution where

@@ -12,14 +12,16 @@
 //
 // The configs come from the caller (a diffusers folder's, as diffusers' `config=`): a file holds
 // no config. The family is told by the keys; SD 1.x (CLIP ViT-L under
-// `cond_stage_model.transformer.`) is read and written; SD 2.x (OpenCLIP), SDXL and SD3 files are
-// recognised and refused by name. Every tensor the model has must be in the file with its shape,
-// and every tensor the file holds under a component's prefix must be taken, or the file is a
+// `cond_stage_model.transformer.`) and SD 2.x (OpenCLIP ViT-H's text tower under
+// `cond_stage_model.model.`, q, k and v fused as `in_proj`) are read and written; SDXL and SD3
+// files are recognised and refused by name. Every tensor the model has must be in the file with its
+// shape, and every tensor the file holds under a component's prefix must be taken, or the file is a
 // FormatError naming the first such keys: nothing is guessed or left behind.
 
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <filesystem>
 #include <functional>
@@ -224,11 +226,11 @@ inline SingleFile read_single_file(const std::filesystem::path& path, bool use_e
 }
 
 namespace single_file_detail {
-inline void require_sd1(const SingleFile& f, std::string_view what) {
-  if (f.family != SingleFileFamily::sd1)
+inline void require_sd1_or_2(const SingleFile& f, std::string_view what) {
+  if (f.family != SingleFileFamily::sd1 && f.family != SingleFileFamily::sd2)
     throw ConfigError("is a " + std::string(single_file_family_name(f.family)) + " file; its " +
                           std::string(what) +
-                          " is not read from single files yet (Stable Diffusion 1.x is)",
+                          " is not read from single files yet (Stable Diffusion 1.x and 2.x are)",
                       f.where);
 }
 }  // namespace single_file_detail
@@ -237,7 +239,7 @@ inline void require_sd1(const SingleFile& f, std::string_view what) {
 /// model: the file holds none).
 template <class Holder = UNet2DConditionModel<>>
 Holder unet_from_single_file(const SingleFile& f, UNet2DConditionConfig config) {
-  single_file_detail::require_sd1(f, "UNet");
+  single_file_detail::require_sd1_or_2(f, "UNet");
   Holder model(std::move(config), f.where);
   const auto& c = model->config();
   single_file_detail::load_component(
@@ -249,7 +251,7 @@ Holder unet_from_single_file(const SingleFile& f, UNet2DConditionConfig config) 
 /// The VAE of an SD 1.x single file (its mid-block attention's 1x1 convolutions as linear layers).
 template <class Holder = AutoencoderKL<>>
 Holder vae_from_single_file(const SingleFile& f, AutoencoderKLConfig config) {
-  single_file_detail::require_sd1(f, "VAE");
+  single_file_detail::require_sd1_or_2(f, "VAE");
   Holder model(std::move(config), f.where);
   const auto& c = model->config();
   single_file_detail::load_component(
@@ -258,24 +260,82 @@ Holder vae_from_single_file(const SingleFile& f, AutoencoderKLConfig config) {
   return model;
 }
 
-/// The text encoder (CLIP ViT-L) of an SD 1.x single file.
+/// The text encoder of an SD 1.x (CLIP ViT-L) or SD 2.x (OpenCLIP ViT-H) single file. SD 2.x's
+/// q, k and v are thirds of OpenCLIP's fused `in_proj`; the layers past the config's (SD 2.x takes
+/// the penultimate layer's output: diffusers' config has 23 of OpenCLIP's 24) and OpenCLIP's
+/// `text_projection`, `logit_scale` and `attn_mask` are not the text encoder's, as in diffusers.
 template <class Holder = CLIPTextModel<>>
 Holder clip_from_single_file(const SingleFile& f, CLIPTextConfig config) {
-  single_file_detail::require_sd1(f, "text encoder");
+  single_file_detail::require_sd1_or_2(f, "text encoder");
   Holder model(std::move(config), f.where);
-  single_file_detail::load_component(
-      model, f, kLdmClipPrefix, [](const std::string& n) { return n; },
-      [](const std::string&) { return false; }, {"text_model.embeddings.position_ids"},
-      "text encoder");
+  if (f.family == SingleFileFamily::sd1) {
+    single_file_detail::load_component(
+        model, f, kLdmClipPrefix, [](const std::string& n) { return n; },
+        [](const std::string&) { return false; }, {"text_model.embeddings.position_ids"},
+        "text encoder");
+    return model;
+  }
+  const std::string prefix(kLdmOpenClipPrefix);
+  std::map<std::string, at::Tensor> weights;
+  std::set<std::string> taken;
+  std::vector<std::string> missing;
+  for (const auto& item : model->named_parameters(true)) {
+    const OpenClipPlace place = openclip_place(item.key());
+    const auto it = f.tensors.find(prefix + place.name);
+    if (it == f.tensors.end()) {
+      missing.push_back("'" + prefix + place.name + "' (diffusers' '" + item.key() + "')");
+      continue;
+    }
+    taken.insert(it->first);
+    at::Tensor t = it->second;
+    if (place.third >= 0) {
+      const std::int64_t d = item.value().size(0);
+      if (t.dim() < 1 || t.size(0) != 3 * d)
+        throw FormatError("'" + it->first + "' is not q, k and v of " + std::to_string(d) +
+                              " rows each (shape " + c10::str(t.sizes()) + ")",
+                          f.where);
+      t = t.narrow(0, place.third * d, d);
+    }
+    weights.emplace(item.key(), t);
+  }
+  if (!missing.empty())
+    throw FormatError("lacks " + std::to_string(missing.size()) +
+                          " tensor(s) of the text encoder: " + missing.front() +
+                          (missing.size() > 1 ? ", ..." : ""),
+                      f.where);
+  const std::int64_t layers = model->config().num_hidden_layers;
+  std::vector<std::string> left;
+  for (auto it = f.tensors.lower_bound(prefix);
+       it != f.tensors.end() && it->first.starts_with(prefix); ++it) {
+    if (taken.contains(it->first)) continue;
+    const std::string rest = it->first.substr(prefix.size());
+    if (rest == "text_projection" || rest == "logit_scale" || rest == "attn_mask") continue;
+    if (rest.starts_with("transformer.resblocks.")) {
+      const std::size_t at = std::string_view("transformer.resblocks.").size();
+      const std::string n = rest.substr(at, rest.find('.', at) - at);
+      if (!n.empty() && n.size() < 7 && n.find_first_not_of("0123456789") == std::string::npos &&
+          std::stoll(n) >= layers)
+        continue;  // past the layer SD 2.x reads its text from
+    }
+    left.push_back(it->first);
+  }
+  if (!left.empty())
+    throw FormatError("holds " + std::to_string(left.size()) + " tensor(s) under '" + prefix +
+                          "' the text encoder of this config has no place for: " + left.front(),
+                      f.where);
+  load_weights(*model, weights, f.where + " (text encoder)");
   return model;
 }
 
 struct SingleFileSaveOptions {
   /// The floating-point tensors in this dtype (the web UI's fp16 files); none: as trained.
   std::optional<at::ScalarType> dtype;
+  /// sd1: the text encoder as CLIP ViT-L under cond_stage_model.transformer.; sd2: as OpenCLIP's
+  /// text tower under cond_stage_model.model. (q, k, v fused as in_proj).
+  SingleFileFamily family = SingleFileFamily::sd1;
 };
 
-/// The tensors of an SD 1.x single file for these models, by their original names.
+/// The tensors of an SD 1.x or 2.x single file for these models, by their original names.
 template <class Unet, class Vae, class Clip>
 std::map<std::string, at::Tensor> stable_diffusion_single_file_tensors(
     Unet& unet, Vae& vae, Clip& clip, const SingleFileSaveOptions& o = {}) {
@@ -299,6 +359,23 @@ std::map<std::string, at::Tensor> stable_diffusion_single_file_tensors(
     put(std::string(kLdmVaePrefix) + ldm_vae_name(n, vc),
         ldm_vae_conv_as_linear(n) && t.dim() == 2 ? t.unsqueeze(-1).unsqueeze(-1) : t);
   });
+  if (o.family == SingleFileFamily::sd2) {
+    // OpenCLIP fuses q, k and v into one in_proj (rows q, then k, then v).
+    std::map<std::string, std::array<at::Tensor, 3>> fused;
+    for (const auto& p : clip->named_parameters(true)) {
+      const OpenClipPlace place = openclip_place(p.key());
+      if (place.third < 0)
+        put(std::string(kLdmOpenClipPrefix) + place.name, p.value());
+      else
+        fused[place.name][static_cast<std::size_t>(place.third)] = p.value().detach();
+    }
+    for (const auto& [name, parts] : fused)
+      put(std::string(kLdmOpenClipPrefix) + name, at::cat({parts[0], parts[1], parts[2]}, 0));
+    return out;
+  }
+  if (o.family != SingleFileFamily::sd1)
+    throw ConfigError("writes Stable Diffusion 1.x and 2.x single files",
+                      "SingleFileSaveOptions::family");
   all(clip,
       [&](const std::string& n, const at::Tensor& t) { put(std::string(kLdmClipPrefix) + n, t); });
   // The original CLIP keeps its position ids as a buffer (the files in the wild hold it).
@@ -308,7 +385,7 @@ std::map<std::string, at::Tensor> stable_diffusion_single_file_tensors(
   return out;
 }
 
-/// Writes an SD 1.x single file (safetensors, atomically) that the web UI, ComfyUI and
+/// Writes an SD 1.x or 2.x single file (safetensors, atomically) that the web UI, ComfyUI and
 /// diffusers' `from_single_file` load.
 template <class Unet, class Vae, class Clip>
 void save_stable_diffusion_single_file(const std::filesystem::path& path, Unet& unet, Vae& vae,
