@@ -14,7 +14,9 @@ source "$(dirname "$0")/common.sh"
 
 tiny=(--data-dir "$data" --limit 512 --batch-size 16 --checkpoint-every 2 --keep 2
       --samples-per-class 2 --sample-steps 3 --classifier "$work/classifier.safetensors"
-      --classifier-epochs 1 --min-classifier-accuracy 0 --seed 7)
+      --classifier-epochs 1 --min-classifier-accuracy 0 --seed 7 --threads 1)
+# One intra-op thread: runs compared to the bit must sum in the same order (by default the count
+# follows the machine's load, which differs between two runs on a loaded test machine).
 
 expect_rc 0 help -- "$bin" --help
 grep_in "$work/help.out" "--resume"
