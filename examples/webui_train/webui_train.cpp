@@ -60,6 +60,7 @@ using namespace examples::sd;
 
 struct Settings : examples::RunFlags {
   std::string model, embedding, hypernetwork;
+  std::string single_file_config;  // configs, tokenizer, scheduler for a single-file model
   std::string init_text = "*";
   std::int64_t num_vectors_per_token = 1;
   std::string layer_structure = "1,2,1", activation_func = "linear", weight_init = "Normal";
@@ -267,7 +268,7 @@ int run(Settings s) {
   const examples::OutputFolder output_folder(out, world->is_main());
   const fs::path log = s.log_directory.empty() ? out / "log" : fs::path(s.log_directory);
   tr::set_seed(s.seed);
-  Pipeline p = load_pipeline(s.model, "");
+  Pipeline p = load_pipeline(s.model, "", "", s.single_file_config);
   // The web UI trains embeddings and hypernetworks on SD 1.x/2.x only (on SDXL its loops fail);
   // an SDXL embedding in its clip_l/clip_g file comes from the textual_inversion program.
   if (p.xl)
@@ -552,8 +553,13 @@ int main(int argc, char** argv) {
   using examples::count_in;
   using examples::number_in;
   auto* g = app.add_option_group("run");
-  g->add_option("--pretrained_model_name_or_path", s.model, "diffusers pipeline folder")
+  g->add_option("--pretrained_model_name_or_path", s.model,
+                "diffusers pipeline folder, or a single file (with --single_file_config)")
       ->required();
+  g->add_option("--single_file_config", s.single_file_config,
+                "with a single-file model (.safetensors, .ckpt in the web UI's layout): a "
+                "diffusers pipeline folder of the same model for its configs, tokenizer and "
+                "scheduler");
   g->add_option("--train_data_dir", s.data_dir, "dataset directory (captions: [filewords])")
       ->required();
   g->add_option("--output_dir", s.out, "output folder")->capture_default_str();

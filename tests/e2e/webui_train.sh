@@ -8,9 +8,12 @@
 # written every N steps, and the embedding's PNG after each copy carries that copy as the web UI
 # reads it back (its text chunk and its image-data border).
 #
-#   webui_train.sh PROGRAM PYTHON GOLDEN_DIR WORKDIR [FASHION_MNIST_DIR]
+#   webui_train.sh PROGRAM PYTHON GOLDEN_DIR WORKDIR [FASHION_MNIST_DIR] [TRAIN_TEXT_TO_IMAGE]
+# (the last makes a single-file model, the web UI's layout, to train on as the web UI does)
 set -uo pipefail
 bin=$1 py=$2 golden=$3 work=$4 fmnist=${5:-/usr/share/datasets/fashion-mnist}
+[ -n "$fmnist" ] || fmnist=/usr/share/datasets/fashion-mnist
+t2i=${6:-}
 rm -rf "$work" && mkdir -p "$work"
 # shellcheck source=common.sh
 source "$(dirname "$0")/common.sh"
@@ -43,6 +46,22 @@ grep_in "$work/sdxl.err" "is an SDXL pipeline"
 grep_in "$work/sdxl.err" "textual_inversion"
 expect_rc 2 device -- "$bin" "${base[@]}" --embedding fm --device gpu --output_dir "$work/bad"
 grep_in "$work/device.err" "--device"
+
+# The web UI trains on a single file (its models/Stable-diffusion/*.safetensors): one made from
+# the tiny pipeline by train_text_to_image --save_format single_file, its configs from the folder.
+if [ -n "$t2i" ]; then
+  expect_rc 0 make-single -- "$t2i" --pretrained_model_name_or_path "$sd" --train_data_dir \
+    "$work/images" --resolution 32 --train_batch_size 2 --max_train_steps 1 --threads 1 \
+    --save_format single_file --output_dir "$work/single"
+  expect_rc 0 single -- "$bin" "${base[@]}" --pretrained_model_name_or_path \
+    "$work/single/model.safetensors" --single_file_config "$sd" --embedding fm-single \
+    --init_text "shoe" --steps 4 --output_dir "$work/single-run"
+  [ -s "$work/single-run/embeddings/fm-single.pt" ] ||
+    fail "training on a single file wrote no embedding"
+  expect_rc 2 single-no-config -- "$bin" "${base[@]}" --pretrained_model_name_or_path \
+    "$work/single/model.safetensors" --embedding fm-single --steps 2 --output_dir "$work/bad"
+  grep_in "$work/single-no-config.err" "--single_file_config"
+fi
 
 expect_rc 0 embedding -- "$bin" "${base[@]}" --embedding fm-sneaker --init_text "shoe" \
   --num_vectors_per_token 2 --learn_rate "0.01:5, 0.005" --steps 10 --latent_sampling_method once \
