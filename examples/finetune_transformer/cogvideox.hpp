@@ -413,12 +413,6 @@ int run_cogvideox(Settings s, const Ranks& ranks) {
       main_rank);
   CogTraineeImpl trainee(p.transformer, p.scheduler);
   trainee.train();
-  using Trainer = tr::Trainer<CogTraineeImpl, TrainerConfig>;
-  Trainer::Options o;
-  set_optimizer_and_schedule(o, s, s.learning_rate);
-  o.clipping.max_norm = s.max_grad_norm;
-  set_parallel(o, s, ranks.world);
-  const RunFolders folders = prepare_run_folders(s, main_rank);
   const nlohmann::json run_settings = {
       {"pretrained_model_name_or_path", s.model},
       {"train_data_dir", s.data_dir},
@@ -445,32 +439,12 @@ int run_cogvideox(Settings s, const Ranks& ranks) {
     std::printf("%zu videos of %lld frames (%lld latent frames) at %lldx%lld\n", clips.size(),
                 static_cast<long long>(frames), static_cast<long long>(latent_frames),
                 static_cast<long long>(s.width), static_cast<long long>(s.height));
-  std::vector<double> losses;
-  Trainer trainer(trainee, o,
-                  TrainerConfig::Callbacks{
-                      progress_bar(s), checkpoint_every(s, folders),
-                      tr::TensorBoard({.dir = folders.tensorboard, .config = run_settings}),
-                      StopOnInterrupt{s.stop_at}, LossRecord{&losses}});
-  const std::int64_t resumed_from = resume_if_asked(trainer, s, folders);
-  ranks.seed(s.seed, resumed_from);
-  const FitResult fit = fit_until_done_or_stopped(
-      trainer, s, [&](std::int64_t place) { return stream.at_place(ranks.place(place)); });
-  // Every rank: under --sharded_mixed_precision the parameters hold the float32 masters from
-  // here on, for what rank 0 writes (nothing otherwise: they are whole between steps).
-  const auto whole = trainer.whole_parameters();
-  if (!main_rank) return fit.finished ? 0 : 130;  // rank 0 writes what the run leaves
-
-  const fs::path out(s.out);
-  nlohmann::json files;
-  if (fit.finished) {
-    save_trained_transformer(p.transformer, p.root, s, files);
-    if (!s.validation_prompts.empty()) {
-      write_validation_videos(validation_videos(p, s, frames, device), s, out);
-      files["validation"] = "validation.png";
-    }
-  }
-  return write_run_results(s, run_settings, files, fit, resumed_from, trainer.global_step(),
-                           adapted.size(), losses, t0);
+  return train_and_write(
+      trainee, s, ranks, run_settings, stream, p.transformer, p.root, adapted.size(),
+      [&](const fs::path& out) {
+        write_validation_videos(validation_videos(p, s, frames, device), s, out);
+      },
+      t0);
 }
 
 }  // namespace

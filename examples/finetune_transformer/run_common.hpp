@@ -184,4 +184,48 @@ struct Ranks {
   }
 };
 
+/// The loop every family shares: the trainer (AdamW, the schedule, clipping and sharding from
+/// the flags, the program's callbacks), resumed when asked with each rank its own noise, stepped
+/// until done or stopped; then rank 0 writes the trained transformer, the validation
+/// (`write_validation(out)` writes validation.png) and results.json. Returns the exit status.
+template <class Trainee, class Stream, class Transformer, class WriteValidation>
+int train_and_write(Trainee& trainee, const Settings& s, const Ranks& ranks,
+                    const nlohmann::json& run_settings, Stream& stream, Transformer& transformer,
+                    const fs::path& base, std::size_t lora_layers,
+                    WriteValidation&& write_validation, std::chrono::steady_clock::time_point t0) {
+  using Trainer = tr::Trainer<Trainee, TrainerConfig>;
+  const bool main_rank = ranks.main();
+  typename Trainer::Options o;
+  set_optimizer_and_schedule(o, s, s.learning_rate);
+  o.clipping.max_norm = s.max_grad_norm;
+  set_parallel(o, s, ranks.world);
+  const RunFolders folders = prepare_run_folders(s, main_rank);
+  std::vector<double> losses;
+  Trainer trainer(trainee, o,
+                  TrainerConfig::Callbacks{
+                      progress_bar(s), checkpoint_every(s, folders),
+                      tr::TensorBoard({.dir = folders.tensorboard, .config = run_settings}),
+                      StopOnInterrupt{s.stop_at}, LossRecord{&losses}});
+  const std::int64_t resumed_from = resume_if_asked(trainer, s, folders);
+  ranks.seed(s.seed, resumed_from);
+  const FitResult fit = fit_until_done_or_stopped(
+      trainer, s, [&](std::int64_t place) { return stream.at_place(ranks.place(place)); });
+  // Every rank: under --sharded_mixed_precision the parameters hold the float32 masters from
+  // here on, for what rank 0 writes (nothing otherwise: they are whole between steps).
+  const auto whole = trainer.whole_parameters();
+  if (!main_rank) return fit.finished ? 0 : 130;  // rank 0 writes what the run leaves
+
+  const fs::path out(s.out);
+  nlohmann::json files;
+  if (fit.finished) {
+    save_trained_transformer(transformer, base, s, files);
+    if (!s.validation_prompts.empty()) {
+      write_validation(out);
+      files["validation"] = "validation.png";
+    }
+  }
+  return write_run_results(s, run_settings, files, fit, resumed_from, trainer.global_step(),
+                           lora_layers, losses, t0);
+}
+
 }  // namespace

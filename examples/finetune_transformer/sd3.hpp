@@ -349,12 +349,6 @@ int run_sd3(Settings s, const Ranks& ranks) {
       main_rank);
   Sd3TraineeImpl trainee(p.transformer, p.flow, s);
   trainee.train();
-  using Trainer = tr::Trainer<Sd3TraineeImpl, TrainerConfig>;
-  Trainer::Options o;
-  set_optimizer_and_schedule(o, s, s.learning_rate);
-  o.clipping.max_norm = s.max_grad_norm;
-  set_parallel(o, s, ranks.world);
-  const RunFolders folders = prepare_run_folders(s, main_rank);
   const nlohmann::json run_settings = {
       {"pretrained_model_name_or_path", s.model},
       {"train_data_dir", s.data_dir},
@@ -376,32 +370,12 @@ int run_sd3(Settings s, const Ranks& ranks) {
       {"ranks", ranks.world->size()},
       {"sharding", s.sharding},
       {"seed", s.seed}};
-  std::vector<double> losses;
-  Trainer trainer(trainee, o,
-                  TrainerConfig::Callbacks{
-                      progress_bar(s), checkpoint_every(s, folders),
-                      tr::TensorBoard({.dir = folders.tensorboard, .config = run_settings}),
-                      StopOnInterrupt{s.stop_at}, LossRecord{&losses}});
-  const std::int64_t resumed_from = resume_if_asked(trainer, s, folders);
-  ranks.seed(s.seed, resumed_from);
-  const FitResult fit = fit_until_done_or_stopped(
-      trainer, s, [&](std::int64_t place) { return stream.at_place(ranks.place(place)); });
-  // Every rank: under --sharded_mixed_precision the parameters hold the float32 masters from
-  // here on, for what rank 0 writes (nothing otherwise: they are whole between steps).
-  const auto whole = trainer.whole_parameters();
-  if (!main_rank) return fit.finished ? 0 : 130;  // rank 0 writes what the run leaves
-
-  const fs::path out(s.out);
-  nlohmann::json files;
-  if (fit.finished) {
-    save_trained_transformer(p.transformer, p.root, s, files);
-    if (!s.validation_prompts.empty()) {
-      const at::Tensor images = validation_images(p, s, device);
-      write_validation_images(images, validation_options(s, s.resolution), out);
-      files["validation"] = "validation.png";
-    }
-  }
-  return write_run_results(s, run_settings, files, fit, resumed_from, trainer.global_step(),
-                           adapted.size(), losses, t0);
+  return train_and_write(
+      trainee, s, ranks, run_settings, stream, p.transformer, p.root, adapted.size(),
+      [&](const fs::path& out) {
+        write_validation_images(validation_images(p, s, device),
+                                validation_options(s, s.resolution), out);
+      },
+      t0);
 }
 }  // namespace
