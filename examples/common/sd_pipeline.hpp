@@ -45,12 +45,6 @@ using TextEncoder = models::CLIPTextModel<>;
 
 // ---- the pipeline folder ------------------------------------------------------------------------
 
-/// The layout a full fine-tune of `p` is written back in as one file: its single file's, or SD
-/// 2.x's (OpenCLIP's text tower) for a text encoder with GELU (OpenCLIP ViT-H's; CLIP ViT-L's is
-/// quick_gelu).
-struct Pipeline;
-inline models::SingleFileFamily single_file_layout(const Pipeline& p);
-
 /// The components of a Stable Diffusion pipeline folder, read and checked before any work.
 struct Pipeline {
   fs::path root;
@@ -66,6 +60,28 @@ struct Pipeline {
   std::optional<models::SingleFileFamily> single_file_family;
   examples::SchedulerConfig scheduler;
 };
+
+/// The layout a full fine-tune of `p` is written back in as one file: its single file's, or SD
+/// 2.x's (OpenCLIP's text tower) for a text encoder with GELU (OpenCLIP ViT-H's; CLIP ViT-L's is
+/// quick_gelu).
+inline models::SingleFileFamily single_file_layout(const Pipeline& p) {
+  if (p.single_file_family) return *p.single_file_family;
+  return p.text_encoder->config().hidden_act == "gelu" ? models::SingleFileFamily::sd2
+                                                       : models::SingleFileFamily::sd1;
+}
+
+/// Each tokenizer pads prompts to its model_max_length: it must fit its encoder's positions.
+inline void check_tokenizers_fit(const Pipeline& p) {
+  for (const auto& [tok, enc, name] :
+       {std::tuple{&p.tokenizer, &p.text_encoder, "tokenizer"},
+        std::tuple{&p.tokenizer_2, &p.text_encoder_2, "tokenizer_2"}})
+    if (*tok && (*tok)->model_max_length() > (*enc)->config().max_position_embeddings)
+      throw ConfigError("pads prompts to " + std::to_string((*tok)->model_max_length()) +
+                            " tokens (model_max_length), more than the text encoder's " +
+                            std::to_string((*enc)->config().max_position_embeddings) +
+                            " positions (max_position_embeddings)",
+                        (p.root / name / "tokenizer_config.json").string());
+}
 
 /// model_index.json's entry `name` must be [library, class] with one of `classes`.
 inline void check_component(const nlohmann::json& index, const std::string& name,
@@ -150,12 +166,7 @@ inline Pipeline load_single_file_pipeline(const std::string& file,
       f, component_config<models::AutoencoderKLConfig>(p.root / "vae"));
   p.unet = models::unet_from_single_file<Unet>(
       f, component_config<models::UNet2DConditionConfig>(p.root / "unet"));
-  if (p.tokenizer->model_max_length() > p.text_encoder->config().max_position_embeddings)
-    throw ConfigError("pads prompts to " + std::to_string(p.tokenizer->model_max_length()) +
-                          " tokens (model_max_length), more than the text encoder's " +
-                          std::to_string(p.text_encoder->config().max_position_embeddings) +
-                          " positions (max_position_embeddings)",
-                      (p.root / "tokenizer" / "tokenizer_config.json").string());
+  check_tokenizers_fit(p);
   check_pipeline_parts(p, file + " (UNet)");
   return p;
 }
@@ -210,16 +221,7 @@ inline Pipeline load_pipeline(const std::string& model, const std::string& predi
     p.tokenizer_2.emplace(text::CLIPTokenizer::from_folder(p.root / "tokenizer_2"));
     p.text_encoder_2 = models::from_pretrained<TextEncoder>(p.root / "text_encoder_2", lo);
   }
-  // Each tokenizer pads prompts to its model_max_length: it must fit its encoder's positions.
-  for (const auto& [tok, enc, name] :
-       {std::tuple{&p.tokenizer, &p.text_encoder, "tokenizer"},
-        std::tuple{&p.tokenizer_2, &p.text_encoder_2, "tokenizer_2"}})
-    if (*tok && (*tok)->model_max_length() > (*enc)->config().max_position_embeddings)
-      throw ConfigError("pads prompts to " + std::to_string((*tok)->model_max_length()) +
-                            " tokens (model_max_length), more than the text encoder's " +
-                            std::to_string((*enc)->config().max_position_embeddings) +
-                            " positions (max_position_embeddings)",
-                        (p.root / name / "tokenizer_config.json").string());
+  check_tokenizers_fit(p);
   p.vae = models::from_pretrained<Vae>(p.root / "vae", lo);
   p.unet = models::from_pretrained<Unet>(p.root / "unet", lo);
   check_pipeline_parts(p, (p.root / "unet").string());
@@ -229,23 +231,9 @@ inline Pipeline load_pipeline(const std::string& model, const std::string& predi
 // What the caches are keyed by: the weights as stored, so no model is needed to read them. Hashed
 // only by the runs that use a cache (a real pipeline's weights take seconds to hash).
 
-inline models::SingleFileFamily single_file_layout(const Pipeline& p) {
-  if (p.single_file_family) return *p.single_file_family;
-  return p.text_encoder->config().hidden_act == "gelu" ? models::SingleFileFamily::sd2
-                                                       : models::SingleFileFamily::sd1;
-}
-
-/// A module's tensors by name (a single file's components are hashed as loaded).
-inline std::map<std::string, at::Tensor> module_tensors(const torch::nn::Module& m) {
-  std::map<std::string, at::Tensor> out;
-  for (const auto& t : m.named_parameters(true)) out.emplace(t.key(), t.value().detach());
-  for (const auto& t : m.named_buffers(true)) out.emplace(t.key(), t.value().detach());
-  return out;
-}
-
 /// The fingerprint of the pipeline's VAE weights.
 inline std::string vae_fingerprint(const Pipeline& p) {
-  if (p.single_file) return data::tensors_fingerprint(module_tensors(*p.vae));
+  if (p.single_file) return data::module_fingerprint(*p.vae);
   return data::tensors_fingerprint(models::read_model_weights(p.root / "vae", p.variant));
 }
 
@@ -255,7 +243,7 @@ inline std::string text_fingerprint(const Pipeline& p) {
   for (const std::string part : {"text_encoder", "text_encoder_2"}) {
     if (!p.xl && part == "text_encoder_2") continue;
     if (p.single_file) {
-      fp += data::tensors_fingerprint(module_tensors(*p.text_encoder)) + "|";
+      fp += data::module_fingerprint(*p.text_encoder) + "|";
       continue;
     }
     fp += data::tensors_fingerprint(

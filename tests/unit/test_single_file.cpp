@@ -12,6 +12,7 @@
 #include <difftrain/io/torch_file.hpp>
 #include <difftrain/models/models.hpp>
 #include <difftrain/models/single_file/stable_diffusion.hpp>
+#include <difftrain/nn/module_tensors.hpp>
 
 #include <gtest/gtest.h>
 
@@ -45,10 +46,7 @@ fs::path scratch(const std::string& name) {
 
 template <class Holder>
 std::map<std::string, at::Tensor> state_of(Holder& m) {
-  std::map<std::string, at::Tensor> out;
-  for (const auto& p : m->named_parameters(true)) out[p.key()] = p.value().detach();
-  for (const auto& b : m->named_buffers(true)) out[b.key()] = b.value().detach();
-  return out;
+  return dt::nn::module_tensors(*m);
 }
 
 template <class Holder>

@@ -184,14 +184,16 @@ inline std::string ldm_vae_name(const std::string& key, const AutoencoderKLConfi
   throw ConfigError("has no place in the original VAE layout", key);
 }
 
-/// A CLIPTextModel tensor's place in OpenCLIP's text tower (SD 2.x): the name, and for q, k and
-/// v, which third of the fused `in_proj` they are (0, 1, 2; -1 for every other tensor).
-struct OpenClipPlace {
+/// Where a diffusers tensor lives in an original layout: its name there, and for a tensor the
+/// original fuses with others (OpenCLIP's q, k and v in one `in_proj`), which third it is (0, 1,
+/// 2; -1 for a tensor of its own).
+struct OriginalPlace {
   std::string name;
   int third = -1;
 };
 
-inline OpenClipPlace openclip_place(const std::string& key) {
+/// A CLIPTextModel tensor's place in OpenCLIP's text tower (SD 2.x).
+inline OriginalPlace openclip_place(const std::string& key) {
   using namespace ldm_detail;
   if (key == "text_model.embeddings.token_embedding.weight") return {"token_embedding.weight"};
   if (key == "text_model.embeddings.position_embedding.weight") return {"positional_embedding"};

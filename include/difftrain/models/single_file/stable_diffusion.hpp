@@ -110,21 +110,24 @@ inline std::map<std::string, at::Tensor> pickled_state_dict(const std::filesyste
   return out;
 }
 
-/// The original-layout tensors of one component taken into `model` by name (`ldm` gives a
-/// diffusers name's original one under `prefix`); `reshaped` says which tensors the original
-/// keeps in another shape of the same size (1x1 convolutions for linear layers). Every tensor the
-/// model has must be found, and every tensor under `prefix` taken (`ignored` aside).
+/// The original-layout tensors of one component taken into `model` by name: `place` gives a
+/// diffusers name's original one under `prefix` (and, for a tensor the original fuses, which
+/// third of it); `reshaped` says which tensors the original keeps in another shape of the same
+/// size (1x1 convolutions for linear layers). Every tensor the model has must be found, and every
+/// tensor under `prefix` taken, save those `ignored` (by their name after `prefix`).
 template <class Holder>
 void load_component(Holder& model, const SingleFile& file, std::string_view prefix,
-                    const std::function<std::string(const std::string&)>& ldm,
+                    const std::function<OriginalPlace(const std::string&)>& place,
                     const std::function<bool(const std::string&)>& reshaped,
-                    const std::set<std::string>& ignored, const std::string& what) {
-  const std::string where = file.where + " (" + what + ")";
+                    const std::function<bool(const std::string&)>& ignored,
+                    const std::string& what) {
   std::map<std::string, at::Tensor> weights;
   std::set<std::string> taken;
   std::vector<std::string> missing;
+  // In the module's order (parameters, then buffers): the first tensor named is the model's first.
   auto take = [&](const std::string& name, const at::Tensor& own) {
-    const std::string key = std::string(prefix) + ldm(name);
+    const OriginalPlace spot = place(name);
+    const std::string key = std::string(prefix) + spot.name;
     const auto it = file.tensors.find(key);
     if (it == file.tensors.end()) {
       missing.push_back("'" + key + "' (diffusers' '" + name + "')");
@@ -132,6 +135,14 @@ void load_component(Holder& model, const SingleFile& file, std::string_view pref
     }
     taken.insert(key);
     at::Tensor t = it->second;
+    if (spot.third >= 0) {
+      const std::int64_t rows = own.size(0);
+      if (t.dim() < 1 || t.size(0) != 3 * rows)
+        throw FormatError("'" + key + "' is not q, k and v of " + std::to_string(rows) +
+                              " rows each (shape " + c10::str(t.sizes()) + ")",
+                          file.where);
+      t = t.narrow(0, spot.third * rows, rows);
+    }
     if (reshaped(name) && t.sizes() != own.sizes() && t.numel() == own.numel())
       t = t.reshape(own.sizes());
     weights.emplace(name, t);
@@ -149,7 +160,7 @@ void load_component(Holder& model, const SingleFile& file, std::string_view pref
   std::vector<std::string> left;
   for (auto it = file.tensors.lower_bound(std::string(prefix));
        it != file.tensors.end() && it->first.starts_with(prefix); ++it)
-    if (!taken.contains(it->first) && !ignored.contains(it->first.substr(prefix.size())))
+    if (!taken.contains(it->first) && !ignored(it->first.substr(prefix.size())))
       left.push_back(it->first);
   if (!left.empty()) {
     std::string msg = "holds " + std::to_string(left.size()) + " tensor(s) under '" +
@@ -159,8 +170,11 @@ void load_component(Holder& model, const SingleFile& file, std::string_view pref
                           " (the config describes a smaller model than the file)",
                       file.where);
   }
-  load_weights(*model, weights, where);
+  load_weights(*model, weights, file.where + " (" + what + ")");
 }
+
+/// Nothing under the prefix is left aside.
+inline bool nothing(const std::string&) { return false; }
 
 }  // namespace single_file_detail
 
@@ -243,8 +257,9 @@ Holder unet_from_single_file(const SingleFile& f, UNet2DConditionConfig config) 
   Holder model(std::move(config), f.where);
   const auto& c = model->config();
   single_file_detail::load_component(
-      model, f, kLdmUnetPrefix, [&](const std::string& n) { return ldm_unet_name(n, c); },
-      [](const std::string&) { return false; }, {}, "UNet");
+      model, f, kLdmUnetPrefix,
+      [&](const std::string& n) { return OriginalPlace{ldm_unet_name(n, c)}; },
+      single_file_detail::nothing, single_file_detail::nothing, "UNet");
   return model;
 }
 
@@ -255,8 +270,9 @@ Holder vae_from_single_file(const SingleFile& f, AutoencoderKLConfig config) {
   Holder model(std::move(config), f.where);
   const auto& c = model->config();
   single_file_detail::load_component(
-      model, f, kLdmVaePrefix, [&](const std::string& n) { return ldm_vae_name(n, c); },
-      ldm_vae_conv_as_linear, {}, "VAE");
+      model, f, kLdmVaePrefix,
+      [&](const std::string& n) { return OriginalPlace{ldm_vae_name(n, c)}; },
+      ldm_vae_conv_as_linear, single_file_detail::nothing, "VAE");
   return model;
 }
 
@@ -270,60 +286,26 @@ Holder clip_from_single_file(const SingleFile& f, CLIPTextConfig config) {
   Holder model(std::move(config), f.where);
   if (f.family == SingleFileFamily::sd1) {
     single_file_detail::load_component(
-        model, f, kLdmClipPrefix, [](const std::string& n) { return n; },
-        [](const std::string&) { return false; }, {"text_model.embeddings.position_ids"},
+        model, f, kLdmClipPrefix, [](const std::string& n) { return OriginalPlace{n}; },
+        single_file_detail::nothing,
+        [](const std::string& rest) { return rest == "text_model.embeddings.position_ids"; },
         "text encoder");
     return model;
   }
-  const std::string prefix(kLdmOpenClipPrefix);
-  std::map<std::string, at::Tensor> weights;
-  std::set<std::string> taken;
-  std::vector<std::string> missing;
-  for (const auto& item : model->named_parameters(true)) {
-    const OpenClipPlace place = openclip_place(item.key());
-    const auto it = f.tensors.find(prefix + place.name);
-    if (it == f.tensors.end()) {
-      missing.push_back("'" + prefix + place.name + "' (diffusers' '" + item.key() + "')");
-      continue;
-    }
-    taken.insert(it->first);
-    at::Tensor t = it->second;
-    if (place.third >= 0) {
-      const std::int64_t d = item.value().size(0);
-      if (t.dim() < 1 || t.size(0) != 3 * d)
-        throw FormatError("'" + it->first + "' is not q, k and v of " + std::to_string(d) +
-                              " rows each (shape " + c10::str(t.sizes()) + ")",
-                          f.where);
-      t = t.narrow(0, place.third * d, d);
-    }
-    weights.emplace(item.key(), t);
-  }
-  if (!missing.empty())
-    throw FormatError("lacks " + std::to_string(missing.size()) +
-                          " tensor(s) of the text encoder: " + missing.front() +
-                          (missing.size() > 1 ? ", ..." : ""),
-                      f.where);
   const std::int64_t layers = model->config().num_hidden_layers;
-  std::vector<std::string> left;
-  for (auto it = f.tensors.lower_bound(prefix);
-       it != f.tensors.end() && it->first.starts_with(prefix); ++it) {
-    if (taken.contains(it->first)) continue;
-    const std::string rest = it->first.substr(prefix.size());
-    if (rest == "text_projection" || rest == "logit_scale" || rest == "attn_mask") continue;
-    if (rest.starts_with("transformer.resblocks.")) {
-      const std::size_t at = std::string_view("transformer.resblocks.").size();
-      const std::string n = rest.substr(at, rest.find('.', at) - at);
-      if (!n.empty() && n.size() < 7 && n.find_first_not_of("0123456789") == std::string::npos &&
-          std::stoll(n) >= layers)
-        continue;  // past the layer SD 2.x reads its text from
-    }
-    left.push_back(it->first);
-  }
-  if (!left.empty())
-    throw FormatError("holds " + std::to_string(left.size()) + " tensor(s) under '" + prefix +
-                          "' the text encoder of this config has no place for: " + left.front(),
-                      f.where);
-  load_weights(*model, weights, f.where + " (text encoder)");
+  single_file_detail::load_component(
+      model, f, kLdmOpenClipPrefix, openclip_place, single_file_detail::nothing,
+      [layers](const std::string& rest) {
+        if (rest == "text_projection" || rest == "logit_scale" || rest == "attn_mask") return true;
+        // The layers past the one SD 2.x reads its text from.
+        constexpr std::string_view blocks = "transformer.resblocks.";
+        if (!rest.starts_with(blocks)) return false;
+        const std::string n =
+            rest.substr(blocks.size(), rest.find('.', blocks.size()) - blocks.size());
+        return !n.empty() && n.size() < 7 &&
+               n.find_first_not_of("0123456789") == std::string::npos && std::stoll(n) >= layers;
+      },
+      "text encoder");
   return model;
 }
 
@@ -363,7 +345,7 @@ std::map<std::string, at::Tensor> stable_diffusion_single_file_tensors(
     // OpenCLIP fuses q, k and v into one in_proj (rows q, then k, then v).
     std::map<std::string, std::array<at::Tensor, 3>> fused;
     for (const auto& p : clip->named_parameters(true)) {
-      const OpenClipPlace place = openclip_place(p.key());
+      const OriginalPlace place = openclip_place(p.key());
       if (place.third < 0)
         put(std::string(kLdmOpenClipPrefix) + place.name, p.value());
       else
