@@ -58,14 +58,17 @@ struct Pipeline {
   /// The single file the models were read from (the configs, tokenizer and scheduler from `root`).
   std::optional<fs::path> single_file;
   std::optional<models::SingleFileFamily> single_file_family;
+  /// What the single file held beyond the models (written back with a full fine-tune).
+  std::map<std::string, at::Tensor> single_file_leftovers;
   examples::SchedulerConfig scheduler;
 };
 
-/// The layout a full fine-tune of `p` is written back in as one file: its single file's, or SD
-/// 2.x's (OpenCLIP's text tower) for a text encoder with GELU (OpenCLIP ViT-H's; CLIP ViT-L's is
-/// quick_gelu).
+/// The layout a full fine-tune of `p` is written back in as one file: its single file's, SDXL's
+/// for an SDXL pipeline, or SD 2.x's (OpenCLIP's text tower) for a text encoder with GELU
+/// (OpenCLIP ViT-H's; CLIP ViT-L's is quick_gelu).
 inline models::SingleFileFamily single_file_layout(const Pipeline& p) {
   if (p.single_file_family) return *p.single_file_family;
+  if (p.xl) return models::SingleFileFamily::sdxl;
   return p.text_encoder->config().hidden_act == "gelu" ? models::SingleFileFamily::sd2
                                                        : models::SingleFileFamily::sd1;
 }
@@ -128,10 +131,10 @@ Config component_config(const fs::path& folder) {
   return Config::from_json(models::read_model_config(folder), (folder / "config.json").string());
 }
 
-/// An SD 1.x or 2.x single file (the web UI's, ComfyUI's layout) as a pipeline: its UNet, VAE and
-/// text encoder from the file; their configs, the tokenizer and the scheduler from `config_folder`,
-/// a diffusers pipeline folder of the same model (diffusers' `from_single_file(config=)`), whose
-/// weights are not read.
+/// An SD 1.x, 2.x or XL single file (the web UI's, ComfyUI's layout) as a pipeline: its UNet, VAE
+/// and text encoders from the file; their configs, the tokenizers and the scheduler from
+/// `config_folder`, a diffusers pipeline folder of the same model (diffusers'
+/// `from_single_file(config=)`), whose weights are not read.
 inline Pipeline load_single_file_pipeline(const std::string& file,
                                           const std::string& prediction_type,
                                           const std::string& config_folder) {
@@ -150,22 +153,37 @@ inline Pipeline load_single_file_pipeline(const std::string& file,
                       "--single_file_config " + config_folder);
   const fs::path index_file = p.root / "model_index.json";
   const nlohmann::json index = dt::io::read_json_object(index_file);
-  if (index.value("_class_name", std::string()) != "StableDiffusionPipeline")
+  const std::string cls = index.value("_class_name", std::string());
+  if (cls != "StableDiffusionPipeline" && cls != "StableDiffusionXLPipeline")
     throw ConfigError(
-        "is not a StableDiffusionPipeline folder; single files are read for SD 1.x and 2.x "
-        "pipelines",
+        "is not a StableDiffusionPipeline or StableDiffusionXLPipeline folder; single files are "
+        "read for SD 1.x, 2.x and XL pipelines",
         index_file.string() + ": _class_name");
+  p.xl = cls == "StableDiffusionXLPipeline";
+  if (p.xl && index.contains("force_zeros_for_empty_prompt") &&
+      index["force_zeros_for_empty_prompt"].is_boolean())
+    p.force_zeros_for_empty_prompt = index["force_zeros_for_empty_prompt"].get<bool>();
   const models::SingleFile f = models::read_single_file(file);
+  if (p.xl != (f.family == models::SingleFileFamily::sdxl))
+    throw ConfigError("is a " + std::string(models::single_file_family_name(f.family)) +
+                          " file but --single_file_config names a " + cls + " folder",
+                      flag);
   p.single_file_family = f.family;
   p.scheduler = examples::read_scheduler_config(p.root / "scheduler" / "scheduler_config.json",
                                                 prediction_type);
   p.tokenizer.emplace(text::CLIPTokenizer::from_folder(p.root / "tokenizer"));
   p.text_encoder = models::clip_from_single_file<TextEncoder>(
       f, component_config<models::CLIPTextConfig>(p.root / "text_encoder"));
+  if (p.xl) {
+    p.tokenizer_2.emplace(text::CLIPTokenizer::from_folder(p.root / "tokenizer_2"));
+    p.text_encoder_2 = models::clip_2_from_single_file<TextEncoder>(
+        f, component_config<models::CLIPTextConfig>(p.root / "text_encoder_2"));
+  }
   p.vae = models::vae_from_single_file<Vae>(
       f, component_config<models::AutoencoderKLConfig>(p.root / "vae"));
   p.unet = models::unet_from_single_file<Unet>(
       f, component_config<models::UNet2DConditionConfig>(p.root / "unet"));
+  p.single_file_leftovers = models::single_file_leftovers(f);
   check_tokenizers_fit(p);
   check_pipeline_parts(p, file + " (UNet)");
   return p;
@@ -357,7 +375,10 @@ struct Validation {
 inline void write_single_file_pipeline_except_unet(const Pipeline& p, const fs::path& out) {
   models::save_pretrained(p.vae, out / "vae");
   models::save_pretrained(p.text_encoder, out / "text_encoder");
-  for (const char* part : {"tokenizer", "scheduler"})
+  if (p.xl) models::save_pretrained(p.text_encoder_2, out / "text_encoder_2");
+  std::vector<std::string> parts = {"tokenizer", "scheduler"};
+  if (p.xl) parts.emplace_back("tokenizer_2");
+  for (const auto& part : parts)
     for (const auto& f : fs::recursive_directory_iterator(p.root / part)) {
       if (!f.is_regular_file()) continue;
       const auto rel = fs::relative(f.path(), p.root);

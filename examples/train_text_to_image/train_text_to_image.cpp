@@ -559,13 +559,18 @@ int train(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
       files["kohya"] = names.kohya.string();
     } else if (s.save_format == "single_file") {
       // The original layout the web UI, ComfyUI and stable-diffusion.cpp load: UNet, VAE and text
-      // encoder in one file.
+      // encoders in one file, with what the base's single file held beyond them.
       models::SingleFileSaveOptions so;
       so.family = single_file_layout(p);
+      so.keep = p.single_file_leftovers;
       if (s.save_precision == "fp16") so.dtype = at::kHalf;
       if (s.save_precision == "bf16") so.dtype = at::kBFloat16;
-      models::save_stable_diffusion_single_file(out / "model.safetensors", p.unet, p.vae,
-                                                p.text_encoder, so);
+      if (p.xl)
+        models::save_stable_diffusion_xl_single_file(out / "model.safetensors", p.unet, p.vae,
+                                                     p.text_encoder, p.text_encoder_2, so);
+      else
+        models::save_stable_diffusion_single_file(out / "model.safetensors", p.unet, p.vae,
+                                                  p.text_encoder, so);
       files["single_file"] = "model.safetensors";
     } else {
       if (p.single_file)
@@ -645,10 +650,6 @@ int run(Settings s) {
   const examples::OutputFolder output_folder(s.out, say);
   tr::set_seed(s.seed);
   Pipeline p = load_pipeline(s.model, s.prediction_type, s.variant, s.single_file_config);
-  if (s.save_format == "single_file" && p.xl)
-    throw ConfigError(
-        "writes SD 1.x and 2.x pipelines as one file; an SDXL one is written as a folder",
-        "--save_format single_file");
   if (!s.enable_bucket && s.resolution % p.vae->downscale() != 0)
     throw ConfigError(
         "must be a multiple of the VAE's downscale " + std::to_string(p.vae->downscale()),

@@ -6,7 +6,8 @@
 # stopped half way and resumed ends with the same weights as one that was not; full fine-tuning
 # with EMA and min-SNR writes a pipeline folder; diffusers loads both (load_lora_weights with
 # peft, StableDiffusionPipeline.from_pretrained) and generates with them. The same for SDXL: LoRA
-# on the UNet and both text encoders over aspect-ratio buckets, loaded by StableDiffusionXLPipeline.
+# on the UNet and both text encoders over aspect-ratio buckets, loaded by StableDiffusionXLPipeline;
+# a full SDXL fine-tune as one file, loaded by from_single_file and trained again from.
 # Under torchrun with 2 ranks: DataParallel, and ZeRO stages 2 and 1 across a stop and a resume,
 # end with the same LoRA; one process resumes the 2-rank checkpoint set when told to.
 #
@@ -134,6 +135,17 @@ expect_rc 2 xl-wrong-unet -- "$bin" "${base[@]}" --pretrained_model_name_or_path
 expect_rc 0 xl -- "$bin" "${base[@]}" --pretrained_model_name_or_path "$xl" --use_lora --train_text_encoder \
   --cache_latents --enable_bucket --min_bucket_reso 16 --max_bucket_reso 64 --bucket_reso_steps 16 \
   --learning_rate 2e-3 --max_train_steps 30 --validation_prompt "a photo of a trouser" --output_dir "$work/xl"
+# SDXL as one file: a full fine-tune written in SDXL's original layout (fp16), trained again from
+# that file and written back as one, every key of the first in the second; the file with an SD 1.x
+# config folder is refused by name.
+expect_rc 0 xl-single -- "$bin" "${base[@]}" --pretrained_model_name_or_path "$xl" --max_train_steps 2 \
+  --save_format single_file --save_precision fp16 --output_dir "$work/xl-single"
+expect_rc 0 xl-from-single -- "$bin" "${base[@]}" --pretrained_model_name_or_path \
+  "$work/xl-single/model.safetensors" --single_file_config "$xl" --max_train_steps 2 \
+  --save_format single_file --output_dir "$work/xl-from-single"
+expect_rc 2 xl-single-sd-config -- "$bin" "${base[@]}" --pretrained_model_name_or_path \
+  "$work/xl-single/model.safetensors" --single_file_config "$sd" --max_train_steps 1 --output_dir "$work/bad"
+grep_in "$work/xl-single-sd-config.err" "Stable Diffusion XL file"
 
 # Under torchrun with 2 ranks (each its own batches of 2; rank 0 caches the latents and the text
 # encoder's outputs, the other rank reads them): DataParallel straight through; ZeRO stage 2
@@ -295,6 +307,16 @@ assert not np.allclose(plain, generate(xl)), "the SDXL LoRA changed nothing"
 kohya = load_file(work / "xl" / "lora_kohya.safetensors")
 assert {k.split("_")[1] for k in kohya} == {"unet", "te1", "te2"}, sorted(kohya)[:4]
 print("SDXL: load_lora_weights reads the UNet's and both text encoders' LoRA and generates")
+xl_single = StableDiffusionXLPipeline.from_single_file(
+    str(work / "xl-single" / "model.safetensors"), config=sys.argv[3], local_files_only=True,
+    torch_dtype=torch.float32)
+generate(xl_single)
+first = load_file(work / "xl-single" / "model.safetensors")
+second = load_file(work / "xl-from-single" / "model.safetensors")
+assert set(first) == set(second), sorted(set(first) ^ set(second))[:5]
+assert all(first[k].shape == second[k].shape for k in first)
+print(f"SDXL single file: from_single_file loads difftrain's file and generates; trained again from "
+      f"it, the file written back has its {len(first)} keys")
 PY
 cat "$work/python.out"
 [ "$failures" -eq 0 ] && echo "train_text_to_image end to end: ok" || exit 1

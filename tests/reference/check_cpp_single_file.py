@@ -1,5 +1,5 @@
-"""SD 1.x single files difftrain wrote (float32 and fp16), and an SD 2.x one (OpenCLIP's text
-tower), load with diffusers' StableDiffusionPipeline.from_single_file, given the pipeline's configs as a folder (diffusers'
+"""SD 1.x single files difftrain wrote (float32 and fp16), an SD 2.x one (OpenCLIP's text
+tower) and an SDXL one (both text encoders) load with diffusers' StableDiffusionPipeline.from_single_file, given the pipeline's configs as a folder (diffusers'
 `config=`), and its UNet, VAE and text encoder hold every tensor of the diffusers models difftrain
 wrote it from (the fp16 file: their fp16 rounding). Usage: check_cpp_single_file.py TEST_BINARY GOLDEN_DIR"""
 import json
@@ -21,7 +21,7 @@ def main(binary, golden_dir):
     golden = pathlib.Path(golden_dir)
     out = pathlib.Path(tempfile.mkdtemp())
     env = dict(os.environ, DIFFTRAIN_MODELS_OUT=str(out), DIFFTRAIN_GOLDEN_DIR=golden_dir)
-    subprocess.run([binary, "--gtest_filter=SingleFile.Sd1ComponentsRoundTrip*:SingleFile.FullSize*"],
+    subprocess.run([binary, "--gtest_filter=SingleFile.Sd1ComponentsRoundTrip*:SingleFile.Sdxl*:SingleFile.FullSize*"],
                    check=True, env=env)
     check_full_size_names(out / "ldm_names.json")
     # The pipeline's configs, as a folder: what diffusers takes as `config=` for a single file.
@@ -57,7 +57,54 @@ def main(binary, golden_dir):
                 w = want[k] if dtype is None else want[k].to(dtype).to(want[k].dtype)
                 assert torch.equal(got[k].to(w.dtype), w), (file, name, k)
             print(f"{file}: from_single_file's {name} holds difftrain's {len(names)} tensors")
+    check_sdxl(out, golden)
     shutil.rmtree(out)
+
+
+def check_sdxl(out, golden):
+    """The SDXL file (CLIP ViT-L under conditioner.embedders.0, OpenCLIP ViT-bigG's tower under
+    conditioner.embedders.1) loads with StableDiffusionXLPipeline.from_single_file and holds every
+    tensor of the four models."""
+    from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
+    from transformers import CLIPTextModelWithProjection
+    parts = {"unet": golden / "models" / "unet_sdxl_text_time_bin", "vae": golden / "models" / "vae_two_levels",
+             "text_encoder": golden / "encode_prompt" / "text_encoder",
+             "text_encoder_2": golden / "encode_prompt" / "text_encoder_2",
+             "tokenizer": golden / "clip_tokenizer" / "sd15", "tokenizer_2": golden / "clip_tokenizer" / "sd2"}
+    config = out / "config_xl"
+    for name, src in parts.items():
+        shutil.copytree(src, config / name)
+    EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear").save_config(
+        config / "scheduler")
+    (config / "model_index.json").write_text(json.dumps({
+        "_class_name": "StableDiffusionXLPipeline", "_diffusers_version": "0.42.1",
+        "unet": ["diffusers", "UNet2DConditionModel"], "vae": ["diffusers", "AutoencoderKL"],
+        "text_encoder": ["transformers", "CLIPTextModel"],
+        "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"],
+        "tokenizer": ["transformers", "CLIPTokenizer"], "tokenizer_2": ["transformers", "CLIPTokenizer"],
+        "scheduler": ["diffusers", "EulerDiscreteScheduler"], "image_encoder": [None, None],
+        "feature_extractor": [None, None], "force_zeros_for_empty_prompt": True}))
+    # (that UNet's folder is a sharded pickle, as older diffusers wrote them: its shards merged)
+    index = json.loads((parts["unet"] / "diffusion_pytorch_model.bin.index.json").read_text())
+    unet_state = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        unet_state.update(torch.load(parts["unet"] / shard, weights_only=True))
+    originals = {"unet": unet_state,
+                 "vae": AutoencoderKL.from_pretrained(parts["vae"]),
+                 "text_encoder": CLIPTextModel.from_pretrained(parts["text_encoder"]),
+                 "text_encoder_2": CLIPTextModelWithProjection.from_pretrained(parts["text_encoder_2"])}
+    pipe = StableDiffusionXLPipeline.from_single_file(str(out / "sdxl_single.safetensors"), config=str(config),
+                                                      local_files_only=True)
+    for name, original in originals.items():
+        got = getattr(pipe, name).state_dict()
+        want = original if isinstance(original, dict) else original.state_dict()
+        names = [k for k in want if not k.endswith("position_ids")]
+        assert all(k in got for k in names), (name, [k for k in names if k not in got][:3])
+        assert len(got) == len([k for k in got if not k.endswith("position_ids")]) and len(names) == len(got), \
+            (name, len(names), len(got))
+        for k in names:
+            assert torch.equal(got[k].to(want[k].dtype), want[k]), ("sdxl", name, k)
+        print(f"sdxl_single.safetensors: from_single_file's {name} holds difftrain's {len(names)} tensors")
 
 
 def check_full_size_names(path):

@@ -1,5 +1,5 @@
 // Stable Diffusion single files (the web UI's, ComfyUI's and kohya's layout): the UNet, VAE and
-// CLIP text encoder under their original names, written and read back to the bit for every UNet
+// text encoders (SD 1.x's CLIP, SD 2.x's OpenCLIP, SDXL's two) under their original names, written and read back to the bit for every UNet
 // and VAE configuration the reference scripts made (SD 1.x and 2.x-like UNets, SDXL's added
 // embedding, timestep class embeddings; two- and three-level VAEs), in float32 and fp16, from
 // `.safetensors` and pickled `.ckpt`; the UNet's EMA copies when asked; files that do not fit are
@@ -225,6 +225,119 @@ TEST(SingleFile, Sd1ComponentsRoundTripUnderTheOriginalNames) {
   dt::io::remove_tree(dir);
 }
 
+// SDXL: the UNet with its added embedding, the VAE, CLIP ViT-L under conditioner.embedders.0 and
+// OpenCLIP ViT-bigG's tower under conditioner.embedders.1 (q, k, v fused; the projection
+// transposed), in float32 and fp16, read back to the bit. What the file holds beyond the models
+// (the schedule's buffers, OpenCLIP's logit_scale) is left over after all four are built, and a
+// file written with it kept holds every key the read one had, as it was.
+TEST(SingleFile, SdxlComponentsRoundTripUnderTheOriginalNames) {
+  const fs::path dir = scratch("sdxl");
+  Sd1Models<> m = load("unet_sdxl_text_time_bin", "vae_two_levels");
+  auto clip_2 = models::from_pretrained<models::CLIPTextModel<>>(golden() / "encode_prompt" /
+                                                                 "text_encoder_2");
+  ASSERT_TRUE(clip_2->config().with_projection);
+  const auto& c2 = clip_2->config();
+  for (const auto dtype : {std::optional<at::ScalarType>{}, std::optional{at::kHalf}}) {
+    SCOPED_TRACE(dtype ? "fp16" : "float32");
+    const auto tensors = models::stable_diffusion_xl_single_file_tensors(
+        m.unet, m.vae, m.clip, clip_2, {.dtype = dtype, .family = models::SingleFileFamily::sdxl});
+    // CLIP's position ids are added; OpenCLIP's q, k and v weights and biases are 2 tensors a
+    // layer where transformers has 6.
+    EXPECT_EQ(tensors.size(), state_of(m.unet).size() + state_of(m.vae).size() +
+                                  state_of(m.clip).size() + 1 + state_of(clip_2).size() -
+                                  4 * static_cast<std::size_t>(c2.num_hidden_layers));
+    for (const auto& [key, t] : tensors)
+      EXPECT_TRUE(key.starts_with("model.diffusion_model.") ||
+                  key.starts_with("first_stage_model.") ||
+                  key.starts_with("conditioner.embedders.0.transformer.text_model.") ||
+                  key.starts_with("conditioner.embedders.1.model."))
+          << key;
+    for (const char* key : {"model.diffusion_model.label_emb.0.0.weight",
+                            "model.diffusion_model.label_emb.0.2.bias",
+                            "conditioner.embedders.0.transformer.text_model.embeddings.position_ids",
+                            "conditioner.embedders.1.model.positional_embedding",
+                            "conditioner.embedders.1.model.ln_final.weight",
+                            "conditioner.embedders.1.model.transformer.resblocks.0.attn.in_proj_bias"})
+      EXPECT_TRUE(tensors.contains(key)) << key;
+    // OpenCLIP multiplies by its projection from the right: [width, projection].
+    EXPECT_EQ(tensors.at("conditioner.embedders.1.model.text_projection").sizes(),
+              (std::vector<std::int64_t>{c2.hidden_size, c2.projection_dim}));
+    dt::io::save_safetensors(dir / "xl.safetensors", tensors, {{"format", "pt"}});
+    const models::SingleFile f = models::read_single_file(dir / "xl.safetensors");
+    EXPECT_EQ(f.family, models::SingleFileFamily::sdxl);
+    auto unet = models::unet_from_single_file(f, m.unet->config());
+    auto vae = models::vae_from_single_file(f, m.vae->config());
+    auto clip = models::clip_from_single_file(f, m.clip->config());
+    auto clip2 = models::clip_2_from_single_file(f, clip_2->config());
+    expect_same(unet, m.unet, "UNet", dtype);
+    expect_same(vae, m.vae, "VAE", dtype);
+    expect_same(clip, m.clip, "CLIP ViT-L", dtype);
+    expect_same(clip2, clip_2, "OpenCLIP ViT-bigG", dtype);
+    // Everything was taken but CLIP's position ids (a buffer transformers makes itself).
+    const auto left = models::single_file_leftovers(f);
+    ASSERT_EQ(left.size(), 1U);
+    EXPECT_EQ(left.begin()->first,
+              "conditioner.embedders.0.transformer.text_model.embeddings.position_ids");
+  }
+  // A file with what the original trainers keep beside the models: left over, and kept.
+  auto tensors = models::stable_diffusion_xl_single_file_tensors(m.unet, m.vae, m.clip, clip_2);
+  const std::map<std::string, at::Tensor> extra = {
+      {"alphas_cumprod", at::linspace(1.0, 0.01, 1000)},
+      {"conditioner.embedders.1.model.logit_scale", at::full({}, 4.6052)}};
+  for (const auto& [key, t] : extra) tensors[key] = t;
+  dt::io::save_safetensors(dir / "xl_extra.safetensors", tensors);
+  const models::SingleFile f = models::read_single_file(dir / "xl_extra.safetensors");
+  auto unet = models::unet_from_single_file(f, m.unet->config());
+  auto vae = models::vae_from_single_file(f, m.vae->config());
+  auto clip = models::clip_from_single_file(f, m.clip->config());
+  auto clip2 = models::clip_2_from_single_file(f, clip_2->config());
+  auto left = models::single_file_leftovers(f);
+  EXPECT_EQ(left.size(), 3U);  // and CLIP's position ids
+  for (const auto& [key, t] : extra) EXPECT_TRUE(left.contains(key)) << key;
+  // A model tensor of a kept name wins: the fine-tuned weights are what is written.
+  left["model.diffusion_model.out.2.bias"] = at::zeros_like(tensors.at("model.diffusion_model.out.2.bias")) + 7;
+  const auto again = models::stable_diffusion_xl_single_file_tensors(
+      unet, vae, clip, clip2,
+      {.dtype = std::nullopt, .family = models::SingleFileFamily::sdxl, .keep = left});
+  ASSERT_EQ(again.size(), tensors.size());
+  for (const auto& [key, t] : tensors) {
+    ASSERT_TRUE(again.contains(key)) << key;
+    EXPECT_TRUE(at::equal(again.at(key), t)) << key;
+  }
+  // The second encoder is SDXL's alone, and must have its projection.
+  Sd1Models<> sd1 = load("unet_conv_proj", "vae_two_levels");
+  models::save_stable_diffusion_single_file(dir / "sd1.safetensors", sd1.unet, sd1.vae, sd1.clip);
+  const auto sd1_file = models::read_single_file(dir / "sd1.safetensors");
+  std::string msg = error_of<dt::ConfigError>(
+      [&] { (void)models::clip_2_from_single_file(sd1_file, clip_2->config()); });
+  EXPECT_NE(msg.find("no second text encoder"), std::string::npos) << msg;
+  msg = error_of<dt::ConfigError>([&] {
+    (void)models::stable_diffusion_xl_single_file_tensors(m.unet, m.vae, m.clip, m.clip);
+  });
+  EXPECT_NE(msg.find("CLIPTextModelWithProjection"), std::string::npos) << msg;
+  msg = error_of<dt::ConfigError>([&] {
+    (void)models::stable_diffusion_single_file_tensors(
+        m.unet, m.vae, m.clip, {.dtype = std::nullopt, .family = models::SingleFileFamily::sdxl});
+  });
+  EXPECT_NE(msg.find("both text encoders"), std::string::npos) << msg;
+  // A file missing half of OpenCLIP's fused q, k, v is named.
+  auto half = models::stable_diffusion_xl_single_file_tensors(m.unet, m.vae, m.clip, clip_2);
+  const std::string in_proj = "conditioner.embedders.1.model.transformer.resblocks.1.attn.in_proj_weight";
+  half[in_proj] = half[in_proj].narrow(0, 0, c2.hidden_size * 2).clone();
+  dt::io::save_safetensors(dir / "half.safetensors", half);
+  const auto half_file = models::read_single_file(dir / "half.safetensors");
+  msg = error_of<dt::FormatError>(
+      [&] { (void)models::clip_2_from_single_file(half_file, clip_2->config()); });
+  EXPECT_NE(msg.find("resblocks.1.attn.in_proj_weight' is not q, k and v"), std::string::npos)
+      << msg;
+  if (const char* out_env = std::getenv("DIFFTRAIN_MODELS_OUT")) {
+    fs::create_directories(out_env);
+    models::save_stable_diffusion_xl_single_file(fs::path(out_env) / "sdxl_single.safetensors",
+                                                 m.unet, m.vae, m.clip, clip_2);
+  }
+  dt::io::remove_tree(dir);
+}
+
 TEST(SingleFile, FilesThatDoNotFitAreTypedErrorsNamingTheKeys) {
   const fs::path dir = scratch("hostile");
   Sd1Models<> m = load("unet_conv_proj", "vae_two_levels");
@@ -272,19 +385,19 @@ TEST(SingleFile, FilesThatDoNotFitAreTypedErrorsNamingTheKeys) {
     EXPECT_NE(msg.find("lacks"), std::string::npos) << msg;
   }
   {
-    // SDXL and SD3 files are told by their keys and refused by name.
+    // SDXL and SD3 files are told by their keys; SD3's are refused by name.
     auto t = good;
     t["model.diffusion_model.label_emb.0.0.weight"] = at::zeros({4});
     t["conditioner.embedders.1.model.ln_final.weight"] = at::zeros({4});
-    const auto f = read(t);
-    EXPECT_EQ(f.family, models::SingleFileFamily::sdxl);
-    const std::string msg = error_of<dt::ConfigError>(
-        [&] { (void)models::unet_from_single_file(f, m.unet->config()); });
-    EXPECT_NE(msg.find("Stable Diffusion XL file"), std::string::npos) << msg;
+    EXPECT_EQ(read(t).family, models::SingleFileFamily::sdxl);
     auto sd3 = good;
     sd3["model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight"] = at::zeros({4});
     sd3["model.diffusion_model.x_embedder.proj.weight"] = at::zeros({4});
-    EXPECT_EQ(read(sd3).family, models::SingleFileFamily::sd3);
+    const auto f = read(sd3);
+    EXPECT_EQ(f.family, models::SingleFileFamily::sd3);
+    const std::string msg = error_of<dt::ConfigError>(
+        [&] { (void)models::unet_from_single_file(f, m.unet->config()); });
+    EXPECT_NE(msg.find("Stable Diffusion 3 file"), std::string::npos) << msg;
   }
   {
     // SD 2.x: OpenCLIP's 24th layer (SD 2.x reads the penultimate) and its projection are not

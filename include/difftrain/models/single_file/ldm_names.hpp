@@ -11,7 +11,11 @@
 //         .upsample (the decoder's blocks numbered from the bottom), mid.block_1/attn_1/block_2
 //         with the attention's q/k/v/proj_out as 1x1 convolutions and its norm as norm, norm_out,
 //         nin_shortcut
-//   CLIP  cond_stage_model.transformer.  + transformers' names (SD 1.x)
+//   CLIP  cond_stage_model.transformer.  + transformers' names (SD 1.x); SD 2.x's OpenCLIP text
+//         tower under cond_stage_model.model. (q, k and v fused as attn.in_proj_weight/bias);
+//         SDXL's two encoders under conditioner.embedders.0.transformer. (CLIP ViT-L, transformers'
+//         names) and conditioner.embedders.1.model. (OpenCLIP ViT-bigG, with its text_projection
+//         stored transposed, as OpenCLIP multiplies by it from the right)
 //
 // Each name is derived from the diffusers name and the model's config alone, so one function per
 // family serves reading (every tensor the model has is looked up under its original name) and
@@ -35,6 +39,9 @@ inline constexpr std::string_view kLdmVaePrefix = "first_stage_model.";
 inline constexpr std::string_view kLdmClipPrefix = "cond_stage_model.transformer.";
 /// SD 2.x's text encoder, OpenCLIP ViT-H's text tower.
 inline constexpr std::string_view kLdmOpenClipPrefix = "cond_stage_model.model.";
+/// SDXL's text encoders: CLIP ViT-L (transformers' names) and OpenCLIP ViT-bigG's text tower.
+inline constexpr std::string_view kSdxlClipPrefix = "conditioner.embedders.0.transformer.";
+inline constexpr std::string_view kSdxlOpenClipPrefix = "conditioner.embedders.1.model.";
 
 namespace ldm_detail {
 
@@ -186,17 +193,21 @@ inline std::string ldm_vae_name(const std::string& key, const AutoencoderKLConfi
 
 /// Where a diffusers tensor lives in an original layout: its name there, and for a tensor the
 /// original fuses with others (OpenCLIP's q, k and v in one `in_proj`), which third it is (0, 1,
-/// 2; -1 for a tensor of its own).
+/// 2; -1 for a tensor of its own), and whether the original keeps it transposed (OpenCLIP's
+/// text_projection, applied as x @ P where transformers' linear layer computes x @ W^T).
 struct OriginalPlace {
   std::string name;
   int third = -1;
+  bool transposed = false;
 };
 
-/// A CLIPTextModel tensor's place in OpenCLIP's text tower (SD 2.x).
+/// A CLIPTextModel (or CLIPTextModelWithProjection) tensor's place in OpenCLIP's text tower (SD
+/// 2.x's ViT-H, SDXL's ViT-bigG).
 inline OriginalPlace openclip_place(const std::string& key) {
   using namespace ldm_detail;
   if (key == "text_model.embeddings.token_embedding.weight") return {"token_embedding.weight"};
   if (key == "text_model.embeddings.position_embedding.weight") return {"positional_embedding"};
+  if (key == "text_projection.weight") return {"text_projection", -1, true};
   if (key.starts_with("text_model.final_layer_norm."))
     return {"ln_final." + key.substr(std::string_view("text_model.final_layer_norm.").size())};
   const std::vector<std::string> p = split(key);

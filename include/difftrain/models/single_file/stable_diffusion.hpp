@@ -9,14 +9,18 @@
 //   auto vae = models::vae_from_single_file(file, vae_config);
 //   auto clip = models::clip_from_single_file(file, clip_config);
 //   models::save_stable_diffusion_single_file("out.safetensors", unet, vae, clip, {at::kHalf});
+//   // SDXL: clip_2_from_single_file and save_stable_diffusion_xl_single_file for both encoders.
 //
 // The configs come from the caller (a diffusers folder's, as diffusers' `config=`): a file holds
 // no config. The family is told by the keys; SD 1.x (CLIP ViT-L under
-// `cond_stage_model.transformer.`) and SD 2.x (OpenCLIP ViT-H's text tower under
-// `cond_stage_model.model.`, q, k and v fused as `in_proj`) are read and written; SDXL and SD3
-// files are recognised and refused by name. Every tensor the model has must be in the file with its
-// shape, and every tensor the file holds under a component's prefix must be taken, or the file is a
-// FormatError naming the first such keys: nothing is guessed or left behind.
+// `cond_stage_model.transformer.`), SD 2.x (OpenCLIP ViT-H's text tower under
+// `cond_stage_model.model.`, q, k and v fused as `in_proj`) and SDXL (CLIP ViT-L and OpenCLIP
+// ViT-bigG under `conditioner.embedders.0/1.`) are read and written; SD3 files are recognised and
+// refused by name. Every tensor the model has must be in the file with its shape, and every tensor
+// the file holds under a component's prefix must be taken, or the file is a FormatError naming the
+// first such keys: nothing is guessed or left behind. What a file holds beyond its models (OpenCLIP's
+// last layer in SD 2.x, the noise schedule's buffers) goes back into a file written with
+// `keep = single_file_leftovers(file)`.
 
 #include <ATen/ATen.h>
 
@@ -65,6 +69,9 @@ struct SingleFile {
   std::string where;
   std::map<std::string, at::Tensor> tensors;
   SingleFileFamily family = SingleFileFamily::sd1;
+  /// The keys the components built from this file so far have taken (single_file_leftovers
+  /// gives the rest); a record of reads, not part of the file's value.
+  mutable std::set<std::string> taken;
 };
 
 namespace single_file_detail {
@@ -135,6 +142,7 @@ void load_component(Holder& model, const SingleFile& file, std::string_view pref
     }
     taken.insert(key);
     at::Tensor t = it->second;
+    if (spot.transposed && t.dim() == 2) t = t.t();
     if (spot.third >= 0) {
       const std::int64_t rows = own.size(0);
       if (t.dim() < 1 || t.size(0) != 3 * rows)
@@ -171,6 +179,7 @@ void load_component(Holder& model, const SingleFile& file, std::string_view pref
                       file.where);
   }
   load_weights(*model, weights, file.where + " (" + what + ")");
+  file.taken.insert(taken.begin(), taken.end());
 }
 
 /// Nothing under the prefix is left aside.
@@ -240,20 +249,70 @@ inline SingleFile read_single_file(const std::filesystem::path& path, bool use_e
 }
 
 namespace single_file_detail {
-inline void require_sd1_or_2(const SingleFile& f, std::string_view what) {
-  if (f.family != SingleFileFamily::sd1 && f.family != SingleFileFamily::sd2)
+/// SD 1.x, 2.x and SDXL files hold a UNet and VAE in the same layout.
+inline void require_unet_family(const SingleFile& f, std::string_view what) {
+  if (f.family == SingleFileFamily::sd3)
     throw ConfigError("is a " + std::string(single_file_family_name(f.family)) + " file; its " +
                           std::string(what) +
-                          " is not read from single files yet (Stable Diffusion 1.x and 2.x are)",
+                          " is not read from single files yet (Stable Diffusion 1.x, 2.x and XL are)",
                       f.where);
+}
+
+/// Where a family keeps its text encoder `index` (0, or SDXL's 1), and whether in OpenCLIP's
+/// layout (else transformers' names).
+struct TextEncoderLayout {
+  std::string_view prefix;
+  bool openclip = false;
+};
+
+inline TextEncoderLayout text_encoder_layout(SingleFileFamily family, int index,
+                                             const std::string& where) {
+  if (index == 0 && family == SingleFileFamily::sd1) return {kLdmClipPrefix, false};
+  if (index == 0 && family == SingleFileFamily::sd2) return {kLdmOpenClipPrefix, true};
+  if (index == 0 && family == SingleFileFamily::sdxl) return {kSdxlClipPrefix, false};
+  if (index == 1 && family == SingleFileFamily::sdxl) return {kSdxlOpenClipPrefix, true};
+  throw ConfigError("is a " + std::string(single_file_family_name(family)) + " file, which has " +
+                        (index == 1 ? "no second text encoder (SDXL's files have)"
+                                    : "no text encoder difftrain reads yet"),
+                    where);
+}
+
+/// A text encoder in `layout` taken into `model`. OpenCLIP's towers hold more than transformers'
+/// encoder: the layers past the config's (SD 2.x reads the penultimate layer: diffusers' config has
+/// 23 of OpenCLIP's 24), `logit_scale`, `attn_mask` and, for an encoder without projection,
+/// `text_projection` are left aside as diffusers leaves them; transformers' `position_ids`
+/// likewise.
+template <class Holder>
+void load_text_encoder(Holder& model, const SingleFile& f, TextEncoderLayout layout,
+                       const std::string& what) {
+  if (!layout.openclip) {
+    load_component(
+        model, f, layout.prefix, [](const std::string& n) { return OriginalPlace{n}; }, nothing,
+        [](const std::string& rest) { return rest == "text_model.embeddings.position_ids"; },
+        what);
+    return;
+  }
+  const std::int64_t layers = model->config().num_hidden_layers;
+  load_component(
+      model, f, layout.prefix, openclip_place, nothing,
+      [layers](const std::string& rest) {
+        if (rest == "text_projection" || rest == "logit_scale" || rest == "attn_mask") return true;
+        constexpr std::string_view blocks = "transformer.resblocks.";
+        if (!rest.starts_with(blocks)) return false;
+        const std::string n =
+            rest.substr(blocks.size(), rest.find('.', blocks.size()) - blocks.size());
+        return !n.empty() && n.size() < 7 &&
+               n.find_first_not_of("0123456789") == std::string::npos && std::stoll(n) >= layers;
+      },
+      what);
 }
 }  // namespace single_file_detail
 
-/// The UNet of an SD 1.x single file, built from `config` (diffusers' UNet config of the file's
-/// model: the file holds none).
+/// The UNet of an SD 1.x, 2.x or XL single file, built from `config` (diffusers' UNet config of
+/// the file's model: the file holds none).
 template <class Holder = UNet2DConditionModel<>>
 Holder unet_from_single_file(const SingleFile& f, UNet2DConditionConfig config) {
-  single_file_detail::require_sd1_or_2(f, "UNet");
+  single_file_detail::require_unet_family(f, "UNet");
   Holder model(std::move(config), f.where);
   const auto& c = model->config();
   single_file_detail::load_component(
@@ -263,10 +322,11 @@ Holder unet_from_single_file(const SingleFile& f, UNet2DConditionConfig config) 
   return model;
 }
 
-/// The VAE of an SD 1.x single file (its mid-block attention's 1x1 convolutions as linear layers).
+/// The VAE of an SD 1.x, 2.x or XL single file (its mid-block attention's 1x1 convolutions as
+/// linear layers).
 template <class Holder = AutoencoderKL<>>
 Holder vae_from_single_file(const SingleFile& f, AutoencoderKLConfig config) {
-  single_file_detail::require_sd1_or_2(f, "VAE");
+  single_file_detail::require_unet_family(f, "VAE");
   Holder model(std::move(config), f.where);
   const auto& c = model->config();
   single_file_detail::load_component(
@@ -276,95 +336,159 @@ Holder vae_from_single_file(const SingleFile& f, AutoencoderKLConfig config) {
   return model;
 }
 
-/// The text encoder of an SD 1.x (CLIP ViT-L) or SD 2.x (OpenCLIP ViT-H) single file. SD 2.x's
-/// q, k and v are thirds of OpenCLIP's fused `in_proj`; the layers past the config's (SD 2.x takes
-/// the penultimate layer's output: diffusers' config has 23 of OpenCLIP's 24) and OpenCLIP's
-/// `text_projection`, `logit_scale` and `attn_mask` are not the text encoder's, as in diffusers.
+/// The (first) text encoder of a single file: SD 1.x's CLIP ViT-L, SD 2.x's OpenCLIP ViT-H (q, k
+/// and v thirds of OpenCLIP's fused `in_proj`), SDXL's CLIP ViT-L.
 template <class Holder = CLIPTextModel<>>
 Holder clip_from_single_file(const SingleFile& f, CLIPTextConfig config) {
-  single_file_detail::require_sd1_or_2(f, "text encoder");
+  const auto layout = single_file_detail::text_encoder_layout(f.family, 0, f.where);
   Holder model(std::move(config), f.where);
-  if (f.family == SingleFileFamily::sd1) {
-    single_file_detail::load_component(
-        model, f, kLdmClipPrefix, [](const std::string& n) { return OriginalPlace{n}; },
-        single_file_detail::nothing,
-        [](const std::string& rest) { return rest == "text_model.embeddings.position_ids"; },
-        "text encoder");
-    return model;
-  }
-  const std::int64_t layers = model->config().num_hidden_layers;
-  single_file_detail::load_component(
-      model, f, kLdmOpenClipPrefix, openclip_place, single_file_detail::nothing,
-      [layers](const std::string& rest) {
-        if (rest == "text_projection" || rest == "logit_scale" || rest == "attn_mask") return true;
-        // The layers past the one SD 2.x reads its text from.
-        constexpr std::string_view blocks = "transformer.resblocks.";
-        if (!rest.starts_with(blocks)) return false;
-        const std::string n =
-            rest.substr(blocks.size(), rest.find('.', blocks.size()) - blocks.size());
-        return !n.empty() && n.size() < 7 &&
-               n.find_first_not_of("0123456789") == std::string::npos && std::stoll(n) >= layers;
-      },
-      "text encoder");
+  single_file_detail::load_text_encoder(model, f, layout, "text encoder");
   return model;
+}
+
+/// SDXL's second text encoder, OpenCLIP ViT-bigG's text tower, as transformers'
+/// CLIPTextModelWithProjection (`config.with_projection`): its text_projection is OpenCLIP's,
+/// transposed.
+template <class Holder = CLIPTextModel<>>
+Holder clip_2_from_single_file(const SingleFile& f, CLIPTextConfig config) {
+  const auto layout = single_file_detail::text_encoder_layout(f.family, 1, f.where);
+  Holder model(std::move(config), f.where);
+  single_file_detail::load_text_encoder(model, f, layout, "second text encoder");
+  return model;
+}
+
+/// What a file holds that no component built from it so far has taken, by name: OpenCLIP's last
+/// layer and projection in SD 2.x files, the noise schedule's buffers the original trainers saved.
+/// Given as SingleFileSaveOptions::keep, a fine-tune written back holds every key its base had.
+inline std::map<std::string, at::Tensor> single_file_leftovers(const SingleFile& f) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& [key, t] : f.tensors)
+    if (!f.taken.contains(key)) out.emplace(key, t);
+  return out;
 }
 
 struct SingleFileSaveOptions {
   /// The floating-point tensors in this dtype (the web UI's fp16 files); none: as trained.
   std::optional<at::ScalarType> dtype;
   /// sd1: the text encoder as CLIP ViT-L under cond_stage_model.transformer.; sd2: as OpenCLIP's
-  /// text tower under cond_stage_model.model. (q, k, v fused as in_proj).
+  /// text tower under cond_stage_model.model. (q, k, v fused as in_proj). SDXL files are written
+  /// by the functions that take both text encoders.
   SingleFileFamily family = SingleFileFamily::sd1;
+  /// Tensors written beside the models' as they are (in `dtype`), where no model tensor has their
+  /// name: what the file a model was read from held beyond it (single_file_leftovers).
+  std::map<std::string, at::Tensor> keep = {};
 };
+
+namespace single_file_detail {
+
+/// Adds tensors under their original names, in the options' dtype, each name once.
+class SingleFileWriter {
+ public:
+  explicit SingleFileWriter(const SingleFileSaveOptions& o) : o_(o) {}
+
+  void put(const std::string& key, const at::Tensor& t) {
+    if (!out_.emplace(key, stored(t)).second)
+      throw ConfigError("two tensors map to one name", key);
+  }
+
+  template <class Module, class F>
+  void each_tensor(Module& m, F&& f) {
+    for (const auto& p : m->named_parameters(true)) f(p.key(), p.value());
+    for (const auto& b : m->named_buffers(true)) f(b.key(), b.value());
+  }
+
+  template <class Unet, class Vae>
+  void put_unet_and_vae(Unet& unet, Vae& vae) {
+    const auto& uc = unet->config();
+    each_tensor(unet, [&](const std::string& n, const at::Tensor& t) {
+      put(std::string(kLdmUnetPrefix) + ldm_unet_name(n, uc), t);
+    });
+    const auto& vc = vae->config();
+    each_tensor(vae, [&](const std::string& n, const at::Tensor& t) {
+      // The original's attention projections are 1x1 convolutions.
+      put(std::string(kLdmVaePrefix) + ldm_vae_name(n, vc),
+          ldm_vae_conv_as_linear(n) && t.dim() == 2 ? t.unsqueeze(-1).unsqueeze(-1) : t);
+    });
+  }
+
+  template <class Clip>
+  void put_text_encoder(Clip& clip, TextEncoderLayout layout) {
+    const std::string prefix(layout.prefix);
+    if (!layout.openclip) {
+      each_tensor(clip, [&](const std::string& n, const at::Tensor& t) { put(prefix + n, t); });
+      // The original CLIP keeps its position ids as a buffer (the files in the wild hold it).
+      const std::string ids = prefix + "text_model.embeddings.position_ids";
+      if (!out_.contains(ids))
+        out_.emplace(ids,
+                     at::arange(clip->config().max_position_embeddings, at::kLong).unsqueeze(0));
+      return;
+    }
+    // OpenCLIP fuses q, k and v into one in_proj (rows q, then k, then v) and applies its
+    // projection from the right.
+    std::map<std::string, std::array<at::Tensor, 3>> fused;
+    for (const auto& p : clip->named_parameters(true)) {
+      const OriginalPlace place = openclip_place(p.key());
+      const at::Tensor t = p.value().detach();
+      if (place.third >= 0)
+        fused[place.name][static_cast<std::size_t>(place.third)] = t;
+      else
+        put(prefix + place.name, place.transposed ? t.t() : t);
+    }
+    for (const auto& [name, parts] : fused)
+      put(prefix + name, at::cat({parts[0], parts[1], parts[2]}, 0));
+  }
+
+  std::map<std::string, at::Tensor> finish() {
+    for (const auto& [key, t] : o_.keep)
+      if (!out_.contains(key)) out_.emplace(key, stored(t));
+    return std::move(out_);
+  }
+
+ private:
+  at::Tensor stored(const at::Tensor& t) const {
+    at::Tensor v = t.detach().to(at::kCPU).contiguous();
+    if (o_.dtype && at::isFloatingType(v.scalar_type())) v = v.to(*o_.dtype);
+    return v;
+  }
+
+  const SingleFileSaveOptions& o_;
+  std::map<std::string, at::Tensor> out_;
+};
+
+}  // namespace single_file_detail
 
 /// The tensors of an SD 1.x or 2.x single file for these models, by their original names.
 template <class Unet, class Vae, class Clip>
 std::map<std::string, at::Tensor> stable_diffusion_single_file_tensors(
     Unet& unet, Vae& vae, Clip& clip, const SingleFileSaveOptions& o = {}) {
-  std::map<std::string, at::Tensor> out;
-  auto put = [&](const std::string& key, const at::Tensor& t) {
-    at::Tensor v = t.detach().to(at::kCPU).contiguous();
-    if (o.dtype && at::isFloatingType(v.scalar_type())) v = v.to(*o.dtype);
-    if (!out.emplace(key, v).second) throw ConfigError("two tensors map to one name", key);
-  };
-  auto all = [](auto& m, auto&& f) {
-    for (const auto& p : m->named_parameters(true)) f(p.key(), p.value());
-    for (const auto& b : m->named_buffers(true)) f(b.key(), b.value());
-  };
-  const auto& uc = unet->config();
-  all(unet, [&](const std::string& n, const at::Tensor& t) {
-    put(std::string(kLdmUnetPrefix) + ldm_unet_name(n, uc), t);
-  });
-  const auto& vc = vae->config();
-  all(vae, [&](const std::string& n, const at::Tensor& t) {
-    // The original's attention projections are 1x1 convolutions.
-    put(std::string(kLdmVaePrefix) + ldm_vae_name(n, vc),
-        ldm_vae_conv_as_linear(n) && t.dim() == 2 ? t.unsqueeze(-1).unsqueeze(-1) : t);
-  });
-  if (o.family == SingleFileFamily::sd2) {
-    // OpenCLIP fuses q, k and v into one in_proj (rows q, then k, then v).
-    std::map<std::string, std::array<at::Tensor, 3>> fused;
-    for (const auto& p : clip->named_parameters(true)) {
-      const OriginalPlace place = openclip_place(p.key());
-      if (place.third < 0)
-        put(std::string(kLdmOpenClipPrefix) + place.name, p.value());
-      else
-        fused[place.name][static_cast<std::size_t>(place.third)] = p.value().detach();
-    }
-    for (const auto& [name, parts] : fused)
-      put(std::string(kLdmOpenClipPrefix) + name, at::cat({parts[0], parts[1], parts[2]}, 0));
-    return out;
-  }
-  if (o.family != SingleFileFamily::sd1)
-    throw ConfigError("writes Stable Diffusion 1.x and 2.x single files",
-                      "SingleFileSaveOptions::family");
-  all(clip,
-      [&](const std::string& n, const at::Tensor& t) { put(std::string(kLdmClipPrefix) + n, t); });
-  // The original CLIP keeps its position ids as a buffer (the files in the wild hold it).
-  const std::string ids = std::string(kLdmClipPrefix) + "text_model.embeddings.position_ids";
-  if (!out.contains(ids))
-    out.emplace(ids, at::arange(clip->config().max_position_embeddings, at::kLong).unsqueeze(0));
-  return out;
+  if (o.family != SingleFileFamily::sd1 && o.family != SingleFileFamily::sd2)
+    throw ConfigError(
+        "writes Stable Diffusion 1.x and 2.x single files here (SDXL's: "
+        "stable_diffusion_xl_single_file_tensors, with both text encoders)",
+        "SingleFileSaveOptions::family");
+  single_file_detail::SingleFileWriter w(o);
+  w.put_unet_and_vae(unet, vae);
+  w.put_text_encoder(clip, single_file_detail::text_encoder_layout(o.family, 0, "family"));
+  return w.finish();
+}
+
+/// The tensors of an SDXL single file (`o.family` is not read): CLIP ViT-L under
+/// conditioner.embedders.0.transformer., `clip_2` as OpenCLIP ViT-bigG's tower under
+/// conditioner.embedders.1.model.
+template <class Unet, class Vae, class Clip, class Clip2>
+std::map<std::string, at::Tensor> stable_diffusion_xl_single_file_tensors(
+    Unet& unet, Vae& vae, Clip& clip, Clip2& clip_2, const SingleFileSaveOptions& o = {}) {
+  if (!clip_2->config().with_projection)
+    throw ConfigError(
+        "SDXL's second text encoder is a CLIPTextModelWithProjection (its text_projection is "
+        "OpenCLIP's); this one has no projection",
+        "clip_2");
+  single_file_detail::SingleFileWriter w(o);
+  w.put_unet_and_vae(unet, vae);
+  using single_file_detail::text_encoder_layout;
+  w.put_text_encoder(clip, text_encoder_layout(SingleFileFamily::sdxl, 0, "clip"));
+  w.put_text_encoder(clip_2, text_encoder_layout(SingleFileFamily::sdxl, 1, "clip_2"));
+  return w.finish();
 }
 
 /// Writes an SD 1.x or 2.x single file (safetensors, atomically) that the web UI, ComfyUI and
@@ -373,6 +497,16 @@ template <class Unet, class Vae, class Clip>
 void save_stable_diffusion_single_file(const std::filesystem::path& path, Unet& unet, Vae& vae,
                                        Clip& clip, const SingleFileSaveOptions& o = {}) {
   io::save_safetensors(path, stable_diffusion_single_file_tensors(unet, vae, clip, o),
+                       {{"format", "pt"}});
+}
+
+/// Writes an SDXL single file (safetensors, atomically) that the web UI, ComfyUI and diffusers'
+/// `StableDiffusionXLPipeline.from_single_file` load.
+template <class Unet, class Vae, class Clip, class Clip2>
+void save_stable_diffusion_xl_single_file(const std::filesystem::path& path, Unet& unet, Vae& vae,
+                                          Clip& clip, Clip2& clip_2,
+                                          const SingleFileSaveOptions& o = {}) {
+  io::save_safetensors(path, stable_diffusion_xl_single_file_tensors(unet, vae, clip, clip_2, o),
                        {{"format", "pt"}});
 }
 
