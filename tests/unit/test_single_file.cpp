@@ -1,18 +1,22 @@
 // Stable Diffusion single files (the web UI's, ComfyUI's and kohya's layout): the UNet, VAE and
-// text encoders (SD 1.x's CLIP, SD 2.x's OpenCLIP, SDXL's two) under their original names, written and read back to the bit for every UNet
-// and VAE configuration the reference scripts made (SD 1.x and 2.x-like UNets, SDXL's added
-// embedding, timestep class embeddings; two- and three-level VAEs), in float32 and fp16, from
+// text encoders (SD 1.x's CLIP, SD 2.x's OpenCLIP, SDXL's two) under their original names, written
+// and read back to the bit for every UNet and VAE configuration the reference scripts made (SD 1.x
+// and 2.x-like UNets, SDXL's added embedding, timestep class embeddings; two- and three-level
+// VAEs), in float32 and fp16, from
 // `.safetensors` and pickled `.ckpt`; the UNet's EMA copies when asked; files that do not fit are
 // typed errors naming the keys. tests/reference/check_cpp_single_file.py loads the file written
 // here with diffusers' StableDiffusionPipeline.from_single_file (DIFFTRAIN_MODELS_OUT) and finds
 // every tensor of the three models it came from.
 #include <unistd.h>
+#include <zlib.h>
 #include <difftrain/io/remove_tree.hpp>
 #include <difftrain/io/safetensors.hpp>
 #include <difftrain/io/torch_file.hpp>
 #include <difftrain/models/models.hpp>
 #include <difftrain/models/single_file/stable_diffusion.hpp>
+#include <difftrain/models/single_file/stable_diffusion_configs.hpp>
 #include <difftrain/nn/module_tensors.hpp>
+#include <difftrain/text/clip_bpe_vocab.hpp>
 
 #include <gtest/gtest.h>
 
@@ -252,12 +256,12 @@ TEST(SingleFile, SdxlComponentsRoundTripUnderTheOriginalNames) {
                   key.starts_with("conditioner.embedders.0.transformer.text_model.") ||
                   key.starts_with("conditioner.embedders.1.model."))
           << key;
-    for (const char* key : {"model.diffusion_model.label_emb.0.0.weight",
-                            "model.diffusion_model.label_emb.0.2.bias",
-                            "conditioner.embedders.0.transformer.text_model.embeddings.position_ids",
-                            "conditioner.embedders.1.model.positional_embedding",
-                            "conditioner.embedders.1.model.ln_final.weight",
-                            "conditioner.embedders.1.model.transformer.resblocks.0.attn.in_proj_bias"})
+    for (const char* key :
+         {"model.diffusion_model.label_emb.0.0.weight", "model.diffusion_model.label_emb.0.2.bias",
+          "conditioner.embedders.0.transformer.text_model.embeddings.position_ids",
+          "conditioner.embedders.1.model.positional_embedding",
+          "conditioner.embedders.1.model.ln_final.weight",
+          "conditioner.embedders.1.model.transformer.resblocks.0.attn.in_proj_bias"})
       EXPECT_TRUE(tensors.contains(key)) << key;
     // OpenCLIP multiplies by its projection from the right: [width, projection].
     EXPECT_EQ(tensors.at("conditioner.embedders.1.model.text_projection").sizes(),
@@ -295,7 +299,8 @@ TEST(SingleFile, SdxlComponentsRoundTripUnderTheOriginalNames) {
   EXPECT_EQ(left.size(), 3U);  // and CLIP's position ids
   for (const auto& [key, t] : extra) EXPECT_TRUE(left.contains(key)) << key;
   // A model tensor of a kept name wins: the fine-tuned weights are what is written.
-  left["model.diffusion_model.out.2.bias"] = at::zeros_like(tensors.at("model.diffusion_model.out.2.bias")) + 7;
+  left["model.diffusion_model.out.2.bias"] =
+      at::zeros_like(tensors.at("model.diffusion_model.out.2.bias")) + 7;
   const auto again = models::stable_diffusion_xl_single_file_tensors(
       unet, vae, clip, clip2,
       {.dtype = std::nullopt, .family = models::SingleFileFamily::sdxl, .keep = left});
@@ -322,7 +327,8 @@ TEST(SingleFile, SdxlComponentsRoundTripUnderTheOriginalNames) {
   EXPECT_NE(msg.find("both text encoders"), std::string::npos) << msg;
   // A file missing half of OpenCLIP's fused q, k, v is named.
   auto half = models::stable_diffusion_xl_single_file_tensors(m.unet, m.vae, m.clip, clip_2);
-  const std::string in_proj = "conditioner.embedders.1.model.transformer.resblocks.1.attn.in_proj_weight";
+  const std::string in_proj =
+      "conditioner.embedders.1.model.transformer.resblocks.1.attn.in_proj_weight";
   half[in_proj] = half[in_proj].narrow(0, 0, c2.hidden_size * 2).clone();
   dt::io::save_safetensors(dir / "half.safetensors", half);
   const auto half_file = models::read_single_file(dir / "half.safetensors");
@@ -516,4 +522,256 @@ TEST(SingleFile, FullSizeNamesAreThePublishedLayouts) {
     fs::create_directories(out_env);
     std::ofstream(fs::path(out_env) / "ldm_names.json") << out.dump();
   }
+}
+
+namespace {
+
+at::Tensor meta(const std::vector<std::int64_t>& shape) {
+  return at::empty(shape, at::TensorOptions().device(at::kMeta));
+}
+
+// A CLIP text encoder's tensors (transformers' names and shapes) under `prefix`, or in OpenCLIP's
+// layout (q, k, v fused; the projection transposed), as meta tensors: the full-size encoders'
+// published shapes without their gigabytes.
+void add_clip(std::map<std::string, at::Tensor>& t, const std::string& prefix, bool openclip,
+              std::int64_t width, std::int64_t layers, std::int64_t mlp, std::int64_t projection) {
+  std::map<std::string, std::vector<std::int64_t>> hf = {
+      {"text_model.embeddings.token_embedding.weight", {49408, width}},
+      {"text_model.embeddings.position_embedding.weight", {77, width}},
+      {"text_model.final_layer_norm.weight", {width}},
+      {"text_model.final_layer_norm.bias", {width}}};
+  if (projection > 0) hf["text_projection.weight"] = {projection, width};
+  for (std::int64_t l = 0; l < layers; ++l) {
+    const std::string b = "text_model.encoder.layers." + std::to_string(l) + ".";
+    for (const char* proj : {"q_proj", "k_proj", "v_proj", "out_proj"}) {
+      hf[b + "self_attn." + proj + ".weight"] = {width, width};
+      hf[b + "self_attn." + proj + ".bias"] = {width};
+    }
+    for (const char* norm : {"layer_norm1", "layer_norm2"}) {
+      hf[b + norm + ".weight"] = {width};
+      hf[b + norm + ".bias"] = {width};
+    }
+    hf[b + "mlp.fc1.weight"] = {mlp, width};
+    hf[b + "mlp.fc1.bias"] = {mlp};
+    hf[b + "mlp.fc2.weight"] = {width, mlp};
+    hf[b + "mlp.fc2.bias"] = {width};
+  }
+  for (auto [name, shape] : hf) {
+    if (!openclip) {
+      t[prefix + name] = meta(shape);
+      continue;
+    }
+    const models::OriginalPlace place = models::openclip_place(name);
+    if (place.third >= 0) shape[0] *= 3;
+    if (place.transposed) std::swap(shape[0], shape[1]);
+    t[prefix + place.name] = meta(shape);
+  }
+}
+
+models::SingleFile file_of(std::map<std::string, at::Tensor> tensors, const std::string& where) {
+  models::SingleFile f;
+  f.where = where;
+  f.tensors = std::move(tensors);
+  f.family = models::single_file_family(f.tensors, where);
+  return f;
+}
+
+}  // namespace
+
+// A single file without its config folder: the UNet's, VAE's and text encoders' configs are told
+// from the keys and shapes. The full-size SD 1.5 and 2.1 UNets, the SD VAE and the published text
+// encoders (CLIP ViT-L, OpenCLIP ViT-H and ViT-bigG) give their published configs; every tiny
+// model the reference scripts made, written as a single file, is built from the told config and
+// takes every tensor of the file (heads aside: shapes cannot tell them, and the families' rule
+// gives tiny widths one).
+TEST(SingleFile, ConfigsAreToldFromTheKeysAndShapes) {
+  const auto& full = tst::golden("models.json")["full_size"];
+  const auto vc = models::AutoencoderKLConfig::from_json(full["sd_vae"]["config"], "vae");
+  for (const char* key : {"sd15_unet", "sd21_unet"}) {
+    SCOPED_TRACE(key);
+    const bool sd2 = std::string(key) == "sd21_unet";
+    const auto c = models::UNet2DConditionConfig::from_json(full[key]["config"], key);
+    std::map<std::string, at::Tensor> t;
+    for (const auto& [name, shape] : full[key]["shapes"].items())
+      t["model.diffusion_model." + models::ldm_unet_name(name, c)] =
+          meta(shape.get<std::vector<std::int64_t>>());
+    for (const auto& [name, shape] : full["sd_vae"]["shapes"].items()) {
+      auto s = shape.get<std::vector<std::int64_t>>();
+      if (models::ldm_vae_conv_as_linear(name)) s.insert(s.end(), {1, 1});
+      t["first_stage_model." + models::ldm_vae_name(name, vc)] = meta(s);
+    }
+    if (sd2)
+      add_clip(t, "cond_stage_model.model.", true, 1024, 24, 4096, 1024);
+    else
+      add_clip(t, "cond_stage_model.transformer.", false, 768, 12, 3072, 0);
+    const auto f = file_of(t, key);
+    EXPECT_EQ(f.family, sd2 ? models::SingleFileFamily::sd2 : models::SingleFileFamily::sd1);
+    const auto told =
+        models::UNet2DConditionConfig::from_json(models::unet_config_from_single_file(f), key);
+    EXPECT_EQ(told.to_json(), c.to_json()) << told.to_json().dump() << "\n" << c.to_json().dump();
+    const auto vae =
+        models::AutoencoderKLConfig::from_json(models::vae_config_from_single_file(f), key);
+    EXPECT_EQ(vae.block_out_channels, vc.block_out_channels);
+    EXPECT_EQ(vae.layers_per_block, vc.layers_per_block);
+    EXPECT_EQ(vae.latent_channels, vc.latent_channels);
+    EXPECT_EQ(vae.mid_block_add_attention, vc.mid_block_add_attention);
+    EXPECT_DOUBLE_EQ(vae.scaling_factor, 0.18215);
+    const auto clip =
+        models::CLIPTextConfig::from_json(models::clip_config_from_single_file(f), key);
+    // The published text_encoder/config.json of each.
+    EXPECT_EQ(clip.hidden_size, sd2 ? 1024 : 768);
+    EXPECT_EQ(clip.num_hidden_layers, sd2 ? 23 : 12);  // SD 2.x reads the penultimate layer
+    EXPECT_EQ(clip.num_attention_heads, sd2 ? 16 : 12);
+    EXPECT_EQ(clip.intermediate_size, sd2 ? 4096 : 3072);
+    EXPECT_EQ(clip.hidden_act, sd2 ? "gelu" : "quick_gelu");
+    EXPECT_EQ(clip.projection_dim, sd2 ? 512 : 768);
+    EXPECT_FALSE(clip.with_projection);
+    EXPECT_EQ(clip.max_position_embeddings, 77);
+    EXPECT_EQ(clip.vocab_size, 49408);
+  }
+  {
+    // SDXL's two encoders: CLIP ViT-L and OpenCLIP ViT-bigG with its projection.
+    std::map<std::string, at::Tensor> t = {
+        {"model.diffusion_model.input_blocks.0.0.weight", meta({320, 4, 3, 3})},
+        {"model.diffusion_model.label_emb.0.0.weight", meta({1280, 2816})}};
+    add_clip(t, "conditioner.embedders.0.transformer.", false, 768, 12, 3072, 0);
+    add_clip(t, "conditioner.embedders.1.model.", true, 1280, 32, 5120, 1280);
+    const auto f = file_of(t, "sdxl");
+    const auto te1 =
+        models::CLIPTextConfig::from_json(models::clip_config_from_single_file(f, 0), "te1");
+    const auto te2 =
+        models::CLIPTextConfig::from_json(models::clip_config_from_single_file(f, 1), "te2");
+    EXPECT_EQ(te1.hidden_size, 768);
+    EXPECT_EQ(te1.num_hidden_layers, 12);
+    EXPECT_TRUE(te2.with_projection);
+    EXPECT_EQ(te2.hidden_size, 1280);
+    EXPECT_EQ(te2.num_hidden_layers, 32);
+    EXPECT_EQ(te2.num_attention_heads, 20);
+    EXPECT_EQ(te2.intermediate_size, 5120);
+    EXPECT_EQ(te2.projection_dim, 1280);
+    EXPECT_EQ(te2.hidden_act, "gelu");
+  }
+  // Tiny models as single files: built from the told configs (with the reference configs' heads),
+  // they take every tensor and hold the same values.
+  const fs::path dir = scratch("told");
+  // SDXL's second encoder projects to what the UNet's added embedding takes beside six time ids
+  // (the reference SDXL UNet: 64 = 16 + 6 x 8).
+  nlohmann::json c2 = models::read_model_config(golden() / "encode_prompt" / "text_encoder_2");
+  c2["projection_dim"] = 16;
+  torch::manual_seed(0);
+  models::CLIPTextModel<> clip_2(models::CLIPTextConfig::from_json(c2, "te2"), "te2");
+  for (const std::string unet_name :
+       {"unet_conv_proj", "unet_linear_3_levels", "unet_sdxl_text_time_bin"})
+    for (const std::string vae_name : {"vae_two_levels", "vae_three_levels_plain"})
+      for (const auto family : {models::SingleFileFamily::sd1, models::SingleFileFamily::sd2,
+                                models::SingleFileFamily::sdxl}) {
+        const bool xl = family == models::SingleFileFamily::sdxl;
+        if (xl != (unet_name == "unet_sdxl_text_time_bin")) continue;
+        SCOPED_TRACE(unet_name + " + " + vae_name + " as " +
+                     std::string(models::single_file_family_name(family)));
+        Sd1Models<> m = load(unet_name, vae_name);
+        const auto tensors =
+            xl ? models::stable_diffusion_xl_single_file_tensors(m.unet, m.vae, m.clip, clip_2)
+               : models::stable_diffusion_single_file_tensors(
+                     m.unet, m.vae, m.clip, {.dtype = std::nullopt, .family = family});
+        dt::io::save_safetensors(dir / "m.safetensors", tensors);
+        const auto f = models::read_single_file(dir / "m.safetensors");
+        nlohmann::json uj = models::unet_config_from_single_file(f);
+        uj["attention_head_dim"] = m.unet->config().attention_head_dim;
+        uj["norm_num_groups"] = m.unet->config().norm_num_groups;
+        const auto uc = models::UNet2DConditionConfig::from_json(uj, "told");
+        for (const auto& field :
+             {"in_channels", "out_channels", "down_block_types", "up_block_types",
+              "block_out_channels", "layers_per_block", "cross_attention_dim",
+              "use_linear_projection", "transformer_layers_per_block", "addition_embed_type",
+              "addition_time_embed_dim", "projection_class_embeddings_input_dim",
+              "num_class_embeds"})
+          EXPECT_EQ(uc.to_json().value(field, nlohmann::json()),
+                    m.unet->config().to_json().value(field, nlohmann::json()))
+              << field;
+        auto unet = models::unet_from_single_file(f, uc);
+        expect_same(unet, m.unet, "UNet");
+        nlohmann::json vj = models::vae_config_from_single_file(f);
+        vj["norm_num_groups"] = m.vae->config().norm_num_groups;
+        auto vae =
+            models::vae_from_single_file(f, models::AutoencoderKLConfig::from_json(vj, "told"));
+        expect_same(vae, m.vae, "VAE");
+        nlohmann::json cj = models::clip_config_from_single_file(f);
+        cj["num_attention_heads"] = m.clip->config().num_attention_heads;
+        if (family == models::SingleFileFamily::sd2)  // the file holds the layers it was given
+          cj["num_hidden_layers"] = m.clip->config().num_hidden_layers;
+        auto clip = models::clip_from_single_file(f, models::CLIPTextConfig::from_json(cj, "told"));
+        expect_same(clip, m.clip, "text encoder");
+        if (xl) {
+          nlohmann::json t2 = models::clip_config_from_single_file(f, 1);
+          t2["num_attention_heads"] = clip_2->config().num_attention_heads;
+          auto te2 =
+              models::clip_2_from_single_file(f, models::CLIPTextConfig::from_json(t2, "told"));
+          expect_same(te2, clip_2, "second text encoder");
+        }
+      }
+  // A file whose UNet has no middle-block attention is no Stable Diffusion UNet: named.
+  Sd1Models<> m = load("unet_conv_proj", "vae_two_levels");
+  auto t = models::stable_diffusion_single_file_tensors(m.unet, m.vae, m.clip);
+  for (auto it = t.begin(); it != t.end();)
+    it = it->first.starts_with("model.diffusion_model.middle_block.1.") ? t.erase(it)
+                                                                        : std::next(it);
+  dt::io::save_safetensors(dir / "no_mid.safetensors", t);
+  const auto no_mid = models::read_single_file(dir / "no_mid.safetensors");
+  const std::string msg =
+      error_of<dt::FormatError>([&] { (void)models::unet_config_from_single_file(no_mid); });
+  EXPECT_NE(msg.find("middle_block.1.proj_in.weight"), std::string::npos) << msg;
+  dt::io::remove_tree(dir);
+}
+
+// CLIP's tokenizer from OpenAI's merges file alone (open_clip's bpe_simple_vocab_16e6.txt.gz; here
+// the reference's merges, gzipped as that file is): every swept string gets transformers' ids, as
+// SD 1.x's tokenizer (padding with <|endoftext|>) and SD 2.x's (padding with "!"). A file of too
+// few merges or a malformed line is a FormatError naming it.
+TEST(SingleFile, ClipTokenizerFromTheBpeMergesFile) {
+  const fs::path dir = scratch("bpe");
+  std::ifstream in(golden() / "clip_tokenizer" / "sd15" / "merges.txt", std::ios::binary);
+  const std::string merges((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  gzFile gz = gzopen((dir / "bpe_simple_vocab_16e6.txt.gz").c_str(), "wb");
+  ASSERT_NE(gz, nullptr);
+  ASSERT_EQ(gzwrite(gz, merges.data(), static_cast<unsigned>(merges.size())),
+            static_cast<int>(merges.size()));
+  gzclose(gz);
+  const auto& g = tst::golden("clip_tokenizer.json");
+  const auto strings = g["strings"].get<std::vector<std::string>>();
+  for (const auto& [variant, pad] : {std::pair{"sd15", "<|endoftext|>"}, std::pair{"sd2", "!"}}) {
+    SCOPED_TRACE(variant);
+    const auto tok =
+        dt::text::clip_tokenizer_from_bpe_merges(dir / "bpe_simple_vocab_16e6.txt.gz", pad);
+    const auto& want = g["variants"][variant];
+    EXPECT_EQ(tok.pad_token_id(), want["pad_token_id"].get<std::int64_t>());
+    EXPECT_EQ(tok.model_max_length(), 77);
+    const auto& ids = want["ids"];  // (SD 2.x's: of the first 3,000 strings)
+    ASSERT_EQ(ids.size(), want["count"].get<std::size_t>());
+    std::size_t differ = 0;
+    std::string first;
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      const auto got = tok.encode(strings[i]);
+      if (got == ids[i].get<std::vector<std::int64_t>>()) continue;
+      if (differ++ == 0)
+        first =
+            "'" + strings[i] + "': " + c10::str(at::IntArrayRef(got)) + " against " + ids[i].dump();
+    }
+    EXPECT_EQ(differ, 0U) << "of " << ids.size() << "; the first: " << first;
+  }
+  // Plain text reads the same; too few merges and a line of three parts are named.
+  std::ofstream(dir / "plain.txt", std::ios::binary) << merges;
+  EXPECT_EQ(dt::text::clip_tokenizer_from_bpe_merges(dir / "plain.txt").encode(strings[0]),
+            g["variants"]["sd15"]["ids"][0].get<std::vector<std::int64_t>>());
+  std::ofstream(dir / "short.txt", std::ios::binary) << merges.substr(0, merges.size() / 2);
+  std::string msg = error_of<dt::FormatError>(
+      [&] { (void)dt::text::clip_tokenizer_from_bpe_merges(dir / "short.txt"); });
+  EXPECT_NE(msg.find("merges; CLIP's vocabulary is built from 48894"), std::string::npos) << msg;
+  std::string bad = merges;
+  bad.insert(bad.find('\n', bad.find('\n') + 1), " extra");
+  std::ofstream(dir / "bad.txt", std::ios::binary) << bad;
+  msg = error_of<dt::FormatError>(
+      [&] { (void)dt::text::clip_tokenizer_from_bpe_merges(dir / "bad.txt"); });
+  EXPECT_NE(msg.find("line 2 is not a merge of two symbols"), std::string::npos) << msg;
+  dt::io::remove_tree(dir);
 }
