@@ -11,6 +11,8 @@
 #include <difftrain/io/sha256.hpp>
 #include <difftrain/models/models.hpp>
 #include <difftrain/models/single_file/stable_diffusion.hpp>
+#include <difftrain/models/single_file/stable_diffusion_configs.hpp>
+#include <difftrain/text/clip_bpe_vocab.hpp>
 #include <difftrain/text/clip_tokenizer.hpp>
 #include <difftrain/text/encode_prompt.hpp>
 #include <difftrain/train/trainer.hpp>
@@ -60,6 +62,9 @@ struct Pipeline {
   std::optional<models::SingleFileFamily> single_file_family;
   /// What the single file held beyond the models (written back with a full fine-tune).
   std::map<std::string, at::Tensor> single_file_leftovers;
+  /// A single file read without a config folder: the configs told from its keys, the tokenizers
+  /// from this (a tokenizer or pipeline folder, or CLIP's BPE merges file).
+  std::optional<fs::path> tokenizer_source;
   examples::SchedulerConfig scheduler;
 };
 
@@ -131,58 +136,121 @@ Config component_config(const fs::path& folder) {
   return Config::from_json(models::read_model_config(folder), (folder / "config.json").string());
 }
 
+/// The tokenizers of a single file read without a config folder, from `name`
+/// (--tokenizer_name): CLIP's BPE merges file (`bpe_simple_vocab_16e6.txt.gz`, as open_clip ships
+/// it), from which SD 1.x's tokenizer follows and SD 2.x's and SDXL's second (padding with "!");
+/// a pipeline folder holding tokenizer/ (and SDXL's tokenizer_2/); or, for SD 1.x and 2.x, a
+/// tokenizer folder.
+inline void read_single_file_tokenizers(Pipeline& p, const std::string& name,
+                                        models::SingleFileFamily family) {
+  const std::string flag = "--tokenizer_name " + name;
+  const fs::path path(name);
+  if (fs::is_regular_file(path)) {
+    p.tokenizer.emplace(text::clip_tokenizer_from_bpe_merges(
+        path, family == models::SingleFileFamily::sd2 ? "!" : "<|endoftext|>"));
+    if (p.xl) p.tokenizer_2.emplace(text::clip_tokenizer_from_bpe_merges(path, "!"));
+  } else if (fs::is_directory(path / "tokenizer")) {
+    p.tokenizer.emplace(text::CLIPTokenizer::from_folder(path / "tokenizer"));
+    if (p.xl) {
+      if (!fs::is_directory(path / "tokenizer_2"))
+        throw dt::IoError("holds tokenizer/ but no tokenizer_2/, which an SDXL model needs", flag);
+      p.tokenizer_2.emplace(text::CLIPTokenizer::from_folder(path / "tokenizer_2"));
+    }
+  } else if (fs::is_directory(path)) {
+    if (p.xl)
+      throw ConfigError(
+          "is one tokenizer folder; an SDXL model has two (the second pads with \"!\"): name a "
+          "pipeline folder holding tokenizer/ and tokenizer_2/, or CLIP's BPE merges file",
+          flag);
+    p.tokenizer.emplace(text::CLIPTokenizer::from_folder(path));
+  } else {
+    throw dt::IoError(
+        "is neither a tokenizer or pipeline folder nor CLIP's BPE merges file "
+        "(bpe_simple_vocab_16e6.txt.gz)",
+        flag);
+  }
+  p.tokenizer_source = path;
+}
+
 /// An SD 1.x, 2.x or XL single file (the web UI's, ComfyUI's layout) as a pipeline: its UNet, VAE
-/// and text encoders from the file; their configs, the tokenizers and the scheduler from
-/// `config_folder`, a diffusers pipeline folder of the same model (diffusers'
-/// `from_single_file(config=)`), whose weights are not read.
+/// and text encoders from the file. With `config_folder` (--single_file_config), a diffusers
+/// pipeline folder of the same model (diffusers' `from_single_file(config=)`, whose weights are not
+/// read), their configs, the tokenizers and the scheduler come from there; without it the configs
+/// are told from the file's keys and shapes, the tokenizers come from `tokenizer_name`
+/// (--tokenizer_name) and the scheduler is Stable Diffusion's (1000 scaled-linear steps; SD 2.x's
+/// prediction is v as diffusers takes SD 2.1's config, unless `prediction_type` says).
 inline Pipeline load_single_file_pipeline(const std::string& file,
                                           const std::string& prediction_type,
-                                          const std::string& config_folder) {
+                                          const std::string& config_folder,
+                                          const std::string& tokenizer_name = {}) {
   const std::string flag = "--pretrained_model_name_or_path " + file;
-  if (config_folder.empty())
+  if (config_folder.empty() && tokenizer_name.empty())
     throw ConfigError(
-        "is a single file, which holds no configs, tokenizer or scheduler: pass "
-        "--single_file_config FOLDER, a diffusers pipeline folder of the same model (its configs, "
-        "tokenizer and scheduler are used; its weights are not read)",
+        "is a single file, which holds no tokenizer: pass --tokenizer_name (CLIP's BPE merges "
+        "file bpe_simple_vocab_16e6.txt.gz, or a tokenizer or pipeline folder), or "
+        "--single_file_config FOLDER, a diffusers pipeline folder of the same model (its "
+        "configs, tokenizer and scheduler are used; its weights are not read)",
         flag);
   Pipeline p;
-  p.root = config_folder;
   p.single_file = file;
-  if (!fs::is_directory(p.root))
-    throw dt::IoError("is not a folder (name a diffusers pipeline folder)",
-                      "--single_file_config " + config_folder);
-  const fs::path index_file = p.root / "model_index.json";
-  const nlohmann::json index = dt::io::read_json_object(index_file);
-  const std::string cls = index.value("_class_name", std::string());
-  if (cls != "StableDiffusionPipeline" && cls != "StableDiffusionXLPipeline")
-    throw ConfigError(
-        "is not a StableDiffusionPipeline or StableDiffusionXLPipeline folder; single files are "
-        "read for SD 1.x, 2.x and XL pipelines",
-        index_file.string() + ": _class_name");
-  p.xl = cls == "StableDiffusionXLPipeline";
-  if (p.xl && index.contains("force_zeros_for_empty_prompt") &&
-      index["force_zeros_for_empty_prompt"].is_boolean())
-    p.force_zeros_for_empty_prompt = index["force_zeros_for_empty_prompt"].get<bool>();
   const models::SingleFile f = models::read_single_file(file);
-  if (p.xl != (f.family == models::SingleFileFamily::sdxl))
-    throw ConfigError("is a " + std::string(models::single_file_family_name(f.family)) +
-                          " file but --single_file_config names a " + cls + " folder",
-                      flag);
   p.single_file_family = f.family;
-  p.scheduler = examples::read_scheduler_config(p.root / "scheduler" / "scheduler_config.json",
-                                                prediction_type);
-  p.tokenizer.emplace(text::CLIPTokenizer::from_folder(p.root / "tokenizer"));
-  p.text_encoder = models::clip_from_single_file<TextEncoder>(
-      f, component_config<models::CLIPTextConfig>(p.root / "text_encoder"));
-  if (p.xl) {
-    p.tokenizer_2.emplace(text::CLIPTokenizer::from_folder(p.root / "tokenizer_2"));
-    p.text_encoder_2 = models::clip_2_from_single_file<TextEncoder>(
-        f, component_config<models::CLIPTextConfig>(p.root / "text_encoder_2"));
+  if (config_folder.empty()) {
+    p.xl = f.family == models::SingleFileFamily::sdxl;
+    const bool v = f.family == models::SingleFileFamily::sd2;
+    p.scheduler = examples::read_scheduler_config(
+        {}, prediction_type.empty() ? (v ? "v_prediction" : "epsilon") : prediction_type);
+    read_single_file_tokenizers(p, tokenizer_name, f.family);
+    const std::string where = file + " (told from its keys)";
+    p.text_encoder = models::clip_from_single_file<TextEncoder>(
+        f, models::CLIPTextConfig::from_json(models::clip_config_from_single_file(f), where));
+    if (p.xl)
+      p.text_encoder_2 = models::clip_2_from_single_file<TextEncoder>(
+          f, models::CLIPTextConfig::from_json(models::clip_config_from_single_file(f, 1), where));
+    p.vae = models::vae_from_single_file<Vae>(
+        f, models::AutoencoderKLConfig::from_json(models::vae_config_from_single_file(f), where));
+    p.unet = models::unet_from_single_file<Unet>(
+        f,
+        models::UNet2DConditionConfig::from_json(models::unet_config_from_single_file(f), where));
+  } else {
+    if (!tokenizer_name.empty())
+      throw ConfigError("takes the tokenizer from --single_file_config's folder; name one of them",
+                        "--tokenizer_name " + tokenizer_name);
+    p.root = config_folder;
+    if (!fs::is_directory(p.root))
+      throw dt::IoError("is not a folder (name a diffusers pipeline folder)",
+                        "--single_file_config " + config_folder);
+    const fs::path index_file = p.root / "model_index.json";
+    const nlohmann::json index = dt::io::read_json_object(index_file);
+    const std::string cls = index.value("_class_name", std::string());
+    if (cls != "StableDiffusionPipeline" && cls != "StableDiffusionXLPipeline")
+      throw ConfigError(
+          "is not a StableDiffusionPipeline or StableDiffusionXLPipeline folder; single files are "
+          "read for SD 1.x, 2.x and XL pipelines",
+          index_file.string() + ": _class_name");
+    p.xl = cls == "StableDiffusionXLPipeline";
+    if (p.xl && index.contains("force_zeros_for_empty_prompt") &&
+        index["force_zeros_for_empty_prompt"].is_boolean())
+      p.force_zeros_for_empty_prompt = index["force_zeros_for_empty_prompt"].get<bool>();
+    if (p.xl != (f.family == models::SingleFileFamily::sdxl))
+      throw ConfigError("is a " + std::string(models::single_file_family_name(f.family)) +
+                            " file but --single_file_config names a " + cls + " folder",
+                        flag);
+    p.scheduler = examples::read_scheduler_config(p.root / "scheduler" / "scheduler_config.json",
+                                                  prediction_type);
+    p.tokenizer.emplace(text::CLIPTokenizer::from_folder(p.root / "tokenizer"));
+    p.text_encoder = models::clip_from_single_file<TextEncoder>(
+        f, component_config<models::CLIPTextConfig>(p.root / "text_encoder"));
+    if (p.xl) {
+      p.tokenizer_2.emplace(text::CLIPTokenizer::from_folder(p.root / "tokenizer_2"));
+      p.text_encoder_2 = models::clip_2_from_single_file<TextEncoder>(
+          f, component_config<models::CLIPTextConfig>(p.root / "text_encoder_2"));
+    }
+    p.vae = models::vae_from_single_file<Vae>(
+        f, component_config<models::AutoencoderKLConfig>(p.root / "vae"));
+    p.unet = models::unet_from_single_file<Unet>(
+        f, component_config<models::UNet2DConditionConfig>(p.root / "unet"));
   }
-  p.vae = models::vae_from_single_file<Vae>(
-      f, component_config<models::AutoencoderKLConfig>(p.root / "vae"));
-  p.unet = models::unet_from_single_file<Unet>(
-      f, component_config<models::UNet2DConditionConfig>(p.root / "unet"));
   p.single_file_leftovers = models::single_file_leftovers(f);
   check_tokenizers_fit(p);
   check_pipeline_parts(p, file + " (UNet)");
@@ -192,12 +260,18 @@ inline Pipeline load_single_file_pipeline(const std::string& file,
 /// Reads the pipeline folder `model` (what --pretrained_model_name_or_path names); a non-empty
 /// `prediction_type` replaces the scheduler's. A non-empty `variant` (diffusers' --variant, e.g.
 /// "fp16") reads every model's weights from its variant files; they load into float32 models.
-/// A single file (`.safetensors`, `.ckpt`) is read with `single_file_config`'s configs.
+/// A single file (`.safetensors`, `.ckpt`) is read with `single_file_config`'s configs, or with
+/// configs told from its keys and the tokenizers from `tokenizer_name`.
 inline Pipeline load_pipeline(const std::string& model, const std::string& prediction_type,
                               const std::string& variant = {},
-                              const std::string& single_file_config = {}) {
+                              const std::string& single_file_config = {},
+                              const std::string& tokenizer_name = {}) {
   if (fs::is_regular_file(model))
-    return load_single_file_pipeline(model, prediction_type, single_file_config);
+    return load_single_file_pipeline(model, prediction_type, single_file_config, tokenizer_name);
+  if (!single_file_config.empty() || !tokenizer_name.empty())
+    throw ConfigError("is a pipeline folder; --single_file_config and --tokenizer_name go with a "
+                      "single file",
+                      "--pretrained_model_name_or_path " + model);
   models::LoadOptions lo;
   if (!variant.empty()) lo.variant = variant;
   Pipeline p;
@@ -261,7 +335,8 @@ inline std::string text_fingerprint(const Pipeline& p) {
   for (const std::string part : {"text_encoder", "text_encoder_2"}) {
     if (!p.xl && part == "text_encoder_2") continue;
     if (p.single_file) {
-      fp += data::module_fingerprint(*p.text_encoder) + "|";
+      fp += data::module_fingerprint(part == "text_encoder" ? *p.text_encoder : *p.text_encoder_2) +
+            "|";
       continue;
     }
     fp += data::tensors_fingerprint(
@@ -370,23 +445,80 @@ struct Validation {
 /// Copies the pipeline folder `base` into `out` except its `trained` component (which the program
 /// writes itself), so `out` is a pipeline folder of its own.
 /// A diffusers pipeline folder at `out` for a pipeline read from a single file: the VAE and text
-/// encoder written from the models, the tokenizer, scheduler and model_index.json copied from its
-/// config folder (the UNet is the caller's to write).
+/// encoders written from the models; the tokenizers, scheduler and model_index.json copied from
+/// its config folder, or, for a file read without one, written (the tokenizers from their BPE
+/// merges file or copied from their folders; Stable Diffusion's scheduler with the run's
+/// prediction type). The UNet is the caller's to write.
 inline void write_single_file_pipeline_except_unet(const Pipeline& p, const fs::path& out) {
   models::save_pretrained(p.vae, out / "vae");
   models::save_pretrained(p.text_encoder, out / "text_encoder");
   if (p.xl) models::save_pretrained(p.text_encoder_2, out / "text_encoder_2");
   std::vector<std::string> parts = {"tokenizer", "scheduler"};
   if (p.xl) parts.emplace_back("tokenizer_2");
-  for (const auto& part : parts)
-    for (const auto& f : fs::recursive_directory_iterator(p.root / part)) {
+  const auto copy_folder = [](const fs::path& from, const fs::path& to) {
+    for (const auto& f : fs::recursive_directory_iterator(from)) {
       if (!f.is_regular_file()) continue;
-      const auto rel = fs::relative(f.path(), p.root);
-      fs::create_directories((out / rel).parent_path());
-      fs::copy_file(f.path(), out / rel, fs::copy_options::overwrite_existing);
+      const auto target = to / fs::relative(f.path(), from);
+      fs::create_directories(target.parent_path());
+      fs::copy_file(f.path(), target, fs::copy_options::overwrite_existing);
     }
-  fs::copy_file(p.root / "model_index.json", out / "model_index.json",
-                fs::copy_options::overwrite_existing);
+  };
+  if (!p.root.empty()) {
+    for (const auto& part : parts) copy_folder(p.root / part, out / part);
+    fs::copy_file(p.root / "model_index.json", out / "model_index.json",
+                  fs::copy_options::overwrite_existing);
+    return;
+  }
+  const fs::path& tok = *p.tokenizer_source;
+  if (fs::is_regular_file(tok)) {
+    const bool sd2 = p.single_file_family == models::SingleFileFamily::sd2;
+    text::write_clip_tokenizer_folder(tok, out / "tokenizer", sd2 ? "!" : "<|endoftext|>");
+    if (p.xl) text::write_clip_tokenizer_folder(tok, out / "tokenizer_2", "!");
+  } else if (fs::is_directory(tok / "tokenizer")) {
+    copy_folder(tok / "tokenizer", out / "tokenizer");
+    if (p.xl) copy_folder(tok / "tokenizer_2", out / "tokenizer_2");
+  } else {
+    copy_folder(tok, out / "tokenizer");
+  }
+  const std::string scheduler = p.xl ? "EulerDiscreteScheduler" : "DDIMScheduler";
+  const nlohmann::json sched = {
+      {"_class_name", scheduler},
+      {"_diffusers_version", "0.42.1"},
+      {"num_train_timesteps", p.scheduler.schedule.num_train_timesteps},
+      {"beta_start", 0.00085},
+      {"beta_end", 0.012},
+      {"beta_schedule", "scaled_linear"},
+      {"prediction_type",
+       p.scheduler.prediction == dt::diffusion::Prediction::v_prediction ? "v_prediction"
+       : p.scheduler.prediction == dt::diffusion::Prediction::sample     ? "sample"
+                                                                          : "epsilon"},
+      {"steps_offset", 1},
+      {"timestep_spacing", "leading"},
+      {"clip_sample", false},
+      {"set_alpha_to_one", false}};
+  const auto write_text_file = [](const fs::path& file, const std::string& text) {
+    fs::create_directories(file.parent_path());
+    dt::io::write_file_atomic(file, std::span<const char>(text.data(), text.size()));
+  };
+  write_text_file(out / "scheduler" / "scheduler_config.json", sched.dump(2));
+  nlohmann::json index = {
+      {"_class_name", p.xl ? "StableDiffusionXLPipeline" : "StableDiffusionPipeline"},
+      {"_diffusers_version", "0.42.1"},
+      {"unet", {"diffusers", "UNet2DConditionModel"}},
+      {"vae", {"diffusers", "AutoencoderKL"}},
+      {"text_encoder", {"transformers", "CLIPTextModel"}},
+      {"tokenizer", {"transformers", "CLIPTokenizer"}},
+      {"scheduler", {"diffusers", scheduler}}};
+  if (p.xl) {
+    index["text_encoder_2"] = {"transformers", "CLIPTextModelWithProjection"};
+    index["tokenizer_2"] = {"transformers", "CLIPTokenizer"};
+    index["force_zeros_for_empty_prompt"] = p.force_zeros_for_empty_prompt;
+  } else {
+    index["safety_checker"] = {nullptr, nullptr};
+    index["feature_extractor"] = {nullptr, nullptr};
+    index["requires_safety_checker"] = false;
+  }
+  write_text_file(out / "model_index.json", index.dump(2));
 }
 
 inline void copy_pipeline_except_unet(const fs::path& base, const fs::path& out,

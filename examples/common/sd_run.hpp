@@ -50,6 +50,7 @@ struct SdRunFlags : RunFlags {
   std::int64_t stop_at = 0;  // stop (with a checkpoint) after this step, as Ctrl-C does; 0: never
   std::string variant;       // --variant: the pipeline's weights variant ("fp16"); empty: none
   std::string single_file_config;  // configs, tokenizer, scheduler for a single-file model
+  std::string tokenizer_name;  // a single file's tokenizer without a config folder
 };
 
 struct SdFlagGroups {
@@ -78,9 +79,13 @@ inline SdFlagGroups add_sd_run_flags(CLI::App& app, SdRunFlags& f, const std::st
                  app.add_option_group("checkpoints and validation")};
   g.run
       ->add_option("--pretrained_model_name_or_path", f.model,
-                   "diffusers pipeline folder, or a single file (with --single_file_config)")
+                   "diffusers pipeline folder, or a single file (.safetensors, .ckpt)")
       ->required();
   g.run->add_option("--train_data_dir", f.data_dir, data_help)->required();
+  g.run->add_option("--tokenizer_name", f.tokenizer_name,
+                    "with a single-file model and no --single_file_config: CLIP's BPE merges "
+                    "file (bpe_simple_vocab_16e6.txt.gz), or a tokenizer or pipeline folder; the "
+                    "configs are told from the file's keys");
   g.run->add_option("--single_file_config", f.single_file_config,
                     "with a single-file model (.safetensors, .ckpt in the web UI's layout): a "
                     "diffusers pipeline folder of the same model for its configs, tokenizer and "

@@ -91,6 +91,40 @@ def write_pipeline(root: pathlib.Path, golden: pathlib.Path):
     pipe.save_pretrained(root)
 
 
+def write_pipeline_by_convention(root: pathlib.Path, golden: pathlib.Path):
+    """A tiny SD 1.x pipeline whose sizes keep SD 1.x's conventions (32 groups per norm, 8 heads per
+    attention, 64 channels per CLIP head), which a single file's keys cannot tell: its single file
+    is read with configs told from the keys alone."""
+    from diffusers import (AutoencoderKL, DDIMScheduler, StableDiffusionPipeline,
+                           UNet2DConditionModel)
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+    torch.manual_seed(2)
+    text_encoder = CLIPTextModel(CLIPTextConfig(
+        vocab_size=49408, max_position_embeddings=77, bos_token_id=49406, eos_token_id=49407,
+        pad_token_id=1, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=1, projection_dim=64, hidden_act="quick_gelu")).eval()
+    tokenizer = CLIPTokenizer.from_pretrained(str(golden / "clip_tokenizer" / "sd15"))
+    vae = AutoencoderKL(block_out_channels=[32, 64], in_channels=3, out_channels=3,
+                        down_block_types=["DownEncoderBlock2D"] * 2,
+                        up_block_types=["UpDecoderBlock2D"] * 2, latent_channels=4,
+                        norm_num_groups=32, sample_size=32)
+    unet = UNet2DConditionModel(block_out_channels=(32, 64), layers_per_block=1, sample_size=16,
+                                in_channels=4, out_channels=4,
+                                down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                                up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+                                cross_attention_dim=64, attention_head_dim=8, norm_num_groups=32)
+    scheduler = DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                              clip_sample=False, set_alpha_to_one=False, steps_offset=1)
+    pipe = StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                                   unet=unet, scheduler=scheduler, safety_checker=None,
+                                   feature_extractor=None, requires_safety_checker=False)
+    pipe.save_pretrained(root)
+    # OpenAI's BPE merges file, as open_clip ships it (gzipped): the tokenizer a single file lacks.
+    import gzip
+    merges = (golden / "clip_tokenizer" / "sd15" / "merges.txt").read_bytes()
+    (root.parent / "bpe_simple_vocab_16e6.txt.gz").write_bytes(gzip.compress(merges))
+
+
 def write_pipeline_xl(root: pathlib.Path, golden: pathlib.Path):
     from diffusers import (AutoencoderKL, EulerDiscreteScheduler, StableDiffusionXLPipeline,
                            UNet2DConditionModel)
@@ -134,6 +168,7 @@ def main():
     dlogging.set_verbosity_error()
     write_pipeline(out / "sd15", golden)
     write_pipeline_xl(out / "sdxl", golden)
+    write_pipeline_by_convention(out / "sd15_conventional", golden)
     write_images(out / "images", fmnist)
 
 

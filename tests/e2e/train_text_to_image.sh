@@ -112,6 +112,24 @@ expect_rc 0 from-single -- "$bin" "${base[@]}" --pretrained_model_name_or_path \
   --output_dir "$work/from-single"
 [ -s "$work/from-single/text_encoder/config.json" ] && [ -d "$work/from-single/unet" ] ||
   fail "a full fine-tune of a single file wrote no pipeline folder"
+# A single file with no config folder: its configs told from its keys (a pipeline keeping SD 1.x's
+# sizing conventions), the tokenizer from OpenAI's BPE merges file or a tokenizer folder; written
+# back as a diffusers folder that diffusers loads. Without either, the error names both flags.
+conv=$work/data/sd15_conventional bpe=$work/data/bpe_simple_vocab_16e6.txt.gz
+expect_rc 0 conv-single -- "$bin" "${base[@]}" --pretrained_model_name_or_path "$conv" --max_train_steps 1 \
+  --save_format single_file --output_dir "$work/conv-single"
+expect_rc 0 told -- "$bin" "${base[@]}" --pretrained_model_name_or_path "$work/conv-single/model.safetensors" \
+  --tokenizer_name "$bpe" --max_train_steps 2 --output_dir "$work/told"
+[ -s "$work/told/model_index.json" ] && [ -s "$work/told/tokenizer/vocab.json" ] &&
+  [ -s "$work/told/scheduler/scheduler_config.json" ] || fail "the told-config run wrote no whole pipeline folder"
+expect_rc 0 told-folder-tokenizer -- "$bin" "${base[@]}" --pretrained_model_name_or_path \
+  "$work/conv-single/model.safetensors" --tokenizer_name "$conv/tokenizer" --max_train_steps 1 \
+  --save_format single_file --output_dir "$work/told-folder"
+expect_rc 2 told-no-tokenizer -- "$bin" "${base[@]}" --pretrained_model_name_or_path \
+  "$work/conv-single/model.safetensors" --tokenizer_name "$work/nothing-here" --max_train_steps 1 --output_dir "$work/bad"
+grep_in "$work/told-no-tokenizer.err" "BPE merges file"
+expect_rc 2 folder-with-tokenizer -- "$bin" "${base[@]}" --tokenizer_name "$bpe" --max_train_steps 1 --output_dir "$work/bad"
+grep_in "$work/folder-with-tokenizer.err" "go with a single file"
 # A pipeline folder holding only fp16 variant files (diffusers' save_pretrained(variant="fp16")):
 # refused without --variant, naming the variant; with --variant fp16 it trains, and its output
 # folder loads in diffusers with variant="fp16" (the trained UNet written in that variant too).
@@ -285,6 +303,24 @@ generate(single)
 from_single = StableDiffusionPipeline.from_pretrained(str(work / "from-single"), safety_checker=None)
 generate(from_single)
 print("single file: from_single_file loads difftrain's file and generates; the folder trained from it loads")
+told = StableDiffusionPipeline.from_pretrained(str(work / "told"), safety_checker=None)
+conv = StableDiffusionPipeline.from_pretrained(str(work / "data" / "sd15_conventional"), safety_checker=None)
+for name in ("unet", "vae", "text_encoder"):
+    a, b = (dict(c) if isinstance(c, dict) else c.to_dict()
+            for c in (getattr(told, name).config, getattr(conv, name).config))
+    for key in ("block_out_channels", "layers_per_block", "cross_attention_dim", "attention_head_dim",
+                "norm_num_groups", "latent_channels", "hidden_size", "num_hidden_layers",
+                "num_attention_heads", "intermediate_size", "down_block_types", "up_block_types"):
+        if key in b:
+            got, want = a[key], b[key]
+            if isinstance(want, (list, tuple)) and not isinstance(got, (list, tuple)):
+                got = [got] * len(want)
+            if isinstance(got, (list, tuple)) and not isinstance(want, (list, tuple)):
+                want = [want] * len(got)
+            assert list(got) == list(want) if isinstance(got, (list, tuple)) else got == want, (name, key, got, want)
+assert told.tokenizer("a photo of a cat").input_ids == conv.tokenizer("a photo of a cat").input_ids
+generate(told)
+print("single file without configs: the told configs are the pipeline's; diffusers loads and generates with the folder")
 variant = StableDiffusionPipeline.from_pretrained(str(work / "variant"), variant="fp16",
                                                   torch_dtype=torch.float32, safety_checker=None)
 assert variant.unet.dtype == torch.float32
