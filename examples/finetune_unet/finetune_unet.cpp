@@ -24,6 +24,7 @@
 #include <difftrain/io/read_file.hpp>
 #include <difftrain/io/safetensors.hpp>
 #include <difftrain/models/models.hpp>
+#include <difftrain/models/single_file/stable_diffusion_configs.hpp>
 #include <difftrain/train/callbacks.hpp>
 #include <difftrain/train/seeding.hpp>
 #include <difftrain/train/trainer.hpp>
@@ -50,6 +51,7 @@ using dt::ConfigError;
 
 struct Settings {
   std::string unet_dir, vae_dir, scheduler_config, data_dir = "/usr/share/datasets/fashion-mnist";
+  std::string single_file_config;  // a folder holding unet/ and vae/ configs for a single file
   std::string out = "build/finetune_unet";
   std::string prediction_type;  // empty: the scheduler config's
   std::int64_t classes = 3, images = 64, resolution = 32, steps = 200, batch = 8, rank = 4;
@@ -122,8 +124,15 @@ double seconds_since(std::chrono::steady_clock::time_point t) {
 
 int run(const Settings& s) {
   const auto t0 = std::chrono::steady_clock::now();
-  if (s.unet_dir.empty() || s.vae_dir.empty())
-    throw ConfigError("name the diffusers UNet and VAE folders (--unet DIR --vae DIR)", "flags");
+  const bool single_file = fs::is_regular_file(s.unet_dir);
+  if (s.unet_dir.empty() || (s.vae_dir.empty() && !single_file))
+    throw ConfigError(
+        "name the diffusers UNet and VAE folders (--unet DIR --vae DIR), or a single file "
+        "(--unet model.safetensors, its VAE from the same file)",
+        "flags");
+  if (!single_file && !s.single_file_config.empty())
+    throw ConfigError("goes with a single file (--unet model.safetensors)",
+                      "--single_file_config " + s.single_file_config);
   const fs::path out(s.out);
   const examples::OutputFolder output_folder(out);
   const examples::SchedulerConfig sc =
@@ -132,8 +141,33 @@ int run(const Settings& s) {
   const df::NoiseSchedule schedule(sc.schedule);
 
   tr::set_seed(s.seed);
-  auto vae = models::from_pretrained<models::AutoencoderKL<>>(s.vae_dir);
-  auto unet = models::from_pretrained<Unet>(s.unet_dir);
+  models::AutoencoderKL<> vae{nullptr};
+  Unet unet{nullptr};
+  if (single_file) {
+    // The web UI's layout: the UNet (and, without --vae, the VAE) from one file, their configs
+    // from --single_file_config's unet/ and vae/ folders or told from the file's keys.
+    const models::SingleFile file = models::read_single_file(s.unet_dir);
+    const auto config = [&](const char* part, auto told) {
+      if (s.single_file_config.empty()) return told;
+      const fs::path folder = fs::path(s.single_file_config) / part;
+      return nlohmann::json(models::read_model_config(folder));
+    };
+    const std::string where = s.unet_dir + " (configs " +
+                              (s.single_file_config.empty() ? std::string("told from its keys")
+                                                            : "from " + s.single_file_config) +
+                              ")";
+    unet = models::unet_from_single_file<Unet>(
+        file, models::UNet2DConditionConfig::from_json(
+                  config("unet", models::unet_config_from_single_file(file)), where));
+    vae = s.vae_dir.empty()
+              ? models::vae_from_single_file(
+                    file, models::AutoencoderKLConfig::from_json(
+                              config("vae", models::vae_config_from_single_file(file)), where))
+              : models::from_pretrained<models::AutoencoderKL<>>(s.vae_dir);
+  } else {
+    vae = models::from_pretrained<models::AutoencoderKL<>>(s.vae_dir);
+    unet = models::from_pretrained<Unet>(s.unet_dir);
+  }
   const auto& uc = unet->config();
   if (uc.in_channels != vae->config().latent_channels)
     throw ConfigError("the UNet takes " + std::to_string(uc.in_channels) +
@@ -265,8 +299,15 @@ int main(int argc, char** argv) {
   Settings s;
   CLI::App app{"Fine-tune a diffusers UNet with LoRA on VAE latents of Fashion-MNIST images."};
   app.get_formatter()->column_width(40);
-  app.add_option("--unet", s.unet_dir, "diffusers UNet2DConditionModel folder")->required();
-  app.add_option("--vae", s.vae_dir, "diffusers AutoencoderKL folder")->required();
+  app.add_option("--unet", s.unet_dir,
+                 "diffusers UNet2DConditionModel folder, or a Stable Diffusion single file "
+                 "(.safetensors, .ckpt in the web UI's layout)")
+      ->required();
+  app.add_option("--vae", s.vae_dir,
+                 "diffusers AutoencoderKL folder (with a single file: its own VAE when not given)");
+  app.add_option("--single_file_config", s.single_file_config,
+                 "with a single file: a folder holding unet/ and vae/ config.json (a pipeline "
+                 "folder); without it the configs are told from the file's keys");
   app.add_option("--scheduler-config,--scheduler_config", s.scheduler_config,
                  "diffusers scheduler_config.json (default: Stable Diffusion's schedule)");
   app.add_option("--prediction-type,--prediction_type", s.prediction_type,

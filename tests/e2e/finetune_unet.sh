@@ -4,9 +4,12 @@
 # short v-prediction run with min-SNR writes the LoRA in both layouts and the sample grid, and
 # diffusers' lora_state_dict reads both files onto the UNet's attention projections.
 #
-#   finetune_unet.sh PROGRAM PYTHON GOLDEN_DIR WORKDIR [DATA_DIR]
+# With the unit-test binary (TESTS), the same UNet and VAE as one single file (the web UI's layout,
+# written by that binary's single-file test) train to the same LoRA as the folders.
+#
+#   finetune_unet.sh PROGRAM PYTHON GOLDEN_DIR WORKDIR [DATA_DIR] [TESTS]
 set -uo pipefail
-bin=$1 py=$2 golden=$3 work=$4 data=${5:-/usr/share/datasets/fashion-mnist}
+bin=$1 py=$2 golden=$3 work=$4 data=${5:-/usr/share/datasets/fashion-mnist} tests_bin=${6:-}
 rm -rf "$work" && mkdir -p "$work"
 # shellcheck source=common.sh
 source "$(dirname "$0")/common.sh"
@@ -30,6 +33,27 @@ expect_rc 2 resolution -- "$bin" "${tiny[@]}" --resolution 15 --unet "$unet" --v
 grep_in "$work/resolution.err" "--resolution"
 expect_rc 2 prediction -- "$bin" "${tiny[@]}" --resolution 16 --prediction-type flow --unet "$unet" --vae "$vae" --out "$work/bad"
 grep_in "$work/prediction.err" "prediction_type"
+
+if [ -n "$tests_bin" ]; then
+  DIFFTRAIN_MODELS_OUT="$work/single" DIFFTRAIN_GOLDEN_DIR="$golden" "$tests_bin" \
+    --gtest_filter='SingleFile.Sd1ComponentsRoundTrip*' >"$work/single-make.out" 2>&1 ||
+    fail "writing the single file"
+  mkdir -p "$work/single_config" && cp -r "$unet" "$work/single_config/unet" && cp -r "$vae" "$work/single_config/vae"
+  expect_rc 0 folder-short -- "$bin" "${tiny[@]}" --resolution 16 --unet "$unet" --vae "$vae" --steps 4 \
+    --out "$work/folder-short"
+  expect_rc 0 single -- "$bin" "${tiny[@]}" --resolution 16 --unet "$work/single/sd1_single.safetensors" \
+    --single_file_config "$work/single_config" --steps 4 --out "$work/single-run"
+  "$py" - "$work/folder-short" "$work/single-run" >"$work/single-compare.out" 2>&1 <<'PY' || { fail "the single-file run's LoRA is not the folder run's"; cat "$work/single-compare.out"; }
+import sys
+from safetensors.torch import load_file
+a, b = (load_file(f"{d}/pytorch_lora_weights.safetensors") for d in sys.argv[1:3])
+assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a), "the LoRA differ"
+print(f"single file and folders: the same {len(a)} LoRA tensors")
+PY
+  expect_rc 2 config-without-file -- "$bin" "${tiny[@]}" --resolution 16 --unet "$unet" --vae "$vae" \
+    --single_file_config "$work/single_config" --out "$work/bad"
+  grep_in "$work/config-without-file.err" "goes with a single file"
+fi
 
 expect_rc 0 full -- "$bin" "${tiny[@]}" --resolution 16 --unet "$unet" --vae "$vae" --steps 30 --snr-gamma 5 --alpha 12 \
   --scheduler-config "$work/scheduler_config.json" --out "$work/run"
