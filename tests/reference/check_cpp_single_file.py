@@ -1,5 +1,5 @@
 """SD 1.x single files difftrain wrote (float32 and fp16), an SD 2.x one (OpenCLIP's text
-tower) and an SDXL one (both text encoders) load with diffusers' StableDiffusionPipeline.from_single_file, given the pipeline's configs as a folder (diffusers'
+tower), an SDXL one (both text encoders) and SD3 / 3.5 ones (the MMDiT) load with diffusers' StableDiffusionPipeline.from_single_file, given the pipeline's configs as a folder (diffusers'
 `config=`), and its UNet, VAE and text encoder hold every tensor of the diffusers models difftrain
 wrote it from (the fp16 file: their fp16 rounding). Usage: check_cpp_single_file.py TEST_BINARY GOLDEN_DIR"""
 import json
@@ -21,7 +21,7 @@ def main(binary, golden_dir):
     golden = pathlib.Path(golden_dir)
     out = pathlib.Path(tempfile.mkdtemp())
     env = dict(os.environ, DIFFTRAIN_MODELS_OUT=str(out), DIFFTRAIN_GOLDEN_DIR=golden_dir)
-    subprocess.run([binary, "--gtest_filter=SingleFile.Sd1ComponentsRoundTrip*:SingleFile.Sdxl*:SingleFile.FullSize*"],
+    subprocess.run([binary, "--gtest_filter=SingleFile.Sd1ComponentsRoundTrip*:SingleFile.Sdxl*:SingleFile.FullSize*:SingleFileSd3.Models*"],
                    check=True, env=env)
     check_full_size_names(out / "ldm_names.json")
     # The pipeline's configs, as a folder: what diffusers takes as `config=` for a single file.
@@ -58,7 +58,32 @@ def main(binary, golden_dir):
                 assert torch.equal(got[k].to(w.dtype), w), (file, name, k)
             print(f"{file}: from_single_file's {name} holds difftrain's {len(names)} tensors")
     check_sdxl(out, golden)
+    check_sd3(out, golden)
     shutil.rmtree(out)
+
+
+def check_sd3(out, golden):
+    """The SD3 / 3.5 files: diffusers' own converter (convert_sd3_transformer_checkpoint_to_diffusers)
+    on the file's MMDiT gives every tensor of the reference transformer to the bit and nothing else,
+    and SD3Transformer2DModel.from_single_file loads the file."""
+    from diffusers import SD3Transformer2DModel
+    from diffusers.loaders.single_file_utils import convert_sd3_transformer_checkpoint_to_diffusers
+    from safetensors.torch import load_file
+    for name in ("sd3_tiny", "sd3_single_block", "sd35_qk_norm_dual"):
+        file = out / f"{name}_single.safetensors"
+        folder = golden / "transformers" / name
+        want = load_file(folder / "diffusion_pytorch_model.safetensors")
+        checkpoint = {k: v for k, v in load_file(file).items() if k.startswith("model.diffusion_model.")}
+        converted = convert_sd3_transformer_checkpoint_to_diffusers(dict(checkpoint))
+        assert set(converted) == set(want), (name, sorted(set(converted) ^ set(want))[:5])
+        for k, v in converted.items():
+            assert torch.equal(v, want[k]), (name, k)
+        model = SD3Transformer2DModel.from_single_file(str(file), config=str(folder), local_files_only=True)
+        got = model.state_dict()
+        for k, v in want.items():
+            assert torch.equal(got[k], v), (name, "from_single_file", k)
+        print(f"{name}: diffusers' SD3 converter and from_single_file give the reference's "
+              f"{len(want)} tensors from difftrain's file")
 
 
 def check_sdxl(out, golden):

@@ -193,12 +193,15 @@ inline std::string ldm_vae_name(const std::string& key, const AutoencoderKLConfi
 
 /// Where a diffusers tensor lives in an original layout: its name there, and for a tensor the
 /// original fuses with others (OpenCLIP's q, k and v in one `in_proj`), which third it is (0, 1,
-/// 2; -1 for a tensor of its own), and whether the original keeps it transposed (OpenCLIP's
-/// text_projection, applied as x @ P where transformers' linear layer computes x @ W^T).
+/// 2; -1 for a tensor of its own), whether the original keeps it transposed (OpenCLIP's
+/// text_projection, applied as x @ P where transformers' linear layer computes x @ W^T), and
+/// whether it keeps the two halves of its rows in the other order (SD3's final modulations:
+/// shift then scale where diffusers has scale then shift).
 struct OriginalPlace {
   std::string name;
   int third = -1;
   bool transposed = false;
+  bool halves_swapped = false;
 };
 
 /// A CLIPTextModel (or CLIPTextModelWithProjection) tensor's place in OpenCLIP's text tower (SD

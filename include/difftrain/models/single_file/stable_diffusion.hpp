@@ -18,9 +18,9 @@
 // ViT-bigG under `conditioner.embedders.0/1.`) are read and written; SD3 files are recognised and
 // refused by name. Every tensor the model has must be in the file with its shape, and every tensor
 // the file holds under a component's prefix must be taken, or the file is a FormatError naming the
-// first such keys: nothing is guessed or left behind. What a file holds beyond its models (OpenCLIP's
-// last layer in SD 2.x, the noise schedule's buffers) goes back into a file written with
-// `keep = single_file_leftovers(file)`.
+// first such keys: nothing is guessed or left behind. What a file holds beyond its models
+// (OpenCLIP's last layer in SD 2.x, the noise schedule's buffers) goes back into a file written
+// with `keep = single_file_leftovers(file)`.
 
 #include <ATen/ATen.h>
 
@@ -117,6 +117,12 @@ inline std::map<std::string, at::Tensor> pickled_state_dict(const std::filesyste
   return out;
 }
 
+/// `t` with the two halves of its rows exchanged (the same both ways).
+inline at::Tensor swapped_halves(const at::Tensor& t) {
+  const auto halves = t.chunk(2, 0);
+  return at::cat({halves[1], halves[0]}, 0);
+}
+
 /// The original-layout tensors of one component taken into `model` by name: `place` gives a
 /// diffusers name's original one under `prefix` (and, for a tensor the original fuses, which
 /// third of it); `reshaped` says which tensors the original keeps in another shape of the same
@@ -143,6 +149,13 @@ void load_component(Holder& model, const SingleFile& file, std::string_view pref
     taken.insert(key);
     at::Tensor t = it->second;
     if (spot.transposed && t.dim() == 2) t = t.t();
+    if (spot.halves_swapped) {
+      if (t.dim() < 1 || t.size(0) % 2 != 0)
+        throw FormatError(
+            "'" + key + "' is not two halves of modulation (shape " + c10::str(t.sizes()) + ")",
+            file.where);
+      t = swapped_halves(t);
+    }
     if (spot.third >= 0) {
       const std::int64_t rows = own.size(0);
       if (t.dim() < 1 || t.size(0) != 3 * rows)
@@ -252,10 +265,11 @@ namespace single_file_detail {
 /// SD 1.x, 2.x and SDXL files hold a UNet and VAE in the same layout.
 inline void require_unet_family(const SingleFile& f, std::string_view what) {
   if (f.family == SingleFileFamily::sd3)
-    throw ConfigError("is a " + std::string(single_file_family_name(f.family)) + " file; its " +
-                          std::string(what) +
-                          " is not read from single files yet (Stable Diffusion 1.x, 2.x and XL are)",
-                      f.where);
+    throw ConfigError(
+        "is a " + std::string(single_file_family_name(f.family)) + " file; its " +
+            std::string(what) +
+            " is not read from single files yet (Stable Diffusion 1.x, 2.x and XL are)",
+        f.where);
 }
 
 /// Where a family keeps its text encoder `index` (0, or SDXL's 1), and whether in OpenCLIP's
@@ -288,8 +302,7 @@ void load_text_encoder(Holder& model, const SingleFile& f, TextEncoderLayout lay
   if (!layout.openclip) {
     load_component(
         model, f, layout.prefix, [](const std::string& n) { return OriginalPlace{n}; }, nothing,
-        [](const std::string& rest) { return rest == "text_model.embeddings.position_ids"; },
-        what);
+        [](const std::string& rest) { return rest == "text_model.embeddings.position_ids"; }, what);
     return;
   }
   const std::int64_t layers = model->config().num_hidden_layers;
@@ -322,11 +335,10 @@ Holder unet_from_single_file(const SingleFile& f, UNet2DConditionConfig config) 
   return model;
 }
 
-/// The VAE of an SD 1.x, 2.x or XL single file (its mid-block attention's 1x1 convolutions as
-/// linear layers).
+/// The VAE of a single file of any family (its mid-block attention's 1x1 convolutions as linear
+/// layers; SD3's with 16 latent channels and no quant convolutions).
 template <class Holder = AutoencoderKL<>>
 Holder vae_from_single_file(const SingleFile& f, AutoencoderKLConfig config) {
-  single_file_detail::require_unet_family(f, "VAE");
   Holder model(std::move(config), f.where);
   const auto& c = model->config();
   single_file_detail::load_component(
@@ -387,8 +399,7 @@ class SingleFileWriter {
   explicit SingleFileWriter(const SingleFileSaveOptions& o) : o_(o) {}
 
   void put(const std::string& key, const at::Tensor& t) {
-    if (!out_.emplace(key, stored(t)).second)
-      throw ConfigError("two tensors map to one name", key);
+    if (!out_.emplace(key, stored(t)).second) throw ConfigError("two tensors map to one name", key);
   }
 
   template <class Module, class F>
@@ -403,6 +414,11 @@ class SingleFileWriter {
     each_tensor(unet, [&](const std::string& n, const at::Tensor& t) {
       put(std::string(kLdmUnetPrefix) + ldm_unet_name(n, uc), t);
     });
+    put_vae(vae);
+  }
+
+  template <class Vae>
+  void put_vae(Vae& vae) {
     const auto& vc = vae->config();
     each_tensor(vae, [&](const std::string& n, const at::Tensor& t) {
       // The original's attention projections are 1x1 convolutions.
@@ -436,6 +452,30 @@ class SingleFileWriter {
     }
     for (const auto& [name, parts] : fused)
       put(prefix + name, at::cat({parts[0], parts[1], parts[2]}, 0));
+  }
+
+  /// Every tensor of `m` under `prefix` + its original place (q, k and v of one original
+  /// tensor joined, transposed or half-swapped ones restored).
+  template <class Module>
+  void put_component(Module& m, std::string_view prefix,
+                     const std::function<OriginalPlace(const std::string&)>& place) {
+    std::map<std::string, std::array<at::Tensor, 3>> fused;
+    each_tensor(m, [&](const std::string& n, const at::Tensor& value) {
+      const OriginalPlace spot = place(n);
+      at::Tensor t = value.detach();
+      if (spot.transposed) t = t.t();
+      if (spot.halves_swapped) t = swapped_halves(t);
+      if (spot.third >= 0)
+        fused[spot.name][static_cast<std::size_t>(spot.third)] = t;
+      else
+        put(std::string(prefix) + spot.name, t);
+    });
+    for (const auto& [name, parts] : fused) {
+      for (const auto& part : parts)
+        if (!part.defined())
+          throw ConfigError("has only some of q, k and v of one original tensor", name);
+      put(std::string(prefix) + name, at::cat({parts[0], parts[1], parts[2]}, 0));
+    }
   }
 
   std::map<std::string, at::Tensor> finish() {

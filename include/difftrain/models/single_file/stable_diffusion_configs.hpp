@@ -6,7 +6,8 @@
 //   UNet  the levels from input_blocks (resnets until a downsampler `op`), their widths, layer
 //         and transformer counts, cross-attention width, conv or linear projections, in/out
 //         channels (9 in: an inpainting UNet), SDXL's added embedding;
-//   VAE   levels, widths, layers, latent channels, mid-block attention, quant convolutions;
+//   VAE   levels, widths, layers, latent channels, mid-block attention, quant convolutions (SD3's
+//         scaling 1.5305 and shift 0.0609 by family);
 //   CLIP  vocabulary, width, positions, layers, MLP width; OpenCLIP's towers likewise, SD 2.x's
 //         read to its penultimate layer as diffusers' config has it.
 //
@@ -203,7 +204,6 @@ inline nlohmann::json unet_config_from_single_file(const SingleFile& f) {
 /// diffusers' AutoencoderKL config of a single file's VAE.
 inline nlohmann::json vae_config_from_single_file(const SingleFile& f) {
   using namespace single_file_detail;
-  require_unet_family(f, "VAE config");
   const std::string p(kLdmVaePrefix);
   const std::string what = "VAE config";
   const std::int64_t n = count_in_a_row(f, p + "encoder.down.", ".block.0.conv1.weight");
@@ -215,20 +215,26 @@ inline nlohmann::json vae_config_from_single_file(const SingleFile& f) {
     channels.push_back(
         dim_of(f, p + "encoder.down." + std::to_string(i) + ".block.0.conv1.weight", 0, what));
   const bool xl = f.family == SingleFileFamily::sdxl;
-  return {{"_class_name", "AutoencoderKL"},
-          {"in_channels", dim_of(f, p + "encoder.conv_in.weight", 1, what)},
-          {"out_channels", dim_of(f, p + "decoder.conv_out.weight", 0, what)},
-          {"down_block_types", std::vector<std::string>(n, "DownEncoderBlock2D")},
-          {"up_block_types", std::vector<std::string>(n, "UpDecoderBlock2D")},
-          {"block_out_channels", channels},
-          {"layers_per_block", count_in_a_row(f, p + "encoder.down.0.block.", ".conv1.weight")},
-          {"latent_channels", dim_of(f, p + "decoder.conv_in.weight", 1, what)},
-          {"scaling_factor", xl ? 0.13025 : 0.18215},
-          {"force_upcast", xl},
-          {"use_quant_conv", f.tensors.contains(p + "quant_conv.weight")},
-          {"use_post_quant_conv", f.tensors.contains(p + "post_quant_conv.weight")},
-          {"mid_block_add_attention", f.tensors.contains(p + "encoder.mid.attn_1.q.weight")},
-          {"sample_size", sample_size_of(f.family, 512, 768, 1024)}};
+  const bool sd3 = f.family == SingleFileFamily::sd3;
+  nlohmann::json j = {
+      {"_class_name", "AutoencoderKL"},
+      {"in_channels", dim_of(f, p + "encoder.conv_in.weight", 1, what)},
+      {"out_channels", dim_of(f, p + "decoder.conv_out.weight", 0, what)},
+      {"down_block_types", std::vector<std::string>(n, "DownEncoderBlock2D")},
+      {"up_block_types", std::vector<std::string>(n, "UpDecoderBlock2D")},
+      {"block_out_channels", channels},
+      {"layers_per_block", count_in_a_row(f, p + "encoder.down.0.block.", ".conv1.weight")},
+      {"latent_channels", dim_of(f, p + "decoder.conv_in.weight", 1, what)},
+      {"scaling_factor", sd3  ? 1.5305
+                         : xl ? 0.13025
+                              : 0.18215},
+      {"force_upcast", xl},
+      {"use_quant_conv", f.tensors.contains(p + "quant_conv.weight")},
+      {"use_post_quant_conv", f.tensors.contains(p + "post_quant_conv.weight")},
+      {"mid_block_add_attention", f.tensors.contains(p + "encoder.mid.attn_1.q.weight")},
+      {"sample_size", sd3 ? 1024 : sample_size_of(f.family, 512, 768, 1024)}};
+  if (sd3) j["shift_factor"] = 0.0609;  // SD3's latents are shifted, then scaled
+  return j;
 }
 
 /// transformers' CLIPTextConfig of a single file's text encoder `index` (0, or SDXL's 1: OpenCLIP

@@ -1,0 +1,254 @@
+// Stable Diffusion 3 / 3.5 single files: the MMDiT under its original names (q, k and v in one
+// qkv tensor, the last block's and the final modulation with shift before scale), the VAE, CLIP-L,
+// CLIP-G and T5 under text_encoders.*, written and read back to the bit for each reference
+// transformer (SD3's, a one-block one, SD 3.5's with RMS q/k norms and dual attention), in float32
+// and bf16; the transformer's config told from the keys; hostile files named.
+// tests/reference/check_cpp_single_file.py runs diffusers' own converter on the written file.
+#include <unistd.h>
+#include <difftrain/io/remove_tree.hpp>
+#include <difftrain/io/safetensors.hpp>
+#include <difftrain/models/models.hpp>
+#include <difftrain/models/single_file/sd3.hpp>
+#include <difftrain/nn/module_tensors.hpp>
+
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+
+#include "golden.hpp"
+
+namespace dt = difftrain;
+namespace fs = std::filesystem;
+namespace models = difftrain::models;
+
+namespace {
+
+fs::path golden() { return fs::path(DIFFTRAIN_GOLDEN_DIR); }
+
+fs::path scratch(const std::string& name) {
+  const fs::path dir =
+      fs::temp_directory_path() / ("difftrain-sd3-" + name + "-" + std::to_string(::getpid()));
+  dt::io::remove_tree(dir);
+  fs::create_directories(dir);
+  return dir;
+}
+
+template <class Holder>
+void expect_same(Holder& got, Holder& want, const std::string& what,
+                 std::optional<at::ScalarType> stored = std::nullopt) {
+  const auto a = dt::nn::module_tensors(*got);
+  const auto b = dt::nn::module_tensors(*want);
+  ASSERT_EQ(a.size(), b.size()) << what;
+  for (const auto& [name, t] : b) {
+    const at::Tensor expected = stored ? t.to(*stored).to(t.scalar_type()) : t;
+    EXPECT_TRUE(at::equal(a.at(name), expected)) << what << ": " << name;
+  }
+}
+
+template <class E>
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const E& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    return std::string("wrong error type: ") + e.what();
+  }
+  return "accepted";
+}
+
+struct Sd3Models {
+  models::SD3Transformer2DModel<> mmdit{nullptr};
+  models::AutoencoderKL<> vae{nullptr};
+  models::CLIPTextModel<> clip_l{nullptr}, clip_g{nullptr};
+  models::T5EncoderModel<> t5{nullptr};
+};
+
+Sd3Models load(const std::string& transformer) {
+  const fs::path enc = golden() / "sd3_encode_prompt";
+  return {models::from_pretrained<models::SD3Transformer2DModel<>>(golden() / "transformers" /
+                                                                   transformer),
+          models::from_pretrained<models::AutoencoderKL<>>(golden() / "models" / "vae_two_levels"),
+          models::from_pretrained<models::CLIPTextModel<>>(enc / "text_encoder"),
+          models::from_pretrained<models::CLIPTextModel<>>(enc / "text_encoder_2"),
+          models::from_pretrained<models::T5EncoderModel<>>(enc / "text_encoder_3")};
+}
+
+}  // namespace
+
+TEST(SingleFileSd3, ModelsRoundTripUnderTheOriginalNames) {
+  const fs::path dir = scratch("roundtrip");
+  for (const std::string name : {"sd3_tiny", "sd3_single_block", "sd35_qk_norm_dual"})
+    for (const auto dtype : {std::optional<at::ScalarType>{}, std::optional{at::kBFloat16}}) {
+      SCOPED_TRACE(name + (dtype ? " (bf16)" : ""));
+      Sd3Models m = load(name);
+      const auto& c = m.mmdit->config();
+      const auto tensors = models::stable_diffusion_3_single_file_tensors(
+          m.mmdit, m.vae, &m.clip_l, &m.clip_g, &m.t5,
+          {.dtype = dtype, .family = models::SingleFileFamily::sd3});
+      // q, k and v (and the context's) are one tensor in the original: 4 tensors a block fewer
+      // per fused triple (weights and biases).
+      std::size_t fused = 4 * static_cast<std::size_t>(c.num_layers);
+      for (const auto i : c.dual_attention_layers) {
+        (void)i;
+        fused += 2;
+      }
+      EXPECT_EQ(tensors.size(), dt::nn::module_tensors(*m.mmdit).size() - 2 * fused +
+                                    dt::nn::module_tensors(*m.vae).size() +
+                                    dt::nn::module_tensors(*m.clip_l).size() +
+                                    dt::nn::module_tensors(*m.clip_g).size() +
+                                    dt::nn::module_tensors(*m.t5).size());
+      const std::string last = "model.diffusion_model.joint_blocks." +
+                               std::to_string(c.num_layers - 1) + ".context_block.";
+      for (const std::string& key :
+           {std::string("model.diffusion_model.pos_embed"),
+            std::string("model.diffusion_model.x_embedder.proj.weight"),
+            std::string("model.diffusion_model.t_embedder.mlp.0.weight"),
+            std::string("model.diffusion_model.y_embedder.mlp.2.bias"),
+            std::string("model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight"),
+            std::string("model.diffusion_model.joint_blocks.0.context_block.attn.qkv.bias"),
+            std::string("model.diffusion_model.final_layer.adaLN_modulation.1.weight"),
+            last + "adaLN_modulation.1.weight",
+            std::string("text_encoders.clip_l.transformer."
+                        "text_model.final_layer_norm.weight"),
+            std::string("text_encoders.clip_g.transformer.text_projection.weight"),
+            std::string("text_encoders.t5xxl.transformer.shared.weight"),
+            std::string("first_stage_model.encoder.conv_in.weight")})
+        EXPECT_TRUE(tensors.contains(key)) << key;
+      // The last block's context side projects nothing after attention (diffusers'
+      // context_pre_only): no proj, no MLP.
+      EXPECT_FALSE(tensors.contains(last + "attn.proj.weight"));
+      EXPECT_FALSE(tensors.contains(last + "mlp.fc1.weight"));
+      // Shift before scale in the original's final modulation.
+      const at::Tensor norm_out = dt::nn::module_tensors(*m.mmdit).at("norm_out.linear.weight");
+      const auto d = norm_out.size(0) / 2;
+      at::Tensor written =
+          tensors.at("model.diffusion_model.final_layer.adaLN_modulation.1.weight");
+      if (dtype) written = written.to(at::kFloat);
+      const at::Tensor expect_shift =
+          dtype ? norm_out.narrow(0, d, d).to(*dtype).to(at::kFloat) : norm_out.narrow(0, d, d);
+      EXPECT_TRUE(at::equal(written.narrow(0, 0, d), expect_shift));
+      if (!c.dual_attention_layers.empty()) {
+        EXPECT_TRUE(tensors.contains("model.diffusion_model.joint_blocks." +
+                                     std::to_string(c.dual_attention_layers[0]) +
+                                     ".x_block.attn2.qkv.weight"));
+      }
+      if (c.qk_norm) {
+        EXPECT_TRUE(
+            tensors.contains("model.diffusion_model.joint_blocks.0.x_block.attn.ln_q.weight"));
+      }
+      dt::io::save_safetensors(dir / "sd3.safetensors", tensors, {{"format", "pt"}});
+      const auto f = models::read_single_file(dir / "sd3.safetensors");
+      EXPECT_EQ(f.family, models::SingleFileFamily::sd3);
+      auto mmdit = models::sd3_transformer_from_single_file(f, c);
+      auto vae = models::vae_from_single_file(f, m.vae->config());
+      auto clip_l = models::sd3_clip_from_single_file(f, m.clip_l->config(), 0);
+      auto clip_g = models::sd3_clip_from_single_file(f, m.clip_g->config(), 1);
+      auto t5 = models::sd3_t5_from_single_file(f, m.t5->config());
+      expect_same(mmdit, m.mmdit, "MMDiT", dtype);
+      expect_same(vae, m.vae, "VAE", dtype);
+      expect_same(clip_l, m.clip_l, "CLIP-L", dtype);
+      expect_same(clip_g, m.clip_g, "CLIP-G", dtype);
+      expect_same(t5, m.t5, "T5", dtype);
+      EXPECT_TRUE(models::single_file_leftovers(f).empty());
+      // The config told from the keys is the reference's (its heads aside when they are not 64
+      // wide, which only test models have).
+      nlohmann::json told = models::sd3_transformer_config_from_single_file(f);
+      const nlohmann::json want = c.to_json();
+      for (const char* field : {"patch_size", "in_channels", "num_layers", "joint_attention_dim",
+                                "caption_projection_dim", "pooled_projection_dim",
+                                "pos_embed_max_size", "dual_attention_layers", "qk_norm"})
+        EXPECT_EQ(told.value(field, nlohmann::json()), want.value(field, nlohmann::json()))
+            << field;
+      EXPECT_EQ(told["out_channels"].get<std::int64_t>(), c.out());
+      told["attention_head_dim"] = c.attention_head_dim;
+      told["num_attention_heads"] = c.num_attention_heads;
+      told["sample_size"] = c.sample_size;
+      auto from_told = models::sd3_transformer_from_single_file(
+          f, models::SD3Transformer2DConfig::from_json(told, "told"));
+      expect_same(from_told, m.mmdit, "MMDiT from the told config", dtype);
+      if (const char* out_env = std::getenv("DIFFTRAIN_MODELS_OUT"); out_env && !dtype) {
+        fs::create_directories(out_env);
+        dt::io::save_safetensors(fs::path(out_env) / (name + "_single.safetensors"), tensors,
+                                 {{"format", "pt"}});
+      }
+    }
+  dt::io::remove_tree(dir);
+}
+
+TEST(SingleFileSd3, FilesThatDoNotFitAreTypedErrors) {
+  const fs::path dir = scratch("hostile");
+  Sd3Models m = load("sd3_tiny");
+  const auto& c = m.mmdit->config();
+  const auto good = models::stable_diffusion_3_single_file_tensors(
+      m.mmdit, m.vae, &m.clip_l, &m.clip_g, static_cast<models::T5EncoderModel<>*>(nullptr));
+  auto read = [&](std::map<std::string, at::Tensor> t) {
+    dt::io::save_safetensors(dir / "f.safetensors", t);
+    return models::read_single_file(dir / "f.safetensors");
+  };
+  {
+    // A qkv of the wrong height.
+    auto t = good;
+    t["model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight"] = at::zeros({5, 4});
+    const auto f = read(t);
+    const std::string msg =
+        error_of<dt::FormatError>([&] { (void)models::sd3_transformer_from_single_file(f, c); });
+    EXPECT_NE(msg.find("joint_blocks.0.x_block.attn.qkv.weight' is not q, k and v"),
+              std::string::npos)
+        << msg;
+  }
+  {
+    // A missing block output, named with its diffusers name.
+    auto t = good;
+    t.erase("model.diffusion_model.joint_blocks.0.x_block.mlp.fc2.weight");
+    const auto f = read(t);
+    const std::string msg =
+        error_of<dt::FormatError>([&] { (void)models::sd3_transformer_from_single_file(f, c); });
+    EXPECT_NE(msg.find("transformer_blocks.0.ff.net.2.weight"), std::string::npos) << msg;
+  }
+  {
+    // A modulation of odd height where halves are swapped.
+    auto t = good;
+    t["model.diffusion_model.final_layer.adaLN_modulation.1.bias"] = at::zeros({3});
+    const auto f = read(t);
+    const std::string msg =
+        error_of<dt::FormatError>([&] { (void)models::sd3_transformer_from_single_file(f, c); });
+    EXPECT_NE(msg.find("not two halves of modulation"), std::string::npos) << msg;
+  }
+  {
+    // A file without T5 (as Stability ships one) reads without it; asking for T5 names it.
+    const auto f = read(good);
+    const std::string msg = error_of<dt::FormatError>(
+        [&] { (void)models::sd3_t5_from_single_file(f, m.t5->config()); });
+    EXPECT_NE(msg.find("text_encoders.t5xxl.transformer.shared.weight"), std::string::npos) << msg;
+    // CLIP-L without its projection gets the identity, as diffusers gives it (its projection as
+    // wide as its hidden states, as SD3's CLIP-L has it); where the widths differ, no identity
+    // can stand in, and the error says so.
+    auto t = good;
+    t.erase("text_encoders.clip_l.transformer.text_projection.weight");
+    const auto no_projection = read(t);
+    const std::string why = error_of<dt::FormatError>(
+        [&] { (void)models::sd3_clip_from_single_file(no_projection, m.clip_l->config(), 0); });
+    EXPECT_NE(why.find("no identity can stand in"), std::string::npos) << why;
+    nlohmann::json square = m.clip_l->config().to_json();
+    const auto d = m.clip_l->config().hidden_size;
+    square["projection_dim"] = d;
+    auto clip_l = models::sd3_clip_from_single_file(
+        no_projection, models::CLIPTextConfig::from_json(square, "CLIP-L"), 0);
+    EXPECT_TRUE(
+        at::equal(dt::nn::module_tensors(*clip_l).at("text_projection.weight"), at::eye(d)));
+  }
+  {
+    // An SD 1.x reader on an SD3 file, and the SD3 reader on another family, say which is which.
+    const auto f = read(good);
+    std::string msg = error_of<dt::ConfigError>(
+        [&] { (void)models::unet_from_single_file(f, models::UNet2DConditionConfig{}); });
+    EXPECT_NE(msg.find("Stable Diffusion 3 file"), std::string::npos) << msg;
+  }
+  dt::io::remove_tree(dir);
+}
