@@ -49,19 +49,30 @@
 
 namespace {
 
-/// SD3 or CogVideoX, by the folder's model_index.json.
+/// SD3 or CogVideoX, by the folder's model_index.json (a single file: SD3's, with its config
+/// folder).
 int run(const Settings& s) {
-  const fs::path root(s.model);
-  if (!fs::is_directory(root))
+  const bool single = fs::is_regular_file(s.model);
+  const fs::path root(single ? s.single_file_config : s.model);
+  if (!fs::is_directory(root) && !single)
     throw dt::IoError("is not a folder (name a diffusers pipeline folder)",
                       "--pretrained_model_name_or_path " + s.model);
-  const nlohmann::json index = dt::io::read_json_object(root / "model_index.json");
+  const nlohmann::json index = fs::is_directory(root)
+                                   ? dt::io::read_json_object(root / "model_index.json")
+                                   : nlohmann::json::object();
   // The ranks of a torchrun launch. Every rank checks the same flags and folders, and so fails
   // the same way before this point.
   auto [world, device] = torchrun_world(s, s.device);
   const Ranks ranks{std::move(world), device};
-  if (index.value("_class_name", std::string()) == "CogVideoXPipeline")
+  if (index.value("_class_name", std::string()) == "CogVideoXPipeline") {
+    if (single || s.save_format == "single_file")
+      throw ConfigError(
+          "CogVideoX trains from and writes pipeline folders (SAT checkpoints are "
+          "converted with diffusers' convert_cogvideox_to_diffusers.py)",
+          single ? "--pretrained_model_name_or_path " + s.model
+                 : std::string("--save_format single_file"));
     return run_cogvideox(s, ranks);
+  }
   return run_sd3(s, ranks);
 }
 
@@ -79,6 +90,14 @@ int main(int argc, char** argv) {
   auto* img = add_image_folder_flags(app, g, s, s.limit, "training size (square)");
   auto* t = g.training;
   add_lora_flags(g, s, "transformer");
+  g.saving
+      ->add_option("--save_format", s.save_format,
+                   "a full fine-tune as a diffusers folder, or single_file: one .safetensors in "
+                   "Stability's SD3 layout (ComfyUI's; a single-file base is written back as one)")
+      ->capture_default_str();
+  g.saving
+      ->add_option("--save_precision", s.save_precision, "single_file's dtype: fp32, fp16, bf16")
+      ->capture_default_str();
   t->add_option("--weighting_scheme", s.weighting_scheme,
                 "sigma_sqrt, logit_normal, mode, cosmap or none")
       ->capture_default_str();

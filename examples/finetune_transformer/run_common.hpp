@@ -30,6 +30,7 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <limits>
 #include <map>
 #include <optional>
@@ -70,6 +71,8 @@ struct Settings : SdRunFlags, ImageFolderFlags, LoraFlags, TorchrunFlags {
   std::string video_column = "video";
   std::int64_t height = 480, width = 720, max_num_frames = 49;
   std::int64_t skip_frames_start = 0, skip_frames_end = 0;
+  // A full fine-tune: a diffusers folder, or (SD3) one file in the original layout.
+  std::string save_format = "diffusers", save_precision = "fp32";
   Settings() {
     out = "runs/finetune_transformer";
     learning_rate = 1e-4;
@@ -93,13 +96,21 @@ struct TrainerConfig : tr::DefaultConfig {
 
 // ---- what both kinds of run write --------------------------------------------------------------
 
+/// Writes a full fine-tune as one file (the family's single-file layout) and names it in `files`.
+using WriteSingleFile = std::function<void(nlohmann::json& files)>;
+
 /// The trained transformer: with --use_lora, pytorch_lora_weights.safetensors (PEFT keys under
-/// transformer. with diffusers' adapter metadata); otherwise the pipeline folder at `base` with the
-/// trained transformer/.
+/// transformer. with diffusers' adapter metadata); with `write_single_file` (--save_format
+/// single_file, or a base read from one file), that; otherwise the pipeline folder at `base` with
+/// the trained transformer/.
 template <class Transformer>
 void save_trained_transformer(Transformer& transformer, const fs::path& base, const Settings& s,
-                              nlohmann::json& files) {
+                              nlohmann::json& files, const WriteSingleFile& write_single_file) {
   const fs::path out(s.out);
+  if (!s.use_lora && write_single_file) {
+    write_single_file(files);
+    return;
+  }
   if (s.use_lora) {
     nlohmann::json adapter;
     ad::add_peft_adapter_metadata(adapter, *transformer, "transformer");
@@ -157,6 +168,16 @@ void check_flags(const Settings& s) {
                           "'; diffusers' schemes are sigma_sqrt, logit_normal, mode, cosmap, none",
                       "--weighting_scheme");
   if (s.resolution % 8 != 0) throw ConfigError("must be a multiple of 8", "--resolution");
+  if (s.save_format != "diffusers" && s.save_format != "single_file")
+    throw ConfigError("is '" + s.save_format + "'; the formats are diffusers and single_file",
+                      "--save_format");
+  if (s.save_format == "single_file" && s.use_lora)
+    throw ConfigError(
+        "writes a full fine-tune as one file; a LoRA run writes its LoRA file (drop --use_lora or "
+        "--save_format single_file)",
+        "--save_format single_file");
+  if (s.save_precision != "fp32" && s.save_precision != "fp16" && s.save_precision != "bf16")
+    throw ConfigError("is '" + s.save_precision + "'; fp32, fp16 or bf16", "--save_precision");
 }
 
 /// The ranks of a torchrun launch (a world of one without it) and this rank's device.
@@ -192,7 +213,8 @@ template <class Trainee, class Stream, class Transformer, class WriteValidation>
 int train_and_write(Trainee& trainee, const Settings& s, const Ranks& ranks,
                     const nlohmann::json& run_settings, Stream& stream, Transformer& transformer,
                     const fs::path& base, std::size_t lora_layers,
-                    WriteValidation&& write_validation, std::chrono::steady_clock::time_point t0) {
+                    WriteValidation&& write_validation, std::chrono::steady_clock::time_point t0,
+                    const WriteSingleFile& write_single_file = {}) {
   using Trainer = tr::Trainer<Trainee, TrainerConfig>;
   const bool main_rank = ranks.main();
   typename Trainer::Options o;
@@ -218,7 +240,7 @@ int train_and_write(Trainee& trainee, const Settings& s, const Ranks& ranks,
   const fs::path out(s.out);
   nlohmann::json files;
   if (fit.finished) {
-    save_trained_transformer(transformer, base, s, files);
+    save_trained_transformer(transformer, base, s, files, write_single_file);
     if (!s.validation_prompts.empty()) {
       write_validation(out);
       files["validation"] = "validation.png";

@@ -3,6 +3,8 @@
 // rectified-flow trainee, captions encoded once by the frozen text encoders, an image folder's
 // batches and the validation images.
 
+#include <difftrain/models/single_file/sd3.hpp>
+
 #include "run_common.hpp"
 
 namespace {
@@ -12,6 +14,10 @@ namespace {
 /// A StableDiffusion3Pipeline folder's components, read and checked before any work.
 struct Sd3Pipeline {
   fs::path root;
+  /// The single file the models were read from (configs, tokenizers and scheduler from `root`),
+  /// and what it held beyond them.
+  std::optional<fs::path> single_file;
+  std::map<std::string, at::Tensor> single_file_leftovers;
   std::optional<text::CLIPTokenizer> tokenizer, tokenizer_2;
   std::optional<text::T5Tokenizer> tokenizer_3;
   Clip text_encoder{nullptr}, text_encoder_2{nullptr};
@@ -51,14 +57,28 @@ df::FlowMatchEuler::Options read_flow_scheduler(const fs::path& file) {
   return o;
 }
 
-Sd3Pipeline load_sd3_pipeline(const std::string& model, const std::string& variant = {}) {
+/// A StableDiffusion3Pipeline folder, or an SD3 / 3.5 single file (Stability's, ComfyUI's) with
+/// `single_file_config`, a pipeline folder of the same model for its configs, tokenizers and
+/// scheduler (its weights are not read).
+Sd3Pipeline load_sd3_pipeline(const std::string& model, const std::string& variant = {},
+                              const std::string& single_file_config = {}) {
   models::LoadOptions lo;
   if (!variant.empty()) lo.variant = variant;
   Sd3Pipeline p;
-  p.root = model;
+  const std::string flag = "--pretrained_model_name_or_path " + model;
+  const bool single = fs::is_regular_file(model);
+  if (single && single_file_config.empty())
+    throw ConfigError(
+        "is a single file, which holds no configs, tokenizers or scheduler: pass "
+        "--single_file_config FOLDER, a StableDiffusion3Pipeline folder of the same model (its "
+        "weights are not read)",
+        flag);
+  if (!single && !single_file_config.empty())
+    throw ConfigError("goes with a single file", "--single_file_config " + single_file_config);
+  p.root = single ? single_file_config : model;
   if (!fs::is_directory(p.root))
     throw dt::IoError("is not a folder (name a diffusers pipeline folder)",
-                      "--pretrained_model_name_or_path " + model);
+                      single ? "--single_file_config " + single_file_config : flag);
   const fs::path index_file = p.root / "model_index.json";
   const nlohmann::json index = dt::io::read_json_object(index_file);
   const std::string cls = index.value("_class_name", std::string());
@@ -84,14 +104,35 @@ Sd3Pipeline load_sd3_pipeline(const std::string& model, const std::string& varia
   p.flow = read_flow_scheduler(p.root / "scheduler" / "scheduler_config.json");
   p.tokenizer.emplace(text::CLIPTokenizer::from_folder(p.root / "tokenizer"));
   p.tokenizer_2.emplace(text::CLIPTokenizer::from_folder(p.root / "tokenizer_2"));
-  p.text_encoder = models::from_pretrained<Clip>(p.root / "text_encoder", lo);
-  p.text_encoder_2 = models::from_pretrained<Clip>(p.root / "text_encoder_2", lo);
-  if (t5) {
-    p.tokenizer_3.emplace(text::T5Tokenizer::from_folder(p.root / "tokenizer_3"));
-    p.text_encoder_3 = models::from_pretrained<T5>(p.root / "text_encoder_3", lo);
+  if (t5) p.tokenizer_3.emplace(text::T5Tokenizer::from_folder(p.root / "tokenizer_3"));
+  if (single) {
+    const models::SingleFile f = models::read_single_file(model);
+    if (f.family != models::SingleFileFamily::sd3)
+      throw ConfigError(
+          "is a " + std::string(models::single_file_family_name(f.family)) +
+              " file; this program trains Stable Diffusion 3 files (train_text_to_image "
+              "trains the others)",
+          flag);
+    p.single_file = model;
+    p.text_encoder = models::sd3_clip_from_single_file<Clip>(
+        f, component_config<models::CLIPTextConfig>(p.root / "text_encoder"), 0);
+    p.text_encoder_2 = models::sd3_clip_from_single_file<Clip>(
+        f, component_config<models::CLIPTextConfig>(p.root / "text_encoder_2"), 1);
+    if (t5)
+      p.text_encoder_3 = models::sd3_t5_from_single_file<T5>(
+          f, component_config<models::T5EncoderConfig>(p.root / "text_encoder_3"));
+    p.vae = models::vae_from_single_file<Vae>(
+        f, component_config<models::AutoencoderKLConfig>(p.root / "vae"));
+    p.transformer = models::sd3_transformer_from_single_file<Transformer>(
+        f, component_config<models::SD3Transformer2DConfig>(p.root / "transformer"));
+    p.single_file_leftovers = models::single_file_leftovers(f);
+  } else {
+    p.text_encoder = models::from_pretrained<Clip>(p.root / "text_encoder", lo);
+    p.text_encoder_2 = models::from_pretrained<Clip>(p.root / "text_encoder_2", lo);
+    if (t5) p.text_encoder_3 = models::from_pretrained<T5>(p.root / "text_encoder_3", lo);
+    p.vae = models::from_pretrained<Vae>(p.root / "vae", lo);
+    p.transformer = models::from_pretrained<Transformer>(p.root / "transformer", lo);
   }
-  p.vae = models::from_pretrained<Vae>(p.root / "vae", lo);
-  p.transformer = models::from_pretrained<Transformer>(p.root / "transformer", lo);
   if (p.transformer->config().in_channels != p.vae->config().latent_channels)
     throw ConfigError("takes " + std::to_string(p.transformer->config().in_channels) +
                           " channels but the VAE's latents have " +
@@ -307,7 +348,7 @@ int run_sd3(Settings s, const Ranks& ranks) {
       s.data_dir, fo, {.say = main_rank, .limit = s.limit, .require_captions = s.require_captions});
   const examples::OutputFolder output_folder(s.out, main_rank);
   tr::set_seed(s.seed);
-  Sd3Pipeline p = load_sd3_pipeline(s.model, s.variant);
+  Sd3Pipeline p = load_sd3_pipeline(s.model, s.variant, s.single_file_config);
   if (s.resolution % p.vae->downscale() != 0 ||
       (s.resolution / p.vae->downscale()) % p.transformer->config().patch_size != 0)
     throw ConfigError("must be a multiple of the VAE's downscale × the patch size (" +
@@ -370,12 +411,29 @@ int run_sd3(Settings s, const Ranks& ranks) {
       {"ranks", ranks.world->size()},
       {"sharding", s.sharding},
       {"seed", s.seed}};
+  // A full fine-tune of a single file goes back as one (with what the file held beyond the
+  // models), as --save_format single_file writes one of a folder.
+  WriteSingleFile write_single_file;
+  if (!s.use_lora && (p.single_file || s.save_format == "single_file"))
+    write_single_file = [&](nlohmann::json& files) {
+      models::SingleFileSaveOptions so;
+      so.family = models::SingleFileFamily::sd3;
+      so.keep = p.single_file_leftovers;
+      if (s.save_precision == "fp16") so.dtype = at::kHalf;
+      if (s.save_precision == "bf16") so.dtype = at::kBFloat16;
+      dt::io::save_safetensors(fs::path(s.out) / "model.safetensors",
+                               models::stable_diffusion_3_single_file_tensors(
+                                   p.transformer, p.vae, &p.text_encoder, &p.text_encoder_2,
+                                   p.text_encoder_3 ? &p.text_encoder_3 : nullptr, so),
+                               {{"format", "pt"}});
+      files["single_file"] = "model.safetensors";
+    };
   return train_and_write(
       trainee, s, ranks, run_settings, stream, p.transformer, p.root, adapted.size(),
       [&](const fs::path& out) {
         write_validation_images(validation_images(p, s, device),
                                 validation_options(s, s.resolution), out);
       },
-      t0);
+      t0, write_single_file);
 }
 }  // namespace

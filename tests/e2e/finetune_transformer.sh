@@ -5,7 +5,8 @@
 # with the same LoRA as one that was not; full fine-tuning with another weighting scheme and
 # without preconditioning writes a pipeline folder; the pipeline without T5 trains; diffusers
 # loads both results (StableDiffusion3Pipeline.load_lora_weights with peft, from_pretrained) and
-# generates with them. Then the same for two tiny CogVideoX pipelines and a folder of videos as
+# generates with them; a full fine-tune as one SD3 file, trained again from that file, loaded by
+# from_single_file. Then the same for two tiny CogVideoX pipelines and a folder of videos as
 # frames: mistakes refused, LoRA resumed to the bit, full fine-tuning with the DPM scheduler, and
 # diffusers' CogVideoXPipeline, given difftrain's LoRA or folder and the same starting noise,
 # draws the validation video difftrain drew (within 2/255). Under torchrun with 2 ranks, full
@@ -59,6 +60,19 @@ expect_rc 0 full -- "$bin" "${base[@]}" --weighting_scheme sigma_sqrt --precondi
 expect_rc 0 no-t5 -- "$bin" "${base[@]}" --pretrained_model_name_or_path "$work/data/sd3_no_t5" \
   --use_lora --weighting_scheme mode --max_train_steps 6 --output_dir "$work/no-t5"
 grep_in "$work/no-t5/results.json" '"t5": false'
+# SD3 as one file: a full fine-tune written in Stability's layout (bf16), trained again from that
+# file (its configs from --single_file_config) and written back as one; refused without the
+# config folder, with LoRA, and for CogVideoX.
+expect_rc 0 sd3-single -- "$bin" "${base[@]}" --max_train_steps 2 --save_format single_file \
+  --save_precision bf16 --output_dir "$work/sd3-single"
+expect_rc 0 sd3-from-single -- "$bin" "${base[@]}" --pretrained_model_name_or_path \
+  "$work/sd3-single/model.safetensors" --single_file_config "$sd3" --max_train_steps 2 \
+  --output_dir "$work/sd3-from-single"
+expect_rc 2 sd3-single-no-config -- "$bin" "${base[@]}" --pretrained_model_name_or_path \
+  "$work/sd3-single/model.safetensors" --max_train_steps 1 --output_dir "$work/bad"
+grep_in "$work/sd3-single-no-config.err" "--single_file_config"
+expect_rc 2 sd3-single-lora -- "$bin" "${base[@]}" --use_lora --save_format single_file --output_dir "$work/bad"
+grep_in "$work/sd3-single-lora.err" "--save_format single_file"
 
 "$py" - "$work" "$sd3" >"$work/python.out" 2>&1 <<'PY' || { fail "Python check"; }
 import json, math, pathlib, sys
@@ -102,6 +116,20 @@ moved = sum(not torch.equal(p, trained[n]) for n, p in fresh.transformer.named_p
 assert moved > 0, "the full fine-tuning changed no weight"
 generate(full)
 print(f"full fine-tuning: the pipeline folder loads and generates ({moved} tensors changed)")
+from diffusers import SD3Transformer2DModel
+first = load_file(work / "sd3-single" / "model.safetensors")
+second = load_file(work / "sd3-from-single" / "model.safetensors")
+assert set(first) == set(second) and all(first[k].shape == second[k].shape for k in first)
+assert any(k.startswith("text_encoders.t5xxl.") for k in first) and first[
+    "model.diffusion_model.pos_embed"].dtype == torch.bfloat16
+for run in ("sd3-single", "sd3-from-single"):
+    single = SD3Transformer2DModel.from_single_file(
+        str(work / run / "model.safetensors"), config=sd3, subfolder="transformer",
+        local_files_only=True, torch_dtype=torch.float32)
+    pipe = StableDiffusion3Pipeline.from_pretrained(sd3, transformer=single)
+    generate(pipe)
+print(f"SD3 single file: {len(first)} keys in Stability's layout; from_single_file loads the "
+      "transformer of both files and the pipeline generates with it")
 PY
 cat "$work/python.out"
 for run in lora full; do
@@ -148,6 +176,8 @@ cog=(--pretrained_model_name_or_path "$work/cog/cogvideox" --train_data_dir "$vi
 expect_rc 2 cog-captions -- "$bin" "${cog[@]}" --caption_column captions.txt --output_dir "$work/bad-cog"
 grep_in "$work/cog-captions.err" "--caption_column"
 expect_rc 2 cog-height -- "$bin" "${cog[@]}" --height 36 --output_dir "$work/bad-cog"
+expect_rc 2 cog-single -- "$bin" "${cog[@]}" --save_format single_file --output_dir "$work/bad-cog"
+grep_in "$work/cog-single.err" "convert_cogvideox_to_diffusers"
 grep_in "$work/cog-height.err" "--height"
 mkdir -p "$work/cog/mp4" && printf 'a clip\n' >"$work/cog/mp4/prompts.txt" &&
   printf 'clip.mp4\n' >"$work/cog/mp4/videos.txt" && : >"$work/cog/mp4/clip.mp4"
