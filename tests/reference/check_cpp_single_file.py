@@ -133,13 +133,14 @@ def check_sdxl(out, golden):
 
 
 def check_full_size_names(path):
-    """diffusers' own converters, run on the original names difftrain gives the full-size SD 1.5 and
-    2.1 UNets and the SD VAE (meta tensors of their shapes), give back every diffusers tensor with
-    its shape and nothing else."""
+    """diffusers' own converters, run on the original names difftrain gives the full-size SD 1.5, 2.1
+    and XL UNets, the SD VAE and SD3 / 3.5 medium's MMDiT (meta tensors of their shapes), give back
+    every diffusers tensor with its shape and nothing else."""
     from diffusers.loaders.single_file_utils import convert_ldm_unet_checkpoint, convert_ldm_vae_checkpoint
     tables = json.loads(path.read_text())
     for key, convert, prefix in (("sd15_unet", convert_ldm_unet_checkpoint, "model.diffusion_model."),
                                  ("sd21_unet", convert_ldm_unet_checkpoint, "model.diffusion_model."),
+                                 ("sdxl_unet", convert_ldm_unet_checkpoint, "model.diffusion_model."),
                                  ("sd_vae", convert_ldm_vae_checkpoint, "first_stage_model.")):
         t = tables[key]
         checkpoint = {}
@@ -155,6 +156,17 @@ def check_full_size_names(path):
             assert list(tensor.shape) == list(t["shapes"][name]), (key, name, tensor.shape)
         print(f"{key}: diffusers' converter maps difftrain's {len(checkpoint)} original names back to "
               f"every diffusers tensor")
+    from diffusers.loaders.single_file_utils import convert_sd3_transformer_checkpoint_to_diffusers
+    for key in ("sd3_medium", "sd35_medium"):
+        t = tables[key]
+        checkpoint = {"model.diffusion_model." + name: torch.empty(shape, device="meta")
+                      for name, shape in t["original"].items()}
+        converted = convert_sd3_transformer_checkpoint_to_diffusers(dict(checkpoint))
+        assert set(converted) == set(t["shapes"]), (key, sorted(set(converted) ^ set(t["shapes"]))[:5])
+        for name, tensor in converted.items():
+            assert list(tensor.shape) == list(t["shapes"][name]), (key, name, tensor.shape)
+        print(f"{key}: diffusers' SD3 converter maps difftrain's {len(checkpoint)} original names "
+              f"(three blocks at full width) back to every diffusers tensor")
 
 
 if __name__ == "__main__":

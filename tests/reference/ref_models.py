@@ -33,6 +33,14 @@ SD21_UNET = dict(SD15_UNET, attention_head_dim=[5, 10, 20, 20], cross_attention_
                  use_linear_projection=True, sample_size=96, upcast_attention=True,
                  dual_cross_attention=False, num_class_embeds=None, only_cross_attention=False,
                  resnet_time_scale_shift="default", class_embed_type=None)
+# stabilityai/stable-diffusion-xl-base-1.0's unet/config.json (the fields difftrain reads).
+SDXL_UNET = dict(SD15_UNET, attention_head_dim=[5, 10, 20], block_out_channels=[320, 640, 1280],
+                 cross_attention_dim=2048,
+                 down_block_types=["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
+                 up_block_types=["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
+                 transformer_layers_per_block=[1, 2, 10], use_linear_projection=True,
+                 addition_embed_type="text_time", addition_time_embed_dim=256,
+                 projection_class_embeddings_input_dim=2816, sample_size=128)
 SD_VAE = {
     "act_fn": "silu", "block_out_channels": [128, 256, 512, 512],
     "down_block_types": ["DownEncoderBlock2D"] * 4, "in_channels": 3, "latent_channels": 4,
@@ -221,6 +229,7 @@ def generate(out):
     with torch.device("meta"):
         for key, cls, cfg in (("sd15_unet", UNet2DConditionModel, SD15_UNET),
                               ("sd21_unet", UNet2DConditionModel, SD21_UNET),
+                              ("sdxl_unet", UNet2DConditionModel, SDXL_UNET),
                               ("sd_vae", AutoencoderKL, SD_VAE)):
             model = cls(**cfg)
             full[key] = {"config": cfg, "shapes": shapes(model),

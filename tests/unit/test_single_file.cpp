@@ -13,6 +13,7 @@
 #include <difftrain/io/safetensors.hpp>
 #include <difftrain/io/torch_file.hpp>
 #include <difftrain/models/models.hpp>
+#include <difftrain/models/single_file/sd3.hpp>
 #include <difftrain/models/single_file/stable_diffusion.hpp>
 #include <difftrain/models/single_file/stable_diffusion_configs.hpp>
 #include <difftrain/nn/module_tensors.hpp>
@@ -447,6 +448,18 @@ TEST(SingleFile, FilesThatDoNotFitAreTypedErrorsNamingTheKeys) {
               std::string::npos)
         << msg;
   }
+  // Hostile pickled checkpoints (the kept fuzz corpus' torch files as a .ckpt): a pickle that
+  // calls a Python global, and one whose shared references expand past the bound, are refused
+  // before anything runs or grows.
+  for (const auto& [name, why] :
+       {std::pair{"python_global", "calls the Python global '__builtin__ print'"},
+        std::pair{"dag_dicts", "expands to more than 4194304 values"}}) {
+    fs::copy_file(fs::path(DIFFTRAIN_FUZZ_CORPUS_DIR) / "torch_file" / name, dir / "bad.ckpt",
+                  fs::copy_options::overwrite_existing);
+    const std::string msg =
+        error_of<dt::FormatError>([&] { (void)models::read_single_file(dir / "bad.ckpt"); });
+    EXPECT_NE(msg.find(why), std::string::npos) << name << ": " << msg;
+  }
   // Not a file of tensors at all.
   std::ofstream(dir / "junk.safetensors") << "not a safetensors file";
   const std::string junk =
@@ -464,8 +477,9 @@ TEST(SingleFile, FilesThatDoNotFitAreTypedErrorsNamingTheKeys) {
 TEST(SingleFile, FullSizeNamesAreThePublishedLayouts) {
   const auto& full = tst::golden("models.json")["full_size"];
   nlohmann::json out;
-  for (const char* key : {"sd15_unet", "sd21_unet"}) {
+  for (const std::string key : {"sd15_unet", "sd21_unet", "sdxl_unet"}) {
     SCOPED_TRACE(key);
+    const bool xl = key == "sdxl_unet";
     const auto c = models::UNet2DConditionConfig::from_json(full[key]["config"], key);
     std::set<std::string> names;
     std::set<std::int64_t> input, middle, output;
@@ -479,24 +493,81 @@ TEST(SingleFile, FullSizeNamesAreThePublishedLayouts) {
         if (ldm.starts_with(prefix))
           set->insert(std::stoll(ldm.substr(std::string_view(prefix).size())));
     }
-    EXPECT_EQ(names.size(), 686U);
-    EXPECT_EQ(input.size(), 12U);
-    EXPECT_EQ(*input.rbegin(), 11);
+    // SD 1.5 and 2.1: 686 tensors in 12 input and 12 output blocks; SDXL: 1,680 in 9 and 9.
+    EXPECT_EQ(names.size(), xl ? 1680U : 686U);
+    EXPECT_EQ(input.size(), xl ? 9U : 12U);
+    EXPECT_EQ(*input.rbegin(), xl ? 8 : 11);
     EXPECT_EQ(middle, (std::set<std::int64_t>{0, 1, 2}));
-    EXPECT_EQ(output.size(), 12U);
-    for (const char* published :
-         {"time_embed.0.weight", "input_blocks.0.0.weight", "input_blocks.1.0.in_layers.0.weight",
-          "input_blocks.1.1.transformer_blocks.0.attn1.to_q.weight",
-          "input_blocks.1.1.transformer_blocks.0.ff.net.0.proj.weight",
-          "input_blocks.3.0.op.weight", "input_blocks.4.0.skip_connection.weight",
-          "input_blocks.11.0.emb_layers.1.weight", "middle_block.1.proj_in.weight",
-          "middle_block.2.out_layers.3.weight", "output_blocks.2.1.conv.weight",
-          "output_blocks.5.2.conv.weight", "output_blocks.8.2.conv.weight",
-          "output_blocks.11.1.transformer_blocks.0.attn2.to_k.weight",
-          "output_blocks.0.0.skip_connection.weight", "out.0.weight", "out.2.bias"})
-      EXPECT_TRUE(names.contains(published)) << published;
+    EXPECT_EQ(output.size(), xl ? 9U : 12U);
+    const std::vector<std::string> published =
+        xl ? std::vector<std::string>{"time_embed.0.weight",
+                                      "label_emb.0.0.weight",
+                                      "label_emb.0.2.bias",
+                                      "input_blocks.3.0.op.weight",
+                                      "input_blocks.4.1.transformer_blocks.1.attn1.to_q.weight",
+                                      "input_blocks.4.0.skip_connection.weight",
+                                      "input_blocks.8.1.transformer_blocks.9.ff.net.2.weight",
+                                      "middle_block.1.transformer_blocks.9.attn2.to_k.weight",
+                                      "output_blocks.2.2.conv.weight",
+                                      "output_blocks.5.2.conv.weight",
+                                      "output_blocks.0.1.transformer_blocks.9.norm3.weight",
+                                      "output_blocks.8.0.skip_connection.weight",
+                                      "out.2.bias"}
+           : std::vector<std::string>{"time_embed.0.weight",
+                                      "input_blocks.0.0.weight",
+                                      "input_blocks.1.0.in_layers.0.weight",
+                                      "input_blocks.1.1.transformer_blocks.0.attn1.to_q.weight",
+                                      "input_blocks.1.1.transformer_blocks.0.ff.net.0.proj.weight",
+                                      "input_blocks.3.0.op.weight",
+                                      "input_blocks.4.0.skip_connection.weight",
+                                      "input_blocks.11.0.emb_layers.1.weight",
+                                      "middle_block.1.proj_in.weight",
+                                      "middle_block.2.out_layers.3.weight",
+                                      "output_blocks.2.1.conv.weight",
+                                      "output_blocks.5.2.conv.weight",
+                                      "output_blocks.8.2.conv.weight",
+                                      "output_blocks.11.1.transformer_blocks.0.attn2.to_k.weight",
+                                      "output_blocks.0.0.skip_connection.weight",
+                                      "out.0.weight",
+                                      "out.2.bias"};
+    for (const auto& name : published) EXPECT_TRUE(names.contains(name)) << name;
     out[key]["config"] = full[key]["config"];
     out[key]["shapes"] = full[key]["shapes"];
+  }
+  // SD3 medium's and SD 3.5 medium's MMDiT at full width (their first blocks and the last,
+  // context-pre-only one, as the reference builds them): every tensor one original name, the
+  // q, k and v of each stream one qkv of three times the rows.
+  const auto& transformers = tst::golden("transformers.json")["full_size"];
+  for (const std::string key : {"sd3_medium", "sd35_medium"}) {
+    SCOPED_TRACE(key);
+    const auto c = models::SD3Transformer2DConfig::from_json(transformers[key]["config"], key);
+    std::map<std::string, std::vector<std::int64_t>> original;
+    for (const auto& [name, shape] : transformers[key]["shapes"].items()) {
+      const models::OriginalPlace place = models::sd3_original_place(name, c.num_layers);
+      auto s = shape.get<std::vector<std::int64_t>>();
+      if (place.third >= 0) {
+        s[0] *= 3;
+        auto& fused = original[place.name];
+        EXPECT_TRUE(fused.empty() || fused == s) << place.name;
+        fused = s;
+      } else {
+        EXPECT_TRUE(original.emplace(place.name, s).second) << place.name;
+      }
+    }
+    for (const char* name :
+         {"pos_embed", "x_embedder.proj.weight", "t_embedder.mlp.0.weight", "y_embedder.mlp.2.bias",
+          "context_embedder.weight", "joint_blocks.0.x_block.attn.qkv.weight",
+          "joint_blocks.0.context_block.adaLN_modulation.1.weight",
+          "joint_blocks.2.context_block.attn.qkv.bias", "final_layer.adaLN_modulation.1.weight",
+          "final_layer.linear.bias"})
+      EXPECT_TRUE(original.contains(name)) << name;
+    EXPECT_FALSE(original.contains("joint_blocks.2.context_block.mlp.fc1.weight"));
+    // (SD3 medium: 24 blocks; the count of the published file's MMDiT keys follows from the
+    // per-block count, as docs/models.md states it.)
+    nlohmann::json& o = out[key];
+    o["config"] = transformers[key]["config"];
+    o["shapes"] = transformers[key]["shapes"];
+    for (const auto& [name, shape] : original) o["original"][name] = shape;
   }
   const auto vc = models::AutoencoderKLConfig::from_json(full["sd_vae"]["config"], "vae");
   std::set<std::string> vae;
@@ -579,8 +650,8 @@ models::SingleFile file_of(std::map<std::string, at::Tensor> tensors, const std:
 }  // namespace
 
 // A single file without its config folder: the UNet's, VAE's and text encoders' configs are told
-// from the keys and shapes. The full-size SD 1.5 and 2.1 UNets, the SD VAE and the published text
-// encoders (CLIP ViT-L, OpenCLIP ViT-H and ViT-bigG) give their published configs; every tiny
+// from the keys and shapes. The full-size SD 1.5, 2.1 and XL UNets, the SD VAE and the published
+// text encoders (CLIP ViT-L, OpenCLIP ViT-H and ViT-bigG) give their published configs; every tiny
 // model the reference scripts made, written as a single file, is built from the told config and
 // takes every tensor of the file (heads aside: shapes cannot tell them, and the families' rule
 // gives tiny widths one).
@@ -630,13 +701,20 @@ TEST(SingleFile, ConfigsAreToldFromTheKeysAndShapes) {
     EXPECT_EQ(clip.vocab_size, 49408);
   }
   {
-    // SDXL's two encoders: CLIP ViT-L and OpenCLIP ViT-bigG with its projection.
-    std::map<std::string, at::Tensor> t = {
-        {"model.diffusion_model.input_blocks.0.0.weight", meta({320, 4, 3, 3})},
-        {"model.diffusion_model.label_emb.0.0.weight", meta({1280, 2816})}};
+    // SDXL base: the full-size UNet (its added embedding's time-id width from the pooled text's),
+    // CLIP ViT-L and OpenCLIP ViT-bigG with its projection.
+    const auto c = models::UNet2DConditionConfig::from_json(full["sdxl_unet"]["config"], "sdxl");
+    std::map<std::string, at::Tensor> t;
+    for (const auto& [name, shape] : full["sdxl_unet"]["shapes"].items())
+      t["model.diffusion_model." + models::ldm_unet_name(name, c)] =
+          meta(shape.get<std::vector<std::int64_t>>());
     add_clip(t, "conditioner.embedders.0.transformer.", false, 768, 12, 3072, 0);
     add_clip(t, "conditioner.embedders.1.model.", true, 1280, 32, 5120, 1280);
     const auto f = file_of(t, "sdxl");
+    EXPECT_EQ(f.family, models::SingleFileFamily::sdxl);
+    const auto told =
+        models::UNet2DConditionConfig::from_json(models::unet_config_from_single_file(f), "sdxl");
+    EXPECT_EQ(told.to_json(), c.to_json()) << told.to_json().dump() << "\n" << c.to_json().dump();
     const auto te1 =
         models::CLIPTextConfig::from_json(models::clip_config_from_single_file(f, 0), "te1");
     const auto te2 =
