@@ -269,9 +269,10 @@ inline Pipeline load_pipeline(const std::string& model, const std::string& predi
   if (fs::is_regular_file(model))
     return load_single_file_pipeline(model, prediction_type, single_file_config, tokenizer_name);
   if (!single_file_config.empty() || !tokenizer_name.empty())
-    throw ConfigError("is a pipeline folder; --single_file_config and --tokenizer_name go with a "
-                      "single file",
-                      "--pretrained_model_name_or_path " + model);
+    throw ConfigError(
+        "is a pipeline folder; --single_file_config and --tokenizer_name go with a "
+        "single file",
+        "--pretrained_model_name_or_path " + model);
   models::LoadOptions lo;
   if (!variant.empty()) lo.variant = variant;
   Pipeline p;
@@ -491,7 +492,7 @@ inline void write_single_file_pipeline_except_unet(const Pipeline& p, const fs::
       {"prediction_type",
        p.scheduler.prediction == dt::diffusion::Prediction::v_prediction ? "v_prediction"
        : p.scheduler.prediction == dt::diffusion::Prediction::sample     ? "sample"
-                                                                          : "epsilon"},
+                                                                         : "epsilon"},
       {"steps_offset", 1},
       {"timestep_spacing", "leading"},
       {"clip_sample", false},

@@ -50,7 +50,7 @@ struct SdRunFlags : RunFlags {
   std::int64_t stop_at = 0;  // stop (with a checkpoint) after this step, as Ctrl-C does; 0: never
   std::string variant;       // --variant: the pipeline's weights variant ("fp16"); empty: none
   std::string single_file_config;  // configs, tokenizer, scheduler for a single-file model
-  std::string tokenizer_name;  // a single file's tokenizer without a config folder
+  std::string tokenizer_name;      // a single file's tokenizer without a config folder
 };
 
 struct SdFlagGroups {

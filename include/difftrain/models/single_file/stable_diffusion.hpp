@@ -70,7 +70,8 @@ struct SingleFile {
   std::map<std::string, at::Tensor> tensors;
   SingleFileFamily family = SingleFileFamily::sd1;
   /// The keys the components built from this file so far have taken (single_file_leftovers
-  /// gives the rest); a record of reads, not part of the file's value.
+  /// gives the rest); a record of reads, not part of the file's value, and not synchronised:
+  /// build one file's components from one thread.
   mutable std::set<std::string> taken;
 };
 
