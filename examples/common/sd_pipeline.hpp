@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "original_config.hpp"
 #include "run_skeleton.hpp"
 #include "scheduler_config.hpp"
 
@@ -63,8 +64,9 @@ struct Pipeline {
   /// What the single file held beyond the models (written back with a full fine-tune).
   std::map<std::string, at::Tensor> single_file_leftovers;
   /// A single file read without a config folder: the configs told from its keys, the tokenizers
-  /// from this (a tokenizer or pipeline folder, or CLIP's BPE merges file).
-  std::optional<fs::path> tokenizer_source;
+  /// from this (a tokenizer or pipeline folder, or CLIP's BPE merges file), and the original config
+  /// read beside them, if any.
+  std::optional<fs::path> tokenizer_source, original_config;
   examples::SchedulerConfig scheduler;
 };
 
@@ -182,7 +184,8 @@ inline void read_single_file_tokenizers(Pipeline& p, const std::string& name,
 inline Pipeline load_single_file_pipeline(const std::string& file,
                                           const std::string& prediction_type,
                                           const std::string& config_folder,
-                                          const std::string& tokenizer_name = {}) {
+                                          const std::string& tokenizer_name = {},
+                                          const std::string& original_config = {}) {
   const std::string flag = "--pretrained_model_name_or_path " + file;
   if (config_folder.empty() && tokenizer_name.empty())
     throw ConfigError(
@@ -197,9 +200,20 @@ inline Pipeline load_single_file_pipeline(const std::string& file,
   p.single_file_family = f.family;
   if (config_folder.empty()) {
     p.xl = f.family == models::SingleFileFamily::sdxl;
+    // The original config (--original_config, or model.yaml beside the file as the web UI reads
+    // it) says what the keys cannot: the prediction, the heads, the VAE's scale.
+    std::optional<examples::OriginalConfig> original;
+    if (!original_config.empty())
+      original = examples::read_original_config(original_config);
+    else if (const auto yaml = examples::sibling_original_config(file))
+      original = examples::read_original_config(*yaml);
     const bool v = f.family == models::SingleFileFamily::sd2;
-    p.scheduler = examples::read_scheduler_config(
-        {}, prediction_type.empty() ? (v ? "v_prediction" : "epsilon") : prediction_type);
+    const std::string prediction = !prediction_type.empty() ? prediction_type
+                                   : original               ? original->prediction
+                                   : v                      ? "v_prediction"
+                                                            : "epsilon";
+    p.scheduler = examples::read_scheduler_config({}, prediction);
+    p.original_config = original ? std::optional(original->path) : std::nullopt;
     read_single_file_tokenizers(p, tokenizer_name, f.family);
     const std::string where = file + " (told from its keys)";
     p.text_encoder = models::clip_from_single_file<TextEncoder>(
@@ -207,12 +221,20 @@ inline Pipeline load_single_file_pipeline(const std::string& file,
     if (p.xl)
       p.text_encoder_2 = models::clip_2_from_single_file<TextEncoder>(
           f, models::CLIPTextConfig::from_json(models::clip_config_from_single_file(f, 1), where));
+    nlohmann::json vae_config = models::vae_config_from_single_file(f);
+    nlohmann::json unet_config = models::unet_config_from_single_file(f);
+    if (original) {
+      examples::apply_original_heads(unet_config, *original);
+      if (original->scale_factor) vae_config["scaling_factor"] = *original->scale_factor;
+    }
     p.vae = models::vae_from_single_file<Vae>(
-        f, models::AutoencoderKLConfig::from_json(models::vae_config_from_single_file(f), where));
+        f, models::AutoencoderKLConfig::from_json(vae_config, where));
     p.unet = models::unet_from_single_file<Unet>(
-        f,
-        models::UNet2DConditionConfig::from_json(models::unet_config_from_single_file(f), where));
+        f, models::UNet2DConditionConfig::from_json(unet_config, where));
   } else {
+    if (!original_config.empty())
+      throw ConfigError("goes with configs told from the file; --single_file_config gives them",
+                        "--original_config " + original_config);
     if (!tokenizer_name.empty())
       throw ConfigError("takes the tokenizer from --single_file_config's folder; name one of them",
                         "--tokenizer_name " + tokenizer_name);
@@ -265,13 +287,15 @@ inline Pipeline load_single_file_pipeline(const std::string& file,
 inline Pipeline load_pipeline(const std::string& model, const std::string& prediction_type,
                               const std::string& variant = {},
                               const std::string& single_file_config = {},
-                              const std::string& tokenizer_name = {}) {
+                              const std::string& tokenizer_name = {},
+                              const std::string& original_config = {}) {
   if (fs::is_regular_file(model))
-    return load_single_file_pipeline(model, prediction_type, single_file_config, tokenizer_name);
-  if (!single_file_config.empty() || !tokenizer_name.empty())
+    return load_single_file_pipeline(model, prediction_type, single_file_config, tokenizer_name,
+                                     original_config);
+  if (!single_file_config.empty() || !tokenizer_name.empty() || !original_config.empty())
     throw ConfigError(
-        "is a pipeline folder; --single_file_config and --tokenizer_name go with a "
-        "single file",
+        "is a pipeline folder; --single_file_config, --tokenizer_name and --original_config go "
+        "with a single file",
         "--pretrained_model_name_or_path " + model);
   models::LoadOptions lo;
   if (!variant.empty()) lo.variant = variant;

@@ -51,6 +51,7 @@ struct SdRunFlags : RunFlags {
   std::string variant;       // --variant: the pipeline's weights variant ("fp16"); empty: none
   std::string single_file_config;  // configs, tokenizer, scheduler for a single-file model
   std::string tokenizer_name;      // a single file's tokenizer without a config folder
+  std::string original_config;     // a single file's original .yaml (else model.yaml beside it)
 };
 
 struct SdFlagGroups {
@@ -86,6 +87,10 @@ inline SdFlagGroups add_sd_run_flags(CLI::App& app, SdRunFlags& f, const std::st
                     "with a single-file model and no --single_file_config: CLIP's BPE merges "
                     "file (bpe_simple_vocab_16e6.txt.gz), or a tokenizer or pipeline folder; the "
                     "configs are told from the file's keys");
+  g.run->add_option("--original_config", f.original_config,
+                    "with a single-file model and no --single_file_config: its original .yaml "
+                    "config (v2-inference-v.yaml, ...: the prediction, heads, VAE scale); "
+                    "model.yaml beside model.safetensors is read without it");
   g.run->add_option("--single_file_config", f.single_file_config,
                     "with a single-file model (.safetensors, .ckpt in the web UI's layout): a "
                     "diffusers pipeline folder of the same model for its configs, tokenizer and "

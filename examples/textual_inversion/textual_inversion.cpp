@@ -363,7 +363,8 @@ int run(Settings s) {
   const fs::path out(s.out);
   const examples::OutputFolder output_folder(out, main_rank);
   tr::set_seed(s.seed);
-  Pipeline p = load_pipeline(s.model, "", s.variant, s.single_file_config, s.tokenizer_name);
+  Pipeline p = load_pipeline(s.model, "", s.variant, s.single_file_config, s.tokenizer_name,
+                             s.original_config);
 
   // The new word: tokens and rows, each row the initializer's embedding (in both tokenizers and
   // tables of an SDXL pipeline). Every check comes before the first table grows.

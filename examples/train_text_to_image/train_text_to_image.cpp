@@ -649,8 +649,8 @@ int run(Settings s) {
   resolve_max_train_steps(s, (batches + world->size() - 1) / world->size(), say);
   const examples::OutputFolder output_folder(s.out, say);
   tr::set_seed(s.seed);
-  Pipeline p =
-      load_pipeline(s.model, s.prediction_type, s.variant, s.single_file_config, s.tokenizer_name);
+  Pipeline p = load_pipeline(s.model, s.prediction_type, s.variant, s.single_file_config,
+                             s.tokenizer_name, s.original_config);
   if (!s.enable_bucket && s.resolution % p.vae->downscale() != 0)
     throw ConfigError(
         "must be a multiple of the VAE's downscale " + std::to_string(p.vae->downscale()),

@@ -125,6 +125,33 @@ expect_rc 0 told -- "$bin" "${base[@]}" --pretrained_model_name_or_path "$work/c
 expect_rc 0 told-folder-tokenizer -- "$bin" "${base[@]}" --pretrained_model_name_or_path \
   "$work/conv-single/model.safetensors" --tokenizer_name "$conv/tokenizer" --max_train_steps 1 \
   --save_format single_file --output_dir "$work/told-folder"
+# The original config beside the file (model.yaml, where the web UI looks): v-prediction, the heads
+# and the VAE scale it gives; a malformed one and an unknown parameterization are named.
+mkdir -p "$work/conv-v" && cp "$work/conv-single/model.safetensors" "$work/conv-v/model.safetensors"
+cat >"$work/conv-v/model.yaml" <<'YAML'
+model:
+  target: ldm.models.diffusion.ddpm.LatentDiffusion
+  params:
+    parameterization: "v"
+    scale_factor: 0.18215
+    unet_config:
+      target: ldm.modules.diffusionmodules.openaimodel.UNetModel
+      params:
+        num_heads: 8
+        num_head_channels: -1
+        context_dim: 64
+YAML
+expect_rc 0 told-yaml -- "$bin" "${base[@]}" --pretrained_model_name_or_path "$work/conv-v/model.safetensors" \
+  --tokenizer_name "$bpe" --max_train_steps 1 --output_dir "$work/told-yaml"
+grep_in "$work/told-yaml/results.json" '"prediction_type": "v_prediction"'
+printf 'model: [unclosed\n' >"$work/bad.yaml"
+expect_rc 2 bad-yaml -- "$bin" "${base[@]}" --pretrained_model_name_or_path "$work/conv-single/model.safetensors" \
+  --tokenizer_name "$bpe" --original_config "$work/bad.yaml" --max_train_steps 1 --output_dir "$work/bad"
+grep_in "$work/bad-yaml.err" "bad.yaml"
+printf 'model:\n  params:\n    parameterization: "x0"\n' >"$work/x0.yaml"
+expect_rc 2 x0-yaml -- "$bin" "${base[@]}" --pretrained_model_name_or_path "$work/conv-single/model.safetensors" \
+  --tokenizer_name "$bpe" --original_config "$work/x0.yaml" --max_train_steps 1 --output_dir "$work/bad"
+grep_in "$work/x0-yaml.err" "parameterization is 'x0'"
 expect_rc 2 told-no-tokenizer -- "$bin" "${base[@]}" --pretrained_model_name_or_path \
   "$work/conv-single/model.safetensors" --tokenizer_name "$work/nothing-here" --max_train_steps 1 --output_dir "$work/bad"
 grep_in "$work/told-no-tokenizer.err" "BPE merges file"
