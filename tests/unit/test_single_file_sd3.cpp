@@ -172,6 +172,34 @@ TEST(SingleFileSd3, ModelsRoundTripUnderTheOriginalNames) {
       auto from_told = models::sd3_transformer_from_single_file(
           f, models::SD3Transformer2DConfig::from_json(told, "told"));
       expect_same(from_told, m.mmdit, "MMDiT from the told config", dtype);
+      // The text encoders' configs told from the keys: every size the reference's (heads and
+      // activations are the conventions of the published encoders, which test models do not
+      // keep), and the encoders built from them hold the file's tensors.
+      for (int index : {0, 1}) {
+        auto& want_clip = index == 0 ? m.clip_l : m.clip_g;
+        nlohmann::json tc = models::sd3_clip_config_from_single_file(f, index);
+        const nlohmann::json wc = want_clip->config().to_json();
+        for (const char* field : {"vocab_size", "hidden_size", "max_position_embeddings",
+                                  "num_hidden_layers", "intermediate_size", "projection_dim"})
+          EXPECT_EQ(tc.value(field, nlohmann::json()), wc.value(field, nlohmann::json()))
+              << "CLIP " << index << ": " << field;
+        tc["num_attention_heads"] = wc["num_attention_heads"];
+        tc["hidden_act"] = wc["hidden_act"];
+        auto told_clip = models::sd3_clip_from_single_file(
+            f, models::CLIPTextConfig::from_json(tc, "told"), index);
+        expect_same(told_clip, want_clip, "CLIP from the told config", dtype);
+      }
+      nlohmann::json t5c = models::sd3_t5_config_from_single_file(f);
+      const nlohmann::json want_t5 = m.t5->config().to_json();
+      for (const char* field : {"vocab_size", "d_model", "d_ff", "num_layers",
+                                "relative_attention_num_buckets", "feed_forward_proj"})
+        EXPECT_EQ(t5c.value(field, nlohmann::json()), want_t5.value(field, nlohmann::json()))
+            << "T5: " << field;
+      t5c["num_heads"] = want_t5["num_heads"];
+      t5c["d_kv"] = want_t5["d_kv"];
+      auto told_t5 =
+          models::sd3_t5_from_single_file(f, models::T5EncoderConfig::from_json(t5c, "told"));
+      expect_same(told_t5, m.t5, "T5 from the told config", dtype);
       if (const char* out_env = std::getenv("DIFFTRAIN_MODELS_OUT"); out_env && !dtype) {
         fs::create_directories(out_env);
         dt::io::save_safetensors(fs::path(out_env) / (name + "_single.safetensors"), tensors,
@@ -251,4 +279,50 @@ TEST(SingleFileSd3, FilesThatDoNotFitAreTypedErrors) {
     EXPECT_NE(msg.find("Stable Diffusion 3 file"), std::string::npos) << msg;
   }
   dt::io::remove_tree(dir);
+}
+
+// SD3 medium's published text encoders at full size (meta tensors of their shapes, the keys the
+// told configs read): CLIP-L, CLIP-G and T5-XXL give their published configs.
+TEST(SingleFileSd3, PublishedTextEncodersGiveTheirConfigs) {
+  const auto meta = [](std::vector<std::int64_t> shape) {
+    return at::empty(shape, at::TensorOptions().device(at::kMeta));
+  };
+  models::SingleFile f;
+  f.where = "sd3_medium";
+  f.family = models::SingleFileFamily::sd3;
+  auto& t = f.tensors;
+  const auto clip = [&](const std::string& prefix, std::int64_t width, std::int64_t layers,
+                        std::int64_t mlp, bool projection) {
+    t[prefix + "text_model.embeddings.token_embedding.weight"] = meta({49408, width});
+    t[prefix + "text_model.embeddings.position_embedding.weight"] = meta({77, width});
+    for (std::int64_t l = 0; l < layers; ++l)
+      t[prefix + "text_model.encoder.layers." + std::to_string(l) + ".mlp.fc1.weight"] =
+          meta({mlp, width});
+    if (projection) t[prefix + "text_projection.weight"] = meta({width, width});
+  };
+  clip("text_encoders.clip_l.transformer.", 768, 12, 3072, false);
+  clip("text_encoders.clip_g.transformer.", 1280, 32, 5120, true);
+  const std::string t5 = "text_encoders.t5xxl.transformer.";
+  t[t5 + "shared.weight"] = meta({32128, 4096});
+  for (int l = 0; l < 24; ++l)
+    t[t5 + "encoder.block." + std::to_string(l) + ".layer.0.SelfAttention.q.weight"] =
+        meta({4096, 4096});
+  t[t5 + "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"] = meta({32, 64});
+  t[t5 + "encoder.block.0.layer.1.DenseReluDense.wi_0.weight"] = meta({10240, 4096});
+  const auto l =
+      models::CLIPTextConfig::from_json(models::sd3_clip_config_from_single_file(f, 0), "l");
+  const auto g =
+      models::CLIPTextConfig::from_json(models::sd3_clip_config_from_single_file(f, 1), "g");
+  EXPECT_TRUE(l.with_projection && g.with_projection);
+  EXPECT_EQ(std::tuple(l.hidden_size, l.num_hidden_layers, l.num_attention_heads,
+                       l.intermediate_size, l.projection_dim, l.hidden_act),
+            std::tuple(768, 12, 12, 3072, 768, std::string("quick_gelu")));
+  EXPECT_EQ(std::tuple(g.hidden_size, g.num_hidden_layers, g.num_attention_heads,
+                       g.intermediate_size, g.projection_dim, g.hidden_act),
+            std::tuple(1280, 32, 20, 5120, 1280, std::string("gelu")));
+  const auto x =
+      models::T5EncoderConfig::from_json(models::sd3_t5_config_from_single_file(f), "t5");
+  EXPECT_EQ(std::tuple(x.vocab_size, x.d_model, x.d_kv, x.num_heads, x.d_ff, x.num_layers,
+                       x.relative_attention_num_buckets, x.feed_forward_proj),
+            std::tuple(32128, 4096, 64, 64, 10240, 24, 32, std::string("gated-gelu")));
 }

@@ -203,6 +203,62 @@ inline nlohmann::json sd3_transformer_config_from_single_file(const SingleFile& 
   return j;
 }
 
+/// transformers' config of SD3's CLIP-L (`index` 0) or CLIP-G (1), CLIPTextModelWithProjection,
+/// told from the keys: CLIP's 64 channels a head, CLIP-L's quick_gelu and CLIP-G's gelu, a
+/// projection as wide as the hidden states where the file holds none (CLIP-L's identity).
+inline nlohmann::json sd3_clip_config_from_single_file(const SingleFile& f, int index) {
+  using namespace single_file_detail;
+  require_sd3(f, "text encoder config");
+  const std::string p(index == 0 ? kSd3ClipLPrefix : kSd3ClipGPrefix);
+  const std::string what = "text encoder config";
+  const auto tokens = shape_of(f, p + "text_model.embeddings.token_embedding.weight", what);
+  const std::int64_t width = tokens.at(1);
+  const std::string projection = p + "text_projection.weight";
+  return {
+      {"model_type", "clip_text_model"},
+      {"architectures", {"CLIPTextModelWithProjection"}},
+      {"vocab_size", tokens.at(0)},
+      {"hidden_size", width},
+      {"max_position_embeddings",
+       dim_of(f, p + "text_model.embeddings.position_embedding.weight", 0, what)},
+      {"num_hidden_layers", count_in_a_row(f, p + "text_model.encoder.layers.", ".mlp.fc1.weight")},
+      {"intermediate_size", dim_of(f, p + "text_model.encoder.layers.0.mlp.fc1.weight", 0, what)},
+      {"hidden_act", index == 0 ? "quick_gelu" : "gelu"},
+      {"projection_dim", f.tensors.contains(projection) ? dim_of(f, projection, 0, what) : width},
+      {"num_attention_heads", width % 64 == 0 ? width / 64 : 1},
+      {"bos_token_id", 0},
+      {"eos_token_id", 2},
+      {"pad_token_id", 1},
+      {"layer_norm_eps", 1e-5}};
+}
+
+/// transformers' T5EncoderModel config of SD3's T5-XXL, told from the keys (T5-XXL's 64 channels
+/// a head; T5 v1.1's gated GELU where the feed-forward has two input projections).
+inline nlohmann::json sd3_t5_config_from_single_file(const SingleFile& f) {
+  using namespace single_file_detail;
+  require_sd3(f, "T5 config");
+  const std::string p(kSd3T5Prefix);
+  const std::string what = "T5 config";
+  const auto shared = shape_of(f, p + "shared.weight", what);
+  const std::string block = p + "encoder.block.0.layer.";
+  const std::int64_t inner = dim_of(f, block + "0.SelfAttention.q.weight", 0, what);
+  const bool gated = f.tensors.contains(block + "1.DenseReluDense.wi_0.weight");
+  return {
+      {"model_type", "t5"},
+      {"architectures", {"T5EncoderModel"}},
+      {"vocab_size", shared.at(0)},
+      {"d_model", shared.at(1)},
+      {"d_kv", inner % 64 == 0 ? 64 : inner},
+      {"num_heads", inner % 64 == 0 ? inner / 64 : 1},
+      {"d_ff",
+       dim_of(f, block + (gated ? "1.DenseReluDense.wi_0.weight" : "1.DenseReluDense.wi.weight"), 0,
+              what)},
+      {"num_layers", count_in_a_row(f, p + "encoder.block.", ".layer.0.SelfAttention.q.weight")},
+      {"relative_attention_num_buckets",
+       dim_of(f, block + "0.SelfAttention.relative_attention_bias.weight", 0, what)},
+      {"feed_forward_proj", gated ? "gated-gelu" : "relu"}};
+}
+
 /// The tensors of an SD3 single file for these models by their original names: the MMDiT and the
 /// VAE, and the text encoders that are given (a file without T5, as Stability ships one, when
 /// `t5` is null).
