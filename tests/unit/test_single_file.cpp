@@ -31,6 +31,7 @@
 #include <string>
 
 #include "golden.hpp"
+#include "single_file_checks.hpp"
 
 namespace dt = difftrain;
 namespace fs = std::filesystem;
@@ -54,29 +55,8 @@ std::map<std::string, at::Tensor> state_of(Holder& m) {
   return dt::nn::module_tensors(*m);
 }
 
-template <class Holder>
-void expect_same(Holder& got, Holder& want, const std::string& what,
-                 std::optional<at::ScalarType> stored = std::nullopt) {
-  const auto a = state_of(got);
-  const auto b = state_of(want);
-  ASSERT_EQ(a.size(), b.size()) << what;
-  for (const auto& [name, t] : b) {
-    const at::Tensor expected = stored ? t.to(*stored).to(t.scalar_type()) : t;
-    EXPECT_TRUE(at::equal(a.at(name), expected)) << what << ": " << name;
-  }
-}
-
-template <class E>
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    return std::string("wrong error type: ") + e.what();
-  }
-  return "accepted";
-}
+using dt::test::error_of;
+using dt::test::expect_same;
 
 template <class Unet = models::UNet2DConditionModel<>>
 struct Sd1Models {

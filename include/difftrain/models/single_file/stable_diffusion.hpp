@@ -430,29 +430,15 @@ class SingleFileWriter {
 
   template <class Clip>
   void put_text_encoder(Clip& clip, TextEncoderLayout layout) {
-    const std::string prefix(layout.prefix);
-    if (!layout.openclip) {
-      each_tensor(clip, [&](const std::string& n, const at::Tensor& t) { put(prefix + n, t); });
-      // The original CLIP keeps its position ids as a buffer (the files in the wild hold it).
-      const std::string ids = prefix + "text_model.embeddings.position_ids";
-      if (!out_.contains(ids))
-        out_.emplace(ids,
-                     at::arange(clip->config().max_position_embeddings, at::kLong).unsqueeze(0));
+    if (layout.openclip) {  // q, k and v fused in in_proj, the projection transposed
+      put_component(clip, layout.prefix, openclip_place);
       return;
     }
-    // OpenCLIP fuses q, k and v into one in_proj (rows q, then k, then v) and applies its
-    // projection from the right.
-    std::map<std::string, std::array<at::Tensor, 3>> fused;
-    for (const auto& p : clip->named_parameters(true)) {
-      const OriginalPlace place = openclip_place(p.key());
-      const at::Tensor t = p.value().detach();
-      if (place.third >= 0)
-        fused[place.name][static_cast<std::size_t>(place.third)] = t;
-      else
-        put(prefix + place.name, place.transposed ? t.t() : t);
-    }
-    for (const auto& [name, parts] : fused)
-      put(prefix + name, at::cat({parts[0], parts[1], parts[2]}, 0));
+    put_component(clip, layout.prefix, [](const std::string& n) { return OriginalPlace{n}; });
+    // The original CLIP keeps its position ids as a buffer (the files in the wild hold it).
+    const std::string ids = std::string(layout.prefix) + "text_model.embeddings.position_ids";
+    if (!out_.contains(ids))
+      out_.emplace(ids, at::arange(clip->config().max_position_embeddings, at::kLong).unsqueeze(0));
   }
 
   /// Every tensor of `m` under `prefix` + its original place (q, k and v of one original
