@@ -132,6 +132,29 @@ inline void check_pipeline_parts(const Pipeline& p, const std::string& unet_wher
                       unet_where);
 }
 
+/// model_index.json of a Stable Diffusion (1.x/2.x or XL) pipeline folder: its class checked, SDXL
+/// and its null conditioning taken into `p`.
+inline nlohmann::json read_sd_model_index(Pipeline& p, const fs::path& index_file) {
+  const nlohmann::json index = dt::io::read_json_object(index_file);
+  const std::string cls = index.value("_class_name", std::string());
+  if (cls != "StableDiffusionPipeline" && cls != "StableDiffusionXLPipeline")
+    throw ConfigError("is a " + (cls.empty() ? std::string("pipeline without _class_name") : cls) +
+                          "; this program trains StableDiffusionPipeline (SD 1.x/2.x) and "
+                          "StableDiffusionXLPipeline folders",
+                      index_file.string() + ": _class_name");
+  p.xl = cls == "StableDiffusionXLPipeline";
+  if (p.xl && index.contains("force_zeros_for_empty_prompt") &&
+      index["force_zeros_for_empty_prompt"].is_boolean())
+    p.force_zeros_for_empty_prompt = index["force_zeros_for_empty_prompt"].get<bool>();
+  return index;
+}
+
+/// The pipeline's tokenizer (and SDXL's second) from its folder.
+inline void read_folder_tokenizers(Pipeline& p) {
+  p.tokenizer.emplace(text::CLIPTokenizer::from_folder(p.root / "tokenizer"));
+  if (p.xl) p.tokenizer_2.emplace(text::CLIPTokenizer::from_folder(p.root / "tokenizer_2"));
+}
+
 /// A component's config from its folder's config.json.
 template <class Config>
 Config component_config(const fs::path& folder) {
@@ -243,28 +266,18 @@ inline Pipeline load_single_file_pipeline(const std::string& file,
       throw dt::IoError("is not a folder (name a diffusers pipeline folder)",
                         "--single_file_config " + config_folder);
     const fs::path index_file = p.root / "model_index.json";
-    const nlohmann::json index = dt::io::read_json_object(index_file);
-    const std::string cls = index.value("_class_name", std::string());
-    if (cls != "StableDiffusionPipeline" && cls != "StableDiffusionXLPipeline")
-      throw ConfigError(
-          "is not a StableDiffusionPipeline or StableDiffusionXLPipeline folder; single files are "
-          "read for SD 1.x, 2.x and XL pipelines",
-          index_file.string() + ": _class_name");
-    p.xl = cls == "StableDiffusionXLPipeline";
-    if (p.xl && index.contains("force_zeros_for_empty_prompt") &&
-        index["force_zeros_for_empty_prompt"].is_boolean())
-      p.force_zeros_for_empty_prompt = index["force_zeros_for_empty_prompt"].get<bool>();
+    const nlohmann::json index = read_sd_model_index(p, index_file);
     if (p.xl != (f.family == models::SingleFileFamily::sdxl))
       throw ConfigError("is a " + std::string(models::single_file_family_name(f.family)) +
-                            " file but --single_file_config names a " + cls + " folder",
+                            " file but --single_file_config names a " +
+                            index.value("_class_name", std::string()) + " folder",
                         flag);
     p.scheduler = examples::read_scheduler_config(p.root / "scheduler" / "scheduler_config.json",
                                                   prediction_type);
-    p.tokenizer.emplace(text::CLIPTokenizer::from_folder(p.root / "tokenizer"));
+    read_folder_tokenizers(p);
     p.text_encoder = models::clip_from_single_file<TextEncoder>(
         f, component_config<models::CLIPTextConfig>(p.root / "text_encoder"));
     if (p.xl) {
-      p.tokenizer_2.emplace(text::CLIPTokenizer::from_folder(p.root / "tokenizer_2"));
       p.text_encoder_2 = models::clip_2_from_single_file<TextEncoder>(
           f, component_config<models::CLIPTextConfig>(p.root / "text_encoder_2"));
     }
@@ -306,17 +319,7 @@ inline Pipeline load_pipeline(const std::string& model, const std::string& predi
   if (!fs::is_directory(p.root))
     throw dt::IoError("is not a folder (name a diffusers pipeline folder)",
                       "--pretrained_model_name_or_path " + model);
-  const nlohmann::json index = dt::io::read_json_object(index_file);
-  const std::string cls = index.value("_class_name", std::string());
-  if (cls != "StableDiffusionPipeline" && cls != "StableDiffusionXLPipeline")
-    throw ConfigError("is a " + (cls.empty() ? std::string("pipeline without _class_name") : cls) +
-                          "; this program trains StableDiffusionPipeline (SD 1.x/2.x) and "
-                          "StableDiffusionXLPipeline folders",
-                      index_file.string() + ": _class_name");
-  p.xl = cls == "StableDiffusionXLPipeline";
-  if (p.xl && index.contains("force_zeros_for_empty_prompt") &&
-      index["force_zeros_for_empty_prompt"].is_boolean())
-    p.force_zeros_for_empty_prompt = index["force_zeros_for_empty_prompt"].get<bool>();
+  const nlohmann::json index = read_sd_model_index(p, index_file);
   check_component(index, "unet", {"UNet2DConditionModel"}, index_file);
   check_component(index, "vae", {"AutoencoderKL"}, index_file);
   check_component(index, "text_encoder", {"CLIPTextModel"}, index_file);
@@ -332,12 +335,9 @@ inline Pipeline load_pipeline(const std::string& model, const std::string& predi
                   index_file);
   p.scheduler = examples::read_scheduler_config(p.root / "scheduler" / "scheduler_config.json",
                                                 prediction_type);
-  p.tokenizer.emplace(text::CLIPTokenizer::from_folder(p.root / "tokenizer"));
+  read_folder_tokenizers(p);
   p.text_encoder = models::from_pretrained<TextEncoder>(p.root / "text_encoder", lo);
-  if (p.xl) {
-    p.tokenizer_2.emplace(text::CLIPTokenizer::from_folder(p.root / "tokenizer_2"));
-    p.text_encoder_2 = models::from_pretrained<TextEncoder>(p.root / "text_encoder_2", lo);
-  }
+  if (p.xl) p.text_encoder_2 = models::from_pretrained<TextEncoder>(p.root / "text_encoder_2", lo);
   check_tokenizers_fit(p);
   p.vae = models::from_pretrained<Vae>(p.root / "vae", lo);
   p.unet = models::from_pretrained<Unet>(p.root / "unet", lo);

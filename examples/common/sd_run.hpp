@@ -74,6 +74,18 @@ struct LoraFlags {
   double lora_alpha = 0.0;  // 0: the rank (diffusers' default)
 };
 
+/// How a full fine-tune is written: a diffusers folder, or one file in the family's original
+/// layout in this precision.
+struct SingleFileSaveFlags {
+  std::string save_format = "diffusers", save_precision = "fp32";
+  /// The dtype --save_precision names (none: as trained).
+  [[nodiscard]] std::optional<at::ScalarType> save_dtype() const {
+    if (save_precision == "fp16") return at::kHalf;
+    if (save_precision == "bf16") return at::kBFloat16;
+    return std::nullopt;
+  }
+};
+
 /// Adds SdRunFlags' options in three groups, which the program extends with its own.
 inline SdFlagGroups add_sd_run_flags(CLI::App& app, SdRunFlags& f, const std::string& data_help) {
   SdFlagGroups g{app.add_option_group("data and run"), app.add_option_group("training"),
@@ -202,6 +214,34 @@ inline CLI::Option_group* add_image_folder_flags(CLI::App& app, const SdFlagGrou
 }
 
 /// Adds LoraFlags' options to the training group; `instead_of` names what full training trains.
+/// --save_format and --save_precision; `layout` says whose single-file layout is written.
+inline void add_single_file_save_flags(const SdFlagGroups& g, SingleFileSaveFlags& f,
+                                       const std::string& layout) {
+  g.saving
+      ->add_option(
+          "--save_format", f.save_format,
+          "a full fine-tune as a diffusers folder, or single_file: one .safetensors in " + layout)
+      ->capture_default_str();
+  g.saving
+      ->add_option("--save_precision", f.save_precision, "single_file's dtype: fp32, fp16 or bf16")
+      ->capture_default_str();
+}
+
+/// The save flags name known values, and a single file is a full fine-tune's.
+inline void check_single_file_save_flags(const SingleFileSaveFlags& f, bool use_lora) {
+  if (f.save_format != "diffusers" && f.save_format != "single_file")
+    throw ConfigError("is '" + f.save_format + "'; the formats are diffusers and single_file",
+                      "--save_format");
+  if (f.save_format == "single_file" && use_lora)
+    throw ConfigError(
+        "writes a full fine-tune as one file; a LoRA run writes its LoRA files (drop --use_lora "
+        "or --save_format)",
+        "--save_format single_file");
+  if (f.save_precision != "fp32" && f.save_precision != "fp16" && f.save_precision != "bf16")
+    throw ConfigError("is '" + f.save_precision + "'; the precisions are fp32, fp16 and bf16",
+                      "--save_precision");
+}
+
 inline void add_lora_flags(const SdFlagGroups& g, LoraFlags& f, const std::string& instead_of) {
   g.training->add_flag("--use_lora", f.use_lora, "train LoRA branches, not the " + instead_of);
   g.training->add_option("--rank", f.rank, "LoRA rank")

@@ -90,14 +90,10 @@ int main(int argc, char** argv) {
   auto* img = add_image_folder_flags(app, g, s, s.limit, "training size (square)");
   auto* t = g.training;
   add_lora_flags(g, s, "transformer");
-  g.saving
-      ->add_option("--save_format", s.save_format,
-                   "a full fine-tune as a diffusers folder, or single_file: one .safetensors in "
-                   "Stability's SD3 layout (ComfyUI's; a single-file base is written back as one)")
-      ->capture_default_str();
-  g.saving
-      ->add_option("--save_precision", s.save_precision, "single_file's dtype: fp32, fp16, bf16")
-      ->capture_default_str();
+  add_single_file_save_flags(
+      g, s,
+      "Stability's SD3 layout (ComfyUI's; a single-file base is written back "
+      "as one)");
   t->add_option("--weighting_scheme", s.weighting_scheme,
                 "sigma_sqrt, logit_normal, mode, cosmap or none")
       ->capture_default_str();

@@ -62,7 +62,7 @@ using Transformer = models::SD3Transformer2DModel<>;
 using Clip = models::CLIPTextModel<>;
 using T5 = models::T5EncoderModel<>;
 
-struct Settings : SdRunFlags, ImageFolderFlags, LoraFlags, TorchrunFlags {
+struct Settings : SdRunFlags, ImageFolderFlags, LoraFlags, TorchrunFlags, SingleFileSaveFlags {
   std::string weighting_scheme = "logit_normal";
   double logit_mean = 0.0, logit_std = 1.0, mode_scale = 1.29;
   bool precondition_outputs = true;
@@ -71,8 +71,6 @@ struct Settings : SdRunFlags, ImageFolderFlags, LoraFlags, TorchrunFlags {
   std::string video_column = "video";
   std::int64_t height = 480, width = 720, max_num_frames = 49;
   std::int64_t skip_frames_start = 0, skip_frames_end = 0;
-  // A full fine-tune: a diffusers folder, or (SD3) one file in the original layout.
-  std::string save_format = "diffusers", save_precision = "fp32";
   Settings() {
     out = "runs/finetune_transformer";
     learning_rate = 1e-4;
@@ -168,16 +166,7 @@ void check_flags(const Settings& s) {
                           "'; diffusers' schemes are sigma_sqrt, logit_normal, mode, cosmap, none",
                       "--weighting_scheme");
   if (s.resolution % 8 != 0) throw ConfigError("must be a multiple of 8", "--resolution");
-  if (s.save_format != "diffusers" && s.save_format != "single_file")
-    throw ConfigError("is '" + s.save_format + "'; the formats are diffusers and single_file",
-                      "--save_format");
-  if (s.save_format == "single_file" && s.use_lora)
-    throw ConfigError(
-        "writes a full fine-tune as one file; a LoRA run writes its LoRA file (drop --use_lora or "
-        "--save_format single_file)",
-        "--save_format single_file");
-  if (s.save_precision != "fp32" && s.save_precision != "fp16" && s.save_precision != "bf16")
-    throw ConfigError("is '" + s.save_precision + "'; fp32, fp16 or bf16", "--save_precision");
+  check_single_file_save_flags(s, s.use_lora);
 }
 
 /// The ranks of a torchrun launch (a world of one without it) and this rank's device.

@@ -419,8 +419,7 @@ int run_sd3(Settings s, const Ranks& ranks) {
       models::SingleFileSaveOptions so;
       so.family = models::SingleFileFamily::sd3;
       so.keep = p.single_file_leftovers;
-      if (s.save_precision == "fp16") so.dtype = at::kHalf;
-      if (s.save_precision == "bf16") so.dtype = at::kBFloat16;
+      so.dtype = s.save_dtype();
       dt::io::save_safetensors(fs::path(s.out) / "model.safetensors",
                                models::stable_diffusion_3_single_file_tensors(
                                    p.transformer, p.vae, &p.text_encoder, &p.text_encoder_2,

@@ -87,7 +87,7 @@ using dt::ConfigError;
 
 using namespace examples::sd;  // the pipeline folder, validation, callbacks
 
-struct Settings : SdRunFlags, ImageFolderFlags, LoraFlags, TorchrunFlags {
+struct Settings : SdRunFlags, ImageFolderFlags, LoraFlags, TorchrunFlags, SingleFileSaveFlags {
   bool enable_bucket = false, bucket_no_upscale = false;
   std::int64_t min_bucket_reso = 256, max_bucket_reso = 1024, bucket_reso_steps = 64;
   double snr_gamma = 0.0, noise_offset = 0.0;
@@ -97,9 +97,6 @@ struct Settings : SdRunFlags, ImageFolderFlags, LoraFlags, TorchrunFlags {
   bool train_text_encoder = false;
   bool cache_latents = false;
   std::string cache_dir;  // default OUT/cache
-  // A full fine-tune's output: a diffusers folder, or one file in the original layout.
-  std::string save_format = "diffusers";
-  std::string save_precision = "fp32";
   // under torchrun
   Settings() { out = "runs/train_text_to_image"; }
 };
@@ -369,17 +366,7 @@ void check_flags(const Settings& s) {
     throw ConfigError("must be a multiple of 8", "--resolution");
   if (!s.validation_prompts.empty() && s.num_validation_images < 1)
     throw ConfigError("must be at least 1 with --validation_prompt", "--num_validation_images");
-  if (s.save_format != "diffusers" && s.save_format != "single_file")
-    throw ConfigError("is '" + s.save_format + "'; the formats are diffusers and single_file",
-                      "--save_format");
-  if (s.save_format == "single_file" && s.use_lora)
-    throw ConfigError(
-        "writes a full fine-tune as one file; a LoRA run writes its LoRA files (drop --use_lora "
-        "or --save_format)",
-        "--save_format single_file");
-  if (s.save_precision != "fp32" && s.save_precision != "fp16" && s.save_precision != "bf16")
-    throw ConfigError("is '" + s.save_precision + "'; the precisions are fp32, fp16 and bf16",
-                      "--save_precision");
+  check_single_file_save_flags(s, s.use_lora);
 }
 
 data::BucketOptions bucket_options(const Settings& s) {
@@ -563,8 +550,7 @@ int train(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
       models::SingleFileSaveOptions so;
       so.family = single_file_layout(p);
       so.keep = p.single_file_leftovers;
-      if (s.save_precision == "fp16") so.dtype = at::kHalf;
-      if (s.save_precision == "bf16") so.dtype = at::kBFloat16;
+      so.dtype = s.save_dtype();
       if (p.xl)
         models::save_stable_diffusion_xl_single_file(out / "model.safetensors", p.unet, p.vae,
                                                      p.text_encoder, p.text_encoder_2, so);
@@ -692,14 +678,7 @@ int main(int argc, char** argv) {
   t->add_option("--prediction_type", s.prediction_type,
                 "epsilon or v_prediction (default: the scheduler's)");
   t->add_flag("--use_ema", s.use_ema, "keep an EMA of the trained weights and save it");
-  g.saving
-      ->add_option("--save_format", s.save_format,
-                   "a full fine-tune as a diffusers folder, or single_file: one .safetensors "
-                   "in the original layout (the web UI's, ComfyUI's)")
-      ->capture_default_str();
-  g.saving
-      ->add_option("--save_precision", s.save_precision, "single_file's dtype: fp32, fp16 or bf16")
-      ->capture_default_str();
+  add_single_file_save_flags(g, s, "the original layout (the web UI's, ComfyUI's)");
   t->add_option("--ema_decay", s.ema_decay)->check(number_in(0, 1))->capture_default_str();
   add_lora_flags(g, s, "UNet");
   t->add_flag("--train_text_encoder", s.train_text_encoder, "LoRA on the text encoders too");

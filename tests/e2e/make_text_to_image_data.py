@@ -64,25 +64,28 @@ def write_images(root: pathlib.Path, fmnist: pathlib.Path):
             f.write(json.dumps(r) + "\n")
 
 
-def write_pipeline(root: pathlib.Path, golden: pathlib.Path):
+def write_pipeline(root: pathlib.Path, golden: pathlib.Path, seed=0, text_width=32, text_mlp=37,
+                   text_heads=4, channels=(16, 32), vae_groups=4, unet_groups=8, heads=4):
     from diffusers import (AutoencoderKL, DDIMScheduler, StableDiffusionPipeline,
                            UNet2DConditionModel)
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     text_encoder = CLIPTextModel(CLIPTextConfig(
         vocab_size=49408, max_position_embeddings=77, bos_token_id=49406, eos_token_id=49407,
-        pad_token_id=1, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
-        num_attention_heads=4, projection_dim=32, hidden_act="quick_gelu")).eval()
+        pad_token_id=1, hidden_size=text_width, intermediate_size=text_mlp, num_hidden_layers=2,
+        num_attention_heads=text_heads, projection_dim=text_width, hidden_act="quick_gelu")).eval()
     tokenizer = CLIPTokenizer.from_pretrained(str(golden / "clip_tokenizer" / "sd15"))
-    vae = AutoencoderKL(block_out_channels=[8, 16], in_channels=3, out_channels=3,
+    vae_channels = [8, 16] if vae_groups == 4 else list(channels)
+    vae = AutoencoderKL(block_out_channels=vae_channels, in_channels=3, out_channels=3,
                         down_block_types=["DownEncoderBlock2D"] * 2,
                         up_block_types=["UpDecoderBlock2D"] * 2, latent_channels=4,
-                        norm_num_groups=4, sample_size=32)
-    unet = UNet2DConditionModel(block_out_channels=(16, 32), layers_per_block=1, sample_size=16,
+                        norm_num_groups=vae_groups, sample_size=32)
+    unet = UNet2DConditionModel(block_out_channels=channels, layers_per_block=1, sample_size=16,
                                 in_channels=4, out_channels=4,
                                 down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
                                 up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-                                cross_attention_dim=32, attention_head_dim=4, norm_num_groups=8)
+                                cross_attention_dim=text_width, attention_head_dim=heads,
+                                norm_num_groups=unet_groups)
     scheduler = DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
                               clip_sample=False, set_alpha_to_one=False, steps_offset=1)
     pipe = StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
@@ -95,30 +98,8 @@ def write_pipeline_by_convention(root: pathlib.Path, golden: pathlib.Path):
     """A tiny SD 1.x pipeline whose sizes keep SD 1.x's conventions (32 groups per norm, 8 heads per
     attention, 64 channels per CLIP head), which a single file's keys cannot tell: its single file
     is read with configs told from the keys alone."""
-    from diffusers import (AutoencoderKL, DDIMScheduler, StableDiffusionPipeline,
-                           UNet2DConditionModel)
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
-    torch.manual_seed(2)
-    text_encoder = CLIPTextModel(CLIPTextConfig(
-        vocab_size=49408, max_position_embeddings=77, bos_token_id=49406, eos_token_id=49407,
-        pad_token_id=1, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=1, projection_dim=64, hidden_act="quick_gelu")).eval()
-    tokenizer = CLIPTokenizer.from_pretrained(str(golden / "clip_tokenizer" / "sd15"))
-    vae = AutoencoderKL(block_out_channels=[32, 64], in_channels=3, out_channels=3,
-                        down_block_types=["DownEncoderBlock2D"] * 2,
-                        up_block_types=["UpDecoderBlock2D"] * 2, latent_channels=4,
-                        norm_num_groups=32, sample_size=32)
-    unet = UNet2DConditionModel(block_out_channels=(32, 64), layers_per_block=1, sample_size=16,
-                                in_channels=4, out_channels=4,
-                                down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-                                up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-                                cross_attention_dim=64, attention_head_dim=8, norm_num_groups=32)
-    scheduler = DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
-                              clip_sample=False, set_alpha_to_one=False, steps_offset=1)
-    pipe = StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
-                                   unet=unet, scheduler=scheduler, safety_checker=None,
-                                   feature_extractor=None, requires_safety_checker=False)
-    pipe.save_pretrained(root)
+    write_pipeline(root, golden, seed=2, text_width=64, text_mlp=96, text_heads=1,
+                   channels=(32, 64), vae_groups=32, unet_groups=32, heads=8)
     # OpenAI's BPE merges file, as open_clip ships it (gzipped): the tokenizer a single file lacks.
     import gzip
     merges = (golden / "clip_tokenizer" / "sd15" / "merges.txt").read_bytes()
