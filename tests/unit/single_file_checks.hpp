@@ -16,7 +16,7 @@ namespace difftrain::test {
 
 template <class Holder>
 void expect_same(Holder& got, Holder& want, const std::string& what,
-                         std::optional<at::ScalarType> stored = std::nullopt) {
+                 std::optional<at::ScalarType> stored = std::nullopt) {
   const auto a = nn::module_tensors(*got);
   const auto b = nn::module_tensors(*want);
   ASSERT_EQ(a.size(), b.size()) << what;
