@@ -5,9 +5,11 @@
 //    safetensors files under their own names; goal: the single file within 1.5x of it);
 //  - single_file_load_vs_diffusers: diffusers' StableDiffusionPipeline.from_single_file on the same
 //    file with the same configs (its tokenizer and scheduler handed in loaded; goal <= 1.0);
-//  - single_file_load_construction_share: building the three models from their configs (random
-//    initialisation, which diffusers skips with accelerate's init_empty_weights) against the whole
-//    single-file load: the share of the load that is not reading.
+//  - single_file_load_construction_share: building the three models from their configs as the
+//    loaders do (without drawing random initial values, as diffusers' init_empty_weights) against
+//    the whole single-file load: the share of the load that is not reading;
+//  - single_file_construction_undrawn: that construction against LibTorch's usual one, which
+//    draws every initial value (what loading cost before the loaders skipped it).
 // One intra-op thread on both sides. Each difftrain iteration maps the file, renames, splits
 // OpenCLIP-style fused tensors where there are any, builds the three models and copies the weights
 // in.
@@ -16,6 +18,7 @@
 #include <difftrain/io/remove_tree.hpp>
 #include <difftrain/models/models.hpp>
 #include <difftrain/models/single_file/stable_diffusion.hpp>
+#include <difftrain/nn/init/without_random_init.hpp>
 
 #include <filesystem>
 #include <string>
@@ -127,10 +130,24 @@ void from_single_file_timed(benchmark::State& state) {
   }
 }
 
-// The models built from their configs alone (LibTorch's and the libraries' random
-// initialisation), the part of either load that is not reading: against the whole single-file
-// load, the ratio is that part's share.
+// The models built from their configs alone, as the loaders build them (without drawing random
+// initial values: every parameter is loaded right after), the part of the load that is not
+// reading: against the whole single-file load, the ratio is that part's share.
 void construction_only(benchmark::State& state) {
+  const Files& f = files();
+  at::set_num_threads(1);
+  for (auto _ : state) {
+    const difftrain::nn::init::WithoutRandomInit undrawn;
+    models::UNet2DConditionModel<> unet(f.unet);
+    models::AutoencoderKL<> vae(f.vae);
+    models::CLIPTextModel<> clip(f.clip);
+    benchmark::DoNotOptimize(unet.get());
+  }
+}
+
+// The same models built as a user's `Model m(config)` builds them (LibTorch's and the libraries'
+// random initialisation): the baseline that construction without drawing is measured against.
+void construction_drawn(benchmark::State& state) {
   const Files& f = files();
   at::set_num_threads(1);
   for (auto _ : state) {
@@ -150,6 +167,16 @@ BENCHMARK(from_single_file)
     ->UseRealTime();
 BENCHMARK(construction_only)
     ->Name("single_file_load_construction_share/difftrain")
+    ->Iterations(3)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(construction_drawn)
+    ->Name("single_file_construction_undrawn/baseline")
+    ->Iterations(3)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(construction_only)
+    ->Name("single_file_construction_undrawn/difftrain")
     ->Iterations(3)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();

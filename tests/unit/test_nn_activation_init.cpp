@@ -188,3 +188,56 @@ TEST(ModuleTensors, RoundTripAndStrictChecksThatCopyNothingOnFailure) {
 }
 
 }  // namespace
+
+// Building for loading: no value drawn (the generator does not move), everything else as usual,
+// only on this thread and only in the scope.
+#include <torch/nn/modules/conv.h>
+#include <difftrain/nn/init/without_random_init.hpp>
+
+#include <thread>
+
+TEST(Init, WithoutRandomInitDrawsNothingAndLeavesEverythingElse) {
+  namespace init = difftrain::nn::init;
+  auto generator_state = [] { return at::detail::getDefaultCPUGenerator().get_state(); };
+  torch::manual_seed(3);
+  const torch::Tensor seeded = generator_state();
+  {
+    const init::WithoutRandomInit undrawn;
+    torch::nn::Linear lin(64, 32);
+    torch::nn::Conv2d conv(torch::nn::Conv2dOptions(8, 16, 3));
+    torch::nn::LayerNorm norm(torch::nn::LayerNormOptions({32}));
+    EXPECT_TRUE(torch::equal(norm->weight, torch::ones({32})));  // fills still fill
+    EXPECT_TRUE(torch::equal(norm->bias, torch::zeros({32})));
+    EXPECT_TRUE(torch::equal(torch::arange(3) * 2 + 1, torch::tensor({1, 3, 5})));
+    torch::Tensor x = torch::full({5}, 7.0);
+    x.uniform_(-1, 1);  // left as it was
+    EXPECT_TRUE(torch::equal(x, torch::full({5}, 7.0)));
+    x.normal_(0, 1);
+    EXPECT_TRUE(torch::equal(x, torch::full({5}, 7.0)));
+    {
+      const init::WithoutRandomInit nested;
+      torch::nn::Linear inner(4, 4);
+    }
+    x.uniform_(-1, 1);  // the outer scope still holds after the inner one ends
+    EXPECT_TRUE(torch::equal(x, torch::full({5}, 7.0)));
+    EXPECT_TRUE(torch::equal(generator_state(), seeded));  // nothing drawn
+    // Another thread draws as usual while this one is in the scope.
+    bool drawn_elsewhere = false;
+    std::thread other([&] {
+      torch::Tensor y = torch::full({64}, 7.0);
+      y.uniform_(-1, 1);
+      drawn_elsewhere = (y.abs() < 1).all().item<bool>();
+    });
+    other.join();
+    EXPECT_TRUE(drawn_elsewhere);
+    EXPECT_EQ(lin->weight.sizes(), (std::vector<std::int64_t>{32, 64}));
+    EXPECT_EQ(conv->weight.sizes(), (std::vector<std::int64_t>{16, 8, 3, 3}));
+  }
+  torch::Tensor z = torch::full({64}, 7.0);
+  z.uniform_(-1, 1);  // after the scope: drawn
+  EXPECT_TRUE((z.abs() < 1).all().item<bool>());
+  // And without the scope a layer's construction draws (the generator moves).
+  torch::manual_seed(3);
+  torch::nn::Linear drawn(64, 32);
+  EXPECT_FALSE(torch::equal(generator_state(), seeded));
+}

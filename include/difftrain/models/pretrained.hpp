@@ -35,6 +35,7 @@
 #include "difftrain/io/safetensors.hpp"
 #include "difftrain/io/torch_file.hpp"
 #include "difftrain/models/config_reader.hpp"
+#include "difftrain/nn/init/without_random_init.hpp"
 
 namespace difftrain::models {
 
@@ -301,6 +302,15 @@ bool reads_class_name(const std::string& name, const nlohmann::json& j) {
     return name == Config::class_name;
 }
 
+/// A model of type `Holder` built from `config` to have every parameter loaded at once: without
+/// drawing random initial values (nn::init::WithoutRandomInit), as diffusers builds its models
+/// under init_empty_weights. Only for strict loaders: a parameter left unloaded would be undrawn.
+template <class Holder, class Config>
+Holder built_to_load(Config config, const std::string& where) {
+  const nn::init::WithoutRandomInit undrawn;
+  return Holder(std::move(config), where);
+}
+
 struct LoadOptions {
   std::optional<std::string> variant;  // "fp16": the weights diffusers saved with variant="fp16"
   /// The model's parameter dtype after loading (diffusers' torch_dtype); none: float32.
@@ -332,7 +342,7 @@ Holder from_pretrained(const std::filesystem::path& folder, const LoadOptions& o
     Config::adapt_weight_names(weights);
   if constexpr (requires { config.weight_signature(); })
     check_weight_signature(config.weight_signature(), weights, config_path);
-  Holder model(std::move(config), config_path);
+  auto model = built_to_load<Holder>(std::move(config), config_path);
   load_weights(*model, weights, folder.string());
   if (options.dtype) model->to(*options.dtype);
   if (options.device) model->to(*options.device);

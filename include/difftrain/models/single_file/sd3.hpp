@@ -104,7 +104,7 @@ inline void require_sd3(const SingleFile& f, std::string_view what) {
 template <class Holder = SD3Transformer2DModel<>>
 Holder sd3_transformer_from_single_file(const SingleFile& f, SD3Transformer2DConfig config) {
   single_file_detail::require_sd3(f, "MMDiT");
-  Holder model(std::move(config), f.where);
+  auto model = built_to_load<Holder>(std::move(config), f.where);
   const std::int64_t layers = model->config().num_layers;
   single_file_detail::load_component(
       model, f, kLdmUnetPrefix,
@@ -135,7 +135,7 @@ Holder sd3_clip_from_single_file(const SingleFile& f, CLIPTextConfig config, int
     view.tensors[projection] = at::eye(config.hidden_size);
     from = &view;
   }
-  Holder model(std::move(config), f.where);
+  auto model = built_to_load<Holder>(std::move(config), f.where);
   single_file_detail::load_component(
       model, *from, prefix, [](const std::string& n) { return OriginalPlace{n}; },
       single_file_detail::nothing,
@@ -152,7 +152,7 @@ Holder sd3_clip_from_single_file(const SingleFile& f, CLIPTextConfig config, int
 template <class Holder = T5EncoderModel<>>
 Holder sd3_t5_from_single_file(const SingleFile& f, T5EncoderConfig config) {
   single_file_detail::require_sd3(f, "T5 encoder");
-  Holder model(std::move(config), f.where);
+  auto model = built_to_load<Holder>(std::move(config), f.where);
   single_file_detail::load_component(
       model, f, kSd3T5Prefix, [](const std::string& n) { return OriginalPlace{n}; },
       single_file_detail::nothing,

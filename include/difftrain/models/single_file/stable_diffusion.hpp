@@ -327,7 +327,7 @@ void load_text_encoder(Holder& model, const SingleFile& f, TextEncoderLayout lay
 template <class Holder = UNet2DConditionModel<>>
 Holder unet_from_single_file(const SingleFile& f, UNet2DConditionConfig config) {
   single_file_detail::require_unet_family(f, "UNet");
-  Holder model(std::move(config), f.where);
+  auto model = built_to_load<Holder>(std::move(config), f.where);
   const auto& c = model->config();
   single_file_detail::load_component(
       model, f, kLdmUnetPrefix,
@@ -340,7 +340,7 @@ Holder unet_from_single_file(const SingleFile& f, UNet2DConditionConfig config) 
 /// layers; SD3's with 16 latent channels and no quant convolutions).
 template <class Holder = AutoencoderKL<>>
 Holder vae_from_single_file(const SingleFile& f, AutoencoderKLConfig config) {
-  Holder model(std::move(config), f.where);
+  auto model = built_to_load<Holder>(std::move(config), f.where);
   const auto& c = model->config();
   single_file_detail::load_component(
       model, f, kLdmVaePrefix,
@@ -354,7 +354,7 @@ Holder vae_from_single_file(const SingleFile& f, AutoencoderKLConfig config) {
 template <class Holder = CLIPTextModel<>>
 Holder clip_from_single_file(const SingleFile& f, CLIPTextConfig config) {
   const auto layout = single_file_detail::text_encoder_layout(f.family, 0, f.where);
-  Holder model(std::move(config), f.where);
+  auto model = built_to_load<Holder>(std::move(config), f.where);
   single_file_detail::load_text_encoder(model, f, layout, "text encoder");
   return model;
 }
@@ -365,7 +365,7 @@ Holder clip_from_single_file(const SingleFile& f, CLIPTextConfig config) {
 template <class Holder = CLIPTextModel<>>
 Holder clip_2_from_single_file(const SingleFile& f, CLIPTextConfig config) {
   const auto layout = single_file_detail::text_encoder_layout(f.family, 1, f.where);
-  Holder model(std::move(config), f.where);
+  auto model = built_to_load<Holder>(std::move(config), f.where);
   single_file_detail::load_text_encoder(model, f, layout, "second text encoder");
   return model;
 }
