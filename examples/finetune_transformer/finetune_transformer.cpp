@@ -103,6 +103,9 @@ int main(int argc, char** argv) {
   t->add_option("--precondition_outputs", s.precondition_outputs,
                 "1: the loss on x̂₀ (diffusers' default); 0: on ε − x₀")
       ->capture_default_str();
+  g.run->add_option("--t5_tokenizer", s.t5_tokenizer,
+                    "with an SD3 single file holding T5 and no --single_file_config: T5's "
+                    "SentencePiece model (spiece.model) or tokenizer folder");
   t->add_option("--max_sequence_length", s.max_sequence_length, "T5's tokens")
       ->check(count_in(1, 4096))
       ->capture_default_str();

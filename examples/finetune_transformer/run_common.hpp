@@ -67,6 +67,7 @@ struct Settings : SdRunFlags, ImageFolderFlags, LoraFlags, TorchrunFlags, Single
   double logit_mean = 0.0, logit_std = 1.0, mode_scale = 1.29;
   bool precondition_outputs = true;
   std::int64_t max_sequence_length = 77;
+  std::string t5_tokenizer;  // an SD3 single file's T5 tokenizer without a config folder
   // CogVideoX folders (diffusers' train_cogvideox_lora.py flags).
   std::string video_column = "video";
   std::int64_t height = 480, width = 720, max_num_frames = 49;

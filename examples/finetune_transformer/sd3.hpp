@@ -57,55 +57,124 @@ df::FlowMatchEuler::Options read_flow_scheduler(const fs::path& file) {
   return o;
 }
 
+/// Where a single file's configs and tokenizers come from: a pipeline folder of the same model
+/// (--single_file_config), or the file's keys with the tokenizers named (--tokenizer_name: CLIP's
+/// BPE merges file or a pipeline folder with tokenizer/ and tokenizer_2/; --t5_tokenizer: T5's
+/// spiece.model or tokenizer folder, for a file holding T5).
+struct Sd3SingleFileSources {
+  std::string config_folder, tokenizer_name, t5_tokenizer, original_config;
+};
+
+/// The CLIP tokenizers (and T5's, when `t5`) of an SD3 file read without a config folder.
+void read_sd3_told_tokenizers(Sd3Pipeline& p, const Sd3SingleFileSources& src, bool t5,
+                              const std::string& file_flag) {
+  const std::string flag = "--tokenizer_name " + src.tokenizer_name;
+  const fs::path name(src.tokenizer_name);
+  if (fs::is_regular_file(name)) {  // SD3's CLIP-L pads with <|endoftext|>, CLIP-G with "!"
+    p.tokenizer.emplace(text::clip_tokenizer_from_bpe_merges(name, "<|endoftext|>"));
+    p.tokenizer_2.emplace(text::clip_tokenizer_from_bpe_merges(name, "!"));
+  } else if (fs::is_directory(name / "tokenizer") && fs::is_directory(name / "tokenizer_2")) {
+    p.tokenizer.emplace(text::CLIPTokenizer::from_folder(name / "tokenizer"));
+    p.tokenizer_2.emplace(text::CLIPTokenizer::from_folder(name / "tokenizer_2"));
+  } else {
+    throw dt::IoError(
+        "is neither CLIP's BPE merges file (bpe_simple_vocab_16e6.txt.gz) nor a pipeline folder "
+        "holding tokenizer/ and tokenizer_2/ (an SD3 model has two CLIP tokenizers)",
+        flag);
+  }
+  if (!t5) {
+    if (!src.t5_tokenizer.empty())
+      throw ConfigError("names T5's tokenizer but the file holds no T5 encoder",
+                        "--t5_tokenizer " + src.t5_tokenizer);
+    return;
+  }
+  const fs::path t5_name = !src.t5_tokenizer.empty()                ? fs::path(src.t5_tokenizer)
+                           : fs::is_directory(name / "tokenizer_3") ? name / "tokenizer_3"
+                                                                    : fs::path();
+  if (t5_name.empty())
+    throw ConfigError(
+        "the file holds T5-XXL, whose tokenizer it lacks: pass --t5_tokenizer (T5's spiece.model, "
+        "or a T5 tokenizer folder), or name a pipeline folder with tokenizer_3/ in "
+        "--tokenizer_name",
+        file_flag);
+  p.tokenizer_3.emplace(fs::is_directory(t5_name)
+                            ? text::T5Tokenizer::from_folder(t5_name)
+                            : text::T5Tokenizer::from_sentencepiece_model(t5_name));
+}
+
+/// The models of an SD3 single file with configs told from its keys (SD3's scheduler: 1000
+/// steps, shift 3, what SD3 medium's and 3.5's folders say).
+void read_sd3_told(Sd3Pipeline& p, const models::SingleFile& f, const Sd3SingleFileSources& src,
+                   const std::string& flag) {
+  using models::kSd3ClipGPrefix;
+  using models::kSd3ClipLPrefix;
+  if (!src.original_config.empty())
+    throw ConfigError("is for SD 1.x and 2.x files; an SD3 file's configs follow from its keys",
+                      "--original_config " + src.original_config);
+  for (std::string_view prefix : {kSd3ClipLPrefix, kSd3ClipGPrefix})
+    if (!f.tensors.contains(std::string(prefix) + "text_model.embeddings.token_embedding.weight"))
+      throw ConfigError(
+          "holds no " + std::string(prefix == kSd3ClipLPrefix ? "CLIP-L" : "CLIP-G") +
+              " text encoder (Stability's sd3_medium.safetensors holds the MMDiT and VAE alone): "
+              "pass --single_file_config FOLDER, a StableDiffusion3Pipeline folder of the same "
+              "model, whose text encoders and tokenizers are read, or a file with the encoders "
+              "(sd3_medium_incl_clips*.safetensors)",
+          flag);
+  const bool t5 = f.tensors.contains(std::string(models::kSd3T5Prefix) + "shared.weight");
+  read_sd3_told_tokenizers(p, src, t5, flag);
+  p.flow = df::FlowMatchEuler::Options{};
+  p.flow.num_train_timesteps = 1000;
+  p.flow.shift = 3.0;
+  const std::string where = f.where + " (told from its keys)";
+  p.text_encoder = models::sd3_clip_from_single_file<Clip>(
+      f, models::CLIPTextConfig::from_json(models::sd3_clip_config_from_single_file(f, 0), where),
+      0);
+  p.text_encoder_2 = models::sd3_clip_from_single_file<Clip>(
+      f, models::CLIPTextConfig::from_json(models::sd3_clip_config_from_single_file(f, 1), where),
+      1);
+  if (t5)
+    p.text_encoder_3 = models::sd3_t5_from_single_file<T5>(
+        f, models::T5EncoderConfig::from_json(models::sd3_t5_config_from_single_file(f), where));
+  p.vae = models::vae_from_single_file<Vae>(
+      f, models::AutoencoderKLConfig::from_json(models::vae_config_from_single_file(f), where));
+  p.transformer = models::sd3_transformer_from_single_file<Transformer>(
+      f, models::SD3Transformer2DConfig::from_json(
+             models::sd3_transformer_config_from_single_file(f), where));
+}
+
 /// A StableDiffusion3Pipeline folder, or an SD3 / 3.5 single file (Stability's, ComfyUI's) with
-/// `single_file_config`, a pipeline folder of the same model for its configs, tokenizers and
-/// scheduler (its weights are not read).
+/// its configs, tokenizers and scheduler from `src` (a pipeline folder of the same model, whose
+/// weights are not read, or the file's keys and the tokenizers named).
 Sd3Pipeline load_sd3_pipeline(const std::string& model, const std::string& variant = {},
-                              const std::string& single_file_config = {}) {
+                              const Sd3SingleFileSources& src = {}) {
   models::LoadOptions lo;
   if (!variant.empty()) lo.variant = variant;
   Sd3Pipeline p;
   const std::string flag = "--pretrained_model_name_or_path " + model;
   const bool single = fs::is_regular_file(model);
-  if (single && single_file_config.empty())
+  const bool told = single && src.config_folder.empty();
+  if (told && src.tokenizer_name.empty())
     throw ConfigError(
-        "is a single file, which holds no configs, tokenizers or scheduler: pass "
-        "--single_file_config FOLDER, a StableDiffusion3Pipeline folder of the same model (its "
-        "weights are not read)",
+        "is a single file, which holds no tokenizers or scheduler: pass --tokenizer_name (CLIP's "
+        "BPE merges file bpe_simple_vocab_16e6.txt.gz, or a pipeline folder with the tokenizers) "
+        "and, for a file with T5, --t5_tokenizer (T5's spiece.model); or --single_file_config "
+        "FOLDER, a StableDiffusion3Pipeline folder of the same model (its weights are not read)",
         flag);
-  if (!single && !single_file_config.empty())
-    throw ConfigError("goes with a single file", "--single_file_config " + single_file_config);
-  p.root = single ? single_file_config : model;
-  if (!fs::is_directory(p.root))
-    throw dt::IoError("is not a folder (name a diffusers pipeline folder)",
-                      single ? "--single_file_config " + single_file_config : flag);
-  const fs::path index_file = p.root / "model_index.json";
-  const nlohmann::json index = dt::io::read_json_object(index_file);
-  const std::string cls = index.value("_class_name", std::string());
-  if (cls != "StableDiffusion3Pipeline")
-    throw ConfigError("is a " + (cls.empty() ? std::string("pipeline without _class_name") : cls) +
-                          "; this program trains StableDiffusion3Pipeline and CogVideoXPipeline "
-                          "folders",
-                      index_file.string() + ": _class_name");
-  check_component(index, "transformer", {"SD3Transformer2DModel"}, index_file);
-  check_component(index, "vae", {"AutoencoderKL"}, index_file);
-  for (const char* name : {"text_encoder", "text_encoder_2"})
-    check_component(index, name, {"CLIPTextModelWithProjection"}, index_file);
-  for (const char* name : {"tokenizer", "tokenizer_2"})
-    check_component(index, name, {"CLIPTokenizer", "CLIPTokenizerFast"}, index_file);
-  check_component(index, "scheduler", {"FlowMatchEulerDiscreteScheduler"}, index_file);
-  // T5 is optional (diffusers' text_encoder_3=None): [null, null] in model_index.json.
-  const bool t5 = index.contains("text_encoder_3") && index["text_encoder_3"].is_array() &&
-                  !index["text_encoder_3"].empty() && !index["text_encoder_3"][0].is_null();
-  if (t5) {
-    check_component(index, "text_encoder_3", {"T5EncoderModel"}, index_file);
-    check_component(index, "tokenizer_3", {"T5TokenizerFast", "T5Tokenizer"}, index_file);
-  }
-  p.flow = read_flow_scheduler(p.root / "scheduler" / "scheduler_config.json");
-  p.tokenizer.emplace(text::CLIPTokenizer::from_folder(p.root / "tokenizer"));
-  p.tokenizer_2.emplace(text::CLIPTokenizer::from_folder(p.root / "tokenizer_2"));
-  if (t5) p.tokenizer_3.emplace(text::T5Tokenizer::from_folder(p.root / "tokenizer_3"));
-  if (single) {
+  if (!single)
+    for (const auto& [given, name] : {std::pair{src.config_folder, "--single_file_config "},
+                                      {src.tokenizer_name, "--tokenizer_name "},
+                                      {src.t5_tokenizer, "--t5_tokenizer "},
+                                      {src.original_config, "--original_config "}})
+      if (!given.empty())
+        throw ConfigError("goes with a single file (the folder has its own)", name + given);
+  if (single && !told)
+    for (const auto& [given, name] : {std::pair{src.tokenizer_name, "--tokenizer_name "},
+                                      {src.t5_tokenizer, "--t5_tokenizer "},
+                                      {src.original_config, "--original_config "}})
+      if (!given.empty())
+        throw ConfigError("goes with configs told from the file; --single_file_config gives them",
+                          name + given);
+  if (told) {
     const models::SingleFile f = models::read_single_file(model);
     if (f.family != models::SingleFileFamily::sd3)
       throw ConfigError(
@@ -114,30 +183,82 @@ Sd3Pipeline load_sd3_pipeline(const std::string& model, const std::string& varia
               "trains the others)",
           flag);
     p.single_file = model;
-    p.text_encoder = models::sd3_clip_from_single_file<Clip>(
-        f, component_config<models::CLIPTextConfig>(p.root / "text_encoder"), 0);
-    p.text_encoder_2 = models::sd3_clip_from_single_file<Clip>(
-        f, component_config<models::CLIPTextConfig>(p.root / "text_encoder_2"), 1);
-    if (t5)
-      p.text_encoder_3 = models::sd3_t5_from_single_file<T5>(
-          f, component_config<models::T5EncoderConfig>(p.root / "text_encoder_3"));
-    p.vae = models::vae_from_single_file<Vae>(
-        f, component_config<models::AutoencoderKLConfig>(p.root / "vae"));
-    p.transformer = models::sd3_transformer_from_single_file<Transformer>(
-        f, component_config<models::SD3Transformer2DConfig>(p.root / "transformer"));
+    read_sd3_told(p, f, src, flag);
     p.single_file_leftovers = models::single_file_leftovers(f);
   } else {
-    p.text_encoder = models::from_pretrained<Clip>(p.root / "text_encoder", lo);
-    p.text_encoder_2 = models::from_pretrained<Clip>(p.root / "text_encoder_2", lo);
-    if (t5) p.text_encoder_3 = models::from_pretrained<T5>(p.root / "text_encoder_3", lo);
-    p.vae = models::from_pretrained<Vae>(p.root / "vae", lo);
-    p.transformer = models::from_pretrained<Transformer>(p.root / "transformer", lo);
+    p.root = single ? src.config_folder : model;
+    if (!fs::is_directory(p.root))
+      throw dt::IoError("is not a folder (name a diffusers pipeline folder)",
+                        single ? "--single_file_config " + src.config_folder : flag);
+    const fs::path index_file = p.root / "model_index.json";
+    const nlohmann::json index = dt::io::read_json_object(index_file);
+    const std::string cls = index.value("_class_name", std::string());
+    if (cls != "StableDiffusion3Pipeline")
+      throw ConfigError(
+          "is a " + (cls.empty() ? std::string("pipeline without _class_name") : cls) +
+              "; this program trains StableDiffusion3Pipeline and CogVideoXPipeline folders",
+          index_file.string() + ": _class_name");
+    check_component(index, "transformer", {"SD3Transformer2DModel"}, index_file);
+    check_component(index, "vae", {"AutoencoderKL"}, index_file);
+    for (const char* name : {"text_encoder", "text_encoder_2"})
+      check_component(index, name, {"CLIPTextModelWithProjection"}, index_file);
+    for (const char* name : {"tokenizer", "tokenizer_2"})
+      check_component(index, name, {"CLIPTokenizer", "CLIPTokenizerFast"}, index_file);
+    check_component(index, "scheduler", {"FlowMatchEulerDiscreteScheduler"}, index_file);
+    // T5 is optional (diffusers' text_encoder_3=None): [null, null] in model_index.json.
+    const bool t5 = index.contains("text_encoder_3") && index["text_encoder_3"].is_array() &&
+                    !index["text_encoder_3"].empty() && !index["text_encoder_3"][0].is_null();
+    if (t5) {
+      check_component(index, "text_encoder_3", {"T5EncoderModel"}, index_file);
+      check_component(index, "tokenizer_3", {"T5TokenizerFast", "T5Tokenizer"}, index_file);
+    }
+    p.flow = read_flow_scheduler(p.root / "scheduler" / "scheduler_config.json");
+    p.tokenizer.emplace(text::CLIPTokenizer::from_folder(p.root / "tokenizer"));
+    p.tokenizer_2.emplace(text::CLIPTokenizer::from_folder(p.root / "tokenizer_2"));
+    if (t5) p.tokenizer_3.emplace(text::T5Tokenizer::from_folder(p.root / "tokenizer_3"));
+    if (single) {
+      const models::SingleFile f = models::read_single_file(model);
+      if (f.family != models::SingleFileFamily::sd3)
+        throw ConfigError(
+            "is a " + std::string(models::single_file_family_name(f.family)) +
+                " file; this program trains Stable Diffusion 3 files (train_text_to_image "
+                "trains the others)",
+            flag);
+      p.single_file = model;
+      p.text_encoder = models::sd3_clip_from_single_file<Clip>(
+          f, component_config<models::CLIPTextConfig>(p.root / "text_encoder"), 0);
+      p.text_encoder_2 = models::sd3_clip_from_single_file<Clip>(
+          f, component_config<models::CLIPTextConfig>(p.root / "text_encoder_2"), 1);
+      if (t5)
+        p.text_encoder_3 = models::sd3_t5_from_single_file<T5>(
+            f, component_config<models::T5EncoderConfig>(p.root / "text_encoder_3"));
+      p.vae = models::vae_from_single_file<Vae>(
+          f, component_config<models::AutoencoderKLConfig>(p.root / "vae"));
+      p.transformer = models::sd3_transformer_from_single_file<Transformer>(
+          f, component_config<models::SD3Transformer2DConfig>(p.root / "transformer"));
+      p.single_file_leftovers = models::single_file_leftovers(f);
+    } else {
+      p.text_encoder = models::from_pretrained<Clip>(p.root / "text_encoder", lo);
+      p.text_encoder_2 = models::from_pretrained<Clip>(p.root / "text_encoder_2", lo);
+      if (t5) p.text_encoder_3 = models::from_pretrained<T5>(p.root / "text_encoder_3", lo);
+      p.vae = models::from_pretrained<Vae>(p.root / "vae", lo);
+      p.transformer = models::from_pretrained<Transformer>(p.root / "transformer", lo);
+    }
   }
+  const std::string transformer_where =
+      told ? model + " (MMDiT)" : (p.root / "transformer").string();
   if (p.transformer->config().in_channels != p.vae->config().latent_channels)
     throw ConfigError("takes " + std::to_string(p.transformer->config().in_channels) +
                           " channels but the VAE's latents have " +
                           std::to_string(p.vae->config().latent_channels),
-                      (p.root / "transformer").string());
+                      transformer_where);
+  for (const auto& [tok, enc, name] : {std::tuple{&*p.tokenizer, &p.text_encoder, "tokenizer"},
+                                       {&*p.tokenizer_2, &p.text_encoder_2, "tokenizer_2"}})
+    if (tok->vocab_size() > (*enc)->config().vocab_size)
+      throw ConfigError(std::string(name) + " has " + std::to_string(tok->vocab_size()) +
+                            " tokens, more than its text encoder's " +
+                            std::to_string((*enc)->config().vocab_size),
+                        told ? "--tokenizer_name " + src.tokenizer_name : p.root.string());
   return p;
 }
 
@@ -348,7 +469,9 @@ int run_sd3(Settings s, const Ranks& ranks) {
       s.data_dir, fo, {.say = main_rank, .limit = s.limit, .require_captions = s.require_captions});
   const examples::OutputFolder output_folder(s.out, main_rank);
   tr::set_seed(s.seed);
-  Sd3Pipeline p = load_sd3_pipeline(s.model, s.variant, s.single_file_config);
+  Sd3Pipeline p = load_sd3_pipeline(
+      s.model, s.variant,
+      {s.single_file_config, s.tokenizer_name, s.t5_tokenizer, s.original_config});
   if (s.resolution % p.vae->downscale() != 0 ||
       (s.resolution / p.vae->downscale()) % p.transformer->config().patch_size != 0)
     throw ConfigError("must be a multiple of the VAE's downscale × the patch size (" +

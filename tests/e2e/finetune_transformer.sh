@@ -73,6 +73,32 @@ expect_rc 2 sd3-single-no-config -- "$bin" "${base[@]}" --pretrained_model_name_
 grep_in "$work/sd3-single-no-config.err" "--single_file_config"
 expect_rc 2 sd3-single-lora -- "$bin" "${base[@]}" --use_lora --save_format single_file --output_dir "$work/bad"
 grep_in "$work/sd3-single-lora.err" "--save_format single_file"
+# A single file read without its config folder: the configs told from the keys (a model of SD3's
+# conventions), CLIP's tokenizers from the BPE merges file and T5's from spiece.model. It trains
+# to the bit as the same file read with --single_file_config does.
+conv=$work/data/sd3_conventional bpe=$work/data/bpe_simple_vocab_16e6.txt.gz spm=$work/data/spiece.model
+expect_rc 0 sd3-conv-single -- "$bin" "${base[@]}" --pretrained_model_name_or_path "$conv" \
+  --max_train_steps 1 --save_format single_file --output_dir "$work/sd3-conv-single"
+cf=$work/sd3-conv-single/model.safetensors
+expect_rc 0 sd3-told-folder -- "$bin" "${base[@]}" --pretrained_model_name_or_path "$cf" \
+  --single_file_config "$conv" --max_train_steps 2 --output_dir "$work/sd3-told-folder"
+expect_rc 0 sd3-told -- "$bin" "${base[@]}" --pretrained_model_name_or_path "$cf" \
+  --tokenizer_name "$bpe" --t5_tokenizer "$spm" --max_train_steps 2 --output_dir "$work/sd3-told"
+cmp -s "$work/sd3-told-folder/model.safetensors" "$work/sd3-told/model.safetensors" ||
+  fail "the SD3 file read with told configs trained differently from the file read with its folder"
+expect_rc 2 sd3-told-no-t5 -- "$bin" "${base[@]}" --pretrained_model_name_or_path "$cf" \
+  --tokenizer_name "$bpe" --max_train_steps 1 --output_dir "$work/bad"
+grep_in "$work/sd3-told-no-t5.err" "--t5_tokenizer"
+expect_rc 2 sd3-told-yaml -- "$bin" "${base[@]}" --pretrained_model_name_or_path "$cf" \
+  --tokenizer_name "$bpe" --t5_tokenizer "$spm" --original_config "$work/x.yaml" --max_train_steps 1 \
+  --output_dir "$work/bad"
+grep_in "$work/sd3-told-yaml.err" "--original_config"
+expect_rc 2 sd3-folder-t5-tokenizer -- "$bin" "${base[@]}" --t5_tokenizer "$spm" --max_train_steps 1 \
+  --output_dir "$work/bad"
+grep_in "$work/sd3-folder-t5-tokenizer.err" "goes with a single file"
+expect_rc 2 sd3-told-one-tokenizer -- "$bin" "${base[@]}" --pretrained_model_name_or_path "$cf" \
+  --tokenizer_name "$conv/tokenizer" --t5_tokenizer "$spm" --max_train_steps 1 --output_dir "$work/bad"
+grep_in "$work/sd3-told-one-tokenizer.err" "tokenizer_2/"
 
 "$py" - "$work" "$sd3" >"$work/python.out" 2>&1 <<'PY' || { fail "Python check"; }
 import json, math, pathlib, sys
@@ -130,6 +156,13 @@ for run in ("sd3-single", "sd3-from-single"):
     generate(pipe)
 print(f"SD3 single file: {len(first)} keys in Stability's layout; from_single_file loads the "
       "transformer of both files and the pipeline generates with it")
+conv = str(work / "data" / "sd3_conventional")
+told = SD3Transformer2DModel.from_single_file(
+    str(work / "sd3-told" / "model.safetensors"), config=conv, subfolder="transformer",
+    local_files_only=True, torch_dtype=torch.float32)
+generate(StableDiffusion3Pipeline.from_pretrained(conv, transformer=told))
+print("SD3 single file read with told configs and tokenizer files: trained as with its folder "
+      "(the same bytes), and from_single_file loads what it wrote")
 PY
 cat "$work/python.out"
 for run in lora full; do

@@ -99,6 +99,31 @@ TEST(T5Tokenizer, SweepEqualsTransformers) {
   }
 }
 
+// A bare spiece.model (what a single file's user has) reads as a folder holding it with T5's
+// defaults (100 sentinels, as t5_model's config says): the same ids for the whole sweep, the
+// same special and sentinel tokens.
+TEST(T5Tokenizer, BareSentencePieceModelEqualsItsFolder) {
+  const auto& g = tst::golden("t5_tokenizer.json");
+  const auto strings = g["strings"].get<std::vector<std::string>>();
+  {
+    const char* variant = "t5_model";
+    const auto folder = text::T5Tokenizer::from_folder(t5_dir(variant));
+    const auto bare = text::T5Tokenizer::from_sentencepiece_model(t5_dir(variant) / "spiece.model");
+    EXPECT_EQ(bare.size(), folder.size());
+    EXPECT_EQ(bare.eos_token_id(), folder.eos_token_id());
+    EXPECT_EQ(bare.pad_token_id(), folder.pad_token_id());
+    EXPECT_EQ(bare.unk_token_id(), folder.unk_token_id());
+    EXPECT_EQ(bare.token_to_id("<extra_id_0>"), folder.token_to_id("<extra_id_0>"));
+    std::size_t differ = 0;
+    for (const auto& s : strings) differ += bare.encode(s) != folder.encode(s);
+    EXPECT_EQ(differ, 0U) << "of " << strings.size();
+  }
+  EXPECT_THROW(text::T5Tokenizer::from_sentencepiece_model(t5_dir("t5_model")), dt::IoError);
+  EXPECT_THROW(
+      text::T5Tokenizer::from_sentencepiece_model(t5_dir("t5_model") / "tokenizer_config.json"),
+      dt::FormatError);
+}
+
 TEST(T5Tokenizer, BadInputIsNamed) {
   const auto tok = text::T5Tokenizer::from_folder(t5_dir("t5_model"));
   expect_error<dt::FormatError>([&] { (void)tok.encode("caf\xe9"); }, "Latin-1 text",

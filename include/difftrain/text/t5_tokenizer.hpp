@@ -157,13 +157,33 @@ class T5Tokenizer : public TokenTable {
     return tokenizer_detail::with_typed_json_errors(dir, [&] { return read_folder(dir); });
   }
 
+  /// A bare SentencePiece model file (T5's `spiece.model`, as a single file's users have it): what
+  /// transformers' T5Tokenizer builds from it alone (its 100 sentinels, `</s>`, `<unk>`, `<pad>`).
+  static T5Tokenizer from_sentencepiece_model(const std::filesystem::path& file) {
+    if (!std::filesystem::is_regular_file(file))
+      throw IoError("is not a file (name T5's SentencePiece model, spiece.model)", file.string());
+    return tokenizer_detail::with_typed_json_errors(file, [&] { return read_parts({}, file); });
+  }
+
   /// from_folder's reading; from_folder turns its JSON type errors into FormatErrors.
   static T5Tokenizer read_folder(const std::filesystem::path& dir) {
+    const bool has_json = std::filesystem::exists(dir / "tokenizer.json");
+    if (!has_json && !std::filesystem::exists(dir / "spiece.model"))
+      throw IoError("has neither tokenizer.json nor spiece.model", dir.string());
+    return read_parts(dir, dir / (has_json ? "tokenizer.json" : "spiece.model"));
+  }
+
+ private:
+  /// The tokenizer from `weights_file` (tokenizer.json or a SentencePiece model) and the configs in
+  /// `dir` (none where `dir` is empty).
+  static T5Tokenizer read_parts(const std::filesystem::path& dir,
+                                const std::filesystem::path& weights_file) {
     namespace fs = std::filesystem;
-    const fs::path config_file = dir / "tokenizer_config.json";
-    const fs::path map_file = dir / "special_tokens_map.json";
-    const fs::path json_file = dir / "tokenizer.json";
-    const fs::path model_file = dir / "spiece.model";
+    const fs::path config_file = dir.empty() ? fs::path() : dir / "tokenizer_config.json";
+    const fs::path map_file = dir.empty() ? fs::path() : dir / "special_tokens_map.json";
+    const bool is_json = weights_file.extension() == ".json";
+    const fs::path json_file = is_json ? weights_file : fs::path();
+    const fs::path model_file = is_json ? fs::path() : weights_file;
     nlohmann::json config =
         fs::exists(config_file) ? io::read_json(config_file) : nlohmann::json::object();
     if (!config.is_object()) throw FormatError("is not a JSON object", config_file.string());
@@ -183,18 +203,16 @@ class T5Tokenizer : public TokenTable {
 
     T5Tokenizer t;
     std::vector<AddedToken> added;
-    if (fs::exists(json_file)) {
+    if (!json_file.empty()) {
       t.where_ = json_file.string();
       read_tokenizer_json(io::read_json(json_file), t, added);
-    } else if (fs::exists(model_file)) {
+    } else {
       t.where_ = model_file.string();
       const std::vector<char> bytes = io::read_file(model_file);
       read_sentencepiece(std::string_view(bytes.data(), bytes.size()), t, added);
       // transformers appends the sentinels to the model's pieces, the last one first.
       for (std::int64_t i = extra_ids - 1; i >= 0; --i)
         t.pieces_.push_back({"<extra_id_" + std::to_string(i) + ">", 0.0});
-    } else {
-      throw IoError("has neither tokenizer.json nor spiece.model", dir.string());
     }
     if (t.pieces_.size() < 3)
       throw FormatError("has " + std::to_string(t.pieces_.size()) +
@@ -263,6 +281,7 @@ class T5Tokenizer : public TokenTable {
     return t;
   }
 
+ public:
   /// The ids of `text`, with </s> when `add_special_tokens`; no truncation.
   [[nodiscard]] std::vector<std::int64_t> encode(std::string_view text,
                                                  bool add_special_tokens = true) const {
