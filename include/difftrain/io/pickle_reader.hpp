@@ -13,6 +13,13 @@
 //
 // Allowed Python globals: collections.OrderedDict, torch._utils._rebuild_tensor_v2,
 // torch._utils._rebuild_parameter, torch.<Type>Storage, _codecs.encode (protocol-2 bytes).
+//
+// Training checkpoints (DeepSpeed's `mp_rank_00_model_states.pt`, Lightning's `.ckpt`) also hold
+// objects beside the weights: an argparse.Namespace of the run's arguments, numpy random states,
+// sets. With ObjectPolicy::inert such an object is read as an inert placeholder (the string
+// kInertTag + "module.name"; its constructor arguments and state are dropped, nothing is ever
+// called), so the tensors around it can be read; the default refuses them as torch.load
+// (weights_only=True) does.
 
 #include <ATen/ATen.h>
 #include <ATen/core/Dict.h>
@@ -120,6 +127,9 @@ inline std::optional<at::ScalarType> storage_dtype(const std::string& name) {
 // storage type inside a persistent id, a dtype such as torch.float32 in a dict): its value is then
 // the dotted name, with kStorageTag in front for storage types.
 inline constexpr char kStorageTag = '\x01';
+inline constexpr char kInertTag = '\x02';  // an object of a class that is not allowed (inert mode)
+
+enum class ObjectPolicy { refuse, inert };
 struct Item {
   enum class Kind { value, global, mark } kind = Kind::value;
   c10::IValue value;
@@ -128,8 +138,9 @@ struct Item {
 
 class Unpickler {
  public:
-  Unpickler(std::string_view data, const ZipArchive& archive, std::string where)
-      : data_(data), archive_(archive), where_(std::move(where)) {}
+  Unpickler(std::string_view data, const ZipArchive& archive, std::string where,
+            ObjectPolicy objects = ObjectPolicy::refuse)
+      : data_(data), archive_(archive), where_(std::move(where)), objects_(objects) {}
   Unpickler(const Unpickler&) = delete;
   Unpickler& operator=(const Unpickler&) = delete;
   // What a refused file left on the stack and in the memo may be nested arbitrarily deep.
@@ -262,6 +273,11 @@ class Unpickler {
         break;
       case 0x8a: {  // LONG1: little-endian two's complement
         const auto n = static_cast<unsigned char>(read(1)[0]);
+        if (n > 8 && objects_ == ObjectPolicy::inert) {
+          read(n);
+          push(std::string(1, kInertTag) + "int");
+          break;
+        }
         if (n > 8) fail("has an integer wider than 64 bits", at);
         const std::string_view b = read(n);
         std::uint64_t v = 0;
@@ -392,11 +408,25 @@ class Unpickler {
       case 'R':
         reduce(at);
         break;
+      case 0x81: {  // NEWOBJ: cls.__new__(cls, *args), an object only the inert mode reads
+        pop_value(at);
+        const Item cls = pop(at);
+        push(inert_object(cls, at));
+        break;
+      }
+      case 0x92: {  // NEWOBJ_EX: the same with keyword arguments
+        pop_value(at);
+        pop_value(at);
+        const Item cls = pop(at);
+        push(inert_object(cls, at));
+        break;
+      }
       case 'b': {  // BUILD: only an empty or None state is meaningful for the allowed types,
                    // and the attribute dict a state_dict() OrderedDict carries (its `_metadata`,
                    // module versions), which is dropped as torch.load drops nothing we read
         auto state = pop_value(at);
         const auto& target = top(at).value;
+        if (is_inert(target)) break;  // an inert object's state is dropped unread
         bool trivial = state.isNone() || (state.isGenericDict() && state.toGenericDict().empty());
         if (!trivial && target.isGenericDict() && state.isGenericDict()) {
           trivial = true;
@@ -481,9 +511,23 @@ class Unpickler {
       if (args.size() != 1 || !args[0].isTuple()) fail("calls torch.Size with wrong arguments", at);
       push(args[0]);
     } else {
-      fail("calls the Python global '" + fn.global + "', which is not allowed in a weights file",
-           at);
+      push(inert_object(fn, at));
     }
+  }
+
+  static bool is_inert(const c10::IValue& v) {
+    return v.isString() && !v.toStringRef().empty() && v.toStringRef()[0] == kInertTag;
+  }
+
+  // An object of a class that is not allowed: refused, or (inert mode) its placeholder.
+  c10::IValue inert_object(const Item& cls, std::size_t at) const {
+    const std::string name =
+        cls.kind == Item::Kind::global ? cls.global : std::string("an object built from a value");
+    if (objects_ != ObjectPolicy::inert)
+      fail("calls the Python global '" + name + "', which is not allowed in a weights file", at);
+    std::string dotted = name;
+    std::replace(dotted.begin(), dotted.end(), ' ', '.');
+    return std::string(1, kInertTag) + dotted;
   }
 
   // Python wrote text as UTF-8 code points below 256 for latin-1 bytes; undo that.
@@ -588,6 +632,7 @@ class Unpickler {
   std::vector<Item> stack_;
   std::unordered_map<std::uint32_t, Item> memo_;
   std::unordered_map<std::string, at::Tensor> storages_;
+  ObjectPolicy objects_ = ObjectPolicy::refuse;
 };
 
 }  // namespace pickle_detail
@@ -622,8 +667,12 @@ inline void check_format_version(const ZipArchive& archive, const std::string& w
                       where);
 }
 
-/// Reads a torch.save zip archive held in memory, with torch.load(weights_only=True)'s rules.
-inline c10::IValue read_torch_archive(const std::vector<char>& bytes, const std::string& where) {
+/// Reads a torch.save zip archive held in memory, with torch.load(weights_only=True)'s rules (or,
+/// with ObjectPolicy::inert, with the objects a training checkpoint holds beside its weights read
+/// as inert placeholders).
+inline c10::IValue read_torch_archive(
+    const std::vector<char>& bytes, const std::string& where,
+    pickle_detail::ObjectPolicy objects = pickle_detail::ObjectPolicy::refuse) {
   try {
     const ZipArchive archive({bytes.data(), bytes.size()}, where);
     if (archive.contains("byteorder")) {
@@ -641,7 +690,7 @@ inline c10::IValue read_torch_archive(const std::vector<char>& bytes, const std:
     if (archive.size_of("data.pkl") > bytes.size())  // pickles are stored, never deflated
       throw FormatError("declares a data.pkl record larger than the file", where);
     const std::string pickle = archive.read("data.pkl");
-    return pickle_detail::Unpickler(pickle, archive, where).run();
+    return pickle_detail::Unpickler(pickle, archive, where, objects).run();
   } catch (const Error&) {
     throw;
   } catch (const c10::Error& e) {

@@ -215,8 +215,14 @@ inline void check_value(const c10::IValue& v, const std::string& where, int dept
 }
 }  // namespace torch_file_detail
 
+/// How a torch.save file's objects other than tensors and plain containers are read: refused as
+/// torch.load(weights_only=True) refuses them, or (a training checkpoint's argparse.Namespace,
+/// numpy states) as inert placeholders that are never called.
+using ObjectPolicy = pickle_detail::ObjectPolicy;
+
 /// Parses the bytes of a torch.save file (zip format, torch ≥ 1.6) named `where` in errors.
-inline TorchValue parse_torch_file(const std::vector<char>& bytes, const std::string& where) {
+inline TorchValue parse_torch_file(const std::vector<char>& bytes, const std::string& where,
+                                   ObjectPolicy objects = ObjectPolicy::refuse) {
   if (bytes.size() < 4) throw FormatError("is too short to be a torch.save file", where);
   const auto b = [&](std::size_t i) { return static_cast<unsigned char>(bytes[i]); };
   if (b(0) == 0x80 && b(1) <= 5)
@@ -226,14 +232,15 @@ inline TorchValue parse_torch_file(const std::vector<char>& bytes, const std::st
         where);
   if (!(b(0) == 'P' && b(1) == 'K' && b(2) == 3 && b(3) == 4))
     throw FormatError("is not a torch.save file (no zip signature)", where);
-  c10::IValue value = load_pickle_bytes(bytes, where);
+  c10::IValue value = load_pickle_bytes(bytes, where, objects);
   torch_file_detail::check_value(value, where, 0);
   return TorchValue(std::move(value), where);
 }
 
 /// Reads a .pt / .bin file. Errors name the file and, for content, the path inside it.
-inline TorchValue load_torch_file(const std::filesystem::path& path) {
-  return parse_torch_file(read_file(path), path.string());
+inline TorchValue load_torch_file(const std::filesystem::path& path,
+                                  ObjectPolicy objects = ObjectPolicy::refuse) {
+  return parse_torch_file(read_file(path), path.string(), objects);
 }
 
 /// An empty dict that takes keys of any kind (the web UI's hypernetwork files mix int and str

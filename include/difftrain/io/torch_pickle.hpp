@@ -131,8 +131,10 @@ inline void save_pickle(const std::filesystem::path& path, const c10::IValue& va
 
 /// Parses torch.save bytes (named `where` in errors) with the weights-only reader of
 /// pickle_reader.hpp; anything it does not accept is a FormatError.
-inline c10::IValue load_pickle_bytes(const std::vector<char>& bytes, const std::string& where) {
-  return read_torch_archive(bytes, where);
+inline c10::IValue load_pickle_bytes(
+    const std::vector<char>& bytes, const std::string& where,
+    pickle_detail::ObjectPolicy objects = pickle_detail::ObjectPolicy::refuse) {
+  return read_torch_archive(bytes, where, objects);
 }
 
 /// Reads a torch.save file. A file LibTorch cannot parse is a FormatError naming it.
