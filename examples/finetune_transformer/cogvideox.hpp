@@ -3,6 +3,8 @@
 // videos (frames chosen as diffusers' train_cogvideox_lora.py does), the v-prediction trainee and
 // the validation videos.
 
+#include <difftrain/models/single_file/cogvideox_sat.hpp>
+
 #include "run_common.hpp"
 
 namespace {
@@ -35,7 +37,17 @@ struct CogPipeline {
   }
 };
 
-CogPipeline load_cogvideox_pipeline(const std::string& model, const std::string& variant = {}) {
+/// CogVideoX checkpoints of the SAT training code in place of the folder's weights: the
+/// transformer's mp_rank_00_model_states.pt (--pretrained_model_name_or_path, with the folder as
+/// --single_file_config), its LoRA merged with `lora_alpha` (--sat_lora_alpha), and the VAE's
+/// 3d-vae.pt (--sat_vae).
+struct SatCheckpoints {
+  std::string transformer, vae;
+  double lora_alpha = 1.0;
+};
+
+CogPipeline load_cogvideox_pipeline(const std::string& model, const std::string& variant = {},
+                                    const SatCheckpoints& sat = {}) {
   models::LoadOptions lo;
   if (!variant.empty()) lo.variant = variant;
   CogPipeline p;
@@ -52,8 +64,18 @@ CogPipeline load_cogvideox_pipeline(const std::string& model, const std::string&
   p.scheduler = examples::read_scheduler_config(p.root / "scheduler" / "scheduler_config.json");
   p.tokenizer.emplace(text::T5Tokenizer::from_folder(p.root / "tokenizer"));
   p.text_encoder = models::from_pretrained<T5>(p.root / "text_encoder", lo);
-  p.vae = models::from_pretrained<CogVae>(p.root / "vae", lo);
-  p.transformer = models::from_pretrained<CogTransformer>(p.root / "transformer", lo);
+  p.vae =
+      sat.vae.empty()
+          ? models::from_pretrained<CogVae>(p.root / "vae", lo)
+          : models::cogvideox_vae_from_sat<CogVae>(
+                sat.vae, component_config<models::AutoencoderKLCogVideoXConfig>(p.root / "vae"));
+  p.transformer =
+      sat.transformer.empty()
+          ? models::from_pretrained<CogTransformer>(p.root / "transformer", lo)
+          : models::cogvideox_transformer_from_sat<CogTransformer>(
+                sat.transformer,
+                component_config<models::CogVideoXTransformer3DConfig>(p.root / "transformer"),
+                sat.lora_alpha);
   const auto& tc = p.transformer->config();
   const std::int64_t latent = p.vae->config().latent_channels;
   if (tc.in_channels != latent)
@@ -369,7 +391,10 @@ int run_cogvideox(Settings s, const Ranks& ranks) {
   const std::vector<VideoClip> clips = scan_videos(s);
   const examples::OutputFolder output_folder(s.out, main_rank);
   tr::set_seed(s.seed);
-  CogPipeline p = load_cogvideox_pipeline(s.model, s.variant);
+  const bool sat = fs::is_regular_file(s.model);
+  CogPipeline p =
+      load_cogvideox_pipeline(sat ? s.single_file_config : s.model, s.variant,
+                              {sat ? s.model : std::string(), s.sat_vae, s.sat_lora_alpha});
   const auto& tc = p.transformer->config();
   const std::int64_t unit = p.vae->spatial_downscale() * tc.patch_size;
   if (s.height % unit != 0)
@@ -439,12 +464,26 @@ int run_cogvideox(Settings s, const Ranks& ranks) {
     std::printf("%zu videos of %lld frames (%lld latent frames) at %lldx%lld\n", clips.size(),
                 static_cast<long long>(frames), static_cast<long long>(latent_frames),
                 static_cast<long long>(s.width), static_cast<long long>(s.height));
+  // A full fine-tune of SAT checkpoints: the folder (its configs, T5, scheduler) with the trained
+  // transformer and, with --sat_vae, the VAE the videos were encoded by.
+  WriteSingleFile write_sat_folder;
+  if (sat && !s.use_lora)
+    write_sat_folder = [&](nlohmann::json& files) {
+      const fs::path out(s.out);
+      copy_pipeline_except_unet(p.root, out, "transformer");
+      models::save_pretrained(p.transformer, out / "transformer");
+      if (!s.sat_vae.empty()) {
+        dt::io::remove_tree(out / "vae");
+        models::save_pretrained(p.vae, out / "vae");
+      }
+      files["pipeline"] = ".";
+    };
   return train_and_write(
       trainee, s, ranks, run_settings, stream, p.transformer, p.root, adapted.size(),
       [&](const fs::path& out) {
         write_validation_videos(validation_videos(p, s, frames, device), s, out);
       },
-      t0);
+      t0, write_sat_folder);
 }
 
 }  // namespace

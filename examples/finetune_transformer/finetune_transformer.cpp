@@ -53,6 +53,13 @@ namespace {
 /// folder).
 int run(const Settings& s) {
   const bool single = fs::is_regular_file(s.model);
+  if (single && s.single_file_config.empty() &&
+      fs::path(s.model).filename() == "mp_rank_00_model_states.pt")
+    throw ConfigError(
+        "is a SAT checkpoint (CogVideoX's), which holds no configs, T5 or scheduler: pass "
+        "--single_file_config FOLDER, a CogVideoXPipeline folder of the same model (its "
+        "transformer's weights are not read), and --sat_vae 3d-vae.pt for SAT's VAE",
+        "--pretrained_model_name_or_path " + s.model);
   const fs::path root(single ? s.single_file_config : s.model);
   if (!fs::is_directory(root) && !single)
     throw dt::IoError("is not a folder (name a diffusers pipeline folder)",
@@ -64,13 +71,19 @@ int run(const Settings& s) {
   // the same way before this point.
   auto [world, device] = torchrun_world(s, s.device);
   const Ranks ranks{std::move(world), device};
-  if (index.value("_class_name", std::string()) == "CogVideoXPipeline") {
-    if (single || s.save_format == "single_file")
+  const bool cogvideox = index.value("_class_name", std::string()) == "CogVideoXPipeline";
+  if (!cogvideox && !s.sat_vae.empty())
+    throw ConfigError("is CogVideoX's; the model is not a CogVideoX pipeline",
+                      "--sat_vae " + s.sat_vae);
+  if (cogvideox) {
+    if (s.save_format == "single_file")
       throw ConfigError(
-          "CogVideoX trains from and writes pipeline folders (SAT checkpoints are "
-          "converted with diffusers' convert_cogvideox_to_diffusers.py)",
-          single ? "--pretrained_model_name_or_path " + s.model
-                 : std::string("--save_format single_file"));
+          "CogVideoX writes pipeline folders (its SAT checkpoints are read: "
+          "--pretrained_model_name_or_path mp_rank_00_model_states.pt with --single_file_config)",
+          "--save_format single_file");
+    if (single && !s.tokenizer_name.empty())
+      throw ConfigError("takes the tokenizer from --single_file_config's CogVideoX folder",
+                        "--tokenizer_name " + s.tokenizer_name);
     return run_cogvideox(s, ranks);
   }
   return run_sd3(s, ranks);
@@ -106,6 +119,15 @@ int main(int argc, char** argv) {
   g.run->add_option("--t5_tokenizer", s.t5_tokenizer,
                     "with an SD3 single file holding T5 and no --single_file_config: T5's "
                     "SentencePiece model (spiece.model) or tokenizer folder");
+  g.run->add_option("--sat_vae", s.sat_vae,
+                    "CogVideoX: the SAT training code's 3d-vae.pt in place of the folder's VAE "
+                    "(the transformer's mp_rank_00_model_states.pt goes in "
+                    "--pretrained_model_name_or_path, its folder in --single_file_config)");
+  g.run
+      ->add_option("--sat_lora_alpha", s.sat_lora_alpha,
+                   "CogVideoX: the lora_alpha a SAT LoRA checkpoint was trained with (SAT's "
+                   "LoraMixin default 1: a scale of 1/r)")
+      ->capture_default_str();
   t->add_option("--max_sequence_length", s.max_sequence_length, "T5's tokens")
       ->check(count_in(1, 4096))
       ->capture_default_str();

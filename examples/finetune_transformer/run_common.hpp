@@ -67,7 +67,9 @@ struct Settings : SdRunFlags, ImageFolderFlags, LoraFlags, TorchrunFlags, Single
   double logit_mean = 0.0, logit_std = 1.0, mode_scale = 1.29;
   bool precondition_outputs = true;
   std::int64_t max_sequence_length = 77;
-  std::string t5_tokenizer;  // an SD3 single file's T5 tokenizer without a config folder
+  std::string t5_tokenizer;     // an SD3 single file's T5 tokenizer without a config folder
+  std::string sat_vae;          // CogVideoX: SAT's 3d-vae.pt in place of the folder's VAE
+  double sat_lora_alpha = 1.0;  // CogVideoX: the alpha SAT's LoRA was trained with
   // CogVideoX folders (diffusers' train_cogvideox_lora.py flags).
   std::string video_column = "video";
   std::int64_t height = 480, width = 720, max_num_frames = 49;

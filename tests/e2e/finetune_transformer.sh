@@ -210,7 +210,7 @@ expect_rc 2 cog-captions -- "$bin" "${cog[@]}" --caption_column captions.txt --o
 grep_in "$work/cog-captions.err" "--caption_column"
 expect_rc 2 cog-height -- "$bin" "${cog[@]}" --height 36 --output_dir "$work/bad-cog"
 expect_rc 2 cog-single -- "$bin" "${cog[@]}" --save_format single_file --output_dir "$work/bad-cog"
-grep_in "$work/cog-single.err" "convert_cogvideox_to_diffusers"
+grep_in "$work/cog-single.err" "SAT checkpoints are read"
 grep_in "$work/cog-height.err" "--height"
 mkdir -p "$work/cog/mp4" && printf 'a clip\n' >"$work/cog/mp4/prompts.txt" &&
   printf 'clip.mp4\n' >"$work/cog/mp4/videos.txt" && : >"$work/cog/mp4/clip.mp4"
@@ -227,6 +227,45 @@ expect_rc 0 cog-lora-resumed -- "$bin" "${cog_lora[@]}" --output_dir "$work/cog-
 expect_rc 0 cog-full -- "$bin" "${cog[@]}" --pretrained_model_name_or_path "$work/cog/cogvideox_2b" \
   --gradient_checkpointing --mixed_precision bf16 --random_flip --learning_rate 5e-4 \
   --max_train_steps 8 --output_dir "$work/cog-full"
+# The same model as the SAT training code keeps it (mp_rank_00_model_states.pt beside DeepSpeed's
+# objects, 3d-vae.pt), its configs from the folder: trains to the same transformer, to the bit, as
+# the folder does, and the folder it writes holds the VAE read from 3d-vae.pt.
+"$py" - "$work/cog/cogvideox_2b" "$work/sat" "$here/../reference" >"$work/make-sat.out" 2>&1 <<'PY' || { cat "$work/make-sat.out"; fail "making the SAT checkpoints"; }
+import pathlib, sys
+import torch
+sys.path.insert(0, sys.argv[3])
+import ref_cogvideox_sat as r
+from diffusers import AutoencoderKLCogVideoX, CogVideoXTransformer3DModel
+src, out = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+out.mkdir(parents=True, exist_ok=True)
+t = CogVideoXTransformer3DModel.from_pretrained(src / "transformer")
+r.deepspeed_file(r.to_sat_transformer(t, dict(t.config)), out / "mp_rank_00_model_states.pt", 1000)
+torch.save({"state_dict": r.to_sat_vae(AutoencoderKLCogVideoX.from_pretrained(src / "vae"))},
+           out / "3d-vae.pt")
+PY
+sat_run=("${cog[@]}" --learning_rate 5e-4 --max_train_steps 2)
+expect_rc 0 cog-folder-base -- "$bin" "${sat_run[@]}" --pretrained_model_name_or_path "$work/cog/cogvideox_2b" \
+  --output_dir "$work/cog-folder-base"
+expect_rc 0 cog-sat -- "$bin" "${sat_run[@]}" --pretrained_model_name_or_path \
+  "$work/sat/mp_rank_00_model_states.pt" --single_file_config "$work/cog/cogvideox_2b" \
+  --sat_vae "$work/sat/3d-vae.pt" --output_dir "$work/cog-sat"
+cmp -s "$work/cog-folder-base/transformer/diffusion_pytorch_model.safetensors" \
+  "$work/cog-sat/transformer/diffusion_pytorch_model.safetensors" ||
+  fail "the SAT checkpoint trained differently from its folder"
+expect_rc 2 cog-sat-no-config -- "$bin" "${sat_run[@]}" --pretrained_model_name_or_path \
+  "$work/sat/mp_rank_00_model_states.pt" --output_dir "$work/bad-cog"
+grep_in "$work/cog-sat-no-config.err" "--single_file_config"
+"$py" - "$work" >"$work/python-sat.out" 2>&1 <<'PY' || { cat "$work/python-sat.out"; fail "SAT Python check"; }
+import pathlib, sys
+import torch
+from diffusers import AutoencoderKLCogVideoX, CogVideoXPipeline
+work = pathlib.Path(sys.argv[1])
+base = AutoencoderKLCogVideoX.from_pretrained(work / "cog" / "cogvideox_2b" / "vae").state_dict()
+pipe = CogVideoXPipeline.from_pretrained(work / "cog-sat")
+assert all(torch.equal(v, base[k]) for k, v in pipe.vae.state_dict().items())
+print("SAT checkpoints: trained as the folder, and diffusers loads the folder written")
+PY
+cat "$work/python-sat.out"
 # Under torchrun with 2 ranks: DataParallel and stage 3 end with the same transformer.
 cog_ranks=("${cog[@]}" --train_batch_size 1 --learning_rate 5e-4 --max_train_steps 3 --rank_timeout 120)
 expect_rc 0 cog-ranks-dp -- "${launch[@]}" "${cog_ranks[@]}" --output_dir "$work/cog-ranks-dp"

@@ -156,6 +156,31 @@ def to_sat_transformer(model, cfg):
     return out
 
 
+def to_sat_vae(vae):
+    """The VAE's tensors in SAT's names (the decoder's up blocks numbered from the top), with the
+    training loss's tensors beside them as 3d-vae.pt holds them."""
+    levels = len(vae.config.up_block_types)
+    sat = {}
+    for key, value in vae.state_dict().items():
+        new = key
+        for a, b in (("encoder.mid_block.resnets.0", "encoder.mid.block_1"),
+                     ("encoder.mid_block.resnets.1", "encoder.mid.block_2"),
+                     ("decoder.mid_block.resnets.0", "decoder.mid.block_1"),
+                     ("decoder.mid_block.resnets.1", "decoder.mid.block_2"),
+                     ("resnets.", "block."), ("down_blocks.", "down."),
+                     ("downsamplers.0", "downsample"), ("upsamplers.0", "upsample"),
+                     ("conv_shortcut", "nin_shortcut")):
+            new = new.replace(a, b)
+        if new.startswith("decoder.up_blocks."):
+            parts = new.split(".")
+            parts[1], parts[2] = "up", str(levels - 1 - int(parts[2]))
+            new = ".".join(parts)
+        sat[new] = value.clone()
+    sat["loss.logvar"] = torch.zeros(())
+    sat["loss.perceptual_loss.net.slice1.0.weight"] = torch.randn(4, 3, 3, 3)
+    return sat
+
+
 def with_sat_lora(sat, rank, g):
     """SAT's LoRA layers (lora2.LoraLinear): `original` weights and matrix_A / matrix_B."""
     out = {}
@@ -267,24 +292,7 @@ def generate(out):
                                      sample_width=16)
     vae = AutoencoderKLCogVideoX(**vae_cfg)
     ref_cogvideox_vae.randomise(vae)
-    sat = {}
-    for key, value in vae.state_dict().items():
-        new = key
-        for a, b in (("encoder.mid_block.resnets.0", "encoder.mid.block_1"),
-                     ("encoder.mid_block.resnets.1", "encoder.mid.block_2"),
-                     ("decoder.mid_block.resnets.0", "decoder.mid.block_1"),
-                     ("decoder.mid_block.resnets.1", "decoder.mid.block_2"),
-                     ("resnets.", "block."), ("down_blocks.", "down."),
-                     ("downsamplers.0", "downsample"), ("upsamplers.0", "upsample"),
-                     ("conv_shortcut", "nin_shortcut")):
-            new = new.replace(a, b)
-        if new.startswith("decoder.up_blocks."):
-            parts = new.split(".")
-            parts[1], parts[2] = "up", str(4 - 1 - int(parts[2]))
-            new = ".".join(parts)
-        sat[new] = value
-    sat["loss.logvar"] = torch.zeros(())
-    sat["loss.perceptual_loss.net.slice1.0.weight"] = torch.randn(4, 3, 3, 3)
+    sat = to_sat_vae(vae)
     expected = diffusers_convert_vae(sat)
     AutoencoderKLCogVideoX(**vae_cfg).load_state_dict(expected, strict=True)
     own = vae.state_dict()
