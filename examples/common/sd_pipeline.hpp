@@ -208,7 +208,8 @@ inline Pipeline load_single_file_pipeline(const std::string& file,
                                           const std::string& prediction_type,
                                           const std::string& config_folder,
                                           const std::string& tokenizer_name = {},
-                                          const std::string& original_config = {}) {
+                                          const std::string& original_config = {},
+                                          bool use_ema_weights = false) {
   const std::string flag = "--pretrained_model_name_or_path " + file;
   if (config_folder.empty() && tokenizer_name.empty())
     throw ConfigError(
@@ -219,7 +220,9 @@ inline Pipeline load_single_file_pipeline(const std::string& file,
         flag);
   Pipeline p;
   p.single_file = file;
-  const models::SingleFile f = models::read_single_file(file);
+  // The original trainer's EMA weights (model_ema.*) in place of the trained ones, as the web UI
+  // loads them.
+  const models::SingleFile f = models::read_single_file(file, use_ema_weights);
   p.single_file_family = f.family;
   if (config_folder.empty()) {
     p.xl = f.family == models::SingleFileFamily::sdxl;
@@ -301,14 +304,16 @@ inline Pipeline load_pipeline(const std::string& model, const std::string& predi
                               const std::string& variant = {},
                               const std::string& single_file_config = {},
                               const std::string& tokenizer_name = {},
-                              const std::string& original_config = {}) {
+                              const std::string& original_config = {},
+                              bool use_ema_weights = false) {
   if (fs::is_regular_file(model))
     return load_single_file_pipeline(model, prediction_type, single_file_config, tokenizer_name,
-                                     original_config);
-  if (!single_file_config.empty() || !tokenizer_name.empty() || !original_config.empty())
+                                     original_config, use_ema_weights);
+  if (!single_file_config.empty() || !tokenizer_name.empty() || !original_config.empty() ||
+      use_ema_weights)
     throw ConfigError(
-        "is a pipeline folder; --single_file_config, --tokenizer_name and --original_config go "
-        "with a single file",
+        "is a pipeline folder; --single_file_config, --tokenizer_name, --original_config and "
+        "--use_ema_weights go with a single file",
         "--pretrained_model_name_or_path " + model);
   models::LoadOptions lo;
   if (!variant.empty()) lo.variant = variant;

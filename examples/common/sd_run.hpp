@@ -52,6 +52,7 @@ struct SdRunFlags : RunFlags {
   std::string single_file_config;  // configs, tokenizer, scheduler for a single-file model
   std::string tokenizer_name;      // a single file's tokenizer without a config folder
   std::string original_config;     // a single file's original .yaml (else model.yaml beside it)
+  bool use_ema_weights = false;    // a single file's EMA weights (model_ema.*) in place of its own
 };
 
 struct SdFlagGroups {
@@ -103,6 +104,10 @@ inline SdFlagGroups add_sd_run_flags(CLI::App& app, SdRunFlags& f, const std::st
                     "with a single-file model and no --single_file_config: its original .yaml "
                     "config (v2-inference-v.yaml, ...: the prediction, heads, VAE scale); "
                     "model.yaml beside model.safetensors is read without it");
+  g.run->add_flag("--use_ema_weights", f.use_ema_weights,
+                  "with a single file that holds EMA weights (model_ema.*, as the original "
+                  "trainer saves them): start from them instead of the trained ones (the web UI's "
+                  "model_ema)");
   g.run->add_option("--single_file_config", f.single_file_config,
                     "with a single-file model (.safetensors, .ckpt in the web UI's layout): a "
                     "diffusers pipeline folder of the same model for its configs, tokenizer and "

@@ -52,6 +52,7 @@ using dt::ConfigError;
 struct Settings {
   std::string unet_dir, vae_dir, scheduler_config, data_dir = "/usr/share/datasets/fashion-mnist";
   std::string single_file_config;  // a folder holding unet/ and vae/ configs for a single file
+  bool use_ema_weights = false;    // a single file's EMA weights (model_ema.*) in place of its own
   std::string out = "build/finetune_unet";
   std::string prediction_type;  // empty: the scheduler config's
   std::int64_t classes = 3, images = 64, resolution = 32, steps = 200, batch = 8, rank = 4;
@@ -133,6 +134,8 @@ int run(const Settings& s) {
   if (!single_file && !s.single_file_config.empty())
     throw ConfigError("goes with a single file (--unet model.safetensors)",
                       "--single_file_config " + s.single_file_config);
+  if (!single_file && s.use_ema_weights)
+    throw ConfigError("goes with a single file (--unet model.safetensors)", "--use_ema_weights");
   const fs::path out(s.out);
   const examples::OutputFolder output_folder(out);
   const examples::SchedulerConfig sc =
@@ -146,7 +149,7 @@ int run(const Settings& s) {
   if (single_file) {
     // The web UI's layout: the UNet (and, without --vae, the VAE) from one file, their configs
     // from --single_file_config's unet/ and vae/ folders or told from the file's keys.
-    const models::SingleFile file = models::read_single_file(s.unet_dir);
+    const models::SingleFile file = models::read_single_file(s.unet_dir, s.use_ema_weights);
     const auto config = [&](const char* part, auto told) {
       if (s.single_file_config.empty()) return told;
       const fs::path folder = fs::path(s.single_file_config) / part;
@@ -308,6 +311,9 @@ int main(int argc, char** argv) {
   app.add_option("--single_file_config", s.single_file_config,
                  "with a single file: a folder holding unet/ and vae/ config.json (a pipeline "
                  "folder); without it the configs are told from the file's keys");
+  app.add_flag("--use_ema_weights", s.use_ema_weights,
+               "with a single file that holds EMA weights (model_ema.*): start from them instead "
+               "of the trained ones (the web UI's model_ema)");
   app.add_option("--scheduler-config,--scheduler_config", s.scheduler_config,
                  "diffusers scheduler_config.json (default: Stable Diffusion's schedule)");
   app.add_option("--prediction-type,--prediction_type", s.prediction_type,

@@ -364,7 +364,7 @@ int run(Settings s) {
   const examples::OutputFolder output_folder(out, main_rank);
   tr::set_seed(s.seed);
   Pipeline p = load_pipeline(s.model, "", s.variant, s.single_file_config, s.tokenizer_name,
-                             s.original_config);
+                             s.original_config, s.use_ema_weights);
 
   // The new word: tokens and rows, each row the initializer's embedding (in both tokenizers and
   // tables of an SDXL pipeline). Every check comes before the first table grows.

@@ -636,7 +636,7 @@ int run(Settings s) {
   const examples::OutputFolder output_folder(s.out, say);
   tr::set_seed(s.seed);
   Pipeline p = load_pipeline(s.model, s.prediction_type, s.variant, s.single_file_config,
-                             s.tokenizer_name, s.original_config);
+                             s.tokenizer_name, s.original_config, s.use_ema_weights);
   if (!s.enable_bucket && s.resolution % p.vae->downscale() != 0)
     throw ConfigError(
         "must be a multiple of the VAE's downscale " + std::to_string(p.vae->downscale()),

@@ -63,6 +63,7 @@ struct Settings : examples::RunFlags {
   std::string single_file_config;  // configs, tokenizer, scheduler for a single-file model
   std::string tokenizer_name;      // a single file's tokenizer without a config folder
   std::string original_config;     // a single file's original .yaml (else model.yaml beside it)
+  bool use_ema_weights = false;    // a single file's EMA weights (model_ema.*) in place of its own
   std::string init_text = "*";
   std::int64_t num_vectors_per_token = 1;
   std::string layer_structure = "1,2,1", activation_func = "linear", weight_init = "Normal";
@@ -270,8 +271,8 @@ int run(Settings s) {
   const examples::OutputFolder output_folder(out, world->is_main());
   const fs::path log = s.log_directory.empty() ? out / "log" : fs::path(s.log_directory);
   tr::set_seed(s.seed);
-  Pipeline p =
-      load_pipeline(s.model, "", "", s.single_file_config, s.tokenizer_name, s.original_config);
+  Pipeline p = load_pipeline(s.model, "", "", s.single_file_config, s.tokenizer_name,
+                             s.original_config, s.use_ema_weights);
   // The web UI trains embeddings and hypernetworks on SD 1.x/2.x only (on SDXL its loops fail);
   // an SDXL embedding in its clip_l/clip_g file comes from the textual_inversion program.
   if (p.xl)
@@ -566,6 +567,9 @@ int main(int argc, char** argv) {
   g->add_option("--original_config", s.original_config,
                 "with a single-file model: its original .yaml config (the prediction, heads, VAE "
                 "scale); model.yaml beside model.safetensors is read without it");
+  g->add_flag("--use_ema_weights", s.use_ema_weights,
+              "with a single file that holds EMA weights (model_ema.*): train on them instead of "
+              "the trained ones (the web UI's model_ema)");
   g->add_option("--single_file_config", s.single_file_config,
                 "with a single-file model (.safetensors, .ckpt in the web UI's layout): a "
                 "diffusers pipeline folder of the same model for its configs, tokenizer and "

@@ -157,6 +157,36 @@ expect_rc 2 told-no-tokenizer -- "$bin" "${base[@]}" --pretrained_model_name_or_
 grep_in "$work/told-no-tokenizer.err" "BPE merges file"
 expect_rc 2 folder-with-tokenizer -- "$bin" "${base[@]}" --tokenizer_name "$bpe" --max_train_steps 1 --output_dir "$work/bad"
 grep_in "$work/folder-with-tokenizer.err" "go with a single file"
+# A file that holds the original trainer's EMA weights beside the trained ones (model_ema.*):
+# --use_ema_weights starts from them (the web UI's model_ema); the stale EMA is not written back
+# (a loader preferring it would get the model before the fine-tune); refused for a file without
+# them and for a folder.
+"$py" - "$work/conv-single/model.safetensors" "$work/with-ema.safetensors" <<'PY' || fail "making the EMA file"
+import sys
+from safetensors.torch import load_file, save_file
+sd = load_file(sys.argv[1])
+for key in [k for k in sd if k.startswith("model.diffusion_model.")]:
+    sd["model_ema." + key[len("model."):].replace(".", "")] = sd[key] + 0.5
+save_file(sd, sys.argv[2])
+PY
+expect_rc 0 ema-weights -- "$bin" "${base[@]}" --pretrained_model_name_or_path "$work/with-ema.safetensors" \
+  --tokenizer_name "$bpe" --use_ema_weights --learning_rate 1e-5 --max_train_steps 1 \
+  --save_format single_file --output_dir "$work/ema-weights"
+"$py" - "$work/with-ema.safetensors" "$work/ema-weights/model.safetensors" <<'PY' || fail "the run did not start from the EMA weights"
+import sys
+from safetensors.torch import load_file
+base, out = load_file(sys.argv[1]), load_file(sys.argv[2])
+unet = [k for k in base if k.startswith("model.diffusion_model.")]
+far = max((out[k].float() - base[k].float() - 0.5).abs().max().item() for k in unet)
+assert far < 1e-2, far
+assert not any(k.startswith("model_ema.") for k in out), "the stale EMA weights were written back"
+print(f"--use_ema_weights: the UNet started from model_ema.* (within {far:.1e} after a step)")
+PY
+expect_rc 2 ema-none -- "$bin" "${base[@]}" --pretrained_model_name_or_path "$work/conv-single/model.safetensors" \
+  --tokenizer_name "$bpe" --use_ema_weights --max_train_steps 1 --output_dir "$work/bad"
+grep_in "$work/ema-none.err" "holds no EMA weights"
+expect_rc 2 ema-folder -- "$bin" "${base[@]}" --use_ema_weights --max_train_steps 1 --output_dir "$work/bad"
+grep_in "$work/ema-folder.err" "go with a single file"
 # A pipeline folder holding only fp16 variant files (diffusers' save_pretrained(variant="fp16")):
 # refused without --variant, naming the variant; with --variant fp16 it trains, and its output
 # folder loads in diffusers with variant="fp16" (the trained UNet written in that variant too).
