@@ -67,6 +67,7 @@
 #include <vector>
 
 #include "../common/cli_checks.hpp"
+#include "../common/kohya_flags.hpp"
 #include "../common/run_skeleton.hpp"
 #include "../common/scheduler_config.hpp"
 #include "../common/sd_pipeline.hpp"
@@ -90,7 +91,8 @@ using namespace examples::sd;  // the pipeline folder, validation, callbacks
 struct Settings : SdRunFlags, ImageFolderFlags, LoraFlags, TorchrunFlags, SingleFileSaveFlags {
   bool enable_bucket = false, bucket_no_upscale = false;
   std::int64_t min_bucket_reso = 256, max_bucket_reso = 1024, bucket_reso_steps = 64;
-  double snr_gamma = 0.0, noise_offset = 0.0;
+  double snr_gamma = 0.0;
+  examples::KohyaFlags kohya;   // kohya's caption, noise and loss options
   std::string prediction_type;  // empty: the scheduler's
   bool use_ema = false;
   double ema_decay = 0.9999;
@@ -126,7 +128,7 @@ struct TextToImageImpl : torch::nn::Module {
         schedule_(schedule),
         prediction_(p.scheduler.prediction),
         snr_gamma_(s.snr_gamma),
-        noise_offset_(s.noise_offset) {
+        kohya_(s.kohya) {
     if (encoders_train) {
       register_module("text_encoder", p.text_encoder);
       if (p.xl) register_module("text_encoder_2", p.text_encoder_2);
@@ -143,14 +145,15 @@ struct TextToImageImpl : torch::nn::Module {
       embeds = text.hidden;
       cond.text_embeds = text.pooled;
     }
-    at::Tensor noise = at::randn_like(b.latents);
-    if (noise_offset_ > 0)  // diffusers' --noise_offset: one shift per sample and channel
-      noise = noise + noise_offset_ * at::randn({n, b.latents.size(1), 1, 1}, b.latents.options());
+    // kohya's noise options (diffusers' --noise_offset is kohya's without the adaptive scale).
+    const examples::StepNoise noise = examples::step_noise(b.latents, kohya_);
     const at::Tensor t =
         at::randint(schedule_.num_train_timesteps(), {n}, b.latents.options().dtype(at::kLong));
     const at::Tensor pred =
-        unet->forward(schedule_.add_noise(b.latents, noise, t), t, embeds, cond);
-    const at::Tensor target = schedule_.target(prediction_, b.latents, noise, t);
+        unet->forward(schedule_.add_noise(b.latents, noise.input_noise, t), t, embeds, cond);
+    const at::Tensor target = schedule_.target(prediction_, b.latents, noise.noise, t);
+    if (kohya_.changes_loss())
+      return examples::step_loss(pred, target, t, schedule_, prediction_, snr_gamma_, kohya_);
     if (snr_gamma_ <= 0) return at::mse_loss(pred.to(at::kFloat), target.to(at::kFloat));
     // diffusers' min-SNR: per-sample MSE weighted by min(SNR, γ)/SNR (ε) or /(SNR + 1) (v).
     const at::Tensor per_sample =
@@ -164,7 +167,8 @@ struct TextToImageImpl : torch::nn::Module {
   Pipeline* pipeline_;
   df::NoiseSchedule schedule_;
   df::Prediction prediction_;
-  double snr_gamma_, noise_offset_;
+  double snr_gamma_;
+  examples::KohyaFlags kohya_;
 };
 
 struct NoEmaConfig : tr::DefaultConfig {
@@ -221,7 +225,7 @@ class BatchStream {
         encoder_trains_(encoder_trains),
         device_(device) {
     per_epoch_ = epoch_batch_count(folder, buckets, s);
-    if (!encoder_trains) {
+    if (!encoder_trains && !s.kohya.captions.any()) {
       text_cache_.emplace(cache_root(s) / "text", text_fingerprint(p),
                           p.xl ? "SDXL text conditioning (hidden states, pooled)"
                                : "CLIP text encoder outputs (last_hidden_state)");
@@ -280,6 +284,11 @@ class BatchStream {
       corners = std::move(i.crop_top_left);
     }
     epoch_ = epoch;
+    // kohya's caption options, each time an image is used (epochs counted from 1, as kohya does).
+    captions = examples::processed_captions(
+        std::move(captions), s_.kohya, static_cast<std::uint64_t>(s_.seed), place,
+        static_cast<std::int64_t>(epoch) + 1, local_place / s_.gradient_accumulation_steps,
+        s_.max_train_steps);
     if (p_.xl) {  // SDXL's add_time_ids: original (h, w), crop (top, left), target (h, w)
       const std::int64_t down = p_.vae->downscale();
       std::vector<float> ids;
@@ -293,6 +302,10 @@ class BatchStream {
     }
     if (encoder_trains_) {
       b.captions = std::move(captions);
+    } else if (s_.kohya.captions.any()) {  // captions that change every time: not cached
+      const data::TensorCache::Entry e = encode_entry(captions);
+      b.embeds = e.at("hidden").to(device_);
+      if (p_.xl) b.pooled = e.at("pooled").to(device_);
     } else {
       std::vector<at::Tensor> hidden, pooled;
       for (const auto& e : text_cache_->entries_for_texts(
@@ -354,6 +367,7 @@ class BatchStream {
 
 /// Refuses flag combinations that cannot work, before anything is loaded.
 void check_flags(const Settings& s) {
+  s.kohya.check();
   if (s.train_text_encoder && !s.use_lora)
     throw ConfigError("trains the text encoder with LoRA only; add --use_lora",
                       "--train_text_encoder");
@@ -481,7 +495,7 @@ int train(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
       {"train_text_encoder", s.train_text_encoder},
       {"use_ema", s.use_ema},
       {"snr_gamma", s.snr_gamma},
-      {"noise_offset", s.noise_offset},
+      {"kohya", s.kohya.settings()},
       {"prediction_type", std::string(df::to_string(p.scheduler.prediction))},
       {"cache_latents", s.cache_latents},
       {"mixed_precision", s.mixed_precision},
@@ -674,7 +688,6 @@ int main(int argc, char** argv) {
   t->add_option("--snr_gamma", s.snr_gamma, "min-SNR γ (0: plain MSE)")
       ->check(number_in(0, 1e6))
       ->capture_default_str();
-  t->add_option("--noise_offset", s.noise_offset)->check(number_in(0, 10))->capture_default_str();
   t->add_option("--prediction_type", s.prediction_type,
                 "epsilon or v_prediction (default: the scheduler's)");
   t->add_flag("--use_ema", s.use_ema, "keep an EMA of the trained weights and save it");
@@ -683,6 +696,7 @@ int main(int argc, char** argv) {
   add_lora_flags(g, s, "UNet");
   t->add_flag("--train_text_encoder", s.train_text_encoder, "LoRA on the text encoders too");
   auto* d = add_torchrun_flags(app, s, "each UNet block");
+  examples::add_kohya_flags(app, s.kohya);
   last_value_wins({g.run, g.training, g.saving, img, d});
   if (const auto rc = examples::parse_command_line(app, argc, argv)) return *rc;
   return examples::run_reporting_errors([&] { return run(s); });

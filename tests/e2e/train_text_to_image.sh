@@ -91,6 +91,27 @@ grep_in "$work/epochs/results.json" '"mixed_precision": "bf16"'
 expect_rc 2 report-to -- "$bin" "${lora[@]}" --report_to wandb --output_dir "$work/bad"
 grep_in "$work/report-to.err" "--report_to"
 
+# kohya's caption, noise and loss options together (LoRA, frozen text encoder: its outputs are
+# encoded each step, as the captions change): stopped at step 6 and resumed, it ends with the LoRA
+# of the run straight through (the caption draws follow the batch's place, the noise the saved
+# generator); mistakes in them are named.
+kohya=("${base[@]}" --use_lora --rank 4 --learning_rate 2e-3 --max_train_steps 12 --checkpointing_steps 3
+       --shuffle_caption --keep_tokens 1 --caption_tag_dropout_rate 0.2 --caption_dropout_rate 0.1
+       --noise_offset 0.05 --adaptive_noise_scale 0.01 --multires_noise_iterations 4
+       --multires_noise_discount 0.3 --ip_noise_gamma 0.1 --ip_noise_gamma_random_strength
+       --loss_type huber --huber_schedule snr --huber_c 0.1 --debiased_estimation_loss)
+expect_rc 0 kohya -- "$bin" "${kohya[@]}" --output_dir "$work/kohya"
+grep_in "$work/kohya/results.json" '"loss_type": "huber"'
+expect_rc 130 kohya-stopped -- "$bin" "${kohya[@]}" --output_dir "$work/kohya-resumed" --stop_at 6
+expect_rc 0 kohya-resumed -- "$bin" "${kohya[@]}" --output_dir "$work/kohya-resumed" --resume_from_checkpoint latest
+cmp -s "$work/kohya/pytorch_lora_weights.safetensors" "$work/kohya-resumed/pytorch_lora_weights.safetensors" ||
+  fail "the resumed run with kohya's options ended with another LoRA"
+expect_rc 2 kohya-loss-type -- "$bin" "${base[@]}" --loss_type huberr --output_dir "$work/bad"
+grep_in "$work/kohya-loss-type.err" "--loss_type"
+expect_rc 2 kohya-two-perturbations -- "$bin" "${base[@]}" --ip_noise_gamma 0.1 --input_perturbation 0.1 --output_dir "$work/bad"
+grep_in "$work/kohya-two-perturbations.err" "--ip_noise_gamma"
+expect_rc 2 kohya-huber-c -- "$bin" "${base[@]}" --loss_type huber --huber_schedule exponential --huber_c 0 --output_dir "$work/bad"
+grep_in "$work/kohya-huber-c.err" "--huber_c"
 # Full fine-tuning with EMA, min-SNR and offset noise, latents encoded every step, buckets.
 expect_rc 0 full -- "$bin" "${base[@]}" --use_ema --ema_decay 0.9 --snr_gamma 5 --noise_offset 0.05 \
   --enable_bucket --min_bucket_reso 16 --max_bucket_reso 64 --bucket_reso_steps 16 \

@@ -131,10 +131,11 @@ def all_snr(noise_scheduler):
     return (torch.sqrt(a) / torch.sqrt(1.0 - a)) ** 2
 
 
-def debiased(loss, timesteps, snr_table):
+def debiased(loss, timesteps, snr_table, v_prediction=False):
     snr_t = torch.stack([snr_table[t] for t in timesteps])
     snr_t = torch.minimum(snr_t, torch.ones_like(snr_t) * 1000)
-    return 1 / torch.sqrt(snr_t) * loss
+    weight = 1 / (snr_t + 1) if v_prediction else 1 / torch.sqrt(snr_t)
+    return weight * loss
 
 
 def snr_scale(timesteps, snr_table):
@@ -295,6 +296,7 @@ def generate(out):
             tensors[f"loss.{i}.{kind}"] = conditional_loss(pred, target, kind, thr)
         per_sample = conditional_loss(pred, target, "l2").mean(dim=(1, 2, 3))
         tensors[f"loss.{i}.debiased"] = debiased(per_sample, t, snr_table)
+        tensors[f"loss.{i}.debiased_v"] = debiased(per_sample, t, snr_table, True)
         tensors[f"loss.{i}.v_like"] = per_sample + per_sample / snr_scale(t, snr_table) * 0.1
         tensors[f"loss.{i}.v_scaled"] = per_sample * snr_scale(t, snr_table)
         masks = torch.rand(6, 40, 56, generator=g)

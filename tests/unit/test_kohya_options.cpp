@@ -140,7 +140,7 @@ TEST(KohyaOptions, NoiseOffsetAndPyramidNoiseEqualTheReference) {
     EXPECT_EQ(drawn, c["draws"].get<std::size_t>());
     EXPECT_EQ(uniform, c["uniform"].size());
   }
-  df::NoiseDraws none = df::NoiseDraws::torch_and(1);
+  const df::NoiseDraws none = df::NoiseDraws::torch();
   EXPECT_THROW((void)df::pyramid_noise_like(at::zeros({2, 3}), 2, 0.3, none), dt::ShapeError);
   EXPECT_THROW((void)df::pyramid_noise_like(at::zeros({1, 1, 4, 4}), 2, -1, none), dt::ConfigError);
 }
@@ -166,6 +166,8 @@ TEST(KohyaOptions, LossTypesThresholdsAndWeightsEqualTheReference) {
         df::conditional_loss(T(p + "pred"), T(p + "target"), df::LossType::l2).mean({1, 2, 3});
     const at::Tensor snr = schedule.snr(t);
     expect_close(df::debiased_estimation(per_sample, snr), T(p + "debiased"), "debiased", 1e-5);
+    expect_close(df::debiased_estimation(per_sample, snr, true), T(p + "debiased_v"), "debiased_v",
+                 1e-5);
     expect_close(df::v_prediction_like_loss(per_sample, snr, 0.1), T(p + "v_like"), "v_like", 1e-5);
     expect_close(df::v_prediction_scaled_like_noise(per_sample, snr), T(p + "v_scaled"), "v_scaled",
                  1e-5);

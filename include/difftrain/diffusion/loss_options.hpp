@@ -116,9 +116,13 @@ inline at::Tensor capped_snr(const at::Tensor& snr) {
   return at::minimum(snr, at::full_like(snr, 1000));
 }
 
-/// kohya's apply_debiased_estimation: loss · 1/√SNR_t (SNR capped at 1000).
-inline at::Tensor debiased_estimation(const at::Tensor& per_sample_loss, const at::Tensor& snr) {
-  return per_sample_loss * (1.0 / capped_snr(snr).sqrt()).to(per_sample_loss.scalar_type());
+/// kohya's apply_debiased_estimation: loss · 1/√SNR_t, or loss · 1/(SNR_t + 1) for
+/// v-prediction (SNR capped at 1000).
+inline at::Tensor debiased_estimation(const at::Tensor& per_sample_loss, const at::Tensor& snr,
+                                      bool v_prediction = false) {
+  const at::Tensor s = capped_snr(snr);
+  const at::Tensor w = v_prediction ? 1.0 / (s + 1) : 1.0 / s.sqrt();
+  return per_sample_loss * w.to(per_sample_loss.scalar_type());
 }
 
 /// kohya's add_v_prediction_like_loss: loss + loss / (SNR/(SNR + 1)) · v_pred_like_loss.

@@ -10,7 +10,7 @@
 //                                           diffusers' --input_perturbation is the same with a
 //                                           fixed γ
 // Each takes its random draws from a NoiseDraws (the test replays the reference's draws; a run
-// draws from LibTorch's generator and a seeded engine).
+// draws from LibTorch's generator).
 
 #include <ATen/ATen.h>
 
@@ -18,7 +18,6 @@
 #include <cstdint>
 #include <functional>
 #include <optional>
-#include <random>
 #include <string>
 
 #include "difftrain/core/error.hpp"
@@ -31,11 +30,11 @@ struct NoiseDraws {
   std::function<at::Tensor(at::IntArrayRef, const at::TensorOptions&)> randn;
   std::function<double()> uniform;
 
-  /// LibTorch's generator for the tensors, an engine seeded with `seed` for the numbers.
-  static NoiseDraws torch_and(std::uint64_t seed) {
-    auto engine = std::make_shared<std::mt19937_64>(seed);
+  /// Both from LibTorch's generator (whose state a checkpoint keeps, so a resumed run draws what
+  /// the uninterrupted one drew).
+  static NoiseDraws torch() {
     return {[](at::IntArrayRef shape, const at::TensorOptions& o) { return at::randn(shape, o); },
-            [engine] { return std::uniform_real_distribution<double>(0.0, 1.0)(*engine); }};
+            [] { return at::rand({1}, at::kDouble).item<double>(); }};
   }
 };
 
