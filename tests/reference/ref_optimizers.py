@@ -1,7 +1,7 @@
 """Golden values for difftrain's optimizer kernels: torch.optim.Adam and AdamW run 200 steps with
-fused=True, foreach=True and the default for-loop, and torch.optim.SGD with foreach=True and the
-for-loop, over a sweep of settings, on a small network with two parameter groups (decay with one
-LR, no decay with another). The C++ test
+fused=True, foreach=True and the default for-loop, torch.optim.SGD with foreach=True and the
+for-loop, and lion-pytorch's Lion, over a sweep of settings, on a small network with two parameter
+groups (decay with one LR, no decay with another). The C++ test
 (test_optimizers.cpp) rebuilds the same network and data from the saved tensors, computes the same
 gradients with the same kernels, and compares its weights after every 50 steps.
 
@@ -54,8 +54,18 @@ for momentum, dampening, nesterov in ((0.0, 0.0, False), (0.9, 0.0, False), (0.9
                       "nesterov": nesterov, "weight_decay": weight_decay,
                       "lr": 0.05, "lr_no_decay": 0.02})
 
+# Lion (lion-pytorch, the package the LoRA trainers name): betas, decoupled weight decay.
+for betas in ((0.9, 0.99), (0.95, 0.98)):
+    for weight_decay, decoupled in ((0.0, False), (0.1, False), (0.1, True)):
+        CASES.append({"name": f"lion_b{betas[0]}_wd{weight_decay}_dec{int(decoupled)}",
+                      "kind": "lion", "beta1": betas[0], "beta2": betas[1],
+                      "weight_decay": weight_decay, "decoupled_weight_decay": decoupled,
+                      "lr": 3e-4, "lr_no_decay": 1e-4})
+
 
 def variants(case):
+    if case["kind"] == "lion":
+        return ("for_loop",)
     return ("foreach", "for_loop") if case["kind"] == "sgd" else ("fused", "foreach", "for_loop")
 
 
@@ -67,7 +77,11 @@ def run(case, init, x, y, variant):
     flags = {"fused": {"fused": True}, "foreach": {"foreach": True},
              "for_loop": {"foreach": False}}[variant]
     param_groups = groups(net, case["lr"], case["lr_no_decay"], case["weight_decay"])
-    if case["kind"] == "sgd":
+    if case["kind"] == "lion":
+        from lion_pytorch import Lion
+        opt = Lion(param_groups, lr=case["lr"], betas=(case["beta1"], case["beta2"]),
+                   decoupled_weight_decay=case["decoupled_weight_decay"])
+    elif case["kind"] == "sgd":
         opt = torch.optim.SGD(param_groups, lr=case["lr"], momentum=case["momentum"],
                               dampening=case["dampening"], nesterov=case["nesterov"], **flags)
     else:

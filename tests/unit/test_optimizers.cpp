@@ -2,9 +2,10 @@
 // kernels against foreach=True, and LibTorch's own against Python's for-loop; SGD's multi-tensor
 // and per-parameter steps likewise; over the swept settings of tests/reference/ref_optimizers.py
 // (kind, amsgrad, weight decay, betas/eps; momentum, dampening, Nesterov), two parameter groups,
-// 200 steps. A state saved by one kernel resumes under another, and the gradient scaler hands its
-// scale to the fused kernel with the same result as unscaling first. Gradient-norm clipping on
-// the multi-tensor kernels against Python's clip_grad_norm_ over a sweep of norms and limits.
+// 200 steps; Lion against lion-pytorch. A state saved by one kernel resumes under another, and the
+// gradient scaler hands its scale to the fused kernel with the same result as unscaling first.
+// Gradient-norm clipping on the multi-tensor kernels against Python's clip_grad_norm_ over a sweep
+// of norms and limits.
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
 #include <torch/nn/functional/loss.h>
@@ -15,6 +16,7 @@
 #include <difftrain/io/safetensors.hpp>
 #include <difftrain/train/clipping.hpp>
 #include <difftrain/train/optimizer.hpp>
+#include <difftrain/train/optimizer_archive.hpp>
 #include <difftrain/train/precision.hpp>
 
 #include <algorithm>
@@ -71,6 +73,15 @@ struct Kernel {
 
 std::unique_ptr<torch::optim::Optimizer> make(OptNetImpl& net, const nlohmann::json& c,
                                               Kernel kernel) {
+  if (c["kind"] == "lion") {
+    tr::Lion::Options o;
+    o.lr = c["lr"].get<double>();
+    o.beta1 = c["beta1"].get<double>();
+    o.beta2 = c["beta2"].get<double>();
+    o.weight_decay = c["weight_decay"].get<double>();
+    o.decoupled_weight_decay = c["decoupled_weight_decay"].get<bool>();
+    return tr::Lion::make(groups_of(net, c), o);
+  }
   if (c["kind"] == "sgd") {
     tr::SGD::Options o;
     o.lr = c["lr"].get<double>();
@@ -154,10 +165,10 @@ double run_and_compare(OptNetImpl& net, torch::optim::Optimizer& opt, const std:
 
 TEST(Optimizers, EveryAdamKernelMatchesTorchOnEverySweptSetting) {
   const auto& g = dt::test::golden("optimizers.json");
-  ASSERT_EQ(g["cases"].size(), 24U);
+  ASSERT_EQ(g["cases"].size(), 30U);
   int adam_cases = 0;
   for (const auto& c : g["cases"]) {
-    if (c["kind"] == "sgd") continue;
+    if (c["kind"] != "adam" && c["kind"] != "adamw") continue;
     ++adam_cases;
     const std::string name = c["name"];
     SCOPED_TRACE(name);
@@ -231,6 +242,7 @@ TEST(Optimizers, AStateSavedByOneKernelResumesUnderAnother) {
   for (const auto& c : g["cases"]) {
     const std::string name = c["name"];
     SCOPED_TRACE(name);
+    if (c["kind"] == "lion") continue;  // LionMatchesLionPytorch resumes its own
     if (c["kind"] == "sgd") {
       if (c["momentum"].get<double>() == 0.0) continue;  // nothing to carry
       for (const auto& [first, second] :
@@ -261,6 +273,47 @@ TEST(Optimizers, AStateSavedByOneKernelResumesUnderAnother) {
   }
 }
 
+// Lion against lion-pytorch on every swept setting (betas, weight decay, decoupled), two groups,
+// 200 steps; saved halfway through difftrain's checkpoint archive and loaded into a fresh Lion, the
+// run ends where the uninterrupted one does; the state is one moment per parameter.
+TEST(Optimizers, LionMatchesLionPytorchOnEverySweptSetting) {
+  const auto& g = dt::test::golden("optimizers.json");
+  int lion_cases = 0;
+  for (const auto& c : g["cases"]) {
+    if (c["kind"] != "lion") continue;
+    ++lion_cases;
+    const std::string name = c["name"];
+    SCOPED_TRACE(name);
+    auto net = net_for(name);
+    auto opt = make(*net, c, Kernel{});
+    EXPECT_LT(run_and_compare(*net, *opt, name, "for_loop", 1, 200), 1e-6);
+    auto half = net_for(name);
+    auto first = make(*half, c, Kernel{});
+    (void)run_and_compare(*half, *first, name, "for_loop", 1, 100);
+    std::size_t moments = 0;
+    for (const auto& [key, state] : first->state()) {
+      (void)key;
+      moments += static_cast<std::size_t>(
+          static_cast<const tr::LionParamState&>(*state).exp_avg().numel());
+    }
+    std::size_t params = 0;
+    for (const auto& p : half->parameters()) params += static_cast<std::size_t>(p.numel());
+    EXPECT_EQ(moments, params);
+    const std::string bytes = tr::optimizer_state_bytes(*first);
+    torch::serialize::InputArchive in;
+    in.load_from(bytes.data(), bytes.size());
+    auto second = make(*half, c, Kernel{});
+    second->load(in);
+    EXPECT_LT(run_and_compare(*half, *second, name, "for_loop", 101, 200), 1e-6);
+  }
+  EXPECT_EQ(lion_cases, 6);
+  auto net = std::make_shared<OptNetImpl>();
+  tr::ParamGroup all;
+  for (const auto& p : net->parameters()) all.params.push_back(p);
+  EXPECT_THROW((void)tr::Lion::make({all}, {.lr = 0.0}), dt::ConfigError);
+  EXPECT_THROW((void)tr::Lion::make({all}, {.beta1 = 1.5}), dt::ConfigError);
+}
+
 // torch.amp.GradScaler hands its scale to a fused optimizer instead of unscaling the gradients
 // first; the weights after a run with loss scaling, overflows included, are the same either way
 // (the scale is a power of two, so dividing in the kernel and multiplying by the inverse before
@@ -269,7 +322,8 @@ TEST(Optimizers, GradScalerHandsItsScaleToTheFusedKernel) {
   const auto& g = dt::test::golden("optimizers.json");
   const auto& t = golden_tensors();
   for (const auto& c : g["cases"]) {
-    if (c["kind"] == "sgd" || c["weight_decay"].get<double>() == 0.0) continue;
+    if (c["kind"] == "sgd" || c["kind"] == "lion" || c["weight_decay"].get<double>() == 0.0)
+      continue;
     const std::string name = c["name"];
     SCOPED_TRACE(name);
     std::vector<std::vector<at::Tensor>> finals;
@@ -474,6 +528,7 @@ TEST(Optimizers, FusedAndMultiTensorKernelsOnTheGpuMatchTorchsCpuRun) {
   for (const auto& c : g["cases"]) {
     const std::string name = c["name"];
     SCOPED_TRACE(name);
+    if (c["kind"] == "lion") continue;  // one per-parameter loop: the CPU test covers it
     if (c["kind"] == "sgd") {
       // Momentum SGD with weight decay (lr 0.05) amplifies rounding: torch's own float32 run on
       // the CPU leaves its float64 run by at most 4.5e-7 at step 50 and 3.5e-6 at step 100, but by

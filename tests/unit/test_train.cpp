@@ -234,6 +234,42 @@ TEST(Trainer, AResumedRunEndsBitIdenticalToAnUninterruptedOne) {
   EXPECT_EQ(dt::io::read_file(uninterrupted), dt::io::read_file(resumed));
 }
 
+// Lion as a trainer's optimizer policy: its moments go into the checkpoint, the learning-rate
+// schedule sets its groups' rates, and a run resumed at step 20 ends with the weights of the one
+// that was not interrupted.
+TEST(Trainer, LionResumesBitIdentically) {
+  struct LionConfig : tr::DefaultConfig {
+    using Optimizer = tr::Lion;
+    using Schedule = dt::schedule::Cosine;
+  };
+  tr::Trainer<NetImpl, LionConfig>::Options o;
+  o.optimizer.lr = 3e-4;
+  o.optimizer.weight_decay = 0.1;
+  o.schedule = {5, 40, 0.5};
+  tr::set_seed(8);
+  auto a = std::make_shared<NetImpl>(0.2);
+  tr::Trainer<NetImpl, LionConfig> ta(*a, o);
+  ta.fit(source, 40);
+  const auto want = snapshot(*a);
+  EXPECT_NE(ta.optimizer().param_groups()[0].options().get_lr(), 3e-4);  // scheduled
+  const fs::path ckpt = scratch("lion.pt");
+  {
+    tr::set_seed(8);
+    auto b = std::make_shared<NetImpl>(0.2);
+    tr::Trainer<NetImpl, LionConfig> tb(*b, o);
+    tb.fit(source, 20);
+    tb.save_checkpoint(ckpt);
+  }
+  tr::set_seed(99);
+  auto c = std::make_shared<NetImpl>(0.2);
+  tr::Trainer<NetImpl, LionConfig> tc(*c, o);
+  tc.load_checkpoint(ckpt);
+  tc.fit(source, 40);
+  const auto got = snapshot(*c);
+  for (std::size_t i = 0; i < want.size(); ++i) EXPECT_TRUE(at::equal(got[i], want[i])) << i;
+  EXPECT_EQ(tr::optimizer_state_bytes(ta.optimizer()), tr::optimizer_state_bytes(tc.optimizer()));
+}
+
 TEST(Consolidate, AOneProcessCheckpointBecomesOneFileOrAFolderTrainedOrEma) {
   tr::set_seed(6);
   auto net = std::make_shared<NetImpl>();

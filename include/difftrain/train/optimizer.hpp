@@ -27,6 +27,7 @@
 #include "difftrain/core/error.hpp"
 #include "difftrain/train/foreach_optimizers.hpp"
 #include "difftrain/train/fused_adam.hpp"
+#include "difftrain/train/lion.hpp"
 
 namespace difftrain::train {
 
@@ -260,6 +261,32 @@ struct SGD {
           std::move(g), d,
           /*cpu_per_parameter=*/o.kernel == SgdKernel::automatic);
     return std::make_unique<torch::optim::SGD>(std::move(g), d);
+  }
+};
+
+/// Lion as lion-pytorch steps it (train/lion.hpp): one moment per parameter, sign updates, so a
+/// learning rate 3-10x smaller than AdamW's and a weight decay as much larger.
+struct Lion {
+  static constexpr std::string_view name = "lion";
+  struct Options {
+    double lr = 1e-4;
+    double beta1 = 0.9, beta2 = 0.99;
+    double weight_decay = 0.0;
+    bool decoupled_weight_decay = false;  // lion-pytorch's: wd divided by the initial lr
+  };
+  static std::unique_ptr<torch::optim::Optimizer> make(const std::vector<ParamGroup>& groups,
+                                                       const Options& o) {
+    using optimizer_detail::check_setting;
+    if (!(o.lr > 0)) throw ConfigError("must be > 0 (as lion-pytorch asserts)", "Lion options: lr");
+    check_setting(o.lr, "Lion options: lr", 0.0);
+    check_setting(o.beta1, "Lion options: beta1", 0.0);
+    check_setting(o.beta2, "Lion options: beta2", 0.0);
+    if (o.beta1 > 1 || o.beta2 > 1) throw ConfigError("must lie in [0, 1]", "Lion options: betas");
+    check_setting(o.weight_decay, "Lion options: weight_decay", 0.0);
+    LionOptions d(o.lr);
+    d.betas({o.beta1, o.beta2}).weight_decay(o.weight_decay);
+    return std::make_unique<LionOptimizer>(optimizer_detail::torch_groups(groups, d), d,
+                                           o.decoupled_weight_decay);
   }
 };
 

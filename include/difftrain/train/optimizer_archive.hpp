@@ -23,6 +23,8 @@
 #include <cstdint>
 #include <string>
 
+#include "difftrain/train/lion.hpp"
+
 namespace difftrain::train {
 
 namespace optimizer_archive_detail {
@@ -73,7 +75,8 @@ inline void save_optimizer(torch::serialize::OutputArchive& archive,
                            torch::optim::Optimizer& optimizer) {
   namespace o = torch::optim;
   using optimizer_archive_detail::save_if;
-  if (save_if<o::AdamW, o::AdamWParamState, o::AdamWOptions>(archive, optimizer) ||
+  if (save_if<LionOptimizer, LionParamState, LionOptions>(archive, optimizer) ||
+      save_if<o::AdamW, o::AdamWParamState, o::AdamWOptions>(archive, optimizer) ||
       save_if<o::Adam, o::AdamParamState, o::AdamOptions>(archive, optimizer) ||
       save_if<o::SGD, o::SGDParamState, o::SGDOptions>(archive, optimizer) ||
       save_if<o::RMSprop, o::RMSpropParamState, o::RMSpropOptions>(archive, optimizer) ||

@@ -404,6 +404,10 @@ nlohmann::json Trainer<Model, Config>::optimizer_settings(const torch::optim::Op
   };
   if (const auto* w = dynamic_cast<const torch::optim::AdamWOptions*>(&o)) return adam(*w);
   if (const auto* a = dynamic_cast<const torch::optim::AdamOptions*>(&o)) return adam(*a);
+  if (const auto* l = dynamic_cast<const LionOptions*>(&o))
+    return {{"beta1", std::get<0>(l->betas())},
+            {"beta2", std::get<1>(l->betas())},
+            {"weight_decay", l->weight_decay()}};
   if (const auto* g = dynamic_cast<const torch::optim::SGDOptions*>(&o))
     return {{"momentum", g->momentum()},
             {"dampening", g->dampening()},

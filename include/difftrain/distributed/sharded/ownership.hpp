@@ -6,6 +6,7 @@
 // included by sharded_data_parallel.hpp.
 
 #include "difftrain/distributed/sharded_data_parallel.hpp"
+#include "difftrain/train/lion.hpp"
 
 namespace difftrain::distributed {
 
@@ -159,6 +160,8 @@ inline auto ShardedDataParallel::memory(const std::vector<at::Tensor>& params,
       m.optimizer += bytes(s->exp_avg()) + bytes(s->exp_avg_sq()) + bytes(s->max_exp_avg_sq());
     else if (const auto* a = dynamic_cast<const torch::optim::AdamParamState*>(state.get()))
       m.optimizer += bytes(a->exp_avg()) + bytes(a->exp_avg_sq()) + bytes(a->max_exp_avg_sq());
+    else if (const auto* l = dynamic_cast<const train::LionParamState*>(state.get()))
+      m.optimizer += bytes(l->exp_avg());
     else if (const auto* g = dynamic_cast<const torch::optim::SGDParamState*>(state.get()))
       m.optimizer += bytes(g->momentum_buffer());
     else if (const auto* r = dynamic_cast<const torch::optim::RMSpropParamState*>(state.get()))
