@@ -11,6 +11,7 @@
 #include <difftrain/io/remove_tree.hpp>
 #include <difftrain/schedule/registry.hpp>
 #include <difftrain/train/callbacks.hpp>
+#include <difftrain/train/optimizer.hpp>
 
 #include <chrono>
 #include <csignal>
@@ -73,7 +74,28 @@ struct LoraFlags {
   bool use_lora = false;
   std::int64_t rank = 4;
   double lora_alpha = 0.0;  // 0: the rank (diffusers' default)
+  /// LoRA+ (kohya's --loraplus_*_lr_ratio): the B matrices learn this many times faster; 0: off.
+  /// The specific ratios take precedence over the common one.
+  double loraplus_lr_ratio = 0.0, loraplus_unet_lr_ratio = 0.0,
+         loraplus_text_encoder_lr_ratio = 0.0;
+
+  /// The ratio for the trained model's B matrices (the UNet's or transformer's), or for the text
+  /// encoders'; 0 when LoRA+ is off for them.
+  [[nodiscard]] double loraplus_ratio(bool text_encoder) const {
+    const double specific = text_encoder ? loraplus_text_encoder_lr_ratio : loraplus_unet_lr_ratio;
+    return specific > 0 ? specific : loraplus_lr_ratio;
+  }
 };
+
+/// LoRA+ (Hayou et al. 2024) as kohya's scripts apply it: a parameter group of the LoRA branches'
+/// B matrices (`lora_B`, kohya's `lora_up`) of the modules registered as `module_pattern`, at
+/// `ratio` times the learning rate; the schedules scale it with every other group.
+inline std::optional<difftrain::train::ParamGroupRule> loraplus_rule(
+    const std::string& module_pattern, double ratio, double lr) {
+  if (ratio <= 0) return std::nullopt;
+  return difftrain::train::ParamGroupRule{module_pattern + "\\..*\\.lora_B\\.", lr * ratio,
+                                          std::nullopt};
+}
 
 /// How a full fine-tune is written: a diffusers folder, or one file in the family's original
 /// layout in this precision.
@@ -255,6 +277,26 @@ inline void add_lora_flags(const SdFlagGroups& g, LoraFlags& f, const std::strin
   g.training->add_option("--lora_alpha", f.lora_alpha, "LoRA alpha (0: the rank)")
       ->check(number_in(0, 1e6))
       ->capture_default_str();
+  g.training
+      ->add_option("--loraplus_lr_ratio", f.loraplus_lr_ratio,
+                   "LoRA+: the B matrices at this many times the learning rate (0: off)")
+      ->check(number_in(0, 1e6))
+      ->capture_default_str();
+  g.training
+      ->add_option("--loraplus_unet_lr_ratio", f.loraplus_unet_lr_ratio,
+                   "LoRA+ for the " + instead_of + "'s branches alone")
+      ->check(number_in(0, 1e6));
+  g.training
+      ->add_option("--loraplus_text_encoder_lr_ratio", f.loraplus_text_encoder_lr_ratio,
+                   "LoRA+ for the text encoders' branches alone")
+      ->check(number_in(0, 1e6));
+}
+
+/// LoRA+ goes with LoRA.
+inline void check_loraplus_flags(const LoraFlags& f) {
+  if (!f.use_lora && (f.loraplus_lr_ratio > 0 || f.loraplus_unet_lr_ratio > 0 ||
+                      f.loraplus_text_encoder_lr_ratio > 0))
+    throw ConfigError("is for LoRA branches; add --use_lora", "--loraplus_lr_ratio");
 }
 
 /// Refuses what these programs cannot do, naming the flag, before anything is loaded.

@@ -163,6 +163,10 @@ int write_run_results(const Settings& s, const nlohmann::json& run_settings,
 // ---- the run ------------------------------------------------------------------------------------
 
 void check_flags(const Settings& s) {
+  check_loraplus_flags(s);
+  if (s.loraplus_text_encoder_lr_ratio > 0)
+    throw ConfigError("has no branches to speed up here: the text encoders stay frozen",
+                      "--loraplus_text_encoder_lr_ratio");
   const std::set<std::string> schemes{"sigma_sqrt", "logit_normal", "mode", "cosmap", "none"};
   if (!schemes.contains(s.weighting_scheme))
     throw ConfigError("is '" + s.weighting_scheme +
@@ -211,6 +215,9 @@ int train_and_write(Trainee& trainee, const Settings& s, const Ranks& ranks,
   const bool main_rank = ranks.main();
   typename Trainer::Options o;
   set_optimizer_and_schedule(o, s, s.learning_rate);
+  if (s.use_lora)  // LoRA+: the transformer's B matrices
+    if (auto r = loraplus_rule("transformer", s.loraplus_ratio(false), s.learning_rate))
+      o.groups.rules.push_back(*r);
   o.clipping.max_norm = s.max_grad_norm;
   set_parallel(o, s, ranks.world);
   const RunFolders folders = prepare_run_folders(s, main_rank);

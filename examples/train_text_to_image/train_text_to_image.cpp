@@ -368,6 +368,9 @@ class BatchStream {
 /// Refuses flag combinations that cannot work, before anything is loaded.
 void check_flags(const Settings& s) {
   s.kohya.check();
+  check_loraplus_flags(s);
+  if (s.loraplus_text_encoder_lr_ratio > 0 && !s.train_text_encoder)
+    throw ConfigError("goes with --train_text_encoder", "--loraplus_text_encoder_lr_ratio");
   if (s.train_text_encoder && !s.use_lora)
     throw ConfigError("trains the text encoder with LoRA only; add --use_lora",
                       "--train_text_encoder");
@@ -474,6 +477,13 @@ int train(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
   trainee.train();
   typename Trainer::Options o;
   set_optimizer_and_schedule(o, s, s.learning_rate);
+  if (s.use_lora) {  // LoRA+: the UNet's B matrices, and the text encoders' when they train
+    if (auto r = loraplus_rule("unet", s.loraplus_ratio(false), s.learning_rate))
+      o.groups.rules.push_back(*r);
+    if (s.train_text_encoder)
+      if (auto r = loraplus_rule("text_encoder(_2)?", s.loraplus_ratio(true), s.learning_rate))
+        o.groups.rules.push_back(*r);
+  }
   o.clipping.max_norm = s.max_grad_norm;
   if constexpr (Trainer::has_ema) o.ema.rule.decay = s.ema_decay;
   set_parallel(o, s, world);
@@ -601,6 +611,12 @@ int train(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
   results["first_loss"] = mean_of(losses, tenth, false);
   results["last_loss"] = mean_of(losses, tenth, true);
   results["lora_layers"] = {{"unet", unet_lora.size()}, {"text_encoder", te_lora.size()}};
+  // The optimizer's groups as they start (LoRA+ puts the B matrices in groups of their own).
+  results["param_groups"] = nlohmann::json::array();
+  for (const auto& g : trainer.param_groups())
+    results["param_groups"].push_back({{"label", g.label},
+                                       {"parameters", g.params.size()},
+                                       {"lr", g.lr.value_or(s.learning_rate)}});
   results["batches_per_epoch"] = stream->batches_per_epoch();
   results["train_seconds"] = fit.seconds;
   results["data_seconds"] = stream->data_seconds();

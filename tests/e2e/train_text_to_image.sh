@@ -112,6 +112,20 @@ expect_rc 2 kohya-two-perturbations -- "$bin" "${base[@]}" --ip_noise_gamma 0.1 
 grep_in "$work/kohya-two-perturbations.err" "--ip_noise_gamma"
 expect_rc 2 kohya-huber-c -- "$bin" "${base[@]}" --loss_type huber --huber_schedule exponential --huber_c 0 --output_dir "$work/bad"
 grep_in "$work/kohya-huber-c.err" "--huber_c"
+# LoRA+ (kohya's ratio): the UNet's and text encoder's B matrices in groups of their own at 16x
+# the rate; refused without LoRA.
+expect_rc 0 loraplus -- "$bin" "${base[@]}" --use_lora --train_text_encoder --loraplus_lr_ratio 16 \
+  --learning_rate 1e-4 --max_train_steps 2 --output_dir "$work/loraplus"
+"$py" - "$work/loraplus/results.json" <<'PY' || fail "LoRA+ groups"
+import json, sys
+groups = json.load(open(sys.argv[1]))["param_groups"]
+fast = [g for g in groups if abs(g["lr"] - 1.6e-3) < 1e-12]
+slow = [g for g in groups if abs(g["lr"] - 1e-4) < 1e-12]
+assert len(fast) == 2 and slow and len(fast) + len(slow) == len(groups), groups
+print("LoRA+:", groups)
+PY
+expect_rc 2 loraplus-no-lora -- "$bin" "${base[@]}" --loraplus_lr_ratio 16 --output_dir "$work/bad"
+grep_in "$work/loraplus-no-lora.err" "--use_lora"
 # Full fine-tuning with EMA, min-SNR and offset noise, latents encoded every step, buckets.
 expect_rc 0 full -- "$bin" "${base[@]}" --use_ema --ema_decay 0.9 --snr_gamma 5 --noise_offset 0.05 \
   --enable_bucket --min_bucket_reso 16 --max_bucket_reso 64 --bucket_reso_steps 16 \
