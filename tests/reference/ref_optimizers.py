@@ -62,9 +62,22 @@ for betas in ((0.9, 0.99), (0.95, 0.98)):
                       "weight_decay": weight_decay, "decoupled_weight_decay": decoupled,
                       "lr": 3e-4, "lr_no_decay": 1e-4})
 
+# Prodigy (prodigyopt): the defaults, bias correction, safeguarded warm-up, coupled and decoupled
+# weight decay, d_coef, a growth limit, β₁ = 0 and a sliced estimate.
+for extra in ({}, {"use_bias_correction": True}, {"safeguard_warmup": True},
+              {"weight_decay": 0.05}, {"weight_decay": 0.05, "decouple": False},
+              {"d_coef": 0.5, "growth_rate": 1.02}, {"beta1": 0.0}, {"slice_p": 3}):
+    case = {"name": "prodigy_" + ("_".join(f"{k}{v}" for k, v in extra.items()) or "defaults"),
+            "kind": "prodigy", "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0,
+            "decouple": True, "use_bias_correction": False, "safeguard_warmup": False,
+            "d0": 1e-6, "d_coef": 1.0, "growth_rate": None, "slice_p": 1,
+            "lr": 1.0, "lr_no_decay": 1.0}
+    case.update(extra)
+    CASES.append(case)
+
 
 def variants(case):
-    if case["kind"] == "lion":
+    if case["kind"] in ("lion", "prodigy"):
         return ("for_loop",)
     return ("foreach", "for_loop") if case["kind"] == "sgd" else ("fused", "foreach", "for_loop")
 
@@ -77,7 +90,16 @@ def run(case, init, x, y, variant):
     flags = {"fused": {"fused": True}, "foreach": {"foreach": True},
              "for_loop": {"foreach": False}}[variant]
     param_groups = groups(net, case["lr"], case["lr_no_decay"], case["weight_decay"])
-    if case["kind"] == "lion":
+    if case["kind"] == "prodigy":
+        from prodigyopt import Prodigy
+        opt = Prodigy(param_groups, lr=case["lr"], betas=(case["beta1"], case["beta2"]),
+                      eps=case["eps"], decouple=case["decouple"],
+                      use_bias_correction=case["use_bias_correction"],
+                      safeguard_warmup=case["safeguard_warmup"], d0=case["d0"],
+                      d_coef=case["d_coef"],
+                      growth_rate=case["growth_rate"] or float("inf"),  # None: unbounded
+                      slice_p=case["slice_p"])
+    elif case["kind"] == "lion":
         from lion_pytorch import Lion
         opt = Lion(param_groups, lr=case["lr"], betas=(case["beta1"], case["beta2"]),
                    decoupled_weight_decay=case["decoupled_weight_decay"])

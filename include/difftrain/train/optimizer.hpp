@@ -15,6 +15,7 @@
 #include <torch/optim/sgd.h>
 
 #include <cmath>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <regex>
@@ -28,6 +29,7 @@
 #include "difftrain/train/foreach_optimizers.hpp"
 #include "difftrain/train/fused_adam.hpp"
 #include "difftrain/train/lion.hpp"
+#include "difftrain/train/prodigy.hpp"
 
 namespace difftrain::train {
 
@@ -287,6 +289,55 @@ struct Lion {
     d.betas({o.beta1, o.beta2}).weight_decay(o.weight_decay);
     return std::make_unique<LionOptimizer>(optimizer_detail::torch_groups(groups, d), d,
                                            o.decoupled_weight_decay);
+  }
+};
+
+/// Prodigy as prodigyopt steps it (train/prodigy.hpp): Adam with its learning rate estimated
+/// (lr is a multiplier, 1 as the LoRA trainers set it, with a constant schedule).
+struct Prodigy {
+  static constexpr std::string_view name = "prodigy";
+  struct Options {
+    double lr = 1.0;
+    double beta1 = 0.9, beta2 = 0.999;
+    std::optional<double> beta3;  // none: √β₂
+    double eps = 1e-8;
+    double weight_decay = 0.0;
+    bool decouple = true;
+    bool use_bias_correction = false;
+    bool safeguard_warmup = false;
+    double d0 = 1e-6, d_coef = 1.0;
+    double growth_rate = std::numeric_limits<double>::infinity();
+    std::int64_t slice_p = 1;
+  };
+  static std::unique_ptr<torch::optim::Optimizer> make(const std::vector<ParamGroup>& groups,
+                                                       const Options& o) {
+    using optimizer_detail::check_setting;
+    // prodigyopt's own checks, named.
+    if (!(o.lr > 0)) throw ConfigError("must be > 0", "Prodigy options: lr");
+    if (!(o.d0 > 0)) throw ConfigError("must be > 0", "Prodigy options: d0");
+    if (!(o.eps > 0)) throw ConfigError("must be > 0", "Prodigy options: eps");
+    check_setting(o.beta1, "Prodigy options: beta1", 0.0, 1.0);
+    check_setting(o.beta2, "Prodigy options: beta2", 0.0, 1.0);
+    if (o.beta3) check_setting(*o.beta3, "Prodigy options: beta3", 0.0, 1.0);
+    check_setting(o.weight_decay, "Prodigy options: weight_decay", 0.0);
+    check_setting(o.d_coef, "Prodigy options: d_coef", 0.0);
+    if (!(o.growth_rate >= 1)) throw ConfigError("must be >= 1", "Prodigy options: growth_rate");
+    if (o.slice_p < 1) throw ConfigError("must be >= 1", "Prodigy options: slice_p");
+    ProdigyOptions d(o.lr);
+    d.betas({o.beta1, o.beta2})
+        .beta3(o.beta3.value_or(-1.0))
+        .eps(o.eps)
+        .weight_decay(o.weight_decay)
+        .decouple(o.decouple)
+        .use_bias_correction(o.use_bias_correction)
+        .safeguard_warmup(o.safeguard_warmup)
+        .d0(o.d0)
+        .d_coef(o.d_coef)
+        .growth_rate(o.growth_rate)
+        .slice_p(o.slice_p)
+        .d(o.d0)
+        .d_max(o.d0);
+    return std::make_unique<ProdigyOptimizer>(optimizer_detail::torch_groups(groups, d), d);
   }
 };
 

@@ -24,6 +24,7 @@
 #include <string>
 
 #include "difftrain/train/lion.hpp"
+#include "difftrain/train/prodigy.hpp"
 
 namespace difftrain::train {
 
@@ -76,6 +77,7 @@ inline void save_optimizer(torch::serialize::OutputArchive& archive,
   namespace o = torch::optim;
   using optimizer_archive_detail::save_if;
   if (save_if<LionOptimizer, LionParamState, LionOptions>(archive, optimizer) ||
+      save_if<ProdigyOptimizer, ProdigyParamState, ProdigyOptions>(archive, optimizer) ||
       save_if<o::AdamW, o::AdamWParamState, o::AdamWOptions>(archive, optimizer) ||
       save_if<o::Adam, o::AdamParamState, o::AdamOptions>(archive, optimizer) ||
       save_if<o::SGD, o::SGDParamState, o::SGDOptions>(archive, optimizer) ||

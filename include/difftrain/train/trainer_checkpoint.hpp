@@ -404,6 +404,14 @@ nlohmann::json Trainer<Model, Config>::optimizer_settings(const torch::optim::Op
   };
   if (const auto* w = dynamic_cast<const torch::optim::AdamWOptions*>(&o)) return adam(*w);
   if (const auto* a = dynamic_cast<const torch::optim::AdamOptions*>(&o)) return adam(*a);
+  if (const auto* p = dynamic_cast<const ProdigyOptions*>(&o))
+    return {{"beta1", std::get<0>(p->betas())},
+            {"beta2", std::get<1>(p->betas())},
+            {"weight_decay", p->weight_decay()},
+            {"d0", p->d0()},
+            {"d_coef", p->d_coef()},
+            {"use_bias_correction", p->use_bias_correction()},
+            {"safeguard_warmup", p->safeguard_warmup()}};
   if (const auto* l = dynamic_cast<const LionOptions*>(&o))
     return {{"beta1", std::get<0>(l->betas())},
             {"beta2", std::get<1>(l->betas())},

@@ -7,6 +7,7 @@
 
 #include "difftrain/distributed/sharded_data_parallel.hpp"
 #include "difftrain/train/lion.hpp"
+#include "difftrain/train/prodigy.hpp"
 
 namespace difftrain::distributed {
 
@@ -160,6 +161,9 @@ inline auto ShardedDataParallel::memory(const std::vector<at::Tensor>& params,
       m.optimizer += bytes(s->exp_avg()) + bytes(s->exp_avg_sq()) + bytes(s->max_exp_avg_sq());
     else if (const auto* a = dynamic_cast<const torch::optim::AdamParamState*>(state.get()))
       m.optimizer += bytes(a->exp_avg()) + bytes(a->exp_avg_sq()) + bytes(a->max_exp_avg_sq());
+    else if (const auto* pr = dynamic_cast<const train::ProdigyParamState*>(state.get()))
+      m.optimizer +=
+          bytes(pr->exp_avg()) + bytes(pr->exp_avg_sq()) + bytes(pr->s()) + bytes(pr->p0());
     else if (const auto* l = dynamic_cast<const train::LionParamState*>(state.get()))
       m.optimizer += bytes(l->exp_avg());
     else if (const auto* g = dynamic_cast<const torch::optim::SGDParamState*>(state.get()))
