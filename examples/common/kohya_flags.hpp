@@ -199,6 +199,9 @@ inline at::Tensor step_loss(const at::Tensor& pred, const at::Tensor& target,
             .to(pred.device());
   at::Tensor loss =
       df::conditional_loss(pred.to(at::kFloat), target.to(at::kFloat), type, c).mean({1, 2, 3});
+  const bool weighted = snr_gamma > 0 || f.scale_v_pred_loss_like_noise_pred ||
+                        f.v_pred_like_loss != 0 || f.debiased_estimation_loss;
+  if (!weighted) return loss.mean();
   const bool v = prediction == df::Prediction::v_prediction;
   const at::Tensor snr = schedule.snr(timesteps.cpu()).to(at::kFloat).to(loss.device());
   if (snr_gamma > 0) loss = loss * df::min_snr_weights(snr, snr_gamma, prediction);

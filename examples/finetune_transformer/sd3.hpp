@@ -65,6 +65,18 @@ struct Sd3SingleFileSources {
   std::string config_folder, tokenizer_name, t5_tokenizer, original_config;
 };
 
+/// An SD3 / 3.5 single file; another family's is refused by name (`flag`).
+models::SingleFile read_sd3_file(const std::string& model, const std::string& flag) {
+  models::SingleFile f = models::read_single_file(model);
+  if (f.family != models::SingleFileFamily::sd3)
+    throw ConfigError(
+        "is a " + std::string(models::single_file_family_name(f.family)) +
+            " file; this program trains Stable Diffusion 3 files (train_text_to_image "
+            "trains the others)",
+        flag);
+  return f;
+}
+
 /// The CLIP tokenizers (and T5's, when `t5`) of an SD3 file read without a config folder.
 void read_sd3_told_tokenizers(Sd3Pipeline& p, const Sd3SingleFileSources& src, bool t5,
                               const std::string& file_flag) {
@@ -175,13 +187,7 @@ Sd3Pipeline load_sd3_pipeline(const std::string& model, const std::string& varia
         throw ConfigError("goes with configs told from the file; --single_file_config gives them",
                           name + given);
   if (told) {
-    const models::SingleFile f = models::read_single_file(model);
-    if (f.family != models::SingleFileFamily::sd3)
-      throw ConfigError(
-          "is a " + std::string(models::single_file_family_name(f.family)) +
-              " file; this program trains Stable Diffusion 3 files (train_text_to_image "
-              "trains the others)",
-          flag);
+    const models::SingleFile f = read_sd3_file(model, flag);
     p.single_file = model;
     read_sd3_told(p, f, src, flag);
     p.single_file_leftovers = models::single_file_leftovers(f);
@@ -217,13 +223,7 @@ Sd3Pipeline load_sd3_pipeline(const std::string& model, const std::string& varia
     p.tokenizer_2.emplace(text::CLIPTokenizer::from_folder(p.root / "tokenizer_2"));
     if (t5) p.tokenizer_3.emplace(text::T5Tokenizer::from_folder(p.root / "tokenizer_3"));
     if (single) {
-      const models::SingleFile f = models::read_single_file(model);
-      if (f.family != models::SingleFileFamily::sd3)
-        throw ConfigError(
-            "is a " + std::string(models::single_file_family_name(f.family)) +
-                " file; this program trains Stable Diffusion 3 files (train_text_to_image "
-                "trains the others)",
-            flag);
+      const models::SingleFile f = read_sd3_file(model, flag);
       p.single_file = model;
       p.text_encoder = models::sd3_clip_from_single_file<Clip>(
           f, component_config<models::CLIPTextConfig>(p.root / "text_encoder"), 0);

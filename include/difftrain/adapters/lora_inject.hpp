@@ -34,6 +34,7 @@
 
 #include "difftrain/adapters/lora.hpp"
 #include "difftrain/core/error.hpp"
+#include "difftrain/core/python_strings.hpp"
 #include "difftrain/io/json_parse.hpp"
 
 namespace difftrain::adapters {
@@ -364,12 +365,6 @@ inline const std::vector<std::pair<std::string, std::string>>& sat_lora_table() 
 inline bool ends_with(const std::string& s, const std::string& tail) {
   return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
 }
-/// Python's str.replace(from, to): every occurrence, left to right.
-inline std::string replace_all(std::string s, const std::string& from, const std::string& to) {
-  for (auto at = s.find(from); at != std::string::npos; at = s.find(from, at + to.size()))
-    s.replace(at, from.size(), to);
-  return s;
-}
 }  // namespace lora_inject_detail
 
 /// A CogVideoX SAT LoRA key in diffusers' naming (seed 003's table, and its export script's
@@ -384,9 +379,7 @@ inline std::optional<std::string> sat_to_diffusers_lora_key(const std::string& k
   if (k.rfind(sat_prefix, 0) == 0) k = k.substr(sat_prefix.size());
   for (const auto& [from, to] : table) {
     if (!lora_inject_detail::ends_with(k, from)) continue;
-    return lora_inject_detail::replace_all(k.substr(0, k.size() - from.size()), "layers",
-                                           "transformer_blocks") +
-           to;
+    return python_replace(k.substr(0, k.size() - from.size()), "layers", "transformer_blocks") + to;
   }
   return std::nullopt;
 }
@@ -399,8 +392,8 @@ inline std::optional<std::string> diffusers_to_sat_lora_key(const std::string& k
   for (const auto& [sat, diffusers] : lora_inject_detail::sat_lora_table()) {
     if (!lora_inject_detail::ends_with(key, diffusers)) continue;
     return "model.diffusion_model." +
-           lora_inject_detail::replace_all(key.substr(0, key.size() - diffusers.size()),
-                                           "transformer_blocks", "layers") +
+           python_replace(key.substr(0, key.size() - diffusers.size()), "transformer_blocks",
+                          "layers") +
            sat;
   }
   return std::nullopt;

@@ -4,6 +4,7 @@
 #include "difftrain/core/agreed.hpp"
 #include "difftrain/core/concepts.hpp"
 #include "difftrain/core/error.hpp"
+#include "difftrain/core/python_strings.hpp"
 #include "difftrain/core/registry.hpp"
 #include "difftrain/core/type_list.hpp"
 #include "difftrain/core/version.hpp"

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "difftrain/core/error.hpp"
+#include "difftrain/core/python_strings.hpp"
 
 namespace difftrain::data {
 
@@ -87,20 +88,6 @@ struct CaptionDraws {
 
 namespace caption_detail {
 
-/// Python's str.split(sep) (sep not empty).
-inline std::vector<std::string> split(const std::string& s, const std::string& sep,
-                                      std::size_t max_splits = std::string::npos) {
-  std::vector<std::string> out;
-  std::size_t start = 0, splits = 0;
-  for (std::size_t at = s.find(sep); at != std::string::npos && splits < max_splits;
-       at = s.find(sep, start), ++splits) {
-    out.push_back(s.substr(start, at - start));
-    start = at + sep.size();
-  }
-  out.push_back(s.substr(start));
-  return out;
-}
-
 /// Python's str.strip(): the ASCII white space Python strips, and the Unicode spaces of UTF-8
 /// captions are kept (kohya's tags are ASCII-separated).
 inline std::string strip(const std::string& s) {
@@ -108,13 +95,6 @@ inline std::string strip(const std::string& s) {
   const auto a = s.find_first_not_of(ws);
   if (a == std::string::npos) return {};
   return s.substr(a, s.find_last_not_of(ws) - a + 1);
-}
-
-inline std::string replace_all(std::string s, const std::string& from, const std::string& to) {
-  if (from.empty()) return s;
-  for (std::size_t at = s.find(from); at != std::string::npos; at = s.find(from, at + to.size()))
-    s.replace(at, from.size(), to);
-  return s;
 }
 
 inline std::string join(const std::vector<std::string>& parts, const std::string& sep) {
@@ -126,7 +106,7 @@ inline std::string join(const std::vector<std::string>& parts, const std::string
 /// The stripped, non-empty pieces of `s` split at `sep`.
 inline std::vector<std::string> tags(const std::string& s, const std::string& sep) {
   std::vector<std::string> out;
-  for (const auto& t : split(s, sep))
+  for (const auto& t : python_split(s, sep))
     if (auto u = strip(t); !u.empty()) out.push_back(std::move(u));
   return out;
 }
@@ -147,7 +127,7 @@ inline std::string process_caption(std::string caption, const CaptionOptions& o,
   if (drop) return {};
   if (o.enable_wildcard) {
     if (caption.find('\n') != std::string::npos) {
-      const auto lines = split(caption, "\n");
+      const auto lines = python_split(caption, "\n");
       caption = lines[draws.below(lines.size())];
     }
     // {a|b|c}: one of the choices; {{ and }} stand for literal braces.
@@ -156,31 +136,31 @@ inline std::string process_caption(std::string caption, const CaptionOptions& o,
       open += "⦅";
       close += "⦆";
     }
-    caption = replace_all(replace_all(caption, "{{", open), "}}", close);
+    caption = python_replace(python_replace(caption, "{{", open), "}}", close);
     static const std::regex wildcard(R"(\{([^}]+)\})");
     std::string out;
     auto it = std::sregex_iterator(caption.begin(), caption.end(), wildcard);
     std::size_t last = 0;
     for (; it != std::sregex_iterator(); ++it) {
       out += caption.substr(last, static_cast<std::size_t>(it->position()) - last);
-      const auto choices = split((*it)[1].str(), "|");
+      const auto choices = python_split((*it)[1].str(), "|");
       out += choices[draws.below(choices.size())];
       last = static_cast<std::size_t>(it->position() + it->length());
     }
     out += caption.substr(last);
-    caption = replace_all(replace_all(out, open, "{"), close, "}");
+    caption = python_replace(python_replace(out, open, "{"), close, "}");
   } else {
-    caption = split(caption, "\n")[0];
+    caption = python_split(caption, "\n")[0];
   }
   const std::string& sep = o.caption_separator;
   if (o.shuffle_caption || o.token_warmup_step > 0 || o.caption_tag_dropout_rate > 0) {
     std::vector<std::string> fixed, flex, fixed_suffix;
     if (!o.keep_tokens_separator.empty() &&
         caption.find(o.keep_tokens_separator) != std::string::npos) {
-      auto parts = split(caption, o.keep_tokens_separator, 1);
+      auto parts = python_split(caption, o.keep_tokens_separator, 1);
       std::string flex_part = parts[1];
       if (flex_part.find(o.keep_tokens_separator) != std::string::npos) {
-        auto rest = split(flex_part, o.keep_tokens_separator, 1);
+        auto rest = python_split(flex_part, o.keep_tokens_separator, 1);
         flex_part = rest[0];
         fixed_suffix = tags(rest[1], sep);
       }
@@ -188,7 +168,7 @@ inline std::string process_caption(std::string caption, const CaptionOptions& o,
       flex = tags(flex_part, sep);
     } else {
       std::vector<std::string> all;
-      for (const auto& t : split(strip(caption), sep)) all.push_back(strip(t));
+      for (const auto& t : python_split(strip(caption), sep)) all.push_back(strip(t));
       flex = all;
       if (o.keep_tokens > 0) {
         const auto k = std::min<std::size_t>(static_cast<std::size_t>(o.keep_tokens), all.size());
@@ -223,7 +203,7 @@ inline std::string process_caption(std::string caption, const CaptionOptions& o,
     all.insert(all.end(), fixed_suffix.begin(), fixed_suffix.end());
     caption = join(all, ", ");
   }
-  if (!o.secondary_separator.empty()) caption = replace_all(caption, o.secondary_separator, sep);
+  if (!o.secondary_separator.empty()) caption = python_replace(caption, o.secondary_separator, sep);
   return caption;
 }
 

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "difftrain/core/error.hpp"
+#include "difftrain/train/fused_adam.hpp"  // fused_detail::evaluate_closure
 
 namespace difftrain::train {
 
@@ -66,12 +67,8 @@ class LionOptimizer : public torch::optim::Optimizer {
         decoupled_(decoupled_weight_decay) {}
 
   at::Tensor step(LossClosure closure = nullptr) override {
-    at::NoGradGuard no_grad;
-    at::Tensor loss;
-    if (closure) {
-      at::AutoGradMode grad(true);
-      loss = closure();
-    }
+    at::Tensor loss = fused_detail::evaluate_closure(closure);
+    const at::NoGradGuard no_grad;
     for (auto& group : param_groups()) {
       const auto& o = static_cast<const LionOptions&>(group.options());
       const double lr = o.lr();

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "difftrain/core/error.hpp"
+#include "difftrain/train/fused_adam.hpp"  // fused_detail::evaluate_closure
 
 namespace difftrain::train {
 
@@ -120,12 +121,8 @@ class ProdigyOptimizer : public torch::optim::Optimizer {
       : torch::optim::Optimizer(groups, std::make_unique<ProdigyOptions>(defaults)) {}
 
   at::Tensor step(LossClosure closure = nullptr) override {
-    at::NoGradGuard no_grad;
-    at::Tensor loss;
-    if (closure) {
-      at::AutoGradMode grad(true);
-      loss = closure();
-    }
+    at::Tensor loss = fused_detail::evaluate_closure(closure);
+    const at::NoGradGuard no_grad;
     auto options = [](torch::optim::OptimizerParamGroup& g) -> ProdigyOptions& {
       return static_cast<ProdigyOptions&>(g.options());
     };

@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "difftrain/core/error.hpp"
+#include "difftrain/core/python_strings.hpp"
 #include "difftrain/io/torch_file.hpp"
 #include "difftrain/models/autoencoder_kl_cogvideox.hpp"
 #include "difftrain/models/cogvideox_transformer_3d.hpp"
@@ -47,29 +48,11 @@ inline constexpr std::string_view kSatDiffusionPrefix = "model.diffusion_model."
 
 namespace cogvideox_sat_detail {
 
-/// Python's str.replace: every occurrence, left to right.
-inline std::string replace_all(std::string s, std::string_view from, std::string_view to) {
-  for (std::size_t at = s.find(from); at != std::string::npos; at = s.find(from, at + to.size()))
-    s.replace(at, from.size(), to);
-  return s;
-}
-
 /// The digits of `s` as a number, or -1 (short, digits only).
 inline std::int64_t index_of(std::string_view s) {
   if (s.empty() || s.size() > 9 || s.find_first_not_of("0123456789") != std::string_view::npos)
     return -1;
   return std::stoll(std::string(s));
-}
-
-inline std::vector<std::string> split_dots(const std::string& key) {
-  std::vector<std::string> parts;
-  std::size_t start = 0;
-  for (std::size_t dot = key.find('.'); dot != std::string::npos; dot = key.find('.', start)) {
-    parts.push_back(key.substr(start, dot - start));
-    start = dot + 1;
-  }
-  parts.push_back(key.substr(start));
-  return parts;
 }
 
 // diffusers' TRANSFORMER_KEYS_RENAME_DICT, applied in this order to every name.
@@ -210,8 +193,8 @@ inline std::map<std::string, at::Tensor> cogvideox_transformer_tensors_from_sat(
   for (auto& [sat_key, t] : sd) {
     if (dropped(sat_key)) continue;
     std::string key = sat_key;
-    for (const auto& [from, to] : kTransformerRenames) key = replace_all(key, from, to);
-    const std::vector<std::string> parts = split_dots(key);
+    for (const auto& [from, to] : kTransformerRenames) key = python_replace(key, from, to);
+    const std::vector<std::string> parts = python_split(key, ".");
     const std::string& last = parts.back();
     if (key.find("query_key_value") != std::string::npos) {
       if (t.dim() < 1 || t.size(0) % 3 != 0)
@@ -220,7 +203,7 @@ inline std::map<std::string, at::Tensor> cogvideox_transformer_tensors_from_sat(
             where);
       const auto qkv = t.chunk(3, 0);
       const char* names[] = {"to_q", "to_k", "to_v"};
-      for (int i = 0; i < 3; ++i) put(replace_all(key, "query_key_value", names[i]), qkv[i]);
+      for (int i = 0; i < 3; ++i) put(python_replace(key, "query_key_value", names[i]), qkv[i]);
     } else if (key.find("query_layernorm_list") != std::string::npos ||
                key.find("key_layernorm_list") != std::string::npos) {
       if (parts.size() < 2 || index_of(parts[parts.size() - 2]) < 0)
@@ -268,7 +251,7 @@ inline std::map<std::string, at::Tensor> cogvideox_vae_tensors_from_sat(
   std::set<std::int64_t> ups;
   for (const auto& [key, t] : sat)
     if (key.starts_with("decoder.up.")) {
-      const auto parts = split_dots(key);
+      const auto parts = python_split(key, ".");
       if (parts.size() > 2 && index_of(parts[2]) >= 0) ups.insert(index_of(parts[2]));
     }
   const auto up_count = static_cast<std::int64_t>(ups.size());
@@ -276,9 +259,9 @@ inline std::map<std::string, at::Tensor> cogvideox_vae_tensors_from_sat(
   for (auto& [sat_key, t] : sat) {
     if (sat_key.find("loss") != std::string::npos) continue;  // the training loss's (LPIPS, ...)
     std::string key = sat_key;
-    for (const auto& [from, to] : renames) key = replace_all(key, from, to);
+    for (const auto& [from, to] : renames) key = python_replace(key, from, to);
     if (key.find("up.") != std::string::npos) {
-      std::vector<std::string> parts = split_dots(key);
+      std::vector<std::string> parts = python_split(key, ".");
       const std::int64_t i = parts.size() > 2 ? index_of(parts[2]) : -1;
       if (parts.size() < 3 || parts[1] != "up" || i < 0 || i >= up_count)
         throw FormatError("'" + sat_key + "' is not a numbered decoder up block's", where);
