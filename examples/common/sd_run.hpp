@@ -11,7 +11,7 @@
 #include <difftrain/io/remove_tree.hpp>
 #include <difftrain/schedule/registry.hpp>
 #include <difftrain/train/callbacks.hpp>
-#include <difftrain/train/optimizer.hpp>
+#include <difftrain/train/optimizer_by_name.hpp>
 
 #include <chrono>
 #include <csignal>
@@ -42,6 +42,9 @@ struct SdRunFlags : RunFlags {
   std::string lr_scheduler = "constant";
   std::int64_t lr_warmup_steps = 0, lr_num_cycles = 1;
   double adam_beta1 = 0.9, adam_beta2 = 0.999, adam_weight_decay = 1e-2, adam_epsilon = 1e-8;
+  std::string optimizer_type = "AdamW";  // kohya's --optimizer_type (train/optimizer_by_name.hpp)
+  std::vector<std::string> optimizer_args;  // kohya's --optimizer_args key=value ...
+  bool use_8bit_adam = false;               // diffusers' name for AdamW8bit
   std::int64_t dataloader_num_workers = 2;
   std::int64_t checkpointing_steps = 500, checkpoints_total_limit = 3;
   std::string resume_from_checkpoint;  // a checkpoint file or "latest"
@@ -185,6 +188,17 @@ inline SdFlagGroups add_sd_run_flags(CLI::App& app, SdRunFlags& f, const std::st
   t->add_option("--adam_epsilon", f.adam_epsilon)
       ->check(number_in(0, 1, true))
       ->capture_default_str();
+  t->add_option("--optimizer_type", f.optimizer_type,
+                "AdamW, Adam, AdamW8bit, SGD, SGDNesterov, Lion, Prodigy, Adafactor, CAME or "
+                "AdamWScheduleFree (kohya's names; the --adam_* flags apply where the optimizer "
+                "has them)")
+      ->capture_default_str();
+  t->add_option("--optimizer_args", f.optimizer_args,
+                "the optimizer's settings as key=value (kohya's: weight_decay=0.01 "
+                "betas=0.9,0.99 d_coef=2 relative_step=False ...)")
+      ->expected(1, -1);
+  t->add_flag("--use_8bit_adam", f.use_8bit_adam,
+              "AdamW with 8-bit moments (diffusers' flag; --optimizer_type AdamW8bit)");
   auto* c = g.saving;
   c->add_option("--checkpointing_steps", f.checkpointing_steps)
       ->check(count_in(1, 100'000'000))
@@ -345,11 +359,12 @@ inline void resolve_max_train_steps(SdRunFlags& f, std::int64_t micro_batches_pe
 inline void last_value_wins(const std::vector<CLI::App*>& groups) {
   for (auto* group : groups)
     for (auto* opt : group->get_options())
-      if (opt->get_name() != "--validation_prompt")
+      if (opt->get_name() != "--validation_prompt" && opt->get_name() != "--optimizer_args")
         opt->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
 }
 
-/// The trainer's AdamW and learning-rate schedule from the flags, `lr` the (scaled) rate.
+/// The trainer's optimizer (tr::OptimizerByName: --optimizer_type, --optimizer_args, the --adam_*
+/// flags) and learning-rate schedule from the flags, `lr` the (scaled) rate.
 template <class Options>
 void set_optimizer_and_schedule(Options& o, const SdRunFlags& f, double lr) {
   o.optimizer.lr = lr;
@@ -357,6 +372,15 @@ void set_optimizer_and_schedule(Options& o, const SdRunFlags& f, double lr) {
   o.optimizer.beta2 = f.adam_beta2;
   o.optimizer.eps = f.adam_epsilon;
   o.optimizer.weight_decay = f.adam_weight_decay;
+  o.optimizer.type = f.optimizer_type;
+  o.optimizer.args = f.optimizer_args;
+  if (f.use_8bit_adam) {
+    if (f.optimizer_type != "AdamW")
+      throw ConfigError(
+          "names an optimizer; --optimizer_type " + f.optimizer_type + " names another",
+          "--use_8bit_adam");
+    o.optimizer.type = "AdamW8bit";
+  }
   o.schedule.lr_scheduler = f.lr_scheduler;
   o.schedule.args.num_warmup_steps = std::min(f.lr_warmup_steps, f.max_train_steps);
   o.schedule.args.num_training_steps = f.max_train_steps;
@@ -459,6 +483,9 @@ FitResult fit_until_done_or_stopped(Trainer& trainer, const SdRunFlags& f, Sourc
       f.max_train_steps);
   FitResult r{trainer.global_step() >= f.max_train_steps, seconds_since(t0)};
   std::signal(SIGINT, SIG_DFL);
+  // What the program samples and saves: a schedule-free optimizer's average weights.
+  if constexpr (requires { trainer.use_evaluation_weights(); })
+    if (r.finished) trainer.use_evaluation_weights();
   if (!r.finished) {
     std::get<tr::CheckpointEvery>(trainer.callbacks()).save(trainer);
     std::fprintf(stderr,

@@ -84,7 +84,7 @@ struct Settings : SdRunFlags, ImageFolderFlags, LoraFlags, TorchrunFlags, Single
 /// The trainer both families run: AdamW, the precision, LR schedule and sharding stage the flags
 /// name, and the program's callbacks.
 struct TrainerConfig : tr::DefaultConfig {
-  using Optimizer = tr::AdamW;
+  using Optimizer = tr::OptimizerByName;
   using Precision = tr::PrecisionByName;  // --mixed_precision
   using Schedule = dt::schedule::ByName;  // --lr_scheduler, diffusers' names
   using Clipping = tr::ClipByNorm;

@@ -180,7 +180,7 @@ struct SaveEvery {
 
 struct InversionConfig : tr::DefaultConfig {
   using Parallel = dt::distributed::ShardedDataParallel;  // --sharding: 0 is DataParallel
-  using Optimizer = tr::AdamW;
+  using Optimizer = tr::OptimizerByName;
   using Precision = tr::PrecisionByName;  // --mixed_precision
   using Schedule = dt::schedule::ByName;
   using Callbacks =

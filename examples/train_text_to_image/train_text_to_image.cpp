@@ -172,7 +172,7 @@ struct TextToImageImpl : torch::nn::Module {
 };
 
 struct NoEmaConfig : tr::DefaultConfig {
-  using Optimizer = tr::AdamW;
+  using Optimizer = tr::OptimizerByName;
   using Precision = tr::PrecisionByName;  // --mixed_precision
   using Schedule = dt::schedule::ByName;  // --lr_scheduler, diffusers' names
   using Clipping = tr::ClipByNorm;

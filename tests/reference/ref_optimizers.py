@@ -1,6 +1,7 @@
 """Golden values for difftrain's optimizer kernels: torch.optim.Adam and AdamW run 200 steps with
 fused=True, foreach=True and the default for-loop, torch.optim.SGD with foreach=True and the
-for-loop, and lion-pytorch's Lion, over a sweep of settings, on a small network with two parameter
+for-loop, lion-pytorch's Lion, prodigyopt's Prodigy, transformers' Adafactor, came-pytorch's CAME,
+bitsandbytes' AdamW8bit (its CPU path) and schedulefree's AdamWScheduleFree, over a sweep of settings, on a small network with two parameter
 groups (decay with one LR, no decay with another). The C++ test
 (test_optimizers.cpp) rebuilds the same network and data from the saved tensors, computes the same
 gradients with the same kernels, and compares its weights after every 50 steps.
@@ -75,9 +76,60 @@ for extra in ({}, {"use_bias_correction": True}, {"safeguard_warmup": True},
     case.update(extra)
     CASES.append(case)
 
+# Adafactor (transformers): its relative step with and without warm-up init, parameter scaling,
+# a given lr, β₁, weight decay, clipping and decay rate.
+for extra in ({}, {"warmup_init": True}, {"scale_parameter": False},
+              {"relative_step": False, "lr": 1e-2, "lr_no_decay": 3e-3},
+              {"beta1": 0.9, "weight_decay": 0.05},
+              {"relative_step": False, "scale_parameter": False, "lr": 1e-2, "lr_no_decay": 3e-3,
+               "clip_threshold": 0.5, "decay_rate": -0.5}):
+    case = {"name": "adafactor_" + ("_".join(f"{k}{v}" for k, v in extra.items()) or "defaults"),
+            "kind": "adafactor", "eps1": 1e-30, "eps2": 1e-3, "clip_threshold": 1.0,
+            "decay_rate": -0.8, "beta1": None, "weight_decay": 0.0, "scale_parameter": True,
+            "relative_step": True, "warmup_init": False, "lr": 1e-3, "lr_no_decay": 1e-3}
+    case.update(extra)
+    CASES.append(case)
+
+# CAME (came-pytorch): its betas, weight decay, another clipping threshold.
+for extra in ({}, {"weight_decay": 0.05}, {"beta1": 0.8, "beta2": 0.99, "beta3": 0.999,
+                                           "clip_threshold": 0.5}):
+    case = {"name": "came_" + ("_".join(f"{k}{v}" for k, v in extra.items()) or "defaults"),
+            "kind": "came", "eps1": 1e-30, "eps2": 1e-16, "clip_threshold": 1.0, "beta1": 0.9,
+            "beta2": 0.999, "beta3": 0.9999, "weight_decay": 0.0, "lr": 1e-3, "lr_no_decay": 3e-4}
+    case.update(extra)
+    CASES.append(case)
+
+# 8-bit AdamW (bitsandbytes' CPU path): quantized moments for tensors of 16+ values (the test
+# network's are small), its defaults (every tensor below 4096 values: 32-bit moments), betas/eps.
+for extra in ({"min_8bit_size": 16}, {}, {"min_8bit_size": 16, "weight_decay": 0.0,
+                                          "beta1": 0.8, "beta2": 0.95, "eps": 1e-6}):
+    case = {"name": "adamw8bit_" + "_".join(f"{k}{v}" for k, v in extra.items()),
+            "kind": "adamw8bit", "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 1e-2,
+            "min_8bit_size": 4096, "lr": 3e-3, "lr_no_decay": 1e-3}
+    if not extra:
+        case["name"] = "adamw8bit_defaults"
+    case.update(extra)
+    CASES.append(case)
+
+# Schedule-free AdamW (schedulefree): its defaults, warm-up, weight decay, r and the lr power,
+# other betas. The evaluation weights (optimizer.eval()) after the last step are kept too.
+for extra in ({}, {"warmup_steps": 20}, {"weight_decay": 0.05},
+              {"r": 1.0, "weight_lr_power": 0.0}, {"beta1": 0.95, "beta2": 0.99}):
+    case = {"name": "adamw_schedulefree_" + ("_".join(f"{k}{v}" for k, v in extra.items())
+                                             or "defaults"),
+            "kind": "adamw_schedulefree", "beta1": 0.9, "beta2": 0.999, "eps": 1e-8,
+            "weight_decay": 0.0, "warmup_steps": 0, "r": 0.0, "weight_lr_power": 2.0,
+            "lr": 2.5e-3, "lr_no_decay": 1e-3}
+    case.update(extra)
+    CASES.append(case)
+
+PACKAGE_KINDS = ("lion", "prodigy", "adafactor", "came", "adamw8bit", "adamw_schedulefree")
+
 
 def variants(case):
-    if case["kind"] in ("lion", "prodigy"):
+    if case["kind"] == "adamw_schedulefree":
+        return ("for_loop", "foreach")
+    if case["kind"] in PACKAGE_KINDS:
         return ("for_loop",)
     return ("foreach", "for_loop") if case["kind"] == "sgd" else ("fused", "foreach", "for_loop")
 
@@ -90,7 +142,30 @@ def run(case, init, x, y, variant):
     flags = {"fused": {"fused": True}, "foreach": {"foreach": True},
              "for_loop": {"foreach": False}}[variant]
     param_groups = groups(net, case["lr"], case["lr_no_decay"], case["weight_decay"])
-    if case["kind"] == "prodigy":
+    if case["kind"] == "adafactor":
+        from transformers.optimization import Adafactor
+        opt = Adafactor(param_groups, lr=None if case["relative_step"] else case["lr"],
+                        eps=(case["eps1"], case["eps2"]), clip_threshold=case["clip_threshold"],
+                        decay_rate=case["decay_rate"], beta1=case["beta1"],
+                        scale_parameter=case["scale_parameter"],
+                        relative_step=case["relative_step"], warmup_init=case["warmup_init"])
+    elif case["kind"] == "came":
+        from came_pytorch import CAME
+        opt = CAME(param_groups, lr=case["lr"], eps=(case["eps1"], case["eps2"]),
+                   clip_threshold=case["clip_threshold"],
+                   betas=(case["beta1"], case["beta2"], case["beta3"]))
+    elif case["kind"] == "adamw8bit":
+        import bitsandbytes as bnb
+        opt = bnb.optim.AdamW8bit(param_groups, lr=case["lr"], betas=(case["beta1"], case["beta2"]),
+                                  eps=case["eps"], min_8bit_size=case["min_8bit_size"])
+    elif case["kind"] == "adamw_schedulefree":
+        import schedulefree
+        opt = schedulefree.AdamWScheduleFree(
+            param_groups, lr=case["lr"], betas=(case["beta1"], case["beta2"]), eps=case["eps"],
+            warmup_steps=case["warmup_steps"], r=case["r"],
+            weight_lr_power=case["weight_lr_power"], foreach=variant == "foreach")
+        opt.train()
+    elif case["kind"] == "prodigy":
         from prodigyopt import Prodigy
         opt = Prodigy(param_groups, lr=case["lr"], betas=(case["beta1"], case["beta2"]),
                       eps=case["eps"], decouple=case["decouple"],
@@ -118,7 +193,34 @@ def run(case, init, x, y, variant):
         if step % CHECK_EVERY == 0:
             for n, p in net.named_parameters():
                 out[f"step{step}.{n}"] = p.detach().clone()
+    if case["kind"] == "adamw_schedulefree":  # the weights to evaluate and save
+        opt.eval()
+        for n, p in net.named_parameters():
+            out[f"eval{STEPS}.{n}"] = p.detach().clone()
     return out
+
+
+def quantization_golden(tensors):
+    """bitsandbytes' dynamic codes and its CPU block-wise encoding of tensors of several sizes
+    (whole and partial blocks, zero blocks, a wide range of magnitudes), for both codes."""
+    import bitsandbytes.functional as F
+    g = torch.Generator().manual_seed(5)
+    for signed in (True, False):
+        code = F.create_dynamic_map(signed=signed)
+        tag = "signed" if signed else "unsigned"
+        tensors[f"q8.{tag}.map"] = code
+        for n in (1, 255, 256, 1000, 4096, 70001):
+            x = torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 6 * 10.0
+            if not signed:
+                x = x.abs()
+            if n >= 1000:
+                x[256:512] = 0.0
+            q, absmax = torch.ops.bitsandbytes.quantize_blockwise(x, code, 256)
+            tensors[f"q8.{tag}.{n}.x"] = x
+            tensors[f"q8.{tag}.{n}.codes"] = q
+            tensors[f"q8.{tag}.{n}.absmax"] = absmax
+            tensors[f"q8.{tag}.{n}.decoded"] = torch.ops.bitsandbytes.dequantize_blockwise(
+                q, absmax, code, 256, torch.float32)
 
 
 def generate(out_dir):
@@ -139,6 +241,7 @@ def generate(out_dir):
         spread = max((results[a][k] - results[b][k]).abs().max().item()
                      for a in results for b in results for k in results[a])
         meta.append(dict(case, torch_variant_spread=spread))
+    quantization_golden(tensors)
     save_file(tensors, str(out_dir / "optimizers.safetensors"))
     (out_dir / "optimizers.json").write_text(
         json.dumps({"steps": STEPS, "check_every": CHECK_EVERY, "cases": meta}, indent=1))

@@ -9,6 +9,7 @@
 #include <difftrain/nn/module_tensors.hpp>
 #include <difftrain/schedule/by_name.hpp>
 #include <difftrain/train/consolidate.hpp>
+#include <difftrain/train/optimizer_by_name.hpp>
 #include <difftrain/train/train.hpp>
 
 #include <atomic>
@@ -268,6 +269,96 @@ TEST(Trainer, LionResumesBitIdentically) {
   const auto got = snapshot(*c);
   for (std::size_t i = 0; i < want.size(); ++i) EXPECT_TRUE(at::equal(got[i], want[i])) << i;
   EXPECT_EQ(tr::optimizer_state_bytes(ta.optimizer()), tr::optimizer_state_bytes(tc.optimizer()));
+}
+
+// Every optimizer a program names at run time (OptimizerByName, kohya's names and settings):
+// 40 steps equal 20, a checkpoint, a fresh trainer and 20 more, to the bit; a schedule-free run
+// that showed its evaluation weights before the checkpoint too (the checkpoint holds the
+// training weights, as the run that goes on takes them back). A checkpoint records the chosen
+// optimizer: another one refuses it.
+TEST(Trainer, EveryOptimizerChosenByNameResumesBitIdentically) {
+  struct ByNameConfig : tr::DefaultConfig {
+    using Optimizer = tr::OptimizerByName;
+    using Schedule = dt::schedule::Cosine;
+  };
+  using T = tr::Trainer<NetImpl, ByNameConfig>;
+  const std::vector<std::pair<std::string, std::vector<std::string>>> sweep = {
+      {"AdamW", {}},
+      {"adamw8bit", {"min_8bit_size=16"}},
+      {"SGDNesterov", {"momentum=0.8"}},
+      {"Lion", {"betas=0.95,0.98", "weight_decay=0.1"}},
+      {"Prodigy", {"d_coef=0.5", "use_bias_correction=True"}},
+      {"Adafactor", {"relative_step=False", "scale_parameter=False", "beta1=0.9"}},
+      {"transformers.optimization.Adafactor", {}},
+      {"came_pytorch.CAME", {"betas=(0.9, 0.99, 0.999)"}},
+      {"AdamWScheduleFree", {"warmup_steps=5"}}};
+  int index = 0;
+  for (const auto& [type, args] : sweep) {
+    SCOPED_TRACE(type);
+    T::Options o;
+    o.optimizer.type = type;
+    o.optimizer.args = args;
+    o.optimizer.lr = type == "Prodigy" ? 1.0 : 3e-3;
+    o.schedule = {5, 40, 0.5};
+    tr::set_seed(8);
+    auto a = std::make_shared<NetImpl>(0.2);
+    T ta(*a, o);
+    ta.fit(source, 40);
+    const auto want = snapshot(*a);
+    const fs::path ckpt = scratch("by_name_" + std::to_string(index++) + ".pt");
+    {
+      tr::set_seed(8);
+      auto b = std::make_shared<NetImpl>(0.2);
+      T tb(*b, o);
+      tb.fit(source, 20);
+      const auto training = snapshot(*b);
+      tb.use_evaluation_weights();
+      const auto shown = snapshot(*b);
+      bool moved = false;
+      for (std::size_t i = 0; i < shown.size(); ++i) moved |= !at::equal(shown[i], training[i]);
+      EXPECT_EQ(moved, type == "AdamWScheduleFree");  // only schedule-free has other weights
+      tb.save_checkpoint(ckpt);
+    }
+    tr::set_seed(99);
+    auto c = std::make_shared<NetImpl>(0.2);
+    T tc(*c, o);
+    tc.load_checkpoint(ckpt);
+    tc.fit(source, 40);
+    const auto got = snapshot(*c);
+    if (type != "AdamWScheduleFree") {
+      for (std::size_t i = 0; i < want.size(); ++i) EXPECT_TRUE(at::equal(got[i], want[i])) << i;
+    } else {  // the run that showed x took y back through x, as the resumed one did
+      for (std::size_t i = 0; i < want.size(); ++i)
+        EXPECT_LT((got[i] - want[i]).abs().max().item<double>(), 1e-5) << i;
+    }
+    T::Options other = o;
+    other.optimizer.type = type == "AdamW" ? "Lion" : "AdamW";
+    other.optimizer.args.clear();
+    auto d = std::make_shared<NetImpl>(0.2);
+    T td(*d, other);
+    EXPECT_THROW(td.load_checkpoint(ckpt), dt::ConfigError);
+  }
+  // Names and settings the optimizer does not have, and values that are not what they need.
+  auto net = std::make_shared<NetImpl>(0.2);
+  auto refused = [&](const std::string& type, std::vector<std::string> args,
+                     const std::string& says) {
+    T::Options o;
+    o.optimizer.type = type;
+    o.optimizer.args = std::move(args);
+    try {
+      T t(*net, o);
+      ADD_FAILURE() << type << " was accepted";
+    } catch (const dt::ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+    }
+  };
+  refused("AdamW9bit", {}, "'AdamW9bit' is not an optimizer difftrain has");
+  refused("Lion", {"d_coef=2"}, "'d_coef' is not a setting of Lion (it takes: betas, ");
+  refused("Prodigy", {"d_coef=two"}, "'two' is not a number");
+  refused("Prodigy", {"use_bias_correction=1"}, "is not True or False");
+  refused("CAME", {"betas=0.9,0.99"}, "is not a tuple of 3 numbers");
+  refused("AdamW", {"weight_decay"}, "'weight_decay' is not key=value");
+  refused("AdamW8bit", {"min_8bit_size=1.5"}, "is not a whole number");
 }
 
 TEST(Consolidate, AOneProcessCheckpointBecomesOneFileOrAFolderTrainedOrEma) {

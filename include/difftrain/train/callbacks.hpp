@@ -322,6 +322,9 @@ class SampleEvery {
   template <class T>
   void on_step_end(T& t, const StepInfo& s) {
     if (!s.stepped || s.step % every_ != 0) return;
+    // A schedule-free optimizer's evaluation weights (every rank: it may be a collective); the
+    // next step takes the training weights back.
+    if constexpr (requires { t.use_evaluation_weights(); }) t.use_evaluation_weights();
     const bool main = t.rank() == 0;
     bool gather = false;
     if constexpr (requires { t.reading_needs_every_rank(); }) gather = t.reading_needs_every_rank();

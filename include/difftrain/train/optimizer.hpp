@@ -26,10 +26,14 @@
 
 #include "difftrain/core/concepts.hpp"
 #include "difftrain/core/error.hpp"
+#include "difftrain/train/adafactor.hpp"
+#include "difftrain/train/adamw_8bit.hpp"
+#include "difftrain/train/came.hpp"
 #include "difftrain/train/foreach_optimizers.hpp"
 #include "difftrain/train/fused_adam.hpp"
 #include "difftrain/train/lion.hpp"
 #include "difftrain/train/prodigy.hpp"
+#include "difftrain/train/schedule_free.hpp"
 
 namespace difftrain::train {
 
@@ -338,6 +342,143 @@ struct Prodigy {
         .d(o.d0)
         .d_max(o.d0);
     return std::make_unique<ProdigyOptimizer>(optimizer_detail::torch_groups(groups, d), d);
+  }
+};
+
+/// Adafactor as transformers steps it (train/adafactor.hpp): a factored second moment (n + m
+/// values for an n×m matrix), by default its own relative step size scaled by RMS(p).
+struct Adafactor {
+  static constexpr std::string_view name = "adafactor";
+  struct Options {
+    double lr = 1e-3;  // used only without relative_step
+    double eps1 = 1e-30, eps2 = 1e-3;
+    double clip_threshold = 1.0;
+    double decay_rate = -0.8;
+    std::optional<double> beta1 = std::nullopt;  // none: no first moment
+    double weight_decay = 0.0;
+    bool scale_parameter = true;
+    bool relative_step = true;
+    bool warmup_init = false;
+  };
+  static std::unique_ptr<torch::optim::Optimizer> make(const std::vector<ParamGroup>& groups,
+                                                       const Options& o) {
+    using optimizer_detail::check_setting;
+    check_setting(o.lr, "Adafactor options: lr", 0.0);
+    check_setting(o.eps1, "Adafactor options: eps1", 0.0);
+    check_setting(o.eps2, "Adafactor options: eps2", 0.0);
+    if (!(o.clip_threshold > 0))
+      throw ConfigError("must be > 0", "Adafactor options: clip_threshold");
+    if (!(o.decay_rate < 0))
+      throw ConfigError("must be < 0 (β₂ₜ = 1 − t^decay_rate)", "Adafactor options: decay_rate");
+    if (o.beta1) check_setting(*o.beta1, "Adafactor options: beta1", 0.0, 1.0);
+    check_setting(o.weight_decay, "Adafactor options: weight_decay", 0.0);
+    if (o.warmup_init && !o.relative_step)  // transformers' own check
+      throw ConfigError("warmup_init needs relative_step", "Adafactor options: warmup_init");
+    AdafactorOptions d(o.lr);
+    d.eps1(o.eps1)
+        .eps2(o.eps2)
+        .clip_threshold(o.clip_threshold)
+        .decay_rate(o.decay_rate)
+        .beta1(o.beta1.value_or(-1.0))
+        .weight_decay(o.weight_decay)
+        .scale_parameter(o.scale_parameter)
+        .relative_step(o.relative_step)
+        .warmup_init(o.warmup_init);
+    return std::make_unique<AdafactorOptimizer>(optimizer_detail::torch_groups(groups, d), d);
+  }
+};
+
+/// CAME as came-pytorch steps it (train/came.hpp): Adafactor's factored moments with a
+/// confidence-weighted first moment.
+struct CAME {
+  static constexpr std::string_view name = "came";
+  struct Options {
+    double lr = 2e-4;
+    double eps1 = 1e-30, eps2 = 1e-16;
+    double clip_threshold = 1.0;
+    double beta1 = 0.9, beta2 = 0.999, beta3 = 0.9999;
+    double weight_decay = 0.0;
+  };
+  static std::unique_ptr<torch::optim::Optimizer> make(const std::vector<ParamGroup>& groups,
+                                                       const Options& o) {
+    using optimizer_detail::check_setting;
+    if (!(o.lr > 0)) throw ConfigError("must be > 0 (as came-pytorch asserts)", "CAME options: lr");
+    check_setting(o.lr, "CAME options: lr", 0.0);
+    for (const auto& [value, label] :
+         {std::pair{o.beta1, "beta1"}, std::pair{o.beta2, "beta2"}, std::pair{o.beta3, "beta3"}})
+      if (!(value >= 0 && value <= 1))
+        throw ConfigError("must lie in [0, 1]", std::string("CAME options: ") + label);
+    check_setting(o.eps1, "CAME options: eps1", 0.0);
+    check_setting(o.eps2, "CAME options: eps2", 0.0);
+    if (!(o.clip_threshold > 0)) throw ConfigError("must be > 0", "CAME options: clip_threshold");
+    check_setting(o.weight_decay, "CAME options: weight_decay", 0.0);
+    CameOptions d(o.lr);
+    d.eps1(o.eps1)
+        .eps2(o.eps2)
+        .clip_threshold(o.clip_threshold)
+        .betas({o.beta1, o.beta2, o.beta3})
+        .weight_decay(o.weight_decay);
+    return std::make_unique<CameOptimizer>(optimizer_detail::torch_groups(groups, d), d);
+  }
+};
+
+/// 8-bit AdamW as bitsandbytes keeps it (train/adamw_8bit.hpp): moments of tensors of at least
+/// min_8bit_size values in one byte each, block-wise scaled; a quarter of AdamW's state.
+struct AdamW8bit {
+  static constexpr std::string_view name = "adamw8bit";
+  struct Options {
+    double lr = 1e-3;
+    double beta1 = 0.9, beta2 = 0.999;
+    double eps = 1e-8;
+    double weight_decay = 1e-2;
+    std::int64_t min_8bit_size = 4096;
+  };
+  static std::unique_ptr<torch::optim::Optimizer> make(const std::vector<ParamGroup>& groups,
+                                                       const Options& o) {
+    optimizer_detail::check_adam(o, "AdamW8bit options");
+    if (o.min_8bit_size < 0) throw ConfigError("must be >= 0", "AdamW8bit options: min_8bit_size");
+    AdamW8bitOptions d(o.lr);
+    d.betas({o.beta1, o.beta2})
+        .eps(o.eps)
+        .weight_decay(o.weight_decay)
+        .min_8bit_size(o.min_8bit_size);
+    return std::make_unique<AdamW8bitOptimizer>(optimizer_detail::torch_groups(groups, d), d);
+  }
+};
+
+/// Schedule-free AdamW as schedulefree steps it (train/schedule_free.hpp): no schedule needed;
+/// evaluate and save under `EvaluationWeights`.
+struct AdamWScheduleFree {
+  static constexpr std::string_view name = "adamw_schedulefree";
+  struct Options {
+    double lr = 2.5e-3;
+    double beta1 = 0.9, beta2 = 0.999;
+    double eps = 1e-8;
+    double weight_decay = 0.0;
+    std::int64_t warmup_steps = 0;
+    double r = 0.0;
+    double weight_lr_power = 2.0;
+  };
+  static std::unique_ptr<torch::optim::Optimizer> make(const std::vector<ParamGroup>& groups,
+                                                       const Options& o) {
+    using optimizer_detail::check_setting;
+    optimizer_detail::check_adam(o, "AdamWScheduleFree options");
+    if (!(o.beta1 > 0))  // eval's lerp divides by β₁
+      throw ConfigError("must be > 0 (the evaluation weights divide by it)",
+                        "AdamWScheduleFree options: beta1");
+    if (o.warmup_steps < 0)
+      throw ConfigError("must be >= 0", "AdamWScheduleFree options: warmup_steps");
+    check_setting(o.r, "AdamWScheduleFree options: r", 0.0);
+    check_setting(o.weight_lr_power, "AdamWScheduleFree options: weight_lr_power", 0.0);
+    ScheduleFreeAdamWOptions d(o.lr);
+    d.betas({o.beta1, o.beta2})
+        .eps(o.eps)
+        .weight_decay(o.weight_decay)
+        .warmup_steps(o.warmup_steps)
+        .r(o.r)
+        .weight_lr_power(o.weight_lr_power);
+    return std::make_unique<ScheduleFreeAdamWOptimizer>(optimizer_detail::torch_groups(groups, d),
+                                                        d);
   }
 };
 

@@ -23,8 +23,12 @@
 #include <cstdint>
 #include <string>
 
+#include "difftrain/train/adafactor.hpp"
+#include "difftrain/train/adamw_8bit.hpp"
+#include "difftrain/train/came.hpp"
 #include "difftrain/train/lion.hpp"
 #include "difftrain/train/prodigy.hpp"
+#include "difftrain/train/schedule_free.hpp"
 
 namespace difftrain::train {
 
@@ -78,6 +82,11 @@ inline void save_optimizer(torch::serialize::OutputArchive& archive,
   using optimizer_archive_detail::save_if;
   if (save_if<LionOptimizer, LionParamState, LionOptions>(archive, optimizer) ||
       save_if<ProdigyOptimizer, ProdigyParamState, ProdigyOptions>(archive, optimizer) ||
+      save_if<AdafactorOptimizer, FactoredParamState, AdafactorOptions>(archive, optimizer) ||
+      save_if<CameOptimizer, FactoredParamState, CameOptions>(archive, optimizer) ||
+      save_if<AdamW8bitOptimizer, AdamW8bitParamState, AdamW8bitOptions>(archive, optimizer) ||
+      save_if<ScheduleFreeAdamWOptimizer, ScheduleFreeParamState, ScheduleFreeAdamWOptions>(
+          archive, optimizer) ||
       save_if<o::AdamW, o::AdamWParamState, o::AdamWOptions>(archive, optimizer) ||
       save_if<o::Adam, o::AdamParamState, o::AdamOptions>(archive, optimizer) ||
       save_if<o::SGD, o::SGDParamState, o::SGDOptions>(archive, optimizer) ||

@@ -202,6 +202,7 @@ class Trainer {
       info.samples *= parallel_->world_size();  // every rank takes an equal share
     }
     model_->train();
+    switch_weights(/*train=*/true);
     zero_grads();
     double loss_sum = 0.0;
     // The first non-finite loss of the step; with more than one rank, the step goes on to the
@@ -321,6 +322,12 @@ class Trainer {
   }
 
   void request_stop() { stop_requested_ = true; }
+
+  /// Puts the weights to evaluate and save in the model: a schedule-free optimizer's average x
+  /// (train/schedule_free.hpp), until the next step or checkpoint takes the training weights y
+  /// back; nothing for any other optimizer. Call it before sampling or exporting the model
+  /// (SampleEvery does). Every rank calls it (a sharded run sends the owners' values).
+  void use_evaluation_weights() { switch_weights(/*train=*/false); }
 
   // ---- state --------------------------------------------------------------------------------
 
@@ -624,6 +631,16 @@ class Trainer {
     if (parallel_->world_size() == 1) return "";
     return " (rank " + std::to_string(parallel_->rank()) + " of " +
            std::to_string(parallel_->world_size()) + ")";
+  }
+
+  void switch_weights(bool train) {
+    auto* switching = dynamic_cast<SwitchesEvaluationWeights*>(optimizer_.get());
+    if (switching == nullptr || switching->training_weights() == train) return;
+    if (train)
+      switching->train_weights();
+    else
+      switching->eval_weights();
+    if constexpr (sharded) parallel_->after_optimizer_step();  // the owners' values to all
   }
 
   template <class T>

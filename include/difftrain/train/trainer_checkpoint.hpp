@@ -19,12 +19,14 @@ template <class Model, class Config>
 nlohmann::json Trainer<Model, Config>::fingerprint() const {
   nlohmann::json groups = nlohmann::json::array();
   for (const auto& g : groups_) groups.push_back({{"label", g.label}, {"names", g.names}});
-  return {{"optimizer", OptimizerPolicyT::name},
-          {"schedule", detail_name<ScheduleT>()},
-          {"ema", detail_name<EmaT>()},
-          {"precision", precision_.name},
-          {"clipping", ClippingT::name},
-          {"accumulation_steps", o_.accumulation_steps},
+  // A policy chosen at run time (OptimizerByName) records the one it chose, so a checkpoint
+  // reads the same whichever way the optimizer was named.
+  std::string optimizer(OptimizerPolicyT::name);
+  if constexpr (requires { OptimizerPolicyT::chosen_name(o_.optimizer); })
+    optimizer = OptimizerPolicyT::chosen_name(o_.optimizer);
+  return {{"optimizer", optimizer},      {"schedule", detail_name<ScheduleT>()},
+          {"ema", detail_name<EmaT>()},  {"precision", precision_.name},
+          {"clipping", ClippingT::name}, {"accumulation_steps", o_.accumulation_steps},
           {"param_groups", groups}};
 }
 
@@ -330,6 +332,9 @@ void Trainer<Model, Config>::apply_state(const CheckedState& s) {
 
 template <class Model, class Config>
 void Trainer<Model, Config>::save_checkpoint(const std::filesystem::path& path) {
+  // A checkpoint holds the training weights: a run resumed from it and the run that goes on
+  // both take the same ones back (the next step would switch a schedule-free optimizer too).
+  switch_weights(/*train=*/true);
   const bool own_weights = weights_in_shards();
   // Each rank's weights file holds its own masters: nothing is gathered for those.
   std::optional<typename trainer_detail::WholeOf<ParallelT>::type> whole;
@@ -412,6 +417,38 @@ nlohmann::json Trainer<Model, Config>::optimizer_settings(const torch::optim::Op
             {"d_coef", p->d_coef()},
             {"use_bias_correction", p->use_bias_correction()},
             {"safeguard_warmup", p->safeguard_warmup()}};
+  if (const auto* f = dynamic_cast<const AdafactorOptions*>(&o))
+    return {{"eps1", f->eps1()},
+            {"eps2", f->eps2()},
+            {"clip_threshold", f->clip_threshold()},
+            {"decay_rate", f->decay_rate()},
+            {"beta1", f->beta1()},
+            {"weight_decay", f->weight_decay()},
+            {"scale_parameter", f->scale_parameter()},
+            {"relative_step", f->relative_step()},
+            {"warmup_init", f->warmup_init()}};
+  if (const auto* c = dynamic_cast<const CameOptions*>(&o))
+    return {{"beta1", std::get<0>(c->betas())},
+            {"beta2", std::get<1>(c->betas())},
+            {"beta3", std::get<2>(c->betas())},
+            {"eps1", c->eps1()},
+            {"eps2", c->eps2()},
+            {"clip_threshold", c->clip_threshold()},
+            {"weight_decay", c->weight_decay()}};
+  if (const auto* q = dynamic_cast<const AdamW8bitOptions*>(&o))
+    return {{"beta1", std::get<0>(q->betas())},
+            {"beta2", std::get<1>(q->betas())},
+            {"eps", q->eps()},
+            {"weight_decay", q->weight_decay()},
+            {"min_8bit_size", q->min_8bit_size()}};
+  if (const auto* f = dynamic_cast<const ScheduleFreeAdamWOptions*>(&o))
+    return {{"beta1", std::get<0>(f->betas())},
+            {"beta2", std::get<1>(f->betas())},
+            {"eps", f->eps()},
+            {"weight_decay", f->weight_decay()},
+            {"warmup_steps", f->warmup_steps()},
+            {"r", f->r()},
+            {"weight_lr_power", f->weight_lr_power()}};
   if (const auto* l = dynamic_cast<const LionOptions*>(&o))
     return {{"beta1", std::get<0>(l->betas())},
             {"beta2", std::get<1>(l->betas())},

@@ -6,8 +6,11 @@
 // included by sharded_data_parallel.hpp.
 
 #include "difftrain/distributed/sharded_data_parallel.hpp"
+#include "difftrain/train/adafactor.hpp"
+#include "difftrain/train/adamw_8bit.hpp"
 #include "difftrain/train/lion.hpp"
 #include "difftrain/train/prodigy.hpp"
+#include "difftrain/train/schedule_free.hpp"
 
 namespace difftrain::distributed {
 
@@ -164,6 +167,12 @@ inline auto ShardedDataParallel::memory(const std::vector<at::Tensor>& params,
     else if (const auto* pr = dynamic_cast<const train::ProdigyParamState*>(state.get()))
       m.optimizer +=
           bytes(pr->exp_avg()) + bytes(pr->exp_avg_sq()) + bytes(pr->s()) + bytes(pr->p0());
+    else if (const auto* f = dynamic_cast<const train::FactoredParamState*>(state.get()))
+      m.optimizer += f->nbytes();
+    else if (const auto* q = dynamic_cast<const train::AdamW8bitParamState*>(state.get()))
+      m.optimizer += q->nbytes();
+    else if (const auto* z = dynamic_cast<const train::ScheduleFreeParamState*>(state.get()))
+      m.optimizer += bytes(z->z()) + bytes(z->exp_avg_sq());
     else if (const auto* l = dynamic_cast<const train::LionParamState*>(state.get()))
       m.optimizer += bytes(l->exp_avg());
     else if (const auto* g = dynamic_cast<const torch::optim::SGDParamState*>(state.get()))
