@@ -19,6 +19,11 @@
 //    optimizer_step_foreach_vs_per_parameter and optimizer_step_vs_python_foreach: the same for the
 //    multi-tensor AdamW and Python's AdamW(foreach=True); sgd_step_foreach_vs_per_parameter: SGD
 //    with momentum 0.9, multi-tensor against LibTorch's.
+//  - optimizer_kinds_vs_adamw/difftrain/K: one step of each optimizer policy a program names at
+//    run time (K: 0 AdamW8bit, 1 Adafactor, 2 CAME, 3 Lion, 4 Prodigy, 5 AdamWScheduleFree) on 24
+//    tensors shaped as a UNet's (320×320×3×3, 1280×320, 320), against the fused AdamW step on the
+//    same tensors (the baseline). Counters: state_bytes_per_param, and state_vs_adamw, the state's
+//    bytes against AdamW's measured in the same run (8-bit AdamW's goal: about 1/4).
 //  - clip_norm_multi_tensor_vs_libtorch/COUNT/NUMEL: ClipByNorm's clip_grad_norm_ (a norm and a
 //    scale per device and dtype, as Python's) against LibTorch's (a norm and a scale per tensor).
 //  - fp16_step_scale_handed_vs_unscaled/COUNT/NUMEL: GradScaler's step on the fused AdamW with
@@ -38,6 +43,7 @@
 #include <chrono>
 #include <cstdio>
 #include <difftrain/nn/blocks/transformer_block.hpp>
+#include <difftrain/train/optimizer_by_name.hpp>
 #include <difftrain/train/trainer.hpp>
 #include <string>
 #include <type_traits>
@@ -388,6 +394,89 @@ void optimizer_step_timed(benchmark::State& state) {
 }
 }  // namespace
 
+// The tensors of optimizer_kinds_vs_adamw: convolutions, a projection and biases, as a UNet has.
+std::vector<at::Tensor> unet_like_params() {
+  std::vector<at::Tensor> out;
+  for (int i = 0; i < 8; ++i) {
+    out.push_back(at::randn({320, 320, 3, 3}, device()).requires_grad_());
+    out.push_back(at::randn({1280, 320}, device()).requires_grad_());
+    out.push_back(at::randn({320}, device()).requires_grad_());
+  }
+  for (auto& p : out) p.mutable_grad() = at::randn_like(p) * 1e-2;
+  return out;
+}
+
+std::int64_t state_bytes(const torch::optim::Optimizer& opt) {
+  std::int64_t n = 0;
+  auto add = [&](const at::Tensor& t) {
+    if (t.defined()) n += t.numel() * static_cast<std::int64_t>(t.element_size());
+  };
+  for (const auto& [key, st] : opt.state()) {
+    (void)key;
+    if (const auto* a = dynamic_cast<const torch::optim::AdamWParamState*>(st.get())) {
+      add(a->exp_avg());
+      add(a->exp_avg_sq());
+    } else if (const auto* q = dynamic_cast<const tr::AdamW8bitParamState*>(st.get())) {
+      n += q->nbytes();
+    } else if (const auto* f = dynamic_cast<const tr::FactoredParamState*>(st.get())) {
+      n += f->nbytes();
+    } else if (const auto* l = dynamic_cast<const tr::LionParamState*>(st.get())) {
+      add(l->exp_avg());
+    } else if (const auto* pr = dynamic_cast<const tr::ProdigyParamState*>(st.get())) {
+      add(pr->exp_avg());
+      add(pr->exp_avg_sq());
+      add(pr->s());
+      add(pr->p0());
+    } else if (const auto* z = dynamic_cast<const tr::ScheduleFreeParamState*>(st.get())) {
+      add(z->z());
+      add(z->exp_avg_sq());
+    }
+  }
+  return n;
+}
+
+std::unique_ptr<torch::optim::Optimizer> optimizer_of_kind(std::int64_t kind,
+                                                           const std::vector<at::Tensor>& params) {
+  static const char* names[] = {"AdamW8bit", "Adafactor",         "CAME", "Lion",
+                                "Prodigy",   "AdamWScheduleFree", "AdamW"};
+  tr::ParamGroup all;
+  all.params = params;
+  tr::OptimizerByName::Options o;
+  o.type = names[kind];
+  o.lr = kind == 4 ? 1.0 : 1e-4;
+  return tr::OptimizerByName::make({all}, o);
+}
+
+void optimizer_kinds(benchmark::State& state, bool baseline) {
+  const auto params = unet_like_params();
+  std::int64_t numel = 0;
+  for (const auto& p : params) numel += p.numel();
+  auto adamw = optimizer_of_kind(6, params);
+  adamw->step();
+  auto opt = baseline ? optimizer_of_kind(6, params) : optimizer_of_kind(state.range(0), params);
+  opt->step();
+  for (auto _ : state) {
+    opt->step();
+    if (device().is_cuda()) torch::cuda::synchronize();
+  }
+  state.counters["state_bytes_per_param"] =
+      static_cast<double>(state_bytes(*opt)) / static_cast<double>(numel);
+  state.counters["state_vs_adamw"] =
+      static_cast<double>(state_bytes(*opt)) / static_cast<double>(state_bytes(*adamw));
+}
+void optimizer_kinds_baseline(benchmark::State& state) { optimizer_kinds(state, true); }
+void optimizer_kinds_difftrain(benchmark::State& state) { optimizer_kinds(state, false); }
+
+BENCHMARK(optimizer_kinds_baseline)
+    ->Name("optimizer_kinds_vs_adamw/baseline")
+    ->DenseRange(0, 5)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(optimizer_kinds_difftrain)
+    ->Name("optimizer_kinds_vs_adamw/difftrain")
+    ->DenseRange(0, 5)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
 BENCHMARK(python_eager)->Name("train_vs_python_eager/baseline")->Arg(0)->UseManualTime();
 BENCHMARK(trainer_timed)->Name("train_vs_python_eager/difftrain")->Arg(0)->UseManualTime();
 BENCHMARK(python_eager)->Name("train_vs_python_best/baseline")->Arg(1)->UseManualTime();

@@ -313,6 +313,35 @@ inline void check_loraplus_flags(const LoraFlags& f) {
     throw ConfigError("is for LoRA branches; add --use_lora", "--loraplus_lr_ratio");
 }
 
+/// The trainer's optimizer from the flags (tr::OptimizerByName: --optimizer_type, --optimizer_args,
+/// --use_8bit_adam, the --adam_* flags), `lr` the (scaled) rate.
+template <class Options>
+void set_optimizer_fields(Options& o, const SdRunFlags& f, double lr) {
+  o.optimizer.lr = lr;
+  o.optimizer.beta1 = f.adam_beta1;
+  o.optimizer.beta2 = f.adam_beta2;
+  o.optimizer.eps = f.adam_epsilon;
+  o.optimizer.weight_decay = f.adam_weight_decay;
+  o.optimizer.type = f.optimizer_type;
+  o.optimizer.args = f.optimizer_args;
+  if (f.use_8bit_adam) {
+    if (f.optimizer_type != "AdamW")
+      throw ConfigError(
+          "names an optimizer; --optimizer_type " + f.optimizer_type + " names another",
+          "--use_8bit_adam");
+    o.optimizer.type = "AdamW8bit";
+  }
+}
+
+/// The optimizer policy the flags choose, by its name (results.json's "optimizer").
+inline std::string chosen_optimizer(const SdRunFlags& f) {
+  struct Probe {
+    tr::OptimizerByName::Options optimizer;
+  } probe;
+  set_optimizer_fields(probe, f, 1.0);
+  return tr::OptimizerByName::chosen_name(probe.optimizer);
+}
+
 /// Refuses what these programs cannot do, naming the flag, before anything is loaded.
 inline void check_sd_run_flags(SdRunFlags& f) {
   // The schedule is made with the trainer, after the models load: its name is checked here, with
@@ -322,6 +351,17 @@ inline void check_sd_run_flags(SdRunFlags& f) {
         f.lr_scheduler, {.step_rules = "1:1", .num_warmup_steps = 0, .num_training_steps = 1});
   } catch (const difftrain::ConfigError& e) {
     if (e.where() == "get_scheduler name") throw ConfigError(e.message(), "--lr_scheduler");
+  }
+  // The optimizer, its settings and --use_8bit_adam, on a stand-in parameter: a misspelt name or
+  // setting is refused now, not after the models load.
+  {
+    struct Probe {
+      tr::OptimizerByName::Options optimizer;
+    } probe;
+    set_optimizer_fields(probe, f, 1e-4);
+    tr::ParamGroup one;
+    one.params = {at::zeros({1}).requires_grad_()};
+    (void)tr::OptimizerByName::make({one}, probe.optimizer);
   }
   if (f.report_to == "none")
     f.no_tensorboard = true;
@@ -363,24 +403,10 @@ inline void last_value_wins(const std::vector<CLI::App*>& groups) {
         opt->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
 }
 
-/// The trainer's optimizer (tr::OptimizerByName: --optimizer_type, --optimizer_args, the --adam_*
-/// flags) and learning-rate schedule from the flags, `lr` the (scaled) rate.
+/// The trainer's optimizer and learning-rate schedule from the flags, `lr` the (scaled) rate.
 template <class Options>
 void set_optimizer_and_schedule(Options& o, const SdRunFlags& f, double lr) {
-  o.optimizer.lr = lr;
-  o.optimizer.beta1 = f.adam_beta1;
-  o.optimizer.beta2 = f.adam_beta2;
-  o.optimizer.eps = f.adam_epsilon;
-  o.optimizer.weight_decay = f.adam_weight_decay;
-  o.optimizer.type = f.optimizer_type;
-  o.optimizer.args = f.optimizer_args;
-  if (f.use_8bit_adam) {
-    if (f.optimizer_type != "AdamW")
-      throw ConfigError(
-          "names an optimizer; --optimizer_type " + f.optimizer_type + " names another",
-          "--use_8bit_adam");
-    o.optimizer.type = "AdamW8bit";
-  }
+  set_optimizer_fields(o, f, lr);
   o.schedule.lr_scheduler = f.lr_scheduler;
   o.schedule.args.num_warmup_steps = std::min(f.lr_warmup_steps, f.max_train_steps);
   o.schedule.args.num_training_steps = f.max_train_steps;

@@ -146,6 +146,7 @@ int write_run_results(const Settings& s, const nlohmann::json& run_settings,
   results["resumed_from_step"] = resumed_from;
   results["global_step"] = global_step;
   results["lora_layers"] = lora_layers;
+  results["optimizer"] = chosen_optimizer(s);
   results["first_loss"] = mean_of(losses, tenth, false);
   results["last_loss"] = mean_of(losses, tenth, true);
   results["train_seconds"] = fit.seconds;

@@ -612,6 +612,7 @@ int train(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
   results["last_loss"] = mean_of(losses, tenth, true);
   results["lora_layers"] = {{"unet", unet_lora.size()}, {"text_encoder", te_lora.size()}};
   // The optimizer's groups as they start (LoRA+ puts the B matrices in groups of their own).
+  results["optimizer"] = chosen_optimizer(s);
   results["param_groups"] = nlohmann::json::array();
   for (const auto& g : trainer.param_groups())
     results["param_groups"].push_back({{"label", g.label},

@@ -52,6 +52,24 @@ grep_in "$work/lora-again.err" "--resume_from_checkpoint"
 expect_rc 0 lora-resumed -- "$bin" "${lora[@]}" --output_dir "$work/lora-resumed" --resume_from_checkpoint latest
 grep_in "$work/lora-resumed.err" "continuing from .*checkpoint-8.pt"
 
+# Schedule-free AdamW by kohya's name, with validation images every 2 steps (each shows the
+# evaluation weights; the checkpoint at the same step holds the training weights): stopped at
+# step 4 and resumed, it ends with the LoRA of the run straight through. Prodigy by name.
+sf=("${base[@]}" --use_lora --rank 4 --learning_rate 2e-3 --max_train_steps 6 --checkpointing_steps 2
+    --validation_prompt "a photo of a sneaker" --validation_steps 2 --optimizer_type AdamWScheduleFree)
+expect_rc 0 schedulefree -- "$bin" "${sf[@]}" --output_dir "$work/schedulefree"
+grep_in "$work/schedulefree/results.json" '"optimizer": "adamw_schedulefree"'
+expect_rc 130 schedulefree-stopped -- "$bin" "${sf[@]}" --output_dir "$work/schedulefree-resumed" --stop_at 4
+expect_rc 0 schedulefree-resumed -- "$bin" "${sf[@]}" --output_dir "$work/schedulefree-resumed" \
+  --resume_from_checkpoint latest
+cmp -s "$work/schedulefree/pytorch_lora_weights.safetensors" \
+  "$work/schedulefree-resumed/pytorch_lora_weights.safetensors" ||
+  fail "the resumed schedule-free run ended with another LoRA"
+expect_rc 0 prodigy -- "$bin" "${base[@]}" --use_lora --rank 4 --max_train_steps 2 --learning_rate 1 \
+  --optimizer_type prodigyopt.Prodigy --optimizer_args "betas=(0.9, 0.99)" safeguard_warmup=True \
+  --output_dir "$work/prodigy"
+grep_in "$work/prodigy/results.json" '"optimizer": "prodigy"'
+
 # Full fine-tuning: sigma_sqrt weighting, the loss on ε − x₀, gradient checkpointing, bf16.
 expect_rc 0 full -- "$bin" "${base[@]}" --weighting_scheme sigma_sqrt --precondition_outputs 0 \
   --gradient_checkpointing --mixed_precision bf16 --learning_rate 5e-4 --max_train_steps 12 \

@@ -126,6 +126,39 @@ print("LoRA+:", groups)
 PY
 expect_rc 2 loraplus-no-lora -- "$bin" "${base[@]}" --loraplus_lr_ratio 16 --output_dir "$work/bad"
 grep_in "$work/loraplus-no-lora.err" "--use_lora"
+# Optimizers by kohya's names and settings (--optimizer_type, --optimizer_args, diffusers'
+# --use_8bit_adam): each trains the LoRA and results.json names the one chosen; schedule-free,
+# stopped at step 3 and resumed, ends with the LoRA of the run straight through (its checkpoint
+# holds the training weights, the LoRA written the evaluation weights). Misspelt names and
+# settings are refused before anything loads, naming the flag.
+for spec in "Prodigy|--learning_rate 1 --optimizer_args d_coef=2 use_bias_correction=True" \
+            "AdamW8bit|--use_8bit_adam" "Adafactor|--optimizer_args relative_step=False scale_parameter=False" \
+            "came_pytorch.CAME|" "Lion|--learning_rate 2e-4 --optimizer_args weight_decay=0.1"; do
+  name=${spec%%|*} flags=${spec#*|}
+  # shellcheck disable=SC2086 # the flags are words
+  expect_rc 0 "opt-$name" -- "$bin" "${base[@]}" --use_lora --rank 4 --max_train_steps 3 \
+    $( [ "$name" = AdamW8bit ] || echo --optimizer_type "$name" ) $flags --output_dir "$work/opt-$name"
+  [ -s "$work/opt-$name/pytorch_lora_weights.safetensors" ] || fail "$name wrote no LoRA"
+done
+grep_in "$work/opt-Prodigy/results.json" '"optimizer": "prodigy"'
+grep_in "$work/opt-AdamW8bit/results.json" '"optimizer": "adamw8bit"'
+grep_in "$work/opt-came_pytorch.CAME/results.json" '"optimizer": "came"'
+sf=("${base[@]}" --use_lora --rank 4 --learning_rate 2e-3 --max_train_steps 6 --checkpointing_steps 3
+    --optimizer_type AdamWScheduleFree --optimizer_args warmup_steps=2)
+expect_rc 0 schedulefree -- "$bin" "${sf[@]}" --output_dir "$work/schedulefree"
+expect_rc 130 schedulefree-stopped -- "$bin" "${sf[@]}" --output_dir "$work/schedulefree-resumed" --stop_at 3
+expect_rc 0 schedulefree-resumed -- "$bin" "${sf[@]}" --output_dir "$work/schedulefree-resumed" \
+  --resume_from_checkpoint latest
+cmp -s "$work/schedulefree/pytorch_lora_weights.safetensors" \
+  "$work/schedulefree-resumed/pytorch_lora_weights.safetensors" ||
+  fail "the resumed schedule-free run ended with another LoRA"
+expect_rc 2 opt-unknown -- "$bin" "${base[@]}" --optimizer_type AdamW9bit --output_dir "$work/bad"
+grep_in "$work/opt-unknown.err" "--optimizer_type"
+grep_in "$work/opt-unknown.err" "AdamWScheduleFree"
+expect_rc 2 opt-arg -- "$bin" "${base[@]}" --optimizer_type Lion --optimizer_args d_coef=2 --output_dir "$work/bad"
+grep_in "$work/opt-arg.err" "'d_coef' is not a setting of Lion"
+expect_rc 2 opt-8bit-twice -- "$bin" "${base[@]}" --optimizer_type Lion --use_8bit_adam --output_dir "$work/bad"
+grep_in "$work/opt-8bit-twice.err" "--use_8bit_adam"
 # Full fine-tuning with EMA, min-SNR and offset noise, latents encoded every step, buckets.
 expect_rc 0 full -- "$bin" "${base[@]}" --use_ema --ema_decay 0.9 --snr_gamma 5 --noise_offset 0.05 \
   --enable_bucket --min_bucket_reso 16 --max_bucket_reso 64 --bucket_reso_steps 16 \
