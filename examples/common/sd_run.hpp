@@ -395,11 +395,14 @@ inline void resolve_max_train_steps(SdRunFlags& f, std::int64_t micro_batches_pe
 }
 
 /// As argparse: a flag given twice takes its last value (a command line a script extends); the
-/// repeatable --validation_prompt keeps all.
+/// repeatable --validation_prompt and the lists (--optimizer_args, --block_dims, --block_alphas)
+/// keep all.
 inline void last_value_wins(const std::vector<CLI::App*>& groups) {
   for (auto* group : groups)
     for (auto* opt : group->get_options())
-      if (opt->get_name() != "--validation_prompt" && opt->get_name() != "--optimizer_args")
+      if (const std::string n = opt->get_name(); n != "--validation_prompt" &&
+                                                 n != "--optimizer_args" && n != "--block_dims" &&
+                                                 n != "--block_alphas")
         opt->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
 }
 

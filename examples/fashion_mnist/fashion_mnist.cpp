@@ -30,6 +30,7 @@
 #include <difftrain/nn/module_tensors.hpp>
 #include <difftrain/schedule/by_name.hpp>
 #include <difftrain/train/callbacks.hpp>
+#include <difftrain/train/optimizer_by_name.hpp>
 #include <difftrain/train/profile.hpp>
 #include <difftrain/train/progress.hpp>
 #include <difftrain/train/seeding.hpp>
@@ -96,6 +97,8 @@ struct Settings : examples::RunFlags, examples::JudgeFlags {
   double snr_gamma = 5.0;
   double adam_beta1 = 0.9, adam_beta2 = 0.999, adam_epsilon = 1e-8;
   std::string adam_kernel = "fused";  // torch's fused AdamW, its multi-tensor one, or LibTorch's
+  std::string optimizer = "AdamW";    // any name OptimizerByName takes (kohya's)
+  std::vector<std::string> optimizer_args;  // its settings, key=value
   std::int64_t accumulation = 1;
   bool take_new_settings = false;
   std::int64_t stop_at = 0;
@@ -137,7 +140,7 @@ struct PeekSamples {
 };
 
 struct DenoiserConfig : tr::DefaultConfig {
-  using Optimizer = tr::AdamW;
+  using Optimizer = tr::OptimizerByName;                        // --optimizer, --optimizer-args
   using Schedule = difftrain::schedule::ByName;                 // --lr-scheduler, diffusers' names
   using Ema = difftrain::ema::Ema<difftrain::ema::RuleByName>;  // --ema-rule, --ema-settings
   using Precision = tr::PrecisionByName;                        // --mixed_precision
@@ -235,7 +238,12 @@ void refuse_other_models_flags(const Settings& s) {
 
 int run(const Settings& s) {
   const auto t_start = std::chrono::steady_clock::now();
-  (void)ema_rule_options(s);              // a wrong EMA setting is named before any work
+  (void)ema_rule_options(s);  // a wrong EMA setting is named before any work
+  {                           // and so is a wrong optimizer name or setting
+    tr::ParamGroup one;
+    one.params = {at::zeros({1}).requires_grad_()};
+    (void)tr::OptimizerByName::make({one}, {.type = s.optimizer, .args = s.optimizer_args});
+  }
   (void)examples::device_from(s.device);  // a name and a device this machine has
   refuse_other_models_flags(s);
   if (s.model == "dit") (void)fmnist::dit_config(s.dit, fmnist::kClasses);  // named before work
@@ -316,6 +324,8 @@ int run(const Settings& s) {
   o.optimizer.kernel = s.adam_kernel == "fused"     ? tr::AdamKernel::fused
                        : s.adam_kernel == "foreach" ? tr::AdamKernel::foreach
                                                     : tr::AdamKernel::per_parameter;
+  o.optimizer.type = s.optimizer;
+  o.optimizer.args = s.optimizer_args;
   o.accumulation_steps = s.accumulation;
   o.schedule.lr_scheduler = s.lr_scheduler;
   o.schedule.args.num_warmup_steps = std::min(s.warmup, s.steps);
@@ -368,9 +378,17 @@ int run(const Settings& s) {
       {"device", s.device},
       {"seed", s.seed}};
   nlohmann::json run_settings = {
-      {"steps", s.steps},        {"channels", s.channels},         {"attention_14", s.attention_14},
-      {"warmup", s.warmup},      {"weight_decay", s.weight_decay}, {"adam_kernel", s.adam_kernel},
-      {"max_grad_norm", s.clip}, {"p_uncond", s.p_uncond},         {"ranks", world->size()}};
+      {"steps", s.steps},
+      {"channels", s.channels},
+      {"attention_14", s.attention_14},
+      {"warmup", s.warmup},
+      {"weight_decay", s.weight_decay},
+      {"adam_kernel", s.adam_kernel},
+      {"optimizer", tr::OptimizerByName::chosen_name({.type = s.optimizer})},
+      {"optimizer_args", s.optimizer_args},
+      {"max_grad_norm", s.clip},
+      {"p_uncond", s.p_uncond},
+      {"ranks", world->size()}};
   if (s.model == "dit")
     run_settings.update({{"dit_width", s.dit.width},
                          {"dit_depth", s.dit.depth},
@@ -745,6 +763,14 @@ int main(int argc, char** argv) {
                 "per-parameter loop (same results to rounding)")
       ->check(CLI::IsMember({"fused", "foreach", "per_parameter"}))
       ->capture_default_str();
+  m->add_option("--optimizer,--optimizer_type", s.optimizer,
+                "AdamW, Adam, AdamW8bit, SGD, SGDNesterov, Lion, Prodigy, Adafactor, CAME or "
+                "AdamWScheduleFree (kohya's names; --lr, --weight-decay and the AdamW flags apply "
+                "where it has them)")
+      ->capture_default_str();
+  m->add_option("--optimizer-args,--optimizer_args", s.optimizer_args,
+                "its settings as key=value (kohya's: d_coef=2 relative_step=False ...)")
+      ->expected(1, -1);
   m->add_option("--gradient-accumulation-steps,--gradient_accumulation_steps", s.accumulation,
                 "micro-batches of --batch-size per optimizer step")
       ->check(examples::count_in(1, 1'000'000))

@@ -97,6 +97,8 @@ struct Settings : SdRunFlags, ImageFolderFlags, LoraFlags, TorchrunFlags, Single
   bool use_ema = false;
   double ema_decay = 0.9999;
   bool train_text_encoder = false;
+  std::vector<std::int64_t> block_dims;  // kohya's: a rank per UNet block (25)
+  std::vector<double> block_alphas;      // and an alpha per block
   bool cache_latents = false;
   std::string cache_dir;  // default OUT/cache
   // under torchrun
@@ -365,10 +367,22 @@ class BatchStream {
 
 // ---- the run ------------------------------------------------------------------------------------
 
+/// kohya's block_dims from --block_dims / --block_alphas (alphas default to --lora_alpha).
+ad::BlockDims unet_block_dims(const Settings& s) {
+  return {.dims = s.block_dims,
+          .alphas = s.block_alphas,
+          .alpha = s.lora_alpha > 0 ? s.lora_alpha : static_cast<double>(s.rank)};
+}
+
 /// Refuses flag combinations that cannot work, before anything is loaded.
 void check_flags(const Settings& s) {
   s.kohya.check();
   check_loraplus_flags(s);
+  if ((!s.block_dims.empty() || !s.block_alphas.empty()) && !s.use_lora)
+    throw ConfigError("sets LoRA ranks; add --use_lora", "--block_dims");
+  if (!s.block_alphas.empty() && s.block_dims.empty())
+    throw ConfigError("goes with --block_dims", "--block_alphas");
+  if (!s.block_dims.empty()) unet_block_dims(s).validate("--block_dims", "--block_alphas");
   if (s.loraplus_text_encoder_lr_ratio > 0 && !s.train_text_encoder)
     throw ConfigError("goes with --train_text_encoder", "--loraplus_text_encoder_lr_ratio");
   if (s.train_text_encoder && !s.use_lora)
@@ -452,7 +466,14 @@ int train(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
   std::vector<std::string> unet_lora, te_lora;
   if (s.use_lora) {
     const double alpha = s.lora_alpha > 0 ? s.lora_alpha : static_cast<double>(s.rank);
-    unet_lora = ad::inject_lora(*p.unet, ad::unet_lora_targets(), {.rank = s.rank, .alpha = alpha});
+    if (s.block_dims.empty()) {
+      unet_lora =
+          ad::inject_lora(*p.unet, ad::unet_lora_targets(), {.rank = s.rank, .alpha = alpha});
+    } else {  // kohya's ranks per block
+      const ad::BlockDims dims = unet_block_dims(s);
+      unet_lora = ad::inject_lora(*p.unet, ad::unet_lora_targets(),
+                                  [&](const std::string& m) { return dims.of(m); });
+    }
     if (s.train_text_encoder)
       for (auto& e : encoders) {
         const auto added =
@@ -712,6 +733,13 @@ int main(int argc, char** argv) {
   t->add_option("--ema_decay", s.ema_decay)->check(number_in(0, 1))->capture_default_str();
   add_lora_flags(g, s, "UNet");
   t->add_flag("--train_text_encoder", s.train_text_encoder, "LoRA on the text encoders too");
+  t->add_option("--block_dims", s.block_dims,
+                "kohya's block_dims: 25 comma-separated UNet LoRA ranks, IN00-11, MID, OUT00-11 "
+                "(0 leaves a block out)")
+      ->delimiter(',');
+  t->add_option("--block_alphas", s.block_alphas,
+                "kohya's block_alphas: 25 alphas to go with --block_dims (default: --lora_alpha)")
+      ->delimiter(',');
   auto* d = add_torchrun_flags(app, s, "each UNet block");
   examples::add_kohya_flags(app, s.kohya);
   last_value_wins({g.run, g.training, g.saving, img, d});

@@ -159,6 +159,55 @@ expect_rc 2 opt-arg -- "$bin" "${base[@]}" --optimizer_type Lion --optimizer_arg
 grep_in "$work/opt-arg.err" "'d_coef' is not a setting of Lion"
 expect_rc 2 opt-8bit-twice -- "$bin" "${base[@]}" --optimizer_type Lion --use_8bit_adam --output_dir "$work/bad"
 grep_in "$work/opt-8bit-twice.err" "--use_8bit_adam"
+# kohya's block_dims / block_alphas: UNet LoRA ranks and alphas per block (blocks of rank 0 get no
+# branch). With one alpha, diffusers' load_lora_weights gives the same images from the PEFT file
+# (per-module ranks in its metadata) and the kohya file; with alphas per block, the PEFT file's
+# metadata and the kohya file's .alpha keys carry them (diffusers reads per-module alphas from the
+# PEFT file only: docs/adapters.md). A count other than 25 is refused by name.
+dims=4,0,2,8,4,2,4,4,4,4,4,4,6,4,2,8,4,2,4,4,4,4,4,4,4
+alphas=1,2,1,4,2,1,1,2,2,2,2,2,3,2,1,4,2,1,2,2,2,2,2,2,2
+expect_rc 0 block-dims -- "$bin" "${base[@]}" --use_lora --rank 4 --lora_alpha 2 --block_dims "$dims" \
+  --learning_rate 2e-3 --max_train_steps 2 --output_dir "$work/block-dims"
+expect_rc 0 block-alphas -- "$bin" "${base[@]}" --use_lora --rank 4 --block_dims "$dims" \
+  --block_alphas "$alphas" --learning_rate 2e-3 --max_train_steps 2 --output_dir "$work/block-alphas"
+"$py" - "$work" "$sd" >"$work/block-dims-check.out" 2>&1 <<'PY' || { cat "$work/block-dims-check.out"; fail "block_dims in diffusers"; }
+import pathlib, sys
+import numpy as np, torch
+from safetensors.torch import load_file
+from diffusers import StableDiffusionPipeline
+from diffusers.utils import logging as dlogging
+dlogging.set_verbosity_error()
+work, sd = pathlib.Path(sys.argv[1]), sys.argv[2]
+def images(out, weight_name=None):
+    pipe = StableDiffusionPipeline.from_pretrained(sd, safety_checker=None)
+    if weight_name:
+        pipe.load_lora_weights(str(out), weight_name=weight_name)
+    return pipe("a photo of a sneaker", num_inference_steps=2, height=32, width=32, output_type="np",
+                generator=torch.Generator().manual_seed(0)).images, pipe
+for run in ("block-dims", "block-alphas"):
+    out = work / run
+    ranks = {k: v.shape[0] for k, v in load_file(out / "pytorch_lora_weights.safetensors").items()
+             if k.endswith("lora_A.weight")}
+    assert len(set(ranks.values())) >= 3, ranks
+    assert not any(k.startswith("unet.down_blocks.0.attentions.0.") for k in ranks), "IN01 has rank 0"
+    peft, pipe = images(out, "pytorch_lora_weights.safetensors")
+    assert pipe.unet.peft_config["default_0"].rank_pattern, run
+    assert np.isfinite(peft).all() and not np.allclose(peft, images(out)[0]), run
+    kohya_alphas = {float(v) for k, v in load_file(out / "lora_kohya.safetensors").items()
+                    if k.endswith(".alpha")}
+    if run == "block-dims":
+        assert kohya_alphas == {2.0}, kohya_alphas
+        kohya, _ = images(out, "lora_kohya.safetensors")
+        worst = float(np.abs(peft - kohya).max())
+        assert worst < 1e-4, worst
+        print(f"block_dims: ranks {sorted(set(ranks.values()))}; PEFT and kohya files {worst:.1e} apart")
+    else:
+        assert len(kohya_alphas) >= 3 and kohya_alphas <= {1.0, 2.0, 3.0, 4.0}, kohya_alphas
+        assert pipe.unet.peft_config["default_0"].alpha_pattern
+        print(f"block_alphas: alphas {sorted(kohya_alphas)} in both files")
+PY
+expect_rc 2 block-dims-count -- "$bin" "${base[@]}" --use_lora --block_dims 4,4,4 --output_dir "$work/bad"
+grep_in "$work/block-dims-count.err" "--block_dims"
 # Full fine-tuning with EMA, min-SNR and offset noise, latents encoded every step, buckets.
 expect_rc 0 full -- "$bin" "${base[@]}" --use_ema --ema_decay 0.9 --snr_gamma 5 --noise_offset 0.05 \
   --enable_bucket --min_bucket_reso 16 --max_bucket_reso 64 --bucket_reso_steps 16 \

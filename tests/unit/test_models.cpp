@@ -757,6 +757,96 @@ TEST(Models, WrongInputsAreShapeErrors) {
   EXPECT_EQ(vae->decode_latents(latents).sizes(), images.sizes());
 }
 
+// kohya's block_dims: the block of each UNet module as networks/lora.py's get_block_index numbers
+// it (down 1-11, mid 12, up 13-24, -1 elsewhere), and a LoRA whose rank and alpha follow the
+// block (a rank of 0 leaves the block out); the PEFT file says the ranks and alphas per module.
+TEST(Models, UNetLoraRanksFollowKohyasBlockDims) {
+  namespace ad = difftrain::adapters;
+  const std::vector<std::pair<std::string, int>> blocks = {
+      {"down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q", 1},
+      {"down_blocks.0.attentions.1.proj_in", 2},
+      {"down_blocks.0.resnets.1.conv1", 2},
+      {"down_blocks.0.downsamplers.0.conv", 3},
+      {"down_blocks.1.attentions.0.transformer_blocks.0.attn2.to_k", 4},
+      {"down_blocks.2.attentions.1.transformer_blocks.0.ff.net.2", 8},
+      {"down_blocks.3.resnets.1.conv2", 11},
+      {"mid_block.attentions.0.transformer_blocks.0.attn2.to_v", 12},
+      {"mid_block.resnets.1.conv1", 12},
+      {"up_blocks.0.resnets.2.conv2", 15},
+      {"up_blocks.1.attentions.2.proj_out", 18},
+      {"up_blocks.2.upsamplers.0.conv", 21},
+      {"up_blocks.3.attentions.2.transformer_blocks.0.attn1.to_out.0", 24},
+      {"up_blocks.12.attentions.10.proj_out", 13 + 36 + 10},
+      {"conv_in", -1},
+      {"time_embedding.linear_1", -1}};
+  for (const auto& [name, want] : blocks) EXPECT_EQ(ad::kohya_block_index(name), want) << name;
+
+  auto unet =
+      models::from_pretrained<models::UNet2DConditionModel<>>(golden_models() / "unet_conv_proj");
+  ad::BlockDims dims;
+  dims.alpha = 2.0;
+  for (std::size_t b = 0; b < ad::BlockDims::kCount; ++b) {
+    dims.dims.push_back(static_cast<std::int64_t>(b + 1));  // a rank of its own per block
+    dims.alphas.push_back(0.5 * static_cast<double>(b + 1));
+  }
+  dims.validate();
+  const auto adapted = ad::inject_lora(*unet, ad::unet_lora_targets(),
+                                       [&](const std::string& m) { return dims.of(m); });
+  std::size_t left_out = 0, matched = 0;
+  for (const auto& item : unet->named_modules("", false)) {
+    const std::string& name = item.key();
+    const bool target = name.ends_with(".to_q") || name.ends_with(".to_k") ||
+                        name.ends_with(".to_v") || name.ends_with(".to_out.0");
+    if (!target) continue;
+    ++matched;
+    const int b = ad::kohya_block_index(name);
+    const auto at = static_cast<std::size_t>(b < 0 ? 24 : b);
+    const bool has = std::find(adapted.begin(), adapted.end(), name) != adapted.end();
+    EXPECT_EQ(has, dims.dims[at] != 0) << name;
+    if (!has) {
+      ++left_out;
+      continue;
+    }
+    const auto* host = dynamic_cast<ad::LoraHost*>(item.value().get());
+    ASSERT_NE(host, nullptr);
+    EXPECT_EQ(host->lora_options().rank, dims.dims[at]) << name;
+    EXPECT_EQ(host->lora_options().alpha.value_or(0.0), dims.alphas[at]) << name;
+  }
+  EXPECT_GT(adapted.size(), 0U);
+  EXPECT_EQ(adapted.size() + left_out, matched);
+  // The ranks and alphas per module in the PEFT file's adapter metadata.
+  nlohmann::json meta = nlohmann::json::object();
+  ad::add_peft_adapter_metadata(meta, *unet, "unet");
+  std::set<std::int64_t> ranks;
+  for (const auto& name : adapted) {
+    const auto* host = dynamic_cast<ad::LoraHost*>(unet->named_modules("", false)[name].get());
+    ranks.insert(host->lora_options().rank);
+  }
+  EXPECT_GT(ranks.size(), 1U);
+  EXPECT_FALSE(meta["unet.rank_pattern"].empty());
+  EXPECT_FALSE(meta["unet.alpha_pattern"].empty());
+  // A block of rank 0 has no branch.
+  auto other =
+      models::from_pretrained<models::UNet2DConditionModel<>>(golden_models() / "unet_conv_proj");
+  ad::BlockDims without = dims;
+  without.dims[static_cast<std::size_t>(ad::kohya_block_index(adapted.front()))] = 0;
+  const auto fewer = ad::inject_lora(*other, ad::unet_lora_targets(),
+                                     [&](const std::string& m) { return without.of(m); });
+  EXPECT_LT(fewer.size(), adapted.size());
+  for (const auto& name : fewer)
+    EXPECT_NE(ad::kohya_block_index(name), ad::kohya_block_index(adapted.front())) << name;
+  // Mistakes: a count other than 25, a negative rank.
+  ad::BlockDims bad;
+  bad.dims = {4, 4};
+  EXPECT_THROW(bad.validate(), dt::ConfigError);
+  bad.dims.assign(25, 4);
+  bad.dims[3] = -1;
+  EXPECT_THROW(bad.validate(), dt::ConfigError);
+  bad.dims[3] = 4;
+  bad.alphas = {1.0};
+  EXPECT_THROW(bad.validate(), dt::ConfigError);
+}
+
 // LoRA on every attention projection of a diffusers UNet, trained a few steps; its PEFT and kohya
 // files load back into a fresh UNet and give the same output. With DIFFTRAIN_MODELS_OUT set, the
 // files and the adapted output go there for check_cpp_models.py to apply in diffusers.

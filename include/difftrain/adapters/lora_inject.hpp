@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -29,6 +30,7 @@
 #include <regex>
 #include <set>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -74,11 +76,14 @@ inline void freeze_all_but_lora(torch::nn::Module& root) {
     item.value().set_requires_grad(item.key().find("lora_") != std::string::npos);
 }
 
-/// Attaches a branch to each matching layer, freezes the rest; returns the adapted names.
-inline std::vector<std::string> inject_lora(torch::nn::Module& root, const LoraTargets& targets,
-                                            const LoraOptions& options) {
+/// A layer's own rank and alpha (kohya's block_dims, PEFT's rank_pattern): the options for the
+/// module named, or none to leave it without a branch (kohya's dim 0).
+using LoraOptionsOf = std::function<std::optional<LoraOptions>(const std::string& module)>;
+
+namespace lora_inject_detail {
+inline std::vector<std::string> inject(torch::nn::Module& root, const LoraTargets& targets,
+                                       const LoraOptionsOf& options_of) {
   const std::string where = "inject_lora";
-  options.validate(where);
   if (targets.target_modules.empty() && !targets.target_regex)
     throw ConfigError("names no target modules", where);
   std::optional<std::regex> re;
@@ -100,12 +105,33 @@ inline std::vector<std::string> inject_lora(torch::nn::Module& root, const LoraT
                             ") matches the targets but cannot carry a LoRA branch; build it from "
                             "AdaptableLinear / AdaptableConv2d",
                         where);
-    host->attach_lora(options);
+    const std::optional<LoraOptions> options = options_of(name);
+    if (!options) continue;
+    options->validate(where + " (" + name + ")");
+    host->attach_lora(*options);
     adapted.push_back(name);
   }
   if (adapted.empty()) throw ConfigError("no module matches the targets", where);
   freeze_all_but_lora(root);
   return adapted;
+}
+}  // namespace lora_inject_detail
+
+/// Attaches a branch to each matching layer with the options `options_of(name)` gives it (a
+/// layer it gives none is left as it is), freezes the rest; returns the adapted names.
+template <class OptionsOf>
+requires std::is_invocable_r_v < std::optional<LoraOptions>, OptionsOf,
+const std::string& > std::vector<std::string> inject_lora(torch::nn::Module& root,
+                                                          const LoraTargets& targets,
+                                                          OptionsOf&& options_of) {
+  return lora_inject_detail::inject(root, targets, LoraOptionsOf(options_of));
+}
+
+/// The same with one set of options for every layer.
+inline std::vector<std::string> inject_lora(torch::nn::Module& root, const LoraTargets& targets,
+                                            const LoraOptions& options) {
+  options.validate("inject_lora");
+  return lora_inject_detail::inject(root, targets, [&](const std::string&) { return options; });
 }
 
 enum class LoraLayout {

@@ -130,7 +130,7 @@ struct OptimizerByName {
     double beta1 = 0.9, beta2 = 0.999;
     double eps = 1e-8;
     double weight_decay = 1e-2;
-    std::vector<std::string> args;  // "key=value"
+    std::vector<std::string> args{};  // "key=value"
     AdamKernel kernel = AdamKernel::fused;
   };
 
