@@ -1,6 +1,7 @@
 // LoRA: layer numerics and gradients against PEFT's rule (tests/reference/ref_lora.py), merge and
 // unmerge, injection by name, freezing, the PEFT and kohya file layouts, the SAT key mapping.
 #include <difftrain/adapters/adapters.hpp>
+#include <difftrain/core/python_strings.hpp>
 #include <difftrain/io/safetensors.hpp>
 #include <difftrain/nn/blocks/cross_attention.hpp>
 #include <difftrain/nn/blocks/transformer_block.hpp>
@@ -11,6 +12,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 
 namespace dt = difftrain;
 namespace ad = difftrain::adapters;
@@ -252,6 +254,147 @@ ad::HypernetworkOptions options_of(const nlohmann::json& m) {
   o.activate_output = m["activate_output"].get<bool>();
   o.dropout_structure = m["dropout_structure"].get<std::vector<double>>();
   return o;
+}
+
+// LoHa and LoKr against PEFT's LoHaConfig / LoKrConfig adapters (random factors) on a Linear, a
+// 3×3 and a 1×1 convolution, over ranks, alphas, LoKr factors and decompose_both
+// (tests/reference/ref_weight_delta.py): the adapted outputs and ΔW equal PEFT's; ΔW equals
+// lycoris-lora's from the same tensors (whose LoKr of two whole factors applies at scale 1, so the
+// LyCORIS file carries W1 pre-scaled); both file layouts read back to the same outputs; damaged
+// files are FormatErrors naming the key.
+struct DeltaNetImpl : torch::nn::Module {
+  DeltaNetImpl() {
+    lin = register_module("lin", dt::nn::AdaptableLinear(24, 36));
+    conv = register_module("conv",
+                           dt::nn::AdaptableConv2d(torch::nn::Conv2dOptions(8, 12, 3).padding(1)));
+    point = register_module("point", dt::nn::AdaptableConv2d(torch::nn::Conv2dOptions(12, 16, 1)));
+  }
+  at::Tensor run(const std::string& m, const at::Tensor& x) {
+    if (m == "lin") return lin->forward(x);
+    return m == "conv" ? conv->forward(x) : point->forward(x);
+  }
+  dt::nn::AdaptableLinear lin{nullptr};
+  dt::nn::AdaptableConv2d conv{nullptr}, point{nullptr};
+};
+TORCH_MODULE(DeltaNet);
+
+TEST(WeightDelta, LohaAndLokrMatchPeftAndLycorisOnEverySweptSetting) {
+  const auto g =
+      dt::io::load_safetensors(fs::path(DIFFTRAIN_GOLDEN_DIR) / "weight_delta.safetensors", true)
+          .tensors;
+  std::ifstream meta_file(fs::path(DIFFTRAIN_GOLDEN_DIR) / "weight_delta.json");
+  const auto meta = nlohmann::json::parse(meta_file);
+  int cases = 0;
+  for (const auto& c : meta["cases"]) {
+    const std::string name = c["name"];
+    SCOPED_TRACE(name);
+    ++cases;
+    ad::DeltaOptions o{.kind = c["kind"] == "loha" ? ad::DeltaKind::loha : ad::DeltaKind::lokr,
+                       .rank = c["rank"].get<std::int64_t>(),
+                       .alpha = c["alpha"].get<double>(),
+                       .factor = c["factor"].get<std::int64_t>(),
+                       .decompose_both = c["decompose_both"].get<bool>()};
+    auto fill_base = [&](DeltaNet& net) {
+      const at::NoGradGuard no_grad;
+      for (auto& p : net->named_parameters())
+        if (p.key().find(".adapter.") == std::string::npos)
+          p.value().copy_(g.at(name + "." + p.key()));
+    };
+    DeltaNet net;
+    fill_base(net);
+    const auto adapted =
+        ad::inject_weight_delta(*net, {.target_modules = {"lin", "conv", "point"}}, o);
+    ASSERT_EQ(adapted.size(), 3U);
+    {
+      const at::NoGradGuard no_grad;
+      for (auto& p : net->named_parameters()) {
+        if (p.key().find(".adapter.") == std::string::npos) continue;
+        const std::string key = name + "." + dt::python_replace(p.key(), ".adapter.", ".");
+        ASSERT_TRUE(g.contains(key)) << key << ": PEFT made another split";
+        ASSERT_EQ(p.value().sizes(), g.at(key).sizes()) << key;
+        p.value().copy_(g.at(key));
+      }
+    }
+    std::size_t peft_tensors = 0;
+    for (const auto& [k, t] : g)
+      if (k.starts_with(name + ".") &&
+          ((k.find(".hada_") != std::string::npos) || (k.find(".lokr_") != std::string::npos)))
+        ++peft_tensors;
+    EXPECT_EQ(ad::weight_delta_state_dict(*net).size(), peft_tensors);  // the same split as PEFT
+    std::map<std::string, at::Tensor> outputs;
+    for (const char* m : {"lin", "conv", "point"}) {
+      SCOPED_TRACE(m);
+      const std::string base = name + "." + m;
+      const at::NoGradGuard no_grad;
+      const at::Tensor y = net->run(m, g.at(base + ".x"));
+      outputs[m] = y;
+      EXPECT_LT((y - g.at(base + ".y")).abs().max().item<double>(), 1e-5);
+      auto* layer = ad::delta_of(*net->named_modules("", false)[m]);
+      const at::Tensor w = net->named_parameters()[std::string(m) + ".weight"];
+      const at::Tensor delta = layer->delta_weight(w);
+      EXPECT_LT((delta - g.at(base + ".delta")).abs().max().item<double>(), 1e-6);
+      // LyCORIS applies a LoKr of two whole factors at scale 1.
+      const bool whole = g.contains(base + ".lokr_w1") && g.contains(base + ".lokr_w2");
+      const at::Tensor lycoris = g.at(base + ".lycoris_delta") * (whole ? o.scale() : 1.0);
+      EXPECT_LT((delta - lycoris).abs().max().item<double>(), 1e-6);
+    }
+    // Both layouts read back: PEFT's with its rank and alpha (the adapter metadata), LyCORIS'
+    // with its alpha keys; a LyCORIS reader's product of the file's whole factors is ΔW.
+    for (const auto layout : {ad::LoraLayout::peft, ad::LoraLayout::kohya}) {
+      const ad::LoraKeyOptions keys{layout, layout == ad::LoraLayout::peft ? "" : "lora_unet_"};
+      const auto sd = ad::weight_delta_state_dict(*net, keys);
+      DeltaNet back;
+      fill_base(back);
+      const auto loaded =
+          ad::load_weight_delta_state_dict(*back, sd, keys, [&](const std::string&) {
+            return std::optional<std::pair<std::int64_t, double>>({o.rank, *o.alpha});
+          });
+      EXPECT_EQ(loaded.size(), 3U);
+      const at::NoGradGuard no_grad;
+      for (const char* m : {"lin", "conv", "point"})
+        EXPECT_LT(
+            (back->run(m, g.at(name + "." + m + ".x")) - outputs[m]).abs().max().item<double>(),
+            1e-6)
+            << m << (layout == ad::LoraLayout::peft ? " (PEFT)" : " (LyCORIS)");
+      if (layout == ad::LoraLayout::kohya && sd.contains("lora_unet_lin.lokr_w2") &&
+          sd.contains("lora_unet_lin.lokr_w1")) {
+        const at::Tensor scale1 =
+            at::kron(sd.at("lora_unet_lin.lokr_w1"), sd.at("lora_unet_lin.lokr_w2"));
+        EXPECT_LT((scale1 - g.at(name + ".lin.delta")).abs().max().item<double>(), 1e-6);
+        EXPECT_EQ(sd.at("lora_unet_lin.alpha").item<double>(), static_cast<double>(o.rank));
+      }
+    }
+  }
+  EXPECT_EQ(cases, 9);
+  // A new adapter changes nothing; damaged files are named.
+  DeltaNet fresh;
+  const at::Tensor x = at::randn({3, 24});
+  const at::Tensor before = fresh->lin->forward(x);
+  for (const auto kind : {ad::DeltaKind::loha, ad::DeltaKind::lokr}) {
+    DeltaNet n;
+    {
+      const at::NoGradGuard no_grad;
+      for (auto& p : n->named_parameters()) p.value().copy_(fresh->named_parameters()[p.key()]);
+    }
+    ad::inject_weight_delta(*n, {.target_modules = {"lin"}}, ad::DeltaOptions{.kind = kind});
+    EXPECT_TRUE(at::allclose(n->lin->forward(x), before));
+    auto sd = ad::weight_delta_state_dict(*n);
+    DeltaNet other;
+    auto bad = sd;
+    bad["nowhere.hada_w1_a"] = at::zeros({2, 2});
+    EXPECT_THROW(ad::load_weight_delta_state_dict(*other, bad), dt::FormatError);
+    DeltaNet other2;
+    bad = sd;
+    bad.begin()->second = at::zeros({1, 1});
+    EXPECT_THROW(ad::load_weight_delta_state_dict(*other2, bad), dt::FormatError);
+    DeltaNet other3;
+    bad = sd;
+    bad.erase(bad.begin());
+    EXPECT_THROW(ad::load_weight_delta_state_dict(*other3, bad), dt::FormatError);
+  }
+  EXPECT_THROW(
+      ad::inject_weight_delta(*fresh, {.target_modules = {"lin"}}, ad::DeltaOptions{.rank = 0}),
+      dt::ConfigError);
 }
 
 TEST(Hypernetwork, ModulesMatchTheWebUiStructureAndNumbers) {

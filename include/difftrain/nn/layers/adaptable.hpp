@@ -26,6 +26,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <variant>
 
 #include "difftrain/core/error.hpp"
 
@@ -79,6 +80,15 @@ class LoraHost {
   [[nodiscard]] virtual at::Tensor delta_weight() const = 0;
 };
 
+/// An adapter whose effect is a change of the layer's weight, ΔW(θ), rather than a low-rank path
+/// of its own (LoHa's Hadamard product, LoKr's Kronecker product: adapters/weight_delta.hpp). The
+/// layer adds its own operation with ΔW to its output, as PEFT and LyCORIS apply them.
+class WeightDelta : public torch::nn::Module {
+ public:
+  /// ΔW (scale included), shaped as `weight`.
+  [[nodiscard]] virtual at::Tensor delta_weight(const at::Tensor& weight) const = 0;
+};
+
 /// A torch layer (`Base`: LinearImpl or Conv2dImpl) with an optional LoRA branch. `Traits` says how
 /// the branch's A and B are shaped for that layer and how B·A folds into its weight.
 template <class Base, class Traits>
@@ -93,8 +103,21 @@ class AdaptableImpl : public Base, public LoraHost {
       const at::Tensor in = dropout_ ? dropout_->forward(x) : x;
       y = y + lora_B->forward(lora_A->forward(in)) * o_.scale();
     }
+    if (delta_)  // the layer's own operation with ΔW, without bias
+      y = y + Traits::with_weight(this->options, x, delta_->delta_weight(this->weight));
     return y;
   }
+
+  /// Attaches a weight-change adapter (LoHa, LoKr) as the child "adapter"; one per layer, and
+  /// not beside a LoRA branch.
+  void attach_delta(std::shared_ptr<WeightDelta> delta) {
+    const std::string where = std::string(Traits::name) + "::attach_delta";
+    if (lora_A || delta_) throw ConfigError("already has an adapter", where);
+    Traits::check(this->options, where);
+    delta_ = this->register_module("adapter", std::move(delta));
+  }
+  /// The weight-change adapter (null without one).
+  [[nodiscard]] const std::shared_ptr<WeightDelta>& delta() const { return delta_; }
 
   void attach_lora(const LoraOptions& o) override {
     const std::string where = std::string(Traits::name) + "::attach_lora";
@@ -160,6 +183,7 @@ class AdaptableImpl : public Base, public LoraHost {
   }
   LoraOptions o_{};
   torch::nn::Dropout dropout_{nullptr};
+  std::shared_ptr<WeightDelta> delta_;
   bool merged_ = false;
 };
 
@@ -173,6 +197,10 @@ struct LinearLoraTraits {
   }
   static Branch make_b(const torch::nn::LinearOptions& o, std::int64_t r) {
     return Branch(torch::nn::LinearOptions(r, o.out_features()).bias(false));
+  }
+  static at::Tensor with_weight(const torch::nn::LinearOptions& /*o*/, const at::Tensor& x,
+                                const at::Tensor& w) {
+    return at::linear(x, w);
   }
 };
 
@@ -192,6 +220,14 @@ struct Conv2dLoraTraits {
   }
   static Branch make_b(const torch::nn::detail::ConvNdOptions<2>& o, std::int64_t r) {
     return Branch(torch::nn::Conv2dOptions(r, o.out_channels(), 1).bias(false));
+  }
+  /// The layer's convolution (stride, padding, dilation; zero padding) with weight `w`.
+  static at::Tensor with_weight(const torch::nn::detail::ConvNdOptions<2>& o, const at::Tensor& x,
+                                const at::Tensor& w) {
+    const auto* pad = std::get_if<torch::ExpandingArray<2>>(&o.padding());
+    if (pad == nullptr || !std::holds_alternative<torch::enumtype::kZeros>(o.padding_mode()))
+      throw ConfigError("a weight-change adapter needs explicit zero padding", "AdaptableConv2d");
+    return at::conv2d(x, w, {}, *o.stride(), **pad, *o.dilation());
   }
 };
 
