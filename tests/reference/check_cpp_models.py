@@ -1,6 +1,7 @@
 """A UNet, a VAE, a DiT and a CogVideoX transformer and VAE folder, Stable Diffusion LoRA files over a
 sweep of rank and alpha, and SD3 and CogVideoX LoRA files, written by difftrain load in diffusers
-(from_pretrained, load_lora_weights) and give the outputs difftrain computed. Usage: check_cpp_models.py TEST_BINARY GOLDEN_DIR"""
+(from_pretrained, load_lora_weights) and give the outputs difftrain computed; its LoHa and LoKr
+files give them through lycoris-lora's parser and PEFT's adapters. Usage: check_cpp_models.py TEST_BINARY GOLDEN_DIR"""
 import json
 import os
 import pathlib
@@ -20,7 +21,7 @@ def main(binary, golden_dir):
     diffusers_logging.set_verbosity_error()
     out = pathlib.Path(tempfile.mkdtemp())
     env = dict(os.environ, DIFFTRAIN_MODELS_OUT=str(out), DIFFTRAIN_GOLDEN_DIR=golden_dir)
-    subprocess.run([binary, "--gtest_filter=Models.SavedFoldersRoundTrip:Models.UNetLora*:Transformers.SavedDiT*:Transformers.CogVideoXLora*:"
+    subprocess.run([binary, "--gtest_filter=Models.SavedFoldersRoundTrip:Models.UNetLora*:Models.UNetLohaAndLokr*:Transformers.SavedDiT*:Transformers.CogVideoXLora*:"
                     "Transformers.TransformerLoraFiles*:CogVideoXVae.SavedFolder*:ModelConfigs.*"],
                    check=True, env=env)
     t = load_file(out / "outputs.safetensors")
@@ -41,6 +42,7 @@ def main(binary, golden_dir):
     check_cogvideox(out)
     check_cogvideox_vae(out)
     check_transformer_loras(out, pathlib.Path(golden_dir))
+    check_weight_deltas(out, pathlib.Path(golden_dir))
     check_configs(out)
 
 
@@ -191,6 +193,47 @@ def check_lora(out, golden):
         print(f"LoRA {case['name']}: diffusers' load_lora_weights on {files} gives difftrain's UNet "
               f"and text-encoder outputs")
 
+
+def check_weight_deltas(out, golden):
+    """LoHa and LoKr files difftrain wrote (Models.UNetLohaAndLokrFilesReadBackAndApplyElsewhere):
+    LyCORIS' parser applies the LyCORIS file, and PEFT's LoHaConfig / LoKrConfig take
+    the PEFT file, on diffusers' UNet: difftrain's adapted output."""
+    from lycoris import create_lycoris_from_weights
+    from peft import LoHaConfig, LoKrConfig, set_peft_model_state_dict
+    cases = json.loads((out / "delta_cases.json").read_text())
+    io = load_file(golden / "models" / "unet_conv_proj.io.safetensors")
+    args = (io["input.sample"], io["input.timestep"], io["input.encoder_hidden_states"])
+    for case in cases:
+        folder = out / f"delta_{case['name']}"
+        want = load_file(folder / "output.safetensors")["unet"]
+        unet = UNet2DConditionModel.from_pretrained(golden / "models" / "unet_conv_proj").eval()
+        # LyCORIS' own parser of a file's modules (get_module / make_module), on the UNet's
+        # names: its kohya prefix lora_unet_ is its wrapper's lycoris_.
+        sd = {k.replace("lora_unet_", "lycoris_", 1): v
+              for k, v in load_file(folder / "lycoris.safetensors").items()}
+        assert sd and all(k.startswith("lycoris_") for k in sd)
+        network, _ = create_lycoris_from_weights(1.0, "", unet, weights_sd=sd)
+        assert len(network.loras) == len({k.split(".")[0] for k in sd}), len(network.loras)
+        network.apply_to()
+        with torch.no_grad():
+            got = unet(*args).sample
+        err = float((got - want).abs().max())
+        assert err < 1e-5, (case["name"], "lycoris", err)
+        unet = UNet2DConditionModel.from_pretrained(golden / "models" / "unet_conv_proj").eval()
+        targets = ["to_q", "to_k", "to_v", "to_out.0"]
+        if case["kind"] == "loha":
+            config = LoHaConfig(r=case["rank"], alpha=case["alpha"], target_modules=targets)
+        else:
+            config = LoKrConfig(r=case["rank"], alpha=case["alpha"], target_modules=targets,
+                                decompose_both=case["decompose_both"])
+        unet.add_adapter(config)
+        result = set_peft_model_state_dict(unet, load_file(folder / "peft.safetensors"))
+        assert not result.unexpected_keys, result.unexpected_keys
+        with torch.no_grad():
+            got2 = unet(*args).sample
+        err2 = float((got2 - want).abs().max())
+        assert err2 < 1e-5, (case["name"], "peft", err2)
+        print(f"{case['name']}: LyCORIS' parser {err:.1e}, PEFT {err2:.1e} from difftrain's UNet output")
 
 def check_configs(out):
     """Every model folder difftrain loaded, fine-tuned and saved (ModelConfigs.*) reads in diffusers

@@ -6,6 +6,7 @@
 #include <difftrain/adapters/stable_diffusion_lora_files.hpp>
 #include <difftrain/adapters/text_encoder_adapters.hpp>
 #include <difftrain/adapters/unet_adapters.hpp>
+#include <difftrain/adapters/weight_delta.hpp>
 #include <difftrain/io/remove_tree.hpp>
 #include <difftrain/io/safetensors.hpp>
 #include <difftrain/models/models.hpp>
@@ -1034,6 +1035,76 @@ TEST(Models, UNetLoraFilesAtEveryScale) {
   if (out_env) {
     const std::string text = listing.dump();
     std::ofstream(fs::path(out_env) / "lora_cases.json") << text;
+  }
+}
+
+// LoHa and LoKr on a diffusers UNet's attention projections (the factors made non-zero), in
+// LyCORIS' layout (lora_unet_…, what the web UI's and ComfyUI's LyCORIS readers take) and PEFT's:
+// both read back into a fresh UNet as the trained one. tests/reference/check_cpp_models.py
+// applies the LyCORIS file with lycoris-lora's kohya loader and the PEFT file with PEFT's
+// LoHaConfig / LoKrConfig on diffusers' UNet (DIFFTRAIN_MODELS_OUT) and compares the outputs.
+TEST(Models, UNetLohaAndLokrFilesReadBackAndApplyElsewhere) {
+  namespace ad = difftrain::adapters;
+  using Unet = models::UNet2DConditionModel<>;
+  const auto io = dt::io::load_safetensors(golden_models() / "unet_conv_proj.io.safetensors", true);
+  const auto& t = io.tensors;
+  const char* out_env = std::getenv("DIFFTRAIN_MODELS_OUT");
+  struct Case {
+    std::string name;
+    ad::DeltaOptions o;
+  };
+  const std::vector<Case> cases{
+      {"loha", {.kind = ad::DeltaKind::loha, .rank = 4, .alpha = 2.0}},
+      {"lokr", {.kind = ad::DeltaKind::lokr, .rank = 4, .alpha = 8.0}},
+      {"lokr_both",
+       {.kind = ad::DeltaKind::lokr, .rank = 2, .alpha = 1.0, .decompose_both = true}}};
+  nlohmann::json listing = nlohmann::json::array();
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.name);
+    at::manual_seed(5);
+    auto unet = models::from_pretrained<Unet>(golden_models() / "unet_conv_proj");
+    const auto adapted = ad::inject_weight_delta(*unet, ad::unet_lora_targets(), c.o);
+    EXPECT_FALSE(adapted.empty());
+    {
+      const at::NoGradGuard no_grad;
+      for (auto& p : unet->named_parameters())
+        if (p.key().find(".adapter.") != std::string::npos) p.value().normal_(0.0, 0.3);
+    }
+    auto run = [&](Unet& u) {
+      u->eval();
+      const at::NoGradGuard no_grad;
+      return u->forward(t.at("input.sample"), t.at("input.timestep"),
+                        t.at("input.encoder_hidden_states"));
+    };
+    const at::Tensor want = run(unet);
+    const ad::LoraKeyOptions lycoris{ad::LoraLayout::kohya, "lora_unet_"}, peft{};
+    const auto lycoris_sd = ad::weight_delta_state_dict(*unet, lycoris);
+    const auto peft_sd = ad::weight_delta_state_dict(*unet, peft);
+    for (const auto* keys : {&lycoris, &peft}) {
+      auto back = models::from_pretrained<Unet>(golden_models() / "unet_conv_proj");
+      (void)ad::load_weight_delta_state_dict(
+          *back, keys == &peft ? peft_sd : lycoris_sd, *keys, [&](const std::string&) {
+            return std::optional<std::pair<std::int64_t, double>>({c.o.rank, *c.o.alpha});
+          });
+      EXPECT_LT((run(back) - want).abs().max().item<double>(), 1e-5)
+          << (keys == &peft ? "PEFT" : "LyCORIS");
+    }
+    if (out_env != nullptr) {
+      const fs::path dir = fs::path(out_env) / ("delta_" + c.name);
+      fs::create_directories(dir);
+      dt::io::save_safetensors(dir / "lycoris.safetensors", lycoris_sd);
+      dt::io::save_safetensors(dir / "peft.safetensors", peft_sd);
+      dt::io::save_safetensors(dir / "output.safetensors", {{"unet", want}});
+      listing.push_back({{"name", c.name},
+                         {"kind", c.o.kind == ad::DeltaKind::loha ? "loha" : "lokr"},
+                         {"rank", c.o.rank},
+                         {"alpha", *c.o.alpha},
+                         {"decompose_both", c.o.decompose_both}});
+    }
+  }
+  if (out_env != nullptr) {
+    std::ofstream f(fs::path(out_env) / "delta_cases.json");
+    f << listing.dump(1);
   }
 }
 
