@@ -97,6 +97,8 @@ struct Settings : SdRunFlags, ImageFolderFlags, LoraFlags, TorchrunFlags, Single
   bool use_ema = false;
   double ema_decay = 0.9999;
   bool train_text_encoder = false;
+  std::string network_algo = "lora";     // LyCORIS' algo: lora, loha or lokr
+  std::int64_t lokr_factor = -1;         // LyCORIS' factor (LoKr's split; -1: near the root)
   std::vector<std::int64_t> block_dims;  // kohya's: a rank per UNet block (25)
   std::vector<double> block_alphas;      // and an alpha per block
   bool cache_latents = false;
@@ -383,6 +385,20 @@ void check_flags(const Settings& s) {
   if (!s.block_alphas.empty() && s.block_dims.empty())
     throw ConfigError("goes with --block_dims", "--block_alphas");
   if (!s.block_dims.empty()) unet_block_dims(s).validate("--block_dims", "--block_alphas");
+  if (s.network_algo != "lora") {
+    if (s.network_algo != "loha" && s.network_algo != "lokr")
+      throw ConfigError("is '" + s.network_algo + "'; choose lora, loha or lokr", "--network_algo");
+    if (!s.use_lora) throw ConfigError("trains an adapter; add --use_lora", "--network_algo");
+    if (!s.block_dims.empty())
+      throw ConfigError("sets LoRA ranks per block; it goes with --network_algo lora",
+                        "--block_dims");
+    if (s.loraplus_lr_ratio > 0 || s.loraplus_unet_lr_ratio > 0 ||
+        s.loraplus_text_encoder_lr_ratio > 0)
+      throw ConfigError("speeds up LoRA's B matrices; it goes with --network_algo lora",
+                        "--loraplus_lr_ratio");
+  }
+  if (s.lokr_factor == 0 || s.lokr_factor < -1)
+    throw ConfigError("must be -1 or > 0", "--lokr_factor");
   if (s.loraplus_text_encoder_lr_ratio > 0 && !s.train_text_encoder)
     throw ConfigError("goes with --train_text_encoder", "--loraplus_text_encoder_lr_ratio");
   if (s.train_text_encoder && !s.use_lora)
@@ -464,7 +480,19 @@ int train(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
   for (auto& e : encoders) freeze(*e);
   freeze(*p.vae);
   std::vector<std::string> unet_lora, te_lora;
-  if (s.use_lora) {
+  if (s.use_lora && s.network_algo != "lora") {  // LyCORIS' LoHa or LoKr
+    const ad::DeltaOptions o{
+        .kind = s.network_algo == "loha" ? ad::DeltaKind::loha : ad::DeltaKind::lokr,
+        .rank = s.rank,
+        .alpha = s.lora_alpha > 0 ? s.lora_alpha : static_cast<double>(s.rank),
+        .factor = s.lokr_factor};
+    unet_lora = ad::inject_weight_delta(*p.unet, ad::unet_lora_targets(), o);
+    if (s.train_text_encoder)
+      for (auto& e : encoders) {
+        const auto added = ad::inject_weight_delta(*e, ad::text_encoder_lora_targets(), o);
+        te_lora.insert(te_lora.end(), added.begin(), added.end());
+      }
+  } else if (s.use_lora) {
     const double alpha = s.lora_alpha > 0 ? s.lora_alpha : static_cast<double>(s.rank);
     if (s.block_dims.empty()) {
       unet_lora =
@@ -582,11 +610,14 @@ int train(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
         if (p.xl) modules.text_encoder_2 = p.text_encoder_2.get();
       }
       const ad::StableDiffusionLoraFiles names;
-      (void)ad::save_stable_diffusion_lora_files(out, modules,
-                                                 {{"lora_rank", std::to_string(s.rank)},
-                                                  {"lora_alpha", std::to_string(alpha)},
-                                                  {"base_model", s.model}},
-                                                 names);
+      const std::map<std::string, std::string> meta{{"lora_rank", std::to_string(s.rank)},
+                                                    {"lora_alpha", std::to_string(alpha)},
+                                                    {"network_algo", s.network_algo},
+                                                    {"base_model", s.model}};
+      if (s.network_algo == "lora")
+        (void)ad::save_stable_diffusion_lora_files(out, modules, meta, names);
+      else
+        (void)ad::save_stable_diffusion_weight_delta_files(out, modules, meta, names);
       files["peft"] = names.peft.string();
       files["kohya"] = names.kohya.string();
     } else if (s.save_format == "single_file") {
@@ -632,6 +663,7 @@ int train(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
   results["first_loss"] = mean_of(losses, tenth, false);
   results["last_loss"] = mean_of(losses, tenth, true);
   results["lora_layers"] = {{"unet", unet_lora.size()}, {"text_encoder", te_lora.size()}};
+  if (s.use_lora) results["network_algo"] = s.network_algo;
   // The optimizer's groups as they start (LoRA+ puts the B matrices in groups of their own).
   results["optimizer"] = chosen_optimizer(s);
   results["param_groups"] = nlohmann::json::array();
@@ -733,6 +765,14 @@ int main(int argc, char** argv) {
   t->add_option("--ema_decay", s.ema_decay)->check(number_in(0, 1))->capture_default_str();
   add_lora_flags(g, s, "UNet");
   t->add_flag("--train_text_encoder", s.train_text_encoder, "LoRA on the text encoders too");
+  t->add_option("--network_algo", s.network_algo,
+                "the adapter --use_lora trains: lora, loha (LyCORIS' LoHa) or lokr (LoKr); "
+                "LoHa and LoKr are written in LyCORIS' layout (lora_kohya.safetensors, the web "
+                "UI's and ComfyUI's) and PEFT's")
+      ->capture_default_str();
+  t->add_option("--lokr_factor", s.lokr_factor,
+                "LoKr's factor (LyCORIS' factor; -1: the split nearest the square root)")
+      ->capture_default_str();
   t->add_option("--block_dims", s.block_dims,
                 "kohya's block_dims: 25 comma-separated UNet LoRA ranks, IN00-11, MID, OUT00-11 "
                 "(0 leaves a block out)")

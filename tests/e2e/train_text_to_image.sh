@@ -206,6 +206,75 @@ for run in ("block-dims", "block-alphas"):
         assert pipe.unet.peft_config["default_0"].alpha_pattern
         print(f"block_alphas: alphas {sorted(kohya_alphas)} in both files")
 PY
+# LyCORIS' LoHa and LoKr (--network_algo) on the UNet and the text encoder: the LyCORIS-layout file
+# applied by lycoris-lora's own module parser and the PEFT-layout file by PEFT's LoHaConfig /
+# LoKrConfig give diffusers' pipeline the same images, unlike the base's. A LoKr stopped and
+# resumed ends with the same file. Misused, they are refused by name.
+for algo in loha lokr; do
+  expect_rc 0 "algo-$algo" -- "$bin" "${base[@]}" --use_lora --train_text_encoder --network_algo "$algo" \
+    --rank 4 --lora_alpha 2 --learning_rate 2e-3 --max_train_steps 4 --checkpointing_steps 2 \
+    --output_dir "$work/algo-$algo"
+  grep_in "$work/algo-$algo/results.json" "\"network_algo\": \"$algo\""
+done
+expect_rc 130 algo-lokr-stopped -- "$bin" "${base[@]}" --use_lora --train_text_encoder --network_algo lokr \
+  --rank 4 --lora_alpha 2 --learning_rate 2e-3 --max_train_steps 4 --checkpointing_steps 2 \
+  --output_dir "$work/algo-lokr-resumed" --stop_at 2
+expect_rc 0 algo-lokr-resumed -- "$bin" "${base[@]}" --use_lora --train_text_encoder --network_algo lokr \
+  --rank 4 --lora_alpha 2 --learning_rate 2e-3 --max_train_steps 4 --checkpointing_steps 2 \
+  --output_dir "$work/algo-lokr-resumed" --resume_from_checkpoint latest
+cmp -s "$work/algo-lokr/lora_kohya.safetensors" "$work/algo-lokr-resumed/lora_kohya.safetensors" ||
+  fail "the resumed LoKr run ended with another file"
+"$py" - "$work" "$sd" >"$work/algo-check.out" 2>&1 <<'PY' || { cat "$work/algo-check.out"; fail "LoHa/LoKr files elsewhere"; }
+import pathlib, sys
+import numpy as np, torch
+from safetensors.torch import load_file
+from diffusers import StableDiffusionPipeline
+from diffusers.utils import logging as dlogging
+from lycoris import create_lycoris_from_weights
+from peft import LoHaConfig, LoKrConfig, inject_adapter_in_model, set_peft_model_state_dict
+dlogging.set_verbosity_error()
+work, sd = pathlib.Path(sys.argv[1]), sys.argv[2]
+def generate(pipe):
+    return pipe("a photo of a sneaker", num_inference_steps=2, height=32, width=32, output_type="np",
+                generator=torch.Generator().manual_seed(0)).images
+def te_names(pipe):
+    return {n for n, _ in pipe.text_encoder.named_modules()}
+plain = generate(StableDiffusionPipeline.from_pretrained(sd, safety_checker=None))
+for algo in ("loha", "lokr"):
+    out = work / f"algo-{algo}"
+    # LyCORIS' layout, through LyCORIS' parser (its wrapper's prefix is lycoris_).
+    pipe = StableDiffusionPipeline.from_pretrained(sd, safety_checker=None)
+    kohya = load_file(out / "lora_kohya.safetensors")
+    strip = "" if any(n.startswith("text_model.") for n in te_names(pipe)) else "text_model_"
+    for prefix, model in (("lora_unet_", pipe.unet), ("lora_te_" + strip, pipe.text_encoder)):
+        part = {"lycoris_" + k[len(prefix):]: v for k, v in kohya.items() if k.startswith(prefix)}
+        assert part, prefix
+        net, _ = create_lycoris_from_weights(1.0, "", model, weights_sd=part)
+        assert len(net.loras) == len({k.split(".")[0] for k in part}), (prefix, len(net.loras))
+        net.apply_to()
+    via_lycoris = generate(pipe)
+    # PEFT's layout, through PEFT's adapters.
+    pipe = StableDiffusionPipeline.from_pretrained(sd, safety_checker=None)
+    peft = load_file(out / "pytorch_lora_weights.safetensors")
+    Config = LoHaConfig if algo == "loha" else LoKrConfig
+    for prefix, model, targets in (
+            ("unet.", pipe.unet, ["to_q", "to_k", "to_v", "to_out.0"]),
+            ("text_encoder.", pipe.text_encoder, ["q_proj", "k_proj", "v_proj", "out_proj"])):
+        part = {k[len(prefix):]: v for k, v in peft.items() if k.startswith(prefix)}
+        if prefix == "text_encoder." and strip:
+            part = {k.removeprefix("text_model."): v for k, v in part.items()}
+        inject_adapter_in_model(Config(r=4, alpha=2.0, target_modules=targets), model)
+        result = set_peft_model_state_dict(model, part)
+        assert not result.unexpected_keys, result.unexpected_keys[:3]
+    via_peft = generate(pipe)
+    worst = float(np.abs(via_lycoris - via_peft).max())
+    assert worst < 1e-4 and not np.allclose(via_lycoris, plain), (algo, worst)
+    print(f"{algo}: LyCORIS' parser and PEFT give the same images ({worst:.1e} apart), not the base's")
+PY
+expect_rc 2 algo-unknown -- "$bin" "${base[@]}" --use_lora --network_algo glora --output_dir "$work/bad"
+grep_in "$work/algo-unknown.err" "--network_algo"
+expect_rc 2 algo-block-dims -- "$bin" "${base[@]}" --use_lora --network_algo loha --block_dims "$dims" --output_dir "$work/bad"
+grep_in "$work/algo-block-dims.err" "--block_dims"
 expect_rc 2 block-dims-count -- "$bin" "${base[@]}" --use_lora --block_dims 4,4,4 --output_dir "$work/bad"
 grep_in "$work/block-dims-count.err" "--block_dims"
 # Full fine-tuning with EMA, min-SNR and offset noise, latents encoded every step, buckets.

@@ -19,6 +19,7 @@
 #include "difftrain/adapters/lora_inject.hpp"
 #include "difftrain/adapters/text_encoder_adapters.hpp"
 #include "difftrain/adapters/unet_adapters.hpp"
+#include "difftrain/adapters/weight_delta.hpp"
 #include "difftrain/core/error.hpp"
 #include "difftrain/io/safetensors.hpp"
 
@@ -111,6 +112,33 @@ inline StableDiffusionLoraFiles save_stable_diffusion_lora_files(
   kohya_meta["format"] = "pt";
   io::save_safetensors(written.kohya, stable_diffusion_lora_state_dict(m, LoraLayout::kohya),
                        kohya_meta);
+  return written;
+}
+
+/// The same two files for a run that trained LoHa or LoKr adapters (adapters/weight_delta.hpp):
+/// `pytorch_lora_weights.safetensors` in PEFT's names under the same component prefixes (what
+/// PEFT's LoHaConfig / LoKrConfig take once the prefix is stripped; diffusers' load_lora_weights
+/// reads LoRA only), and `lora_kohya.safetensors` in LyCORIS' layout (`lora_unet_…`, `lora_te_…`
+/// with `hada_w1_a` / `lokr_w1` ... and an `.alpha` per module), what the web UI's and ComfyUI's
+/// LyCORIS readers apply. `extra` goes into both files' metadata.
+inline StableDiffusionLoraFiles save_stable_diffusion_weight_delta_files(
+    const std::filesystem::path& folder, const StableDiffusionLoraModules& m,
+    const std::map<std::string, std::string>& extra = {},
+    const StableDiffusionLoraFiles& names = {}) {
+  StableDiffusionLoraFiles written{folder / names.peft, folder / names.kohya};
+  for (const auto layout : {LoraLayout::peft, LoraLayout::kohya}) {
+    std::map<std::string, at::Tensor> tensors;
+    for (const auto& [component, part] : sd_lora_detail::parts(m, layout)) {
+      auto sd = weight_delta_state_dict(*part.first, part.second);
+      if (sd.empty())
+        throw ConfigError("the " + component + " has no LoHa or LoKr adapter",
+                          "save_stable_diffusion_weight_delta_files");
+      tensors.merge(sd);
+    }
+    auto meta = extra;
+    meta["format"] = "pt";
+    io::save_safetensors(layout == LoraLayout::peft ? written.peft : written.kohya, tensors, meta);
+  }
   return written;
 }
 
