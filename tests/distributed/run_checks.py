@@ -853,13 +853,15 @@ def check_sharded_resume(worker, tmp):
     # 1 B/param of the same run's without the save.
     # On a loaded machine a rank's save can land while a shard-sized buffer of the step's
     # reductions is still alive (their threads' timing, not the save, sets that: +2 B/param at 2
-    # ranks once in a cold CI run, 0.00 on a quiet one), so the saving run is measured twice and
-    # the lower figure taken: timing only ever adds, and the archive copy this guards against
-    # would show in both.
+    # ranks once in a cold CI run, 0.00 on a quiet one; twice in a row beside a full ctest -j2),
+    # so the saving run is measured up to four times and the lowest figure taken: timing only
+    # ever adds, and the archive copy this guards against would show in every one.
     common = ["--steps", 4, "--dtype", "float32", "--wide", 48, "--sharding", 2, "--budget-kb", 0]
     plain_run = launch(worker, 2, f"{tmp}/peak2", *common)[0]
     worst = None
-    for attempt in range(2):
+    for attempt in range(4):
+        if worst is not None and worst <= 1.0:
+            break
         saving = launch(worker, 2, f"{tmp}/peak2s{attempt}", *common, "--save-every", 4,
                         "--checkpoint-dir", f"{tmp}/peak2s-c{attempt}")[0]
         no_errors(plain_run + saving, "stage 2 with counted memory, with and without a save")
