@@ -16,7 +16,8 @@
 //      UI's loop, prompted with the new class's words ("a photo of a ankle boot"), which the UNet
 //      never saw in a caption;
 //   4. LoRA on the UNet's attention projections, trained with difftrain's Trainer on the same
-//      captions, merged for sampling;
+//      captions, merged for sampling (and, with --methods loha,lokr, LyCORIS' LoHa and LoKr on
+//      the same layers at the same rank and alpha, written in LyCORIS' layout);
 //   then samples the new class with classifier-free guidance under each and under the base model
 //   alone (the other side is the base model's prediction for the empty prompt, so each adapter
 //   changes only the prompt's side; `--unconditional-side adapted` puts the hypernetwork and LoRA
@@ -32,6 +33,7 @@
 #include <difftrain/adapters/adapters.hpp>
 #include <difftrain/adapters/stable_diffusion_lora_files.hpp>
 #include <difftrain/adapters/unet_adapters.hpp>
+#include <difftrain/adapters/weight_delta.hpp>
 #include <difftrain/diffusion/dpm_solver.hpp>
 #include <difftrain/diffusion/sample.hpp>
 #include <difftrain/ema/ema.hpp>
@@ -463,8 +465,8 @@ int run(const Settings& s) {
   }
   const std::vector<std::string> methods = split_words(s.methods);
   for (const auto& m : methods)
-    if (m != "embedding" && m != "hypernetwork" && m != "lora")
-      throw ConfigError("names '" + m + "'; choose from embedding, hypernetwork, lora",
+    if (m != "embedding" && m != "hypernetwork" && m != "lora" && m != "loha" && m != "lokr")
+      throw ConfigError("names '" + m + "'; choose from embedding, hypernetwork, lora, loha, lokr",
                         "--methods");
   if (methods.empty()) throw ConfigError("names no adapter", "--methods");
   const auto wanted = [&](const char* m) {
@@ -641,16 +643,22 @@ int run(const Settings& s) {
     results["hypernetwork_attention_layers"] = hooked;
   }
 
-  // 3. LoRA: branches on the UNet's named layers, everything else frozen, trained with the
-  // Trainer on the same captions.
-  if (wanted("lora")) {
+  // 3. LoRA, and LyCORIS' LoHa and LoKr: adapters on the UNet's named layers, everything else
+  // frozen, trained with the Trainer on the same captions at the same rank and alpha.
+  for (const std::string kind : {"lora", "loha", "lokr"}) {
+    if (!wanted(kind.c_str())) continue;
+    const bool lora = kind == "lora";
     auto t = std::chrono::steady_clock::now();
     tr::set_seed(s.adapters_seed() + 30);
     fmtext::TextUNet net = load_base(s, schedule, tok, base_path);
     net->set_p_uncond(0.0);
+    const ad::LoraTargets targets{.target_modules = split_words(s.lora_targets)};
+    const ad::DeltaOptions delta{.kind = kind == "loha" ? ad::DeltaKind::loha : ad::DeltaKind::lokr,
+                                 .rank = s.lora_rank,
+                                 .alpha = s.lora_alpha};
     const auto injected =
-        ad::inject_lora(*net->unet, {.target_modules = split_words(s.lora_targets)},
-                        {.rank = s.lora_rank, .alpha = s.lora_alpha});
+        lora ? ad::inject_lora(*net->unet, targets, {.rank = s.lora_rank, .alpha = s.lora_alpha})
+             : ad::inject_weight_delta(*net->unet, targets, delta);
     net->train();
     tr::Trainer<fmtext::TextUNetImpl, LoraConfig>::Options o;
     o.optimizer.lr = s.lora_lr;
@@ -658,7 +666,7 @@ int run(const Settings& s) {
     tr::Trainer<fmtext::TextUNetImpl, LoraConfig> trainer(
         *net, o,
         {tr::ProgressBar({.total_steps = s.adapter_steps, .every = 25}),
-         tr::TensorBoard({.dir = tensorboard_run(s, "lora")})});
+         tr::TensorBoard({.dir = tensorboard_run(s, kind)})});
     const auto data_ = adapter_data(s, images, words, {});
     const std::int64_t per_epoch = std::max<std::int64_t>(1, images.size(0) / s.adapter_batch);
     trainer.fit(
@@ -670,35 +678,46 @@ int run(const Settings& s) {
                                              at::stack(ids).to(device)};
         },
         s.adapter_steps);
-    timing["lora_train_seconds"] = seconds_since(t);
-    const fs::path file = adapters / (name + "-lora.safetensors");
-    difftrain::io::save_safetensors(
-        file, ad::lora_state_dict(*net->unet, {.layout = ad::LoraLayout::peft, .prefix = "unet."}),
-        ad::stable_diffusion_peft_metadata({.unet = net->unet.get()},
-                                           {{"lora_rank", std::to_string(s.lora_rank)},
-                                            {"lora_alpha", std::to_string(s.lora_alpha)},
-                                            {"target_modules", s.lora_targets},
-                                            {"base_model", base_key(s)}}));
-    // A fresh base with the file loaded, merged: sampling costs what the base model costs.
+    timing[kind + "_train_seconds"] = seconds_since(t);
+    const fs::path file = adapters / (name + "-" + kind + ".safetensors");
+    const std::map<std::string, std::string> meta{{"lora_rank", std::to_string(s.lora_rank)},
+                                                  {"lora_alpha", std::to_string(s.lora_alpha)},
+                                                  {"target_modules", s.lora_targets},
+                                                  {"network_algo", kind},
+                                                  {"base_model", base_key(s)}};
+    // LoRA in the PEFT layout diffusers reads; LoHa and LoKr in LyCORIS' (the web UI's).
+    const ad::LoraKeyOptions lycoris{ad::LoraLayout::kohya, "lora_unet_"};
+    if (lora)
+      difftrain::io::save_safetensors(
+          file,
+          ad::lora_state_dict(*net->unet, {.layout = ad::LoraLayout::peft, .prefix = "unet."}),
+          ad::stable_diffusion_peft_metadata({.unet = net->unet.get()}, meta));
+    else
+      difftrain::io::save_safetensors(file, ad::weight_delta_state_dict(*net->unet, lycoris), meta);
+    // A fresh base with the file loaded (a LoRA merged: sampling costs what the base costs).
     fmtext::TextUNet fresh = load_base(s, schedule, tok, base_path);
-    (void)ad::load_lora_state_dict(*fresh->unet,
-                                   difftrain::io::load_safetensors(file, true).tensors,
-                                   {.layout = ad::LoraLayout::peft, .prefix = "unet."},
-                                   {.rank = s.lora_rank, .alpha = s.lora_alpha});
-    for (const auto& [layer_name, layer] : ad::lora_layers(*fresh->unet)) layer->merge();
+    const auto saved = difftrain::io::load_safetensors(file, true).tensors;
+    if (lora) {
+      (void)ad::load_lora_state_dict(*fresh->unet, saved,
+                                     {.layout = ad::LoraLayout::peft, .prefix = "unet."},
+                                     {.rank = s.lora_rank, .alpha = s.lora_alpha});
+      for (const auto& [layer_name, layer] : ad::lora_layers(*fresh->unet)) layer->merge();
+    } else {
+      (void)ad::load_weight_delta_state_dict(*fresh->unet, saved, lycoris);
+    }
     fresh->eval();
     const auto [cond, uncond] = prompt_states(fresh, prompt, s.samples);
     auto base = unconditional_model();
-    score("lora", sample(s, schedule, fresh, cond, uncond, base ? &*base : nullptr));
-    files["lora"] = fs::relative(file, out).string();
-    results["lora_layers"] = injected.size();
+    score(kind, sample(s, schedule, fresh, cond, uncond, base ? &*base : nullptr));
+    files[kind] = fs::relative(file, out).string();
+    results[kind + "_layers"] = injected.size();
   }
 
   for (const auto& [key, f] : files.items()) sizes[key] = fs::file_size(out / f.get<std::string>());
   difftrain::io::write_png(
       out / "samples.png", difftrain::io::image_grid(at::cat(rows), {.columns = 10, .padding = 2}),
       {{"Description",
-        "rows: real " + words + " images, base model, embedding, hypernetwork, LoRA"}});
+        "rows: real " + words + " images, base model, then each adapter of --methods"}});
   results["files"] = files;
   results["file_bytes"] = sizes;
   results["tokenizer"] = "tokenizer";

@@ -72,6 +72,22 @@ sys.exit(0 if set(a) == {"base", "embedding_start", "embedding", "hypernetwork",
 grep_in "$work/a/results.json" '"unconditional_side": "base"'
 grep_in "$work/a/results.json" '"adapter_seed": 3'
 
+# LyCORIS' LoHa and LoKr in place of LoRA (on the same base model): each writes its LyCORIS file,
+# scores its row and logs its run.
+expect_rc 0 lycoris -- "$bin" "${tiny[@]}" --methods loha,lokr --out "$work/a"
+for m in loha lokr; do
+  [ -s "$work/a/adapters/ankle-boot-$m.safetensors" ] || fail "the run did not write its $m file"
+  grep_in "$work/lycoris.out" "^$m "
+  grep_in "$work/a/results.json" "\"${m}_layers\""
+done
+"$py" - "$work/a/adapters" <<'PY' || fail "the LoHa/LoKr files are not in LyCORIS' layout"
+import sys
+from safetensors.torch import load_file
+for m, key in (("loha", ".hada_w1_a"), ("lokr", ".lokr_w1")):
+    t = load_file(f"{sys.argv[1]}/ankle-boot-{m}.safetensors")
+    assert all(k.startswith("lora_unet_") for k in t) and any(k.endswith(key) for k in t), m
+    assert any(k.endswith(".alpha") for k in t), m
+PY
 # Another adapter seed on the cached base model: only the adapters train again.
 expect_rc 2 bad-adapter-seed -- "$bin" "${tiny[@]}" --adapter-seed -2 --out "$work/bad"
 grep_in "$work/bad-adapter-seed.err" "--adapter-seed"
