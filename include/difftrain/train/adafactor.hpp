@@ -133,6 +133,37 @@ inline std::pair<at::Tensor, at::Tensor> factored_zeros(const at::Tensor& grad) 
   col.push_back(grad.size(-1));
   return {at::zeros(row, grad.options()), at::zeros(col, grad.options())};
 }
+/// The gradient in float32 (a half or bfloat16 one widened), as both packages step it.
+inline at::Tensor float_grad(const at::Tensor& grad) {
+  return grad.scalar_type() == at::kHalf || grad.scalar_type() == at::kBFloat16
+             ? grad.to(at::kFloat)
+             : grad;
+}
+/// A fresh state's second moment for `grad`: a row and a column for 2+ dimensions.
+inline void init_second_moment(FactoredParamState& st, const at::Tensor& grad) {
+  if (grad.dim() >= 2) {
+    auto [row, col] = factored_zeros(grad);
+    st.exp_avg_sq_row(row).exp_avg_sq_col(col);
+  } else {
+    st.exp_avg_sq(at::zeros_like(grad));
+  }
+}
+/// Adafactor's and CAME's scaled gradient: V ← β·V + (1 − β)·(g² + ε₁) (factored for 2+
+/// dimensions), u = g / √V, divided by max(1, RMS(u) / clip).
+inline at::Tensor scaled_gradient(FactoredParamState& st, const at::Tensor& grad, double beta,
+                                  double eps1, double clip) {
+  at::Tensor update = grad.pow(2) + eps1;
+  if (grad.dim() >= 2) {
+    st.exp_avg_sq_row().mul_(beta).add_(update.mean(-1), 1.0 - beta);
+    st.exp_avg_sq_col().mul_(beta).add_(update.mean(-2), 1.0 - beta);
+    update = approx_rsqrt(st.exp_avg_sq_row(), st.exp_avg_sq_col());
+    update.mul_(grad);
+  } else {
+    st.exp_avg_sq().mul_(beta).add_(update, 1.0 - beta);
+    update = st.exp_avg_sq().rsqrt().mul_(grad);
+  }
+  return update.div_((rms(update) / clip).clamp_(1.0));
+}
 /// The parameter's values in float32 (a half or bfloat16 parameter is stepped in a copy).
 inline at::Tensor stepped_copy(const at::Tensor& p) {
   return p.scalar_type() == at::kHalf || p.scalar_type() == at::kBFloat16 ? p.to(at::kFloat) : p;
@@ -153,20 +184,12 @@ class AdafactorOptimizer : public torch::optim::Optimizer {
       const auto& o = static_cast<const AdafactorOptions&>(group.options());
       for (auto& p : group.params()) {
         if (!p.grad().defined()) continue;
-        at::Tensor grad = p.grad();
-        if (grad.scalar_type() == at::kHalf || grad.scalar_type() == at::kBFloat16)
-          grad = grad.to(at::kFloat);
-        const bool factored = grad.dim() >= 2;
+        const at::Tensor grad = float_grad(p.grad());
         auto& slot = state()[p.unsafeGetTensorImpl()];
         if (!slot) {
           auto fresh = std::make_unique<FactoredParamState>();
           if (o.beta1() >= 0) fresh->exp_avg(at::zeros_like(grad));
-          if (factored) {
-            auto [row, col] = factored_zeros(grad);
-            fresh->exp_avg_sq_row(row).exp_avg_sq_col(col);
-          } else {
-            fresh->exp_avg_sq(at::zeros_like(grad));
-          }
+          init_second_moment(*fresh, grad);
           slot = std::move(fresh);
         }
         auto& st = static_cast<FactoredParamState&>(*slot);
@@ -187,17 +210,7 @@ class AdafactorOptimizer : public torch::optim::Optimizer {
             lr_number = o.eps2() * relative;
         }
         const double beta2t = 1.0 - std::pow(t, o.decay_rate());
-        at::Tensor update = grad.pow(2) + o.eps1();
-        if (factored) {
-          st.exp_avg_sq_row().mul_(beta2t).add_(update.mean(-1), 1.0 - beta2t);
-          st.exp_avg_sq_col().mul_(beta2t).add_(update.mean(-2), 1.0 - beta2t);
-          update = approx_rsqrt(st.exp_avg_sq_row(), st.exp_avg_sq_col());
-          update.mul_(grad);
-        } else {
-          st.exp_avg_sq().mul_(beta2t).add_(update, 1.0 - beta2t);
-          update = st.exp_avg_sq().rsqrt().mul_(grad);
-        }
-        update.div_((rms(update) / o.clip_threshold()).clamp_(1.0));
+        at::Tensor update = scaled_gradient(st, grad, beta2t, o.eps1(), o.clip_threshold());
         if (lr_tensor.defined())
           update.mul_(lr_tensor);
         else

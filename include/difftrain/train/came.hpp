@@ -71,37 +71,22 @@ class CameOptimizer : public torch::optim::Optimizer {
       const auto [beta1, beta2, beta3] = o.betas();
       for (auto& p : group.params()) {
         if (!p.grad().defined()) continue;
-        at::Tensor grad = p.grad();
-        if (grad.scalar_type() == at::kHalf || grad.scalar_type() == at::kBFloat16)
-          grad = grad.to(at::kFloat);
+        const at::Tensor grad = float_grad(p.grad());
         const bool factored = grad.dim() >= 2;
         auto& slot = state()[p.unsafeGetTensorImpl()];
         if (!slot) {
           auto fresh = std::make_unique<FactoredParamState>();
           fresh->exp_avg(at::zeros_like(grad));
+          init_second_moment(*fresh, grad);
           if (factored) {
-            auto [row, col] = factored_zeros(grad);
             auto [res_row, res_col] = factored_zeros(grad);
-            fresh->exp_avg_sq_row(row).exp_avg_sq_col(col);
             fresh->exp_avg_res_row(res_row).exp_avg_res_col(res_col);
-          } else {
-            fresh->exp_avg_sq(at::zeros_like(grad));
           }
           slot = std::move(fresh);
         }
         auto& st = static_cast<FactoredParamState&>(*slot);
         st.step(st.step() + 1);
-        at::Tensor update = grad.pow(2) + o.eps1();
-        if (factored) {
-          st.exp_avg_sq_row().mul_(beta2).add_(update.mean(-1), 1.0 - beta2);
-          st.exp_avg_sq_col().mul_(beta2).add_(update.mean(-2), 1.0 - beta2);
-          update = approx_rsqrt(st.exp_avg_sq_row(), st.exp_avg_sq_col());
-          update.mul_(grad);
-        } else {
-          st.exp_avg_sq().mul_(beta2).add_(update, 1.0 - beta2);
-          update = st.exp_avg_sq().rsqrt().mul_(grad);
-        }
-        update.div_((rms(update) / o.clip_threshold()).clamp_(1.0));
+        at::Tensor update = scaled_gradient(st, grad, beta2, o.eps1(), o.clip_threshold());
         at::Tensor exp_avg = st.exp_avg();
         exp_avg.mul_(beta1).add_(update, 1.0 - beta1);
         if (factored) {
