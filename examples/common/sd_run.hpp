@@ -81,6 +81,18 @@ struct LoraFlags {
   /// The specific ratios take precedence over the common one.
   double loraplus_lr_ratio = 0.0, loraplus_unet_lr_ratio = 0.0,
          loraplus_text_encoder_lr_ratio = 0.0;
+  /// DoRA (diffusers' --use_dora), its norm per output row (LyCORIS' wd_on_output) or per input
+  /// column (the web UI's form).
+  bool use_dora = false, dora_wd_on_output = true;
+
+  /// A branch's options from the flags: --rank, --lora_alpha (0: the rank), DoRA.
+  [[nodiscard]] difftrain::nn::LoraOptions lora_options() const {
+    return {.rank = rank,
+            .alpha = lora_alpha > 0 ? lora_alpha : static_cast<double>(rank),
+            .use_dora = use_dora,
+            .dora_axis = dora_wd_on_output ? difftrain::nn::DoraAxis::output
+                                           : difftrain::nn::DoraAxis::input};
+  }
 
   /// The ratio for the trained model's B matrices (the UNet's or transformer's), or for the text
   /// encoders'; 0 when LoRA+ is off for them.
@@ -304,13 +316,24 @@ inline void add_lora_flags(const SdFlagGroups& g, LoraFlags& f, const std::strin
       ->add_option("--loraplus_text_encoder_lr_ratio", f.loraplus_text_encoder_lr_ratio,
                    "LoRA+ for the text encoders' branches alone")
       ->check(number_in(0, 1e6));
+  g.training->add_flag("--use_dora", f.use_dora,
+                       "DoRA: weight-decomposed LoRA branches (PEFT's use_dora)");
+  g.training
+      ->add_option("--dora_wd_on_output", f.dora_wd_on_output,
+                   "DoRA's norm per output row (true: PEFT, diffusers, LyCORIS, ComfyUI) or per "
+                   "input column (false: the web UI's form; kohya's file only)")
+      ->capture_default_str();
 }
 
-/// LoRA+ goes with LoRA.
+/// LoRA+ and DoRA go with LoRA.
 inline void check_loraplus_flags(const LoraFlags& f) {
   if (!f.use_lora && (f.loraplus_lr_ratio > 0 || f.loraplus_unet_lr_ratio > 0 ||
                       f.loraplus_text_encoder_lr_ratio > 0))
     throw ConfigError("is for LoRA branches; add --use_lora", "--loraplus_lr_ratio");
+  if (!f.use_lora && f.use_dora)
+    throw ConfigError("is for LoRA branches; add --use_lora", "--use_dora");
+  if (!f.use_dora && !f.dora_wd_on_output)
+    throw ConfigError("sets DoRA's axis; add --use_dora", "--dora_wd_on_output");
 }
 
 /// The trainer's optimizer from the flags (tr::OptimizerByName: --optimizer_type, --optimizer_args,
@@ -400,9 +423,10 @@ inline void resolve_max_train_steps(SdRunFlags& f, std::int64_t micro_batches_pe
 inline void last_value_wins(const std::vector<CLI::App*>& groups) {
   for (auto* group : groups)
     for (auto* opt : group->get_options())
-      if (const std::string n = opt->get_name(); n != "--validation_prompt" &&
-                                                 n != "--optimizer_args" && n != "--block_dims" &&
-                                                 n != "--block_alphas")
+      if (const std::string n = opt->get_name();
+          n != "--validation_prompt" && n != "--optimizer_args" && n != "--block_dims" &&
+          n != "--block_alphas" && n != "--conv_block_dims" && n != "--conv_block_alphas" &&
+          n != "--network_args")
         opt->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
 }
 

@@ -419,11 +419,9 @@ int run_cogvideox(Settings s, const Ranks& ranks) {
   freeze(*p.text_encoder);
   std::vector<std::string> adapted;
   if (s.use_lora) {
-    const double alpha = s.lora_alpha > 0 ? s.lora_alpha : static_cast<double>(s.rank);
     // diffusers' CogVideoX LoRA targets: the attention projections.
-    adapted =
-        ad::inject_lora(*p.transformer, {.target_modules = {"to_k", "to_q", "to_v", "to_out.0"}},
-                        {.rank = s.rank, .alpha = alpha});
+    adapted = ad::inject_lora(
+        *p.transformer, {.target_modules = {"to_k", "to_q", "to_v", "to_out.0"}}, s.lora_options());
   }
   p.vae->to(device);
   p.vae->eval();

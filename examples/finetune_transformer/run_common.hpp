@@ -165,6 +165,11 @@ int write_run_results(const Settings& s, const nlohmann::json& run_settings,
 
 void check_flags(const Settings& s) {
   check_loraplus_flags(s);
+  if (s.use_dora && !s.dora_wd_on_output)
+    throw ConfigError(
+        "asks for DoRA per input column, which PEFT's and diffusers' files cannot hold; this "
+        "program writes PEFT's layout",
+        "--dora_wd_on_output false");
   if (s.loraplus_text_encoder_lr_ratio > 0)
     throw ConfigError("has no branches to speed up here: the text encoders stay frozen",
                       "--loraplus_text_encoder_lr_ratio");

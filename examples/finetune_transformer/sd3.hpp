@@ -487,13 +487,12 @@ int run_sd3(Settings s, const Ranks& ranks) {
   if (p.text_encoder_3) freeze(*p.text_encoder_3);
   std::vector<std::string> adapted;
   if (s.use_lora) {
-    const double alpha = s.lora_alpha > 0 ? s.lora_alpha : static_cast<double>(s.rank);
     // diffusers' SD3 LoRA targets: both streams' attention projections.
     adapted = ad::inject_lora(*p.transformer,
                               {.target_modules = {"attn.add_k_proj", "attn.add_q_proj",
                                                   "attn.add_v_proj", "attn.to_add_out", "attn.to_k",
                                                   "attn.to_out.0", "attn.to_q", "attn.to_v"}},
-                              {.rank = s.rank, .alpha = alpha});
+                              s.lora_options());
   }
   for (torch::nn::Module* m : std::initializer_list<torch::nn::Module*>{
            p.vae.ptr().get(), p.text_encoder.ptr().get(), p.text_encoder_2.ptr().get()}) {

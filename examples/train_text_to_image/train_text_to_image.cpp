@@ -74,6 +74,7 @@
 #include "../common/sd_run.hpp"
 #include "../common/sd_torchrun.hpp"
 #include "../common/training_folder.hpp"
+#include "network_flags.hpp"
 
 namespace {
 namespace dt = difftrain;
@@ -88,7 +89,12 @@ using dt::ConfigError;
 
 using namespace examples::sd;  // the pipeline folder, validation, callbacks
 
-struct Settings : SdRunFlags, ImageFolderFlags, LoraFlags, TorchrunFlags, SingleFileSaveFlags {
+struct Settings : SdRunFlags,
+                  ImageFolderFlags,
+                  LoraFlags,
+                  examples::NetworkFlags,
+                  TorchrunFlags,
+                  SingleFileSaveFlags {
   bool enable_bucket = false, bucket_no_upscale = false;
   std::int64_t min_bucket_reso = 256, max_bucket_reso = 1024, bucket_reso_steps = 64;
   double snr_gamma = 0.0;
@@ -97,10 +103,6 @@ struct Settings : SdRunFlags, ImageFolderFlags, LoraFlags, TorchrunFlags, Single
   bool use_ema = false;
   double ema_decay = 0.9999;
   bool train_text_encoder = false;
-  std::string network_algo = "lora";     // LyCORIS' algo: lora, loha or lokr
-  std::int64_t lokr_factor = -1;         // LyCORIS' factor (LoKr's split; -1: near the root)
-  std::vector<std::int64_t> block_dims;  // kohya's: a rank per UNet block (25)
-  std::vector<double> block_alphas;      // and an alpha per block
   bool cache_latents = false;
   std::string cache_dir;  // default OUT/cache
   // under torchrun
@@ -369,36 +371,11 @@ class BatchStream {
 
 // ---- the run ------------------------------------------------------------------------------------
 
-/// kohya's block_dims from --block_dims / --block_alphas (alphas default to --lora_alpha).
-ad::BlockDims unet_block_dims(const Settings& s) {
-  return {.dims = s.block_dims,
-          .alphas = s.block_alphas,
-          .alpha = s.lora_alpha > 0 ? s.lora_alpha : static_cast<double>(s.rank)};
-}
-
 /// Refuses flag combinations that cannot work, before anything is loaded.
 void check_flags(const Settings& s) {
   s.kohya.check();
   check_loraplus_flags(s);
-  if ((!s.block_dims.empty() || !s.block_alphas.empty()) && !s.use_lora)
-    throw ConfigError("sets LoRA ranks; add --use_lora", "--block_dims");
-  if (!s.block_alphas.empty() && s.block_dims.empty())
-    throw ConfigError("goes with --block_dims", "--block_alphas");
-  if (!s.block_dims.empty()) unet_block_dims(s).validate("--block_dims", "--block_alphas");
-  if (s.network_algo != "lora") {
-    if (s.network_algo != "loha" && s.network_algo != "lokr")
-      throw ConfigError("is '" + s.network_algo + "'; choose lora, loha or lokr", "--network_algo");
-    if (!s.use_lora) throw ConfigError("trains an adapter; add --use_lora", "--network_algo");
-    if (!s.block_dims.empty())
-      throw ConfigError("sets LoRA ranks per block; it goes with --network_algo lora",
-                        "--block_dims");
-    if (s.loraplus_lr_ratio > 0 || s.loraplus_unet_lr_ratio > 0 ||
-        s.loraplus_text_encoder_lr_ratio > 0)
-      throw ConfigError("speeds up LoRA's B matrices; it goes with --network_algo lora",
-                        "--loraplus_lr_ratio");
-  }
-  if (s.lokr_factor == 0 || s.lokr_factor < -1)
-    throw ConfigError("must be -1 or > 0", "--lokr_factor");
+  examples::check_network_flags(s, s);
   if (s.loraplus_text_encoder_lr_ratio > 0 && !s.train_text_encoder)
     throw ConfigError("goes with --train_text_encoder", "--loraplus_text_encoder_lr_ratio");
   if (s.train_text_encoder && !s.use_lora)
@@ -480,32 +457,20 @@ int train(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
   for (auto& e : encoders) freeze(*e);
   freeze(*p.vae);
   std::vector<std::string> unet_lora, te_lora;
-  if (s.use_lora && s.network_algo != "lora") {  // LyCORIS' LoHa or LoKr
-    const ad::DeltaOptions o{
-        .kind = s.network_algo == "loha" ? ad::DeltaKind::loha : ad::DeltaKind::lokr,
-        .rank = s.rank,
-        .alpha = s.lora_alpha > 0 ? s.lora_alpha : static_cast<double>(s.rank),
-        .factor = s.lokr_factor};
-    unet_lora = ad::inject_weight_delta(*p.unet, ad::unet_lora_targets(), o);
-    if (s.train_text_encoder)
-      for (auto& e : encoders) {
-        const auto added = ad::inject_weight_delta(*e, ad::text_encoder_lora_targets(), o);
-        te_lora.insert(te_lora.end(), added.begin(), added.end());
-      }
-  } else if (s.use_lora) {
-    const double alpha = s.lora_alpha > 0 ? s.lora_alpha : static_cast<double>(s.rank);
-    if (s.block_dims.empty()) {
-      unet_lora =
-          ad::inject_lora(*p.unet, ad::unet_lora_targets(), {.rank = s.rank, .alpha = alpha});
-    } else {  // kohya's ranks per block
-      const ad::BlockDims dims = unet_block_dims(s);
-      unet_lora = ad::inject_lora(*p.unet, ad::unet_lora_targets(),
-                                  [&](const std::string& m) { return dims.of(m); });
-    }
+  if (s.use_lora) {  // LoRA (+ LoCon, DoRA, ranks per block), or LyCORIS' LoHa / LoKr
+    unet_lora = examples::inject_unet_network(*p.unet, s, s);
     if (s.train_text_encoder)
       for (auto& e : encoders) {
         const auto added =
-            ad::inject_lora(*e, ad::text_encoder_lora_targets(), {.rank = s.rank, .alpha = alpha});
+            s.network_algo == "lora"
+                ? ad::inject_lora(*e, ad::text_encoder_lora_targets(), s.lora_options())
+                : ad::inject_weight_delta(
+                      *e, ad::text_encoder_lora_targets(),
+                      ad::DeltaOptions{.kind = s.network_algo == "loha" ? ad::DeltaKind::loha
+                                                                        : ad::DeltaKind::lokr,
+                                       .rank = s.rank,
+                                       .alpha = *s.lora_options().alpha,
+                                       .factor = s.lokr_factor});
         te_lora.insert(te_lora.end(), added.begin(), added.end());
       }
   }
@@ -614,11 +579,16 @@ int train(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
                                                     {"lora_alpha", std::to_string(alpha)},
                                                     {"network_algo", s.network_algo},
                                                     {"base_model", s.model}};
-      if (s.network_algo == "lora")
-        (void)ad::save_stable_diffusion_lora_files(out, modules, meta, names);
-      else
-        (void)ad::save_stable_diffusion_weight_delta_files(out, modules, meta, names);
-      files["peft"] = names.peft.string();
+      if (s.network_algo == "lora" && s.use_dora && !s.dora_wd_on_output) {
+        // DoRA per input column has no PEFT form: kohya's layout (the web UI's) alone.
+        (void)ad::save_stable_diffusion_lora_files(out, modules, meta, names, /*peft=*/false);
+      } else {
+        if (s.network_algo == "lora")
+          (void)ad::save_stable_diffusion_lora_files(out, modules, meta, names);
+        else
+          (void)ad::save_stable_diffusion_weight_delta_files(out, modules, meta, names);
+        files["peft"] = names.peft.string();
+      }
       files["kohya"] = names.kohya.string();
     } else if (s.save_format == "single_file") {
       // The original layout the web UI, ComfyUI and stable-diffusion.cpp load: UNet, VAE and text
@@ -765,24 +735,13 @@ int main(int argc, char** argv) {
   t->add_option("--ema_decay", s.ema_decay)->check(number_in(0, 1))->capture_default_str();
   add_lora_flags(g, s, "UNet");
   t->add_flag("--train_text_encoder", s.train_text_encoder, "LoRA on the text encoders too");
-  t->add_option("--network_algo", s.network_algo,
-                "the adapter --use_lora trains: lora, loha (LyCORIS' LoHa) or lokr (LoKr); "
-                "LoHa and LoKr are written in LyCORIS' layout (lora_kohya.safetensors, the web "
-                "UI's and ComfyUI's) and PEFT's")
-      ->capture_default_str();
-  t->add_option("--lokr_factor", s.lokr_factor,
-                "LoKr's factor (LyCORIS' factor; -1: the split nearest the square root)")
-      ->capture_default_str();
-  t->add_option("--block_dims", s.block_dims,
-                "kohya's block_dims: 25 comma-separated UNet LoRA ranks, IN00-11, MID, OUT00-11 "
-                "(0 leaves a block out)")
-      ->delimiter(',');
-  t->add_option("--block_alphas", s.block_alphas,
-                "kohya's block_alphas: 25 alphas to go with --block_dims (default: --lora_alpha)")
-      ->delimiter(',');
+  examples::add_network_flags(t, s);
   auto* d = add_torchrun_flags(app, s, "each UNet block");
   examples::add_kohya_flags(app, s.kohya);
   last_value_wins({g.run, g.training, g.saving, img, d});
   if (const auto rc = examples::parse_command_line(app, argc, argv)) return *rc;
-  return examples::run_reporting_errors([&] { return run(s); });
+  return examples::run_reporting_errors([&] {
+    examples::apply_network_args(s, s);
+    return run(s);
+  });
 }

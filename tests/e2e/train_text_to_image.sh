@@ -277,6 +277,94 @@ expect_rc 2 algo-block-dims -- "$bin" "${base[@]}" --use_lora --network_algo loh
 grep_in "$work/algo-block-dims.err" "--block_dims"
 expect_rc 2 block-dims-count -- "$bin" "${base[@]}" --use_lora --block_dims 4,4,4 --output_dir "$work/bad"
 grep_in "$work/block-dims-count.err" "--block_dims"
+# DoRA and kohya's LoCon (--conv_dim: the resnets' and resamplers' layers too), from flags and
+# from kohya's --network_args. Per output row: diffusers' load_lora_weights of the PEFT file and
+# lycoris-lora's parser of the kohya file give the same images, unlike the base's; a run stopped
+# and resumed writes the same file. Per input column (the web UI's form): the kohya file alone,
+# applied with the web UI's merge. Misused, refused by name.
+dora=(--use_lora --train_text_encoder --use_dora --rank 4 --lora_alpha 2 --conv_dim 2 --conv_alpha 1
+      --learning_rate 2e-3 --max_train_steps 4 --checkpointing_steps 2)
+expect_rc 0 dora -- "$bin" "${base[@]}" "${dora[@]}" --output_dir "$work/dora"
+expect_rc 130 dora-stopped -- "$bin" "${base[@]}" "${dora[@]}" --output_dir "$work/dora-resumed" --stop_at 2
+expect_rc 0 dora-resumed -- "$bin" "${base[@]}" "${dora[@]}" --output_dir "$work/dora-resumed" \
+  --resume_from_checkpoint latest
+cmp -s "$work/dora/lora_kohya.safetensors" "$work/dora-resumed/lora_kohya.safetensors" ||
+  fail "the resumed DoRA run ended with another file"
+expect_rc 0 dora-input -- "$bin" "${base[@]}" --use_lora --rank 4 --lora_alpha 2 --learning_rate 2e-3 \
+  --max_train_steps 2 --network_args "conv_dim=2" "conv_alpha=1" "dora_wd=True" "wd_on_output=False" \
+  --output_dir "$work/dora-input"
+[ -e "$work/dora-input/pytorch_lora_weights.safetensors" ] && fail "DoRA per input column wrote a PEFT file"
+"$py" - "$work" "$sd" >"$work/dora-check.out" 2>&1 <<'PY' || { cat "$work/dora-check.out"; fail "DoRA/LoCon files elsewhere"; }
+import pathlib, sys
+import numpy as np, torch
+from safetensors.torch import load_file
+from diffusers import StableDiffusionPipeline
+from diffusers.utils import logging as dlogging
+from lycoris import create_lycoris_from_weights
+dlogging.set_verbosity_error()
+work, sd = pathlib.Path(sys.argv[1]), sys.argv[2]
+def pipeline():
+    return StableDiffusionPipeline.from_pretrained(sd, safety_checker=None)
+def generate(pipe):
+    return pipe("a photo of a sneaker", num_inference_steps=2, height=32, width=32, output_type="np",
+                generator=torch.Generator().manual_seed(0)).images
+plain = generate(pipeline())
+out = work / "dora"
+peft = load_file(out / "pytorch_lora_weights.safetensors")
+kohya = load_file(out / "lora_kohya.safetensors")
+for key, rank in (("unet.down_blocks.0.resnets.0.conv1.lora_A.weight", 2),
+                  ("unet.down_blocks.0.resnets.0.time_emb_proj.lora_A.weight", 4),
+                  ("unet.down_blocks.0.downsamplers.0.conv.lora_A.weight", 2)):
+    assert peft[key].shape[0] == rank, (key, peft[key].shape)
+assert kohya["lora_unet_down_blocks_0_resnets_0_conv1.dora_scale"].shape[1:] == (1, 1, 1)
+# The text encoder's magnitudes as transformers' adapter loader (diffusers' path) reads them.
+assert any(k.startswith("text_encoder.") and k.endswith("lora_magnitude_vector.weight") for k in peft)
+pipe = pipeline()
+pipe.load_lora_weights(str(out), weight_name="pytorch_lora_weights.safetensors")
+assert pipe.unet.peft_config["default_0"].use_dora
+via_diffusers = generate(pipe)
+pipe = pipeline()
+names = {n for n, _ in pipe.text_encoder.named_modules()}
+strip = "" if any(n.startswith("text_model.") for n in names) else "text_model_"
+for prefix, model in (("lora_unet_", pipe.unet), ("lora_te_" + strip, pipe.text_encoder)):
+    part = {"lycoris_" + k[len(prefix):]: v for k, v in kohya.items() if k.startswith(prefix)}
+    net, _ = create_lycoris_from_weights(1.0, "", model, weights_sd=part)
+    assert len(net.loras) == len({k.split(".")[0] for k in part}), (prefix, len(net.loras))
+    net.apply_to()
+via_lycoris = generate(pipe)
+worst = float(np.abs(via_diffusers - via_lycoris).max())
+assert worst < 1e-4 and not np.allclose(via_diffusers, plain), worst
+print(f"DoRA + LoCon: diffusers (PEFT file) and LyCORIS (kohya file) {worst:.1e} apart, not the base's")
+# Per input column: the web UI's merge (networks' apply_weight_decompose) of the kohya file.
+pipe = pipeline()
+sd_in = load_file(work / "dora-input" / "lora_kohya.safetensors")
+modules = dict(pipe.unet.named_modules())
+merged = 0
+with torch.no_grad():
+    for key in [k for k in sd_in if k.endswith(".dora_scale")]:
+        base = key[:-len(".dora_scale")]
+        name = base[len("lora_unet_"):]
+        module = next(m for n, m in modules.items() if n.replace(".", "_") == name)
+        w = module.weight
+        up, down = sd_in[base + ".lora_up.weight"], sd_in[base + ".lora_down.weight"]
+        scale = float(sd_in[base + ".alpha"]) / down.shape[0]
+        w1 = w + (up.flatten(1) @ down.flatten(1)).reshape(w.shape) * scale
+        dim = w.dim() - 1
+        norm = (w1.transpose(0, 1).reshape(w1.shape[1], -1).norm(dim=1, keepdim=True)
+                .reshape(w1.shape[1], *[1] * dim).transpose(0, 1))
+        assert sd_in[key].shape == norm.shape, (key, sd_in[key].shape, norm.shape)
+        w.copy_(w1 * (sd_in[key] / norm))
+        merged += 1
+webui = generate(pipe)
+assert merged > 10 and np.isfinite(webui).all() and not np.allclose(webui, plain), merged
+print(f"DoRA per input column: the web UI's merge applies {merged} modules")
+PY
+expect_rc 2 network-args-unknown -- "$bin" "${base[@]}" --use_lora --network_args "rank_dropout=0.1" --output_dir "$work/bad"
+grep_in "$work/network-args-unknown.err" "rank_dropout"
+expect_rc 2 dora-loha -- "$bin" "${base[@]}" --use_lora --use_dora --network_algo loha --output_dir "$work/bad"
+grep_in "$work/dora-loha.err" "--use_dora"
+expect_rc 2 conv-without-lora -- "$bin" "${base[@]}" --conv_dim 4 --output_dir "$work/bad"
+grep_in "$work/conv-without-lora.err" "--conv_dim"
 # Full fine-tuning with EMA, min-SNR and offset noise, latents encoded every step, buckets.
 expect_rc 0 full -- "$bin" "${base[@]}" --use_ema --ema_decay 0.9 --snr_gamma 5 --noise_offset 0.05 \
   --enable_bucket --min_bucket_reso 16 --max_bucket_reso 64 --bucket_reso_steps 16 \

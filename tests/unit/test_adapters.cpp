@@ -397,6 +397,152 @@ TEST(WeightDelta, LohaAndLokrMatchPeftAndLycorisOnEverySweptSetting) {
       dt::ConfigError);
 }
 
+// DoRA against PEFT's `use_dora` (per output row) and lycoris-lora's weight_decompose (both
+// axes) with random A, B and magnitude (tests/reference/ref_dora.py): outputs, the gradients of
+// A, B, the magnitude and the input, PEFT's merged weight; both file layouts read back; a
+// per-input-column DoRA refuses PEFT's layout; a damaged dora_scale is a FormatError.
+TEST(Dora, MatchesPeftAndLycorisOnEverySweptSetting) {
+  const auto g =
+      dt::io::load_safetensors(fs::path(DIFFTRAIN_GOLDEN_DIR) / "dora.safetensors", true).tensors;
+  std::ifstream meta_file(fs::path(DIFFTRAIN_GOLDEN_DIR) / "dora.json");
+  const auto meta = nlohmann::json::parse(meta_file);
+  const std::vector<std::string> modules{"lin", "conv", "point"};
+  int cases = 0;
+  for (const auto& c : meta["cases"]) {
+    const std::string name = c["name"];
+    SCOPED_TRACE(name);
+    ++cases;
+    const bool out_axis = c["axis"] == "output";
+    const ad::LoraOptions o{.rank = c["rank"].get<std::int64_t>(),
+                            .alpha = c["alpha"].get<double>(),
+                            .use_dora = true,
+                            .dora_axis = out_axis ? ad::DoraAxis::output : ad::DoraAxis::input};
+    auto fill = [&](DeltaNet& net, bool adapter) {
+      const at::NoGradGuard no_grad;
+      for (const auto& m : modules) {
+        auto* layer = dynamic_cast<ad::LoraHost*>(net->named_modules("", false)[m].get());
+        const auto params = net->named_parameters();
+        params[m + ".weight"].copy_(g.at(name + "." + m + ".weight"));
+        params[m + ".bias"].copy_(g.at(name + "." + m + ".bias"));
+        if (!adapter) continue;
+        layer->lora_a().copy_(g.at(name + "." + m + ".lora_A"));
+        layer->lora_b().copy_(g.at(name + "." + m + ".lora_B"));
+        ASSERT_EQ(layer->lora_magnitude().sizes(), g.at(name + "." + m + ".magnitude").sizes());
+        layer->lora_magnitude().copy_(g.at(name + "." + m + ".magnitude"));
+      }
+    };
+    DeltaNet net;
+    fill(net, false);
+    {  // a new DoRA branch changes nothing
+      DeltaNet plain;
+      fill(plain, false);
+      ad::inject_lora(*net, {.target_modules = modules}, o);
+      const at::NoGradGuard no_grad;
+      for (const auto& m : modules) {
+        const at::Tensor x = g.at(name + "." + m + ".x");
+        EXPECT_LT((net->run(m, x) - plain->run(m, x)).abs().max().item<double>(), 1e-5) << m;
+      }
+    }
+    fill(net, true);
+    std::map<std::string, at::Tensor> outputs;
+    for (const auto& m : modules) {
+      SCOPED_TRACE(m);
+      const std::string key = name + "." + m;
+      auto* layer = dynamic_cast<ad::LoraHost*>(net->named_modules("", false)[m].get());
+      const at::Tensor x = g.at(key + ".x").clone().requires_grad_();
+      const at::Tensor y = net->run(m, x);
+      outputs[m] = y.detach();
+      const double scale = g.at(key + ".y").abs().max().item<double>();
+      EXPECT_LT((y - g.at(key + ".y")).abs().max().item<double>(), 1e-5 * scale);
+      if (out_axis) {
+        EXPECT_LT((y - g.at(key + ".lycoris_y")).abs().max().item<double>(), 1e-5 * scale);
+      }
+      net->zero_grad();
+      (y * g.at(key + ".cotangent")).sum().backward();
+      for (const auto& [what, grad] : std::vector<std::pair<std::string, at::Tensor>>{
+               {"grad_A", layer->lora_a().grad()},
+               {"grad_B", layer->lora_b().grad()},
+               {"grad_magnitude", layer->lora_magnitude().grad()},
+               {"grad_x", x.grad()}}) {
+        const at::Tensor want = g.at(key + "." + what);
+        ASSERT_TRUE(grad.defined()) << what;
+        EXPECT_LT((grad - want).abs().max().item<double>(),
+                  1e-4 * std::max(1.0, want.abs().max().item<double>()))
+            << what;
+      }
+      if (out_axis) {  // PEFT's merge, and back
+        auto params = net->named_parameters();
+        const at::Tensor before = params[m + ".weight"].detach().clone();
+        layer->merge();
+        EXPECT_LT((params[m + ".weight"] - g.at(key + ".merged")).abs().max().item<double>(), 1e-5);
+        const at::NoGradGuard no_grad;
+        EXPECT_LT((net->run(m, g.at(key + ".x")) - outputs[m]).abs().max().item<double>(),
+                  1e-5 * scale);
+        layer->unmerge();
+        EXPECT_LT((params[m + ".weight"] - before).abs().max().item<double>(), 1e-6);
+      }
+    }
+    for (const auto layout : {ad::LoraLayout::peft, ad::LoraLayout::kohya}) {
+      const ad::LoraKeyOptions keys{layout, layout == ad::LoraLayout::peft ? "" : "lora_unet_"};
+      if (layout == ad::LoraLayout::peft && !out_axis) {
+        EXPECT_THROW((void)ad::lora_state_dict(*net, keys), dt::ConfigError);
+        nlohmann::json j;
+        EXPECT_THROW(ad::add_peft_adapter_metadata(j, *net, "unet"), dt::ConfigError);
+        continue;
+      }
+      const auto sd = ad::lora_state_dict(*net, keys);
+      if (layout == ad::LoraLayout::peft) {  // PEFT's shapes
+        EXPECT_EQ(sd.at("lin.lora_magnitude_vector").sizes(), (at::IntArrayRef{36}));
+        EXPECT_EQ(sd.at("conv.lora_magnitude_vector").sizes(), (at::IntArrayRef{1, 12, 1, 1}));
+        nlohmann::json j;
+        ad::add_peft_adapter_metadata(j, *net, "unet");
+        EXPECT_TRUE(j["unet.use_dora"].get<bool>());
+        // transformers' adapter loader's form (`.lora_magnitude_vector.weight`) reads back too.
+        const ad::LoraKeyOptions as_weight{layout, "", /*magnitude_as_weight=*/true};
+        const auto sd_w = ad::lora_state_dict(*net, as_weight);
+        EXPECT_TRUE(sd_w.contains("lin.lora_magnitude_vector.weight"));
+        DeltaNet back_w;
+        fill(back_w, false);
+        (void)ad::load_lora_state_dict(*back_w, sd_w, keys, {.alpha = o.alpha});
+        const at::NoGradGuard no_grad;
+        EXPECT_LT(
+            (back_w->run("lin", g.at(name + ".lin.x")) - outputs["lin"]).abs().max().item<double>(),
+            1e-5);
+      } else {  // LyCORIS'
+        EXPECT_EQ(sd.at("lora_unet_lin.dora_scale").sizes(),
+                  out_axis ? (at::IntArrayRef{36, 1}) : (at::IntArrayRef{1, 24}));
+      }
+      DeltaNet back;
+      fill(back, false);
+      EXPECT_EQ(ad::load_lora_state_dict(*back, sd, keys, {.alpha = o.alpha}).size(), 3U);
+      const at::NoGradGuard no_grad;
+      for (const auto& m : modules)
+        EXPECT_LT(
+            (back->run(m, g.at(name + "." + m + ".x")) - outputs[m]).abs().max().item<double>(),
+            1e-5)
+            << m << (layout == ad::LoraLayout::peft ? " (PEFT)" : " (kohya)");
+      auto bad = sd;
+      const std::string mkey =
+          layout == ad::LoraLayout::peft ? "lin.lora_magnitude_vector" : "lora_unet_lin.dora_scale";
+      bad[mkey] = at::ones({5, 5});
+      DeltaNet other;
+      try {
+        (void)ad::load_lora_state_dict(*other, bad, keys);
+        ADD_FAILURE() << "a damaged magnitude loaded";
+      } catch (const dt::FormatError& e) {
+        EXPECT_NE(std::string(e.what()).find("lin"), std::string::npos) << e.what();
+      }
+    }
+  }
+  EXPECT_EQ(cases, 7);
+  // A per-input-column DoRA takes no dropout.
+  DeltaNet n;
+  EXPECT_THROW(
+      ad::inject_lora(*n, {.target_modules = {"lin"}},
+                      {.dropout = 0.1, .use_dora = true, .dora_axis = ad::DoraAxis::input}),
+      dt::ConfigError);
+}
+
 TEST(Hypernetwork, ModulesMatchTheWebUiStructureAndNumbers) {
   for (const std::string name : {"relu", "deep", "swish"}) {
     const auto c = hn_case(name);

@@ -12,6 +12,7 @@ using nn::AdaptableImpl;
 using nn::AdaptableLinear;
 using nn::AdaptableLinearImpl;
 using nn::Conv2dLoraTraits;
+using nn::DoraAxis;
 using nn::LinearLoraTraits;
 using nn::LoraHost;
 using nn::LoraOptions;

@@ -142,6 +142,10 @@ enum class LoraLayout {
 struct LoraKeyOptions {
   LoraLayout layout = LoraLayout::peft;
   std::string prefix{};  ///< peft: e.g. "unet." or "transformer."; kohya: e.g. "lora_unet_"
+  /// PEFT's DoRA magnitude as `<module>.lora_magnitude_vector.weight` rather than PEFT's own
+  /// `<module>.lora_magnitude_vector`: transformers' adapter loader, through which diffusers
+  /// loads a text encoder's LoRA, reads only the former (PEFT's reader takes both).
+  bool magnitude_as_weight = false;
 };
 
 inline std::string kohya_name(const std::string& module) {
@@ -157,9 +161,20 @@ inline std::map<std::string, at::Tensor> lora_state_dict(torch::nn::Module& root
   std::map<std::string, at::Tensor> out;
   for (const auto& [name, h] : lora_layers(root)) {
     const at::Tensor a = h->lora_a().detach().cpu().clone(), b = h->lora_b().detach().cpu().clone();
+    const at::Tensor m = h->lora_magnitude();  // DoRA's, else undefined
     if (k.layout == LoraLayout::peft) {
       out[k.prefix + name + ".lora_A.weight"] = a;
       out[k.prefix + name + ".lora_B.weight"] = b;
+      if (m.defined()) {
+        if (h->lora_options().dora_axis != DoraAxis::output)
+          throw ConfigError(
+              "has DoRA per input column, which PEFT and diffusers cannot hold (they normalise "
+              "per output row); write kohya's layout (dora_scale) instead",
+              "lora_state_dict module '" + name + "'");
+        // PEFT's shapes: (out) for a linear layer, (1, out, 1, 1) for a convolution.
+        out[k.prefix + name + ".lora_magnitude_vector" + (k.magnitude_as_weight ? ".weight" : "")] =
+            (m.dim() == 2 ? m.reshape({-1}) : m.reshape({1, -1, 1, 1})).detach().cpu().clone();
+      }
     } else {
       const std::string base = k.prefix + kohya_name(name);
       out[base + ".lora_down.weight"] = a;
@@ -167,6 +182,8 @@ inline std::map<std::string, at::Tensor> lora_state_dict(torch::nn::Module& root
       out[base + ".alpha"] = at::scalar_tensor(
           h->lora_options().alpha.value_or(static_cast<double>(h->lora_options().rank)),
           at::kFloat);
+      // LyCORIS' shapes: (out, 1, ...) per output row, (1, in, ...) per input column.
+      if (m.defined()) out[base + ".dora_scale"] = m.detach().cpu().clone();
     }
   }
   return out;
@@ -183,10 +200,22 @@ inline void add_peft_adapter_metadata(nlohmann::json& into, torch::nn::Module& r
   if (layers.empty())
     throw ConfigError("the model has no LoRA branches", "add_peft_adapter_metadata " + component);
   std::map<std::pair<std::int64_t, double>, int> votes;
+  std::size_t dora = 0;
   for (const auto& [name, h] : layers) {
     const auto& o = h->lora_options();
     ++votes[{o.rank, o.alpha.value_or(static_cast<double>(o.rank))}];
+    if (o.use_dora) {
+      ++dora;
+      if (o.dora_axis != DoraAxis::output)
+        throw ConfigError("module '" + name +
+                              "' has DoRA per input column; PEFT's config holds only the "
+                              "per-output-row form",
+                          "add_peft_adapter_metadata " + component);
+    }
   }
+  if (dora != 0 && dora != layers.size())
+    throw ConfigError("mixes DoRA and plain LoRA branches; PEFT's config holds one use_dora",
+                      "add_peft_adapter_metadata " + component);
   auto common = votes.begin();
   for (auto it = votes.begin(); it != votes.end(); ++it)
     if (it->second > common->second) common = it;
@@ -211,7 +240,7 @@ inline void add_peft_adapter_metadata(nlohmann::json& into, torch::nn::Module& r
   into[p + "alpha_pattern"] = alpha_pattern;
   into[p + "bias"] = "none";
   into[p + "init_lora_weights"] = true;
-  into[p + "use_dora"] = false;
+  into[p + "use_dora"] = dora != 0;
   into[p + "use_rslora"] = false;
 }
 
@@ -249,6 +278,28 @@ inline LoraOptions peft_lora_defaults(const std::map<std::string, std::string>& 
   return o;
 }
 
+namespace lora_inject_detail {
+/// DoRA's axis from a file's magnitude: PEFT's is always per output row ((out) or (1, out, 1,
+/// 1)); kohya's / LyCORIS' `dora_scale` is (out, 1, ...) per output row or (1, in, ...) per input
+/// column, told apart by its first axis as ComfyUI does.
+inline DoraAxis dora_axis_of(const at::Tensor& m, const at::Tensor& b, const at::Tensor& a,
+                             bool peft, const std::string& where) {
+  const std::int64_t out = b.size(0), in = a.size(1);
+  if (peft) {
+    if (m.numel() != out)
+      throw FormatError("lora_magnitude_vector has " + std::to_string(m.numel()) +
+                            " values; the layer has " + std::to_string(out) + " outputs",
+                        where);
+    return DoraAxis::output;
+  }
+  if (m.dim() >= 2 && m.size(0) == out && m.numel() == out) return DoraAxis::output;
+  if (m.dim() >= 2 && m.size(0) == 1 && m.size(1) == in && m.numel() == in) return DoraAxis::input;
+  throw FormatError("dora_scale " + c10::str(m.sizes()) + " is neither (" + std::to_string(out) +
+                        ", 1, ...) nor (1, " + std::to_string(in) + ", ...)",
+                    where);
+}
+}  // namespace lora_inject_detail
+
 /// Attaches (where missing) and fills the branches named in `tensors`; every key must name an
 /// adaptable layer of `root` and every shape must fit. `defaults` gives alpha and dropout where
 /// the layout does not store them (PEFT keeps alpha in its adapter_config.json).
@@ -258,7 +309,7 @@ inline std::vector<std::string> load_lora_state_dict(
   const std::string where = "load_lora_state_dict";
   // Module name → (A, B, alpha) from the keys.
   struct Parts {
-    at::Tensor a, b;
+    at::Tensor a, b, magnitude;
     std::optional<double> alpha;
   };
   std::map<std::string, Parts> parts;
@@ -289,6 +340,9 @@ inline std::vector<std::string> load_lora_state_dict(
       which = 1;
     else if (!peft && (m = strip(key, ".alpha")))
       which = 2;
+    else if ((m = strip(key, peft ? ".lora_magnitude_vector" : ".dora_scale")) ||
+             (peft && (m = strip(key, ".lora_magnitude_vector.weight"))))
+      which = 3;
     if (which < 0)
       throw FormatError("is not a LoRA key of this layout", where + " key '" + key + "'");
     std::string module = *m;
@@ -305,6 +359,8 @@ inline std::vector<std::string> load_lora_state_dict(
       p.a = t;
     else if (which == 1)
       p.b = t;
+    else if (which == 3)
+      p.magnitude = t;
     else {
       if (t.numel() != 1)
         throw FormatError("alpha must hold one value", where + " key '" + key + "'");
@@ -318,7 +374,7 @@ inline std::vector<std::string> load_lora_state_dict(
     LoraHost* host = nullptr;
     bool had = false;
     LoraOptions options{};
-    at::Tensor a{}, b{};
+    at::Tensor a{}, b{}, magnitude{};
   };
   std::vector<Undo> undo;
   std::vector<std::string> loaded;
@@ -335,12 +391,21 @@ inline std::vector<std::string> load_lora_state_dict(
       LoraOptions o = h->has_lora() ? h->lora_options() : defaults;
       o.rank = p.a.size(0);
       if (p.alpha) o.alpha = p.alpha;
-      const bool replace = h->has_lora() && h->lora_a().sizes() != p.a.sizes();
+      o.use_dora = p.magnitude.defined();
+      if (o.use_dora)
+        o.dora_axis = lora_inject_detail::dora_axis_of(p.magnitude, p.b, p.a,
+                                                       k.layout == LoraLayout::peft, at_module);
+      const bool replace =
+          h->has_lora() &&
+          (h->lora_a().sizes() != p.a.sizes() || h->lora_options().use_dora != o.use_dora ||
+           (o.use_dora && h->lora_options().dora_axis != o.dora_axis));
       if (replace || !h->has_lora()) {
-        Undo u{h, h->has_lora(), {}, {}, {}};
-        if (u.had)
+        Undo u{h, h->has_lora(), {}, {}, {}, {}};
+        if (u.had) {
           u.options = h->lora_options(), u.a = h->lora_a().detach().clone(),
           u.b = h->lora_b().detach().clone();
+          if (h->lora_magnitude().defined()) u.magnitude = h->lora_magnitude().detach().clone();
+        }
         undo.push_back(u);
         if (replace) h->detach_lora();
         h->attach_lora(o);
@@ -349,6 +414,11 @@ inline std::vector<std::string> load_lora_state_dict(
         throw ConfigError("A " + c10::str(p.a.sizes()) + " / B " + c10::str(p.b.sizes()) +
                               " do not fit the layer (A " + c10::str(h->lora_a().sizes()) + ", B " +
                               c10::str(h->lora_b().sizes()) + ")",
+                          at_module);
+      if (o.use_dora && p.magnitude.numel() != h->lora_magnitude().numel())
+        throw ConfigError("DoRA magnitude " + c10::str(p.magnitude.sizes()) +
+                              " does not fit the layer (" + c10::str(h->lora_magnitude().sizes()) +
+                              ")",
                           at_module);
       loaded.push_back(module);
     }
@@ -360,6 +430,7 @@ inline std::vector<std::string> load_lora_state_dict(
         at::NoGradGuard no_grad;
         it->host->lora_a().copy_(it->a);
         it->host->lora_b().copy_(it->b);
+        if (it->magnitude.defined()) it->host->lora_magnitude().copy_(it->magnitude);
       }
     }
     throw;
@@ -367,8 +438,11 @@ inline std::vector<std::string> load_lora_state_dict(
   at::NoGradGuard no_grad;
   for (const auto& module : loaded) {
     LoraHost* h = hosts.at(module);
-    h->lora_a().copy_(parts.at(module).a);
-    h->lora_b().copy_(parts.at(module).b);
+    const Parts& p = parts.at(module);
+    h->lora_a().copy_(p.a);
+    h->lora_b().copy_(p.b);
+    if (p.magnitude.defined())
+      h->lora_magnitude().copy_(p.magnitude.reshape(h->lora_magnitude().sizes()));
   }
   return loaded;
 }

@@ -100,14 +100,17 @@ inline std::map<std::string, std::string> stable_diffusion_peft_metadata(
 }
 
 /// Writes both files into `folder` (each atomically) and returns their paths. `extra` goes into
-/// both files' metadata (the base model, the run's rank and alpha, ...).
+/// both files' metadata (the base model, the run's rank and alpha, ...). `peft` false writes
+/// kohya's alone (the returned PEFT path is then empty): DoRA per input column has no PEFT form.
 inline StableDiffusionLoraFiles save_stable_diffusion_lora_files(
     const std::filesystem::path& folder, const StableDiffusionLoraModules& m,
     const std::map<std::string, std::string>& extra = {},
-    const StableDiffusionLoraFiles& names = {}) {
-  StableDiffusionLoraFiles written{folder / names.peft, folder / names.kohya};
-  io::save_safetensors(written.peft, stable_diffusion_lora_state_dict(m, LoraLayout::peft),
-                       stable_diffusion_peft_metadata(m, extra));
+    const StableDiffusionLoraFiles& names = {}, bool peft = true) {
+  StableDiffusionLoraFiles written{peft ? folder / names.peft : std::filesystem::path(),
+                                   folder / names.kohya};
+  if (peft)
+    io::save_safetensors(written.peft, stable_diffusion_lora_state_dict(m, LoraLayout::peft),
+                         stable_diffusion_peft_metadata(m, extra));
   auto kohya_meta = extra;
   kohya_meta["format"] = "pt";
   io::save_safetensors(written.kohya, stable_diffusion_lora_state_dict(m, LoraLayout::kohya),

@@ -36,7 +36,8 @@ enum class TextEncoderSlot {
 inline LoraKeyOptions text_encoder_lora_keys(LoraLayout layout,
                                              TextEncoderSlot slot = TextEncoderSlot::single) {
   if (layout == LoraLayout::peft)
-    return {layout, slot == TextEncoderSlot::second ? "text_encoder_2." : "text_encoder."};
+    return {layout, slot == TextEncoderSlot::second ? "text_encoder_2." : "text_encoder.",
+            /*magnitude_as_weight=*/true};
   return {layout, slot == TextEncoderSlot::single  ? "lora_te_"
                   : slot == TextEncoderSlot::first ? "lora_te1_"
                                                    : "lora_te2_"};

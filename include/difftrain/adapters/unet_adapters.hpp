@@ -3,6 +3,7 @@
 //   * LoRA on every attention projection (to_q, to_k, to_v, to_out.0 — the targets of diffusers'
 //     LoRA training scripts), saved under "unet." in the PEFT layout diffusers' load_lora_weights
 //     reads, or under "lora_unet_" in the kohya layout the web UI reads;
+//   * kohya's LoCon on the resnets' and resamplers' layers (unet_conv_lora_targets);
 //   * the web UI's hypernetworks on every attention layer's context (attn1's is the image tokens,
 //     attn2's the text), chosen by the context width as the web UI does.
 
@@ -23,6 +24,24 @@ namespace difftrain::adapters {
 
 /// diffusers' UNet LoRA targets (train_text_to_image_lora.py, train_dreambooth_lora.py).
 inline LoraTargets unet_lora_targets() { return {{"to_k", "to_q", "to_v", "to_out.0"}, {}}; }
+
+/// kohya's LoCon (networks/lora.py with `conv_dim`): the layers of every ResnetBlock2D (conv1,
+/// conv2, conv_shortcut, time_emb_proj) and of every resampler (downsamplers.0.conv,
+/// upsamplers.0.conv), beside the attention layers.
+inline LoraTargets unet_conv_lora_targets() {
+  return {
+      {},
+      R"((down_blocks\.\d+|up_blocks\.\d+|mid_block)\.(resnets\.\d+\.(conv1|conv2|conv_shortcut|)"
+      R"(time_emb_proj)|(down|up)samplers\.0\.conv))"};
+}
+
+/// Whether kohya gives `module` (one of unet_conv_lora_targets) the convolution rank
+/// (`conv_dim`, a 3×3 convolution) rather than the linear one (a Linear or a 1×1 convolution).
+inline bool kohya_conv_3x3(const std::string& module) {
+  for (const char* tail : {".conv1", ".conv2", "samplers.0.conv"})
+    if (module.ends_with(tail)) return true;
+  return false;
+}
 
 /// kohya's block of a UNet module (networks/lora.py's get_block_index on the module's kohya name):
 /// 1 + 3i + j for down_blocks.i's resnets/attentions.j (3i + 2 for its downsampler), 12 for the

@@ -48,7 +48,7 @@ class Downsample2DImpl : public torch::nn::Module {
       : channels_(channels), use_conv_(use_conv), padding_(padding) {
     if (use_conv)
       conv = register_module(
-          "conv", torch::nn::Conv2d(
+          "conv", nn::AdaptableConv2d(
                       torch::nn::Conv2dOptions(channels, channels, 3).stride(2).padding(padding)));
   }
   at::Tensor forward(const at::Tensor& x) {
@@ -60,7 +60,7 @@ class Downsample2DImpl : public torch::nn::Module {
     if (padding_ == 0) return conv->forward(at::constant_pad_nd(x, {0, 1, 0, 1}, 0));
     return conv->forward(x);
   }
-  torch::nn::Conv2d conv{nullptr};
+  nn::AdaptableConv2d conv{nullptr};  // kohya's LoCon can target it
 
  private:
   std::int64_t channels_;
@@ -76,7 +76,7 @@ class Upsample2DImpl : public torch::nn::Module {
   Upsample2DImpl(std::int64_t channels, bool use_conv) : channels_(channels) {
     if (use_conv)
       conv = register_module(
-          "conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(channels, channels, 3).padding(1)));
+          "conv", nn::AdaptableConv2d(torch::nn::Conv2dOptions(channels, channels, 3).padding(1)));
   }
   at::Tensor forward(const at::Tensor& x,
                      std::optional<std::vector<std::int64_t>> output_size = {}) {
@@ -91,7 +91,7 @@ class Upsample2DImpl : public torch::nn::Module {
                        : at::upsample_nearest2d(in, c10::nullopt, std::vector<double>{2.0, 2.0});
     return conv ? conv->forward(h) : h;
   }
-  torch::nn::Conv2d conv{nullptr};
+  nn::AdaptableConv2d conv{nullptr};  // kohya's LoCon can target it
 
  private:
   std::int64_t channels_;
@@ -135,7 +135,8 @@ class ResnetBlock2DImpl : public torch::nn::Module {
     using namespace torch::nn;
     norm1 =
         register_module("norm1", GroupNorm(GroupNormOptions(o.groups, o.in_channels).eps(o.eps)));
-    conv1 = register_module("conv1", Conv2d(Conv2dOptions(o.in_channels, out, 3).padding(1)));
+    conv1 = register_module("conv1",
+                            nn::AdaptableConv2d(Conv2dOptions(o.in_channels, out, 3).padding(1)));
     if (o.temb_channels)
       time_emb_proj = register_module(
           "time_emb_proj",
@@ -144,12 +145,13 @@ class ResnetBlock2DImpl : public torch::nn::Module {
               o.time_embedding_norm == TimeEmbeddingNorm::scale_shift ? 2 * out : out));
     norm2 = register_module("norm2", GroupNorm(GroupNormOptions(groups_out, out).eps(o.eps)));
     dropout = register_module("dropout", Dropout(o.dropout));
-    conv2 = register_module("conv2", Conv2d(Conv2dOptions(out, out, 3).padding(1)));
+    conv2 = register_module("conv2", nn::AdaptableConv2d(Conv2dOptions(out, out, 3).padding(1)));
     if (o.up) upsample_ = register_module("upsample", Upsample2D(o.in_channels, false));
     if (o.down) downsample_ = register_module("downsample", Downsample2D(o.in_channels, false));
     if (o.use_in_shortcut.value_or(o.in_channels != out))
       conv_shortcut = register_module(
-          "conv_shortcut", Conv2d(Conv2dOptions(o.in_channels, out, 1).bias(o.conv_shortcut_bias)));
+          "conv_shortcut",
+          nn::AdaptableConv2d(Conv2dOptions(o.in_channels, out, 1).bias(o.conv_shortcut_bias)));
   }
 
   /// Recompute this block's activations in backward instead of storing them.
@@ -175,9 +177,9 @@ class ResnetBlock2DImpl : public torch::nn::Module {
   }
 
   torch::nn::GroupNorm norm1{nullptr}, norm2{nullptr};
-  torch::nn::Conv2d conv1{nullptr}, conv2{nullptr}, conv_shortcut{nullptr};
-  // Adaptable (exactly a Linear until a LoRA branch is attached): PEFT and kohya's LoRA can target
-  // how the condition enters each block, not only the attention projections.
+  // Adaptable (exactly a Conv2d / Linear until an adapter is attached): kohya's LoCon and PEFT's
+  // conv LoRA target the block's convolutions, and how the condition enters it.
+  nn::AdaptableConv2d conv1{nullptr}, conv2{nullptr}, conv_shortcut{nullptr};
   nn::AdaptableLinear time_emb_proj{nullptr};
   torch::nn::Dropout dropout{nullptr};
 

@@ -12,7 +12,15 @@
 // here, below the blocks built of them; the injection rules and the files live in adapters/. The
 // branch's parameters are the layer's children `lora_A` and `lora_B`, so names read
 // `…to_q.lora_A.weight`, as in diffusers' LoRA files.
+//
+// DoRA (Liu et al. 2024, PEFT's `use_dora`) splits the adapted weight W' = W + scale·B·A into a
+// trained magnitude m and a direction: W_eff = m · W' / ‖W'‖. PEFT and diffusers (and LyCORIS'
+// default, `wd_on_output`) take the norm per output row; the web UI and LyCORIS'
+// `wd_on_output=False` per input column. Both are offered (`DoraAxis`); the output-row form
+// follows PEFT exactly (the norm is detached, as the paper's §4.3 recommends, and the base output
+// is reused), the input-column form follows LyCORIS (merged weight, norm + ε, not detached).
 
+#include <ATen/ops/linalg_vector_norm.h>
 #include <torch/nn/init.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/conv.h>
@@ -22,20 +30,28 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <variant>
+#include <vector>
 
 #include "difftrain/core/error.hpp"
 
 namespace difftrain::nn {
 
+/// Which norm DoRA's magnitude divides by: per output row (PEFT, diffusers, LyCORIS' default,
+/// ComfyUI) or per input column (the web UI, LyCORIS' `wd_on_output=False`).
+enum class DoraAxis { output, input };
+
 struct LoraOptions {
   std::int64_t rank = 4;
   std::optional<double> alpha{};  ///< default: rank (scale 1)
   double dropout = 0.0;
+  bool use_dora = false;  ///< weight-decomposed LoRA (a trained magnitude per row/column)
+  DoraAxis dora_axis = DoraAxis::output;
   [[nodiscard]] double scale() const {
     return alpha.value_or(static_cast<double>(rank)) / static_cast<double>(rank);
   }
@@ -44,6 +60,9 @@ struct LoraOptions {
     if (alpha && !(std::isfinite(*alpha) && *alpha > 0))
       throw ConfigError("LoRA alpha must be finite and > 0", where);
     if (!(dropout >= 0 && dropout < 1)) throw ConfigError("LoRA dropout must be in [0, 1)", where);
+    if (use_dora && dora_axis == DoraAxis::input && dropout > 0)
+      throw ConfigError(
+          "DoRA per input column works on the merged weight and takes no LoRA dropout", where);
   }
 };
 
@@ -76,7 +95,10 @@ class LoraHost {
   /// The branch's A and B weights (undefined without a branch).
   [[nodiscard]] virtual at::Tensor lora_a() const = 0;
   [[nodiscard]] virtual at::Tensor lora_b() const = 0;
-  /// scale·B·A shaped as the base weight.
+  /// DoRA's magnitude, shaped to broadcast over the base weight ((out, 1, ...) per output row,
+  /// (1, in, ...) per input column); undefined without DoRA.
+  [[nodiscard]] virtual at::Tensor lora_magnitude() const = 0;
+  /// The change the branch makes to the base weight (scale·B·A; with DoRA, W_eff − W).
   [[nodiscard]] virtual at::Tensor delta_weight() const = 0;
 };
 
@@ -98,10 +120,21 @@ class AdaptableImpl : public Base, public LoraHost {
   using Branch = typename Traits::Branch;  // the ModuleHolder of A's and B's layer type
 
   at::Tensor forward(const at::Tensor& x) {
+    if (lora_A && !merged_ && o_.use_dora && o_.dora_axis == DoraAxis::input)
+      return with_bias(Traits::with_weight(this->options, x, dora_weight()));
     at::Tensor y = Base::forward(x);
     if (lora_A && !merged_) {
-      const at::Tensor in = dropout_ ? dropout_->forward(x) : x;
-      y = y + lora_B->forward(lora_A->forward(in)) * o_.scale();
+      const bool drop = dropout_ && this->is_training();
+      const at::Tensor in = drop ? dropout_->forward(x) : x;
+      if (o_.use_dora) {  // PEFT's DoraLinearLayer / _DoraConvNdLayer.forward
+        const at::Tensor norm = weight_norm(lora_product().detach()).detach();
+        const at::Tensor ratio = Traits::per_output(lora_magnitude_vector / norm);
+        const at::Tensor base =
+            drop ? Traits::with_weight(this->options, in, this->weight) : without_bias(y);
+        y = y + (ratio - 1) * base + ratio * lora_B->forward(lora_A->forward(in)) * o_.scale();
+      } else {
+        y = y + lora_B->forward(lora_A->forward(in)) * o_.scale();
+      }
     }
     if (delta_)  // the layer's own operation with ΔW, without bias
       y = y + Traits::with_weight(this->options, x, delta_->delta_weight(this->weight));
@@ -134,6 +167,11 @@ class AdaptableImpl : public Base, public LoraHost {
       at::NoGradGuard no_grad;
       lora_B->weight.zero_();
     }
+    if (o.use_dora) {  // m starts as ‖W‖, so the adapted layer starts as the base layer
+      at::NoGradGuard no_grad;
+      lora_magnitude_vector = this->register_parameter(
+          "lora_magnitude_vector", weight_norm(at::zeros_like(this->weight)).detach().clone());
+    }
     if (o.dropout > 0)
       dropout_ = this->register_module("lora_dropout", torch::nn::Dropout(o.dropout));
   }
@@ -141,6 +179,15 @@ class AdaptableImpl : public Base, public LoraHost {
     if (merged_) unmerge();
     for (const char* name : {"lora_A", "lora_B", "lora_dropout"})
       if (this->named_children().contains(name)) this->unregister_module(name);
+    if (lora_magnitude_vector.defined()) {
+      // LibTorch has no unregister_parameter; the parameter table is rebuilt without it.
+      auto& params = this->parameters_;
+      torch::OrderedDict<std::string, at::Tensor> kept;
+      for (const auto& item : params)
+        if (item.key() != "lora_magnitude_vector") kept.insert(item.key(), item.value());
+      params = std::move(kept);
+      lora_magnitude_vector = at::Tensor();
+    }
     lora_A = nullptr;
     lora_B = nullptr;
     dropout_ = nullptr;
@@ -149,14 +196,16 @@ class AdaptableImpl : public Base, public LoraHost {
     require_branch("merge");
     if (merged_) return;
     at::NoGradGuard no_grad;
-    this->weight.add_(delta_weight());
+    merged_delta_ = delta_weight();  // kept, so that unmerge restores W even with DoRA
+    this->weight.add_(merged_delta_);
     merged_ = true;
   }
   void unmerge() override {
     require_branch("unmerge");
     if (!merged_) return;
     at::NoGradGuard no_grad;
-    this->weight.sub_(delta_weight());
+    this->weight.sub_(merged_delta_);
+    merged_delta_ = at::Tensor();
     merged_ = false;
   }
   [[nodiscard]] bool has_lora() const override { return static_cast<bool>(lora_A); }
@@ -168,22 +217,57 @@ class AdaptableImpl : public Base, public LoraHost {
   [[nodiscard]] at::Tensor lora_b() const override {
     return lora_B ? lora_B->weight : at::Tensor();
   }
+  [[nodiscard]] at::Tensor lora_magnitude() const override { return lora_magnitude_vector; }
   [[nodiscard]] at::Tensor delta_weight() const override {
     require_branch("delta_weight");
-    // B·A with every axis after the first flattened, shaped as the base weight.
-    return (lora_B->weight.flatten(1).mm(lora_A->weight.flatten(1)) * o_.scale())
-        .view(this->weight.sizes());
+    if (merged_) return merged_delta_;
+    if (o_.use_dora) return dora_weight() - this->weight;
+    return lora_product() * o_.scale();
   }
 
   Branch lora_A{nullptr}, lora_B{nullptr};
+  at::Tensor lora_magnitude_vector{};  ///< DoRA's m (undefined without DoRA)
 
  private:
+  /// B·A with every axis after the first flattened, shaped as the base weight.
+  [[nodiscard]] at::Tensor lora_product() const {
+    return lora_B->weight.flatten(1).mm(lora_A->weight.flatten(1)).view(this->weight.sizes());
+  }
+  /// ‖W + scale·Δ‖ along DoRA's axis, shaped as the magnitude. The input-column form adds
+  /// float32's ε as LyCORIS does.
+  [[nodiscard]] at::Tensor weight_norm(const at::Tensor& product) const {
+    const at::Tensor w = this->weight + product * o_.scale();
+    if (o_.dora_axis == DoraAxis::output) {
+      std::vector<std::int64_t> dims(static_cast<std::size_t>(w.dim() - 1));
+      for (std::size_t i = 0; i < dims.size(); ++i) dims[i] = static_cast<std::int64_t>(i) + 1;
+      return at::linalg_vector_norm(w, 2, dims, /*keepdim=*/true);
+    }
+    std::vector<std::int64_t> dims{0};
+    for (std::int64_t i = 2; i < w.dim(); ++i) dims.push_back(i);
+    return at::linalg_vector_norm(w, 2, dims, /*keepdim=*/true) +
+           std::numeric_limits<float>::epsilon();
+  }
+  /// W_eff = m · W' / ‖W'‖.
+  [[nodiscard]] at::Tensor dora_weight() const {
+    const at::Tensor product = lora_product();
+    const at::Tensor w = this->weight + product * o_.scale();
+    return w * (lora_magnitude_vector / weight_norm(product));
+  }
+  [[nodiscard]] at::Tensor with_bias(const at::Tensor& y) const {
+    if (!this->bias.defined()) return y;
+    return y + Traits::per_output(this->bias);
+  }
+  [[nodiscard]] at::Tensor without_bias(const at::Tensor& y) const {
+    if (!this->bias.defined()) return y;
+    return y - Traits::per_output(this->bias);
+  }
   void require_branch(const char* what) const {
     if (!lora_A) throw ConfigError("has no LoRA branch", std::string(Traits::name) + "::" + what);
   }
   LoraOptions o_{};
   torch::nn::Dropout dropout_{nullptr};
   std::shared_ptr<WeightDelta> delta_;
+  at::Tensor merged_delta_{};
   bool merged_ = false;
 };
 
@@ -202,6 +286,8 @@ struct LinearLoraTraits {
                                 const at::Tensor& w) {
     return at::linear(x, w);
   }
+  /// A per-output-feature tensor of any shape ((out), (out, 1)) shaped to broadcast over y.
+  static at::Tensor per_output(const at::Tensor& v) { return v.reshape({-1}); }
 };
 
 /// Conv2d: A has the layer's kernel, stride, padding and dilation into r channels; B is 1×1.
@@ -229,6 +315,8 @@ struct Conv2dLoraTraits {
       throw ConfigError("a weight-change adapter needs explicit zero padding", "AdaptableConv2d");
     return at::conv2d(x, w, {}, *o.stride(), **pad, *o.dilation());
   }
+  /// A per-output-channel tensor shaped to broadcast over (N, C, H, W).
+  static at::Tensor per_output(const at::Tensor& v) { return v.reshape({1, -1, 1, 1}); }
 };
 
 /// torch::nn::Linear with an optional LoRA branch.
