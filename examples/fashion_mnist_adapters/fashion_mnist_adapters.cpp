@@ -16,8 +16,9 @@
 //      UI's loop, prompted with the new class's words ("a photo of a ankle boot"), which the UNet
 //      never saw in a caption;
 //   4. LoRA on the UNet's attention projections, trained with difftrain's Trainer on the same
-//      captions, merged for sampling (and, with --methods loha,lokr, LyCORIS' LoHa and LoKr on
-//      the same layers at the same rank and alpha, written in LyCORIS' layout);
+//      captions, merged for sampling (and, with --methods dora,loha,lokr, DoRA and LyCORIS' LoHa
+//      and LoKr on the same layers at the same rank and alpha, LoHa and LoKr written in LyCORIS'
+//      layout);
 //   then samples the new class with classifier-free guidance under each and under the base model
 //   alone (the other side is the base model's prediction for the empty prompt, so each adapter
 //   changes only the prompt's side; `--unconditional-side adapted` puts the hypernetwork and LoRA
@@ -455,8 +456,13 @@ int run(const Settings& s) {
   if (s.held_out_images == "generic" && broader_word(s.new_class).first.empty()) {
     std::string kinds;
     for (const auto& [word, classes] : shared_words()) {
-      kinds += (kinds.empty() ? "" : "; ") + word + ":";
-      for (const std::int64_t c : classes) kinds += " " + std::to_string(c);
+      if (!kinds.empty()) kinds += "; ";
+      kinds += word;
+      kinds += ":";
+      for (const std::int64_t c : classes) {
+        kinds += ' ';
+        kinds += std::to_string(c);
+      }
     }
     throw ConfigError(std::string("is generic, but ") +
                           fmnist::kClassNames[static_cast<std::size_t>(s.new_class)] +
@@ -465,9 +471,11 @@ int run(const Settings& s) {
   }
   const std::vector<std::string> methods = split_words(s.methods);
   for (const auto& m : methods)
-    if (m != "embedding" && m != "hypernetwork" && m != "lora" && m != "loha" && m != "lokr")
-      throw ConfigError("names '" + m + "'; choose from embedding, hypernetwork, lora, loha, lokr",
-                        "--methods");
+    if (m != "embedding" && m != "hypernetwork" && m != "lora" && m != "dora" && m != "loha" &&
+        m != "lokr")
+      throw ConfigError(
+          "names '" + m + "'; choose from embedding, hypernetwork, lora, dora, loha, lokr",
+          "--methods");
   if (methods.empty()) throw ConfigError("names no adapter", "--methods");
   const auto wanted = [&](const char* m) {
     return std::find(methods.begin(), methods.end(), m) != methods.end();
@@ -643,11 +651,13 @@ int run(const Settings& s) {
     results["hypernetwork_attention_layers"] = hooked;
   }
 
-  // 3. LoRA, and LyCORIS' LoHa and LoKr: adapters on the UNet's named layers, everything else
-  // frozen, trained with the Trainer on the same captions at the same rank and alpha.
-  for (const std::string kind : {"lora", "loha", "lokr"}) {
+  // 3. LoRA, DoRA, and LyCORIS' LoHa and LoKr: adapters on the UNet's named layers, everything
+  // else frozen, trained with the Trainer on the same captions at the same rank and alpha.
+  for (const std::string kind : {"lora", "dora", "loha", "lokr"}) {
     if (!wanted(kind.c_str())) continue;
-    const bool lora = kind == "lora";
+    const bool lora = kind == "lora" || kind == "dora";
+    const ad::LoraOptions lora_options{
+        .rank = s.lora_rank, .alpha = s.lora_alpha, .use_dora = kind == "dora"};
     auto t = std::chrono::steady_clock::now();
     tr::set_seed(s.adapters_seed() + 30);
     fmtext::TextUNet net = load_base(s, schedule, tok, base_path);
@@ -656,9 +666,8 @@ int run(const Settings& s) {
     const ad::DeltaOptions delta{.kind = kind == "loha" ? ad::DeltaKind::loha : ad::DeltaKind::lokr,
                                  .rank = s.lora_rank,
                                  .alpha = s.lora_alpha};
-    const auto injected =
-        lora ? ad::inject_lora(*net->unet, targets, {.rank = s.lora_rank, .alpha = s.lora_alpha})
-             : ad::inject_weight_delta(*net->unet, targets, delta);
+    const auto injected = lora ? ad::inject_lora(*net->unet, targets, lora_options)
+                               : ad::inject_weight_delta(*net->unet, targets, delta);
     net->train();
     tr::Trainer<fmtext::TextUNetImpl, LoraConfig>::Options o;
     o.optimizer.lr = s.lora_lr;
@@ -685,7 +694,7 @@ int run(const Settings& s) {
                                                   {"target_modules", s.lora_targets},
                                                   {"network_algo", kind},
                                                   {"base_model", base_key(s)}};
-    // LoRA in the PEFT layout diffusers reads; LoHa and LoKr in LyCORIS' (the web UI's).
+    // LoRA and DoRA in the PEFT layout diffusers reads; LoHa and LoKr in LyCORIS' (the web UI's).
     const ad::LoraKeyOptions lycoris{ad::LoraLayout::kohya, "lora_unet_"};
     if (lora)
       difftrain::io::save_safetensors(
@@ -698,9 +707,8 @@ int run(const Settings& s) {
     fmtext::TextUNet fresh = load_base(s, schedule, tok, base_path);
     const auto saved = difftrain::io::load_safetensors(file, true).tensors;
     if (lora) {
-      (void)ad::load_lora_state_dict(*fresh->unet, saved,
-                                     {.layout = ad::LoraLayout::peft, .prefix = "unet."},
-                                     {.rank = s.lora_rank, .alpha = s.lora_alpha});
+      (void)ad::load_lora_state_dict(
+          *fresh->unet, saved, {.layout = ad::LoraLayout::peft, .prefix = "unet."}, lora_options);
       for (const auto& [layer_name, layer] : ad::lora_layers(*fresh->unet)) layer->merge();
     } else {
       (void)ad::load_weight_delta_state_dict(*fresh->unet, saved, lycoris);

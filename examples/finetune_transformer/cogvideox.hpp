@@ -210,24 +210,34 @@ struct CogTraineeImpl : torch::nn::Module {
       return {latents.narrow(0, start, length), embeds.narrow(0, start, length)};
     }
   };
-  CogTraineeImpl(CogTransformer t, const examples::SchedulerConfig& c)
+  CogTraineeImpl(CogTransformer t, const examples::SchedulerConfig& c,
+                 const examples::KohyaFlags& kohya)
       : transformer(register_module("transformer", t)),
         schedule_(c.schedule),
-        prediction_(c.prediction) {}
+        prediction_(c.prediction),
+        kohya_(kohya) {}
   at::Tensor loss(const Batch& b) {
     const at::Tensor& x0 = b.latents;
     const std::int64_t n = x0.size(0);
-    const at::Tensor noise = at::randn_like(x0);
+    // kohya's ip_noise_gamma (diffusers' input perturbation): x_t from noise + γ·ξ.
+    const examples::StepNoise noise = examples::step_noise(x0, kohya_);
     const at::Tensor t = schedule_.sample_timesteps(n, x0.options());
-    const at::Tensor noisy = schedule_.add_noise(x0, noise, t);
+    const at::Tensor noisy = schedule_.add_noise(x0, noise.input_noise, t);
+    const df::LossType type = df::loss_type_from(kohya_.loss_type, "--loss_type");
+    at::Tensor c;
+    if (type == df::LossType::huber || type == df::LossType::smooth_l1)
+      c = df::huber_threshold(df::huber_schedule_from(kohya_.huber_schedule, "--huber_schedule"),
+                              kohya_.huber_c, kohya_.huber_scale, t, schedule_)
+              .to(x0.device());
     return df::cogvideox_loss(schedule_, prediction_, transformer->forward(noisy, b.embeds, t),
-                              noisy, x0, t);
+                              noisy, x0, t, type, c);
   }
   CogTransformer transformer{nullptr};
 
  private:
   df::NoiseSchedule schedule_;
   df::Prediction prediction_;
+  examples::KohyaFlags kohya_;
 };
 
 /// The run's batches by place in the run: shuffled clips per epoch (the same for a seed), their
@@ -265,7 +275,7 @@ class VideoBatchStream {
             p_.vae->config().scaling_factor;
       }
       latents.push_back(z.permute({0, 2, 1, 3, 4}));  // (1, F, C, h, w), as the transformer reads
-      embeds.push_back(caption(clips_[i].caption));
+      embeds.push_back(caption(i, place, epoch));
     }
     return {at::cat(latents).to(device_), at::cat(embeds).to(device_)};
   }
@@ -289,10 +299,20 @@ class VideoBatchStream {
     const auto d = p_.vae->encode(load_clip(clips_[i], s_, flip).to(device_));
     return posteriors_.emplace(key, std::make_pair(d.mean, d.std)).first->second;
   }
-  at::Tensor caption(const std::string& c) {
+  /// Clip `i`'s caption encoded, as kohya's caption options make it at `place` (then encoded
+  /// afresh each time), or as written (encoded once).
+  at::Tensor caption(std::size_t i, std::int64_t place, std::uint64_t epoch) {
+    const std::string& c = clips_[i].caption;
+    at::NoGradGuard no_grad;
+    if (s_.kohya.captions.any()) {
+      const auto processed = examples::processed_captions(
+          {c}, s_.kohya, static_cast<std::uint64_t>(s_.seed) * 1'000'003 + i, place,
+          static_cast<std::int64_t>(epoch) + 1, place / s_.gradient_accumulation_steps,
+          s_.max_train_steps);
+      return p_.encode(processed).cpu();
+    }
     auto it = text_.find(c);
     if (it != text_.end()) return it->second;
-    at::NoGradGuard no_grad;
     return text_.emplace(c, p_.encode({c}).cpu()).first->second;
   }
 
@@ -434,7 +454,7 @@ int run_cogvideox(Settings s, const Ranks& ranks) {
   resolve_max_train_steps(
       s, ranks.batches_each(stream.batches_per_epoch(), "--train_data_dir / --train_batch_size"),
       main_rank);
-  CogTraineeImpl trainee(p.transformer, p.scheduler);
+  CogTraineeImpl trainee(p.transformer, p.scheduler, s.kohya);
   trainee.train();
   const nlohmann::json run_settings = {
       {"pretrained_model_name_or_path", s.model},
@@ -451,6 +471,7 @@ int run_cogvideox(Settings s, const Ranks& ranks) {
       {"lr_scheduler", s.lr_scheduler},
       {"use_lora", s.use_lora},
       {"rank", s.rank},
+      {"kohya", s.kohya.settings()},
       {"scheduler", std::string(p.dpm ? "CogVideoXDPMScheduler" : "CogVideoXDDIMScheduler")},
       {"snr_shift_scale", p.scheduler.schedule.snr_shift_scale.value_or(1.0)},
       {"mixed_precision", s.mixed_precision},

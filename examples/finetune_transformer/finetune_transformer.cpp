@@ -152,6 +152,7 @@ int main(int argc, char** argv) {
       ->check(count_in(0, 100'000))
       ->capture_default_str();
   auto* d = add_torchrun_flags(app, s, "each transformer block");
+  examples::add_kohya_flags(app, s.kohya);
   last_value_wins({g.run, g.training, g.saving, img, video, d});
   if (const auto rc = examples::parse_command_line(app, argc, argv)) return *rc;
   return examples::run_reporting_errors([&] { return run(s); });

@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "../common/cli_checks.hpp"
+#include "../common/kohya_flags.hpp"
 #include "../common/run_skeleton.hpp"
 #include "../common/scheduler_config.hpp"
 #include "../common/sd_pipeline.hpp"
@@ -74,6 +75,7 @@ struct Settings : SdRunFlags, ImageFolderFlags, LoraFlags, TorchrunFlags, Single
   std::string video_column = "video";
   std::int64_t height = 480, width = 720, max_num_frames = 49;
   std::int64_t skip_frames_start = 0, skip_frames_end = 0;
+  examples::KohyaFlags kohya;  // kohya's caption, input-perturbation and loss-type options
   Settings() {
     out = "runs/finetune_transformer";
     learning_rate = 1e-4;
@@ -165,6 +167,21 @@ int write_run_results(const Settings& s, const nlohmann::json& run_settings,
 
 void check_flags(const Settings& s) {
   check_loraplus_flags(s);
+  s.kohya.check();
+  // kohya's SD3 and Flux training perturb the input (ip_noise_gamma) but offset no noise and
+  // weight no loss by SNR (their flow has none); CogVideoX's loss has its own weights.
+  const auto& k = s.kohya;
+  for (const auto& [set, flag] : std::initializer_list<std::pair<bool, const char*>>{
+           {k.noise_offset > 0, "--noise_offset"},
+           {k.multires_noise_iterations > 0, "--multires_noise_iterations"},
+           {k.debiased_estimation_loss, "--debiased_estimation_loss"},
+           {k.v_pred_like_loss != 0, "--v_pred_like_loss"},
+           {k.scale_v_pred_loss_like_noise_pred, "--scale_v_pred_loss_like_noise_pred"}})
+    if (set)
+      throw ConfigError(
+          "is for the SD programs' noise schedules; SD3's flow (as kohya's sd3_train) and "
+          "CogVideoX's loss take --ip_noise_gamma, --loss_type and the caption options here",
+          flag);
   if (s.use_dora && !s.dora_wd_on_output)
     throw ConfigError(
         "asks for DoRA per input column, which PEFT's and diffusers' files cannot hold; this "

@@ -287,7 +287,9 @@ struct Sd3TraineeImpl : torch::nn::Module {
   at::Tensor loss(const Batch& b) {
     const at::Tensor& x0 = b.latents;
     const std::int64_t n = x0.size(0), steps = flow_.options().num_train_timesteps;
-    const at::Tensor noise = at::randn_like(x0);
+    // kohya's ip_noise_gamma (diffusers' input perturbation): x_t from noise + γ·ξ, the target
+    // from the noise alone.
+    const examples::StepNoise noise = examples::step_noise(x0, s_.kohya);
     // diffusers' compute_density_for_timestep_sampling, then indices = ⌊u · N⌋ into the
     // scheduler's (shifted) table.
     const at::Tensor u = df::density_for_timestep_sampling(
@@ -295,19 +297,27 @@ struct Sd3TraineeImpl : torch::nn::Module {
         {.logit_mean = s_.logit_mean, .logit_std = s_.logit_std, .mode_scale = s_.mode_scale});
     const at::Tensor idx = (u * static_cast<double>(steps)).to(at::kLong).clamp(0, steps - 1);
     const at::Tensor sigmas = flow_.sigmas_for(idx).to(x0.device()).view({n, 1, 1, 1});
-    const at::Tensor noisy = flow_.noisy_input(x0, noise, sigmas);
-    at::Tensor pred =
-        transformer->forward(noisy, b.embeds, b.pooled, flow_.timesteps_for(idx).to(x0.device()))
-            .to(at::kFloat);
+    const at::Tensor noisy = flow_.noisy_input(x0, noise.input_noise, sigmas);
+    const at::Tensor timesteps = flow_.timesteps_for(idx).to(x0.device());
+    at::Tensor pred = transformer->forward(noisy, b.embeds, b.pooled, timesteps).to(at::kFloat);
     at::Tensor target;
     if (s_.precondition_outputs) {  // the prediction turned into x̂₀
       pred = pred * (-sigmas) + noisy.to(at::kFloat);
       target = x0.to(at::kFloat);
     } else {
-      target = flow_.target(x0, noise).to(at::kFloat);
+      target = flow_.target(x0, noise.noise).to(at::kFloat);
     }
     const at::Tensor w = df::sd3_loss_weighting(weighting_, sigmas.to(at::kFloat));
-    return (w * (pred - target).square()).reshape({n, -1}).mean(1).mean();
+    const df::LossType type = df::loss_type_from(s_.kohya.loss_type, "--loss_type");
+    if (type == df::LossType::l2)
+      return (w * (pred - target).square()).reshape({n, -1}).mean(1).mean();
+    // kohya's sd3_train: the element-wise loss (Huber's threshold from t = σ·N), weighted, mean.
+    at::Tensor c;
+    if (type == df::LossType::huber || type == df::LossType::smooth_l1)
+      c = df::huber_threshold(df::huber_schedule_from(s_.kohya.huber_schedule, "--huber_schedule"),
+                              s_.kohya.huber_c, s_.kohya.huber_scale, timesteps, steps)
+              .to(pred.device());
+    return (w * df::conditional_loss(pred, target, type, c)).reshape({n, -1}).mean(1).mean();
   }
   Transformer transformer{nullptr};
 
@@ -324,24 +334,29 @@ struct Sd3TraineeImpl : torch::nn::Module {
 class CaptionConditioning {
  public:
   CaptionConditioning(Sd3Pipeline& p, const Settings& s) : p_(p), s_(s) {}
-  /// (embeds, pooled) for `captions`, stacked, on `device`.
+  /// (embeds, pooled) for `captions`, stacked, on `device`; kept for the next time unless
+  /// `remember` is false (captions that change every step: kohya's shuffling and dropout).
   std::pair<at::Tensor, at::Tensor> operator()(const std::vector<std::string>& captions,
-                                               at::Device device) {
-    for (const auto& c : captions) {
-      if (known_.contains(c)) continue;
-      // One caption at a time: a matrix product's last bits depend on the batch it is in, and a
-      // resumed run meets its captions in other batches than the uninterrupted one.
-      at::NoGradGuard no_grad;
-      text::SD3PromptOptions o;
-      o.do_classifier_free_guidance = false;
-      o.max_sequence_length = s_.max_sequence_length;
-      const text::EncodedPrompt e = text::encode_prompt_sd3(p_.encoders(), {c}, o);
-      known_[c] = {e.prompt_embeds[0].cpu(), e.pooled_prompt_embeds[0].cpu()};
-    }
+                                               at::Device device, bool remember = true) {
     std::vector<at::Tensor> embeds, pooled;
     for (const auto& c : captions) {
-      embeds.push_back(known_.at(c).first);
-      pooled.push_back(known_.at(c).second);
+      auto it = known_.find(c);
+      std::pair<at::Tensor, at::Tensor> e;
+      if (it != known_.end()) {
+        e = it->second;
+      } else {
+        // One caption at a time: a matrix product's last bits depend on the batch it is in, and
+        // a resumed run meets its captions in other batches than the uninterrupted one.
+        at::NoGradGuard no_grad;
+        text::SD3PromptOptions o;
+        o.do_classifier_free_guidance = false;
+        o.max_sequence_length = s_.max_sequence_length;
+        const text::EncodedPrompt encoded = text::encode_prompt_sd3(p_.encoders(), {c}, o);
+        e = {encoded.prompt_embeds[0].cpu(), encoded.pooled_prompt_embeds[0].cpu()};
+        if (remember) known_[c] = e;
+      }
+      embeds.push_back(e.first);
+      pooled.push_back(e.second);
     }
     return {at::stack(embeds).to(device), at::stack(pooled).to(device)};
   }
@@ -391,7 +406,13 @@ class BatchStream {
       at::NoGradGuard no_grad;
       b.latents = p_.vae->encode_latents(i.pixels.to(device_, /*non_blocking=*/true));
     }
-    std::tie(b.embeds, b.pooled) = text_(i.captions, device_);
+    // kohya's caption options, each time an image is used (epochs counted from 1, as kohya does).
+    const bool varied = s_.kohya.captions.any();
+    const std::vector<std::string> captions = examples::processed_captions(
+        std::move(i.captions), s_.kohya, static_cast<std::uint64_t>(s_.seed), place,
+        static_cast<std::int64_t>(epoch) + 1, place / s_.gradient_accumulation_steps,
+        s_.max_train_steps);
+    std::tie(b.embeds, b.pooled) = text_(captions, device_, !varied);
     return b;
   }
   CaptionConditioning& text() { return text_; }
@@ -453,6 +474,12 @@ int run_sd3(Settings s, const Ranks& ranks) {
   const auto t0 = std::chrono::steady_clock::now();
   check_sd_run_flags(s);
   check_flags(s);
+  if ((s.kohya.loss_type == "huber" || s.kohya.loss_type == "smooth_l1") &&
+      s.kohya.huber_schedule == "snr")
+    throw ConfigError(
+        "is snr (the default), which needs a noise schedule with ᾱ; SD3's flow has none (as in "
+        "kohya's sd3_train): give --huber_schedule constant or exponential",
+        "--huber_schedule");
   examples::apply_threads(s);
   const bool main_rank = ranks.main();
   data::BucketOptions bo;  // diffusers' square: the shorter side resized, then cropped
@@ -525,6 +552,7 @@ int run_sd3(Settings s, const Ranks& ranks) {
       {"use_lora", s.use_lora},
       {"rank", s.rank},
       {"weighting_scheme", s.weighting_scheme},
+      {"kohya", s.kohya.settings()},
       {"precondition_outputs", s.precondition_outputs},
       {"shift", p.flow.shift},
       {"t5", static_cast<bool>(p.text_encoder_3)},

@@ -70,6 +70,45 @@ expect_rc 0 prodigy -- "$bin" "${base[@]}" --use_lora --rank 4 --max_train_steps
   --output_dir "$work/prodigy"
 grep_in "$work/prodigy/results.json" '"optimizer": "prodigy"'
 
+# kohya's options as its sd3_train takes them (tag shuffling with a kept token, caption dropout,
+# ip_noise_gamma, Huber on the exponential schedule) with DoRA: stopped and resumed, the same
+# LoRA; diffusers' StableDiffusion3Pipeline loads it as DoRA and draws other images than the base.
+# Options for other noise schedules, Huber's snr schedule (SD3's flow has no ᾱ) and DoRA per
+# input column (no PEFT form) are refused by name.
+ko=("${base[@]}" --use_lora --use_dora --rank 4 --learning_rate 2e-3 --max_train_steps 6
+    --checkpointing_steps 2 --shuffle_caption --keep_tokens 1 --caption_dropout_rate 0.3
+    --ip_noise_gamma 0.1 --loss_type huber --huber_schedule exponential --huber_c 0.2)
+expect_rc 0 kohya -- "$bin" "${ko[@]}" --output_dir "$work/kohya"
+grep_in "$work/kohya/results.json" '"loss_type": "huber"'
+expect_rc 130 kohya-stopped -- "$bin" "${ko[@]}" --output_dir "$work/kohya-resumed" --stop_at 4
+expect_rc 0 kohya-resumed -- "$bin" "${ko[@]}" --output_dir "$work/kohya-resumed" --resume_from_checkpoint latest
+cmp -s "$work/kohya/pytorch_lora_weights.safetensors" "$work/kohya-resumed/pytorch_lora_weights.safetensors" ||
+  fail "the resumed run with kohya's options ended with another LoRA"
+"$py" - "$work" "$sd3" >"$work/kohya-check.out" 2>&1 <<'PY' || { cat "$work/kohya-check.out"; fail "DoRA LoRA in diffusers"; }
+import pathlib, sys
+import numpy as np, torch
+from diffusers import StableDiffusion3Pipeline
+from diffusers.utils import logging as dlogging
+dlogging.set_verbosity_error()
+work, sd3 = pathlib.Path(sys.argv[1]), sys.argv[2]
+def generate(pipe):
+    return pipe("a photo of a sneaker", num_inference_steps=2, height=32, width=32, output_type="np",
+                generator=torch.Generator().manual_seed(0)).images
+plain = generate(StableDiffusion3Pipeline.from_pretrained(sd3))
+pipe = StableDiffusion3Pipeline.from_pretrained(sd3)
+pipe.load_lora_weights(str(work / "kohya"), weight_name="pytorch_lora_weights.safetensors")
+assert pipe.transformer.peft_config["default_0"].use_dora
+adapted = generate(pipe)
+assert np.isfinite(adapted).all() and not np.allclose(adapted, plain)
+print("SD3 DoRA LoRA loads in diffusers as DoRA")
+PY
+expect_rc 2 kohya-offset -- "$bin" "${base[@]}" --noise_offset 0.1 --output_dir "$work/bad"
+grep_in "$work/kohya-offset.err" "--noise_offset"
+expect_rc 2 kohya-huber-snr -- "$bin" "${base[@]}" --loss_type huber --output_dir "$work/bad"
+grep_in "$work/kohya-huber-snr.err" "--huber_schedule"
+expect_rc 2 dora-input -- "$bin" "${base[@]}" --use_lora --use_dora --dora_wd_on_output false --output_dir "$work/bad"
+grep_in "$work/dora-input.err" "--dora_wd_on_output"
+
 # Full fine-tuning: sigma_sqrt weighting, the loss on ε − x₀, gradient checkpointing, bf16.
 expect_rc 0 full -- "$bin" "${base[@]}" --weighting_scheme sigma_sqrt --precondition_outputs 0 \
   --gradient_checkpointing --mixed_precision bf16 --learning_rate 5e-4 --max_train_steps 12 \
@@ -241,6 +280,10 @@ expect_rc 0 cog-lora -- "$bin" "${cog_lora[@]}" --output_dir "$work/cog-lora"
 expect_rc 130 cog-lora-stopped -- "$bin" "${cog_lora[@]}" --output_dir "$work/cog-lora-resumed" --stop_at 8
 expect_rc 0 cog-lora-resumed -- "$bin" "${cog_lora[@]}" --output_dir "$work/cog-lora-resumed" \
   --resume_from_checkpoint latest
+# kohya's options on CogVideoX: caption dropout, ip_noise_gamma and the L1 loss in its weighting.
+expect_rc 0 cog-kohya -- "$bin" "${cog[@]}" --use_lora --rank 4 --max_train_steps 2 --loss_type l1 \
+  --ip_noise_gamma 0.05 --caption_dropout_rate 0.5 --output_dir "$work/cog-kohya"
+grep_in "$work/cog-kohya/results.json" '"loss_type": "l1"'
 # Full fine-tuning of the sine-cosine, DPM pipeline: checkpointed blocks, bf16, random flips.
 expect_rc 0 cog-full -- "$bin" "${cog[@]}" --pretrained_model_name_or_path "$work/cog/cogvideox_2b" \
   --gradient_checkpointing --mixed_precision bf16 --random_flip --learning_rate 5e-4 \

@@ -303,8 +303,20 @@ def generate(out):
         tensors[f"loss.{i}.masks"] = masks
         tensors[f"loss.{i}.masked"] = masked(conditional_loss(pred, target, "l2"), masks)
         loss_cases.append({"schedule": schedule, "huber_c": c, "huber_scale": scale})
+    # Flow matching (kohya's SD3/Flux paths): float timesteps σ·N, the schedules without ᾱ.
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    flow = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    flow_cases = []
+    for i, (schedule, c, scale) in enumerate([(s, c, sc) for s in ("constant", "exponential")
+                                              for c in (0.1, 0.5, 1.0) for sc in (1.0, 2.5)]):
+        t = torch.rand(6, generator=g) * 1000
+        t[0], t[1] = 0.0, 1000.0
+        tensors[f"flow.{i}.t"] = t
+        tensors[f"flow.{i}.threshold"] = huber_threshold(schedule, c, scale, t, flow).float()
+        flow_cases.append({"schedule": schedule, "huber_c": c, "huber_scale": scale})
     save_file({k: v.contiguous() for k, v in tensors.items()}, root / "tensors.safetensors")
-    (root / "index.json").write_text(json.dumps({"noise": noise_cases, "loss": loss_cases}))
+    (root / "index.json").write_text(json.dumps({"noise": noise_cases, "loss": loss_cases,
+                                                 "flow": flow_cases}))
 
 
 if __name__ == "__main__":

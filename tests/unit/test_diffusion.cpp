@@ -574,6 +574,19 @@ TEST(KohyaOptions, LossTypesThresholdsAndWeightsEqualTheReference) {
                         T(p + "masks")),
         T(p + "masked"), "masked", 1e-5, 1e-5);
   }
+  // Flow matching: float timesteps σ·N, constant and exponential; snr has no ᾱ to read.
+  ASSERT_EQ(index["flow"].size(), 12U);
+  for (std::size_t i = 0; i < index["flow"].size(); ++i) {
+    const auto& c = index["flow"][i];
+    const std::string p = "flow." + std::to_string(i) + ".";
+    SCOPED_TRACE(p + c.dump());
+    expect_close(
+        df::huber_threshold(df::huber_schedule_from(c["schedule"].get<std::string>(), "test"),
+                            c["huber_c"], c["huber_scale"], T(p + "t"), 1000),
+        T(p + "threshold"), "flow threshold");
+  }
+  EXPECT_THROW((void)df::huber_threshold(df::HuberSchedule::snr, 0.1, 1.0, at::zeros({2}), 1000),
+               dt::ConfigError);
   EXPECT_THROW((void)df::loss_type_from("huberr", "--loss_type"), dt::ConfigError);
   EXPECT_THROW((void)df::huber_schedule_from("linear", "--huber_schedule"), dt::ConfigError);
   EXPECT_THROW((void)df::huber_threshold(df::HuberSchedule::exponential, 0.0, 1.0,

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "difftrain/core/error.hpp"
+#include "difftrain/diffusion/loss_options.hpp"
 #include "difftrain/diffusion/noise_schedule.hpp"
 
 namespace difftrain::diffusion {
@@ -110,9 +111,12 @@ std::pair<at::Tensor, at::Tensor> dream_update(Model&& model, const NoiseSchedul
 /// get_velocity(output, x_t, t); ε- and x₀-predictions by their own formulas — and
 /// mean over each sample of (1/(1 − ᾱ_t))·(x̂₀ − x₀)², then over the batch. In float32 whatever
 /// the output's dtype; ᾱ from `schedule` (with CogVideoX's snr_shift_scale when it has one).
+/// `type` other than l2 takes kohya's element-wise loss in place of the square (`huber_c` per
+/// sample for huber and smooth_l1).
 inline at::Tensor cogvideox_loss(const NoiseSchedule& schedule, Prediction prediction,
                                  const at::Tensor& model_output, const at::Tensor& noisy,
-                                 const at::Tensor& x0, const at::Tensor& timesteps) {
+                                 const at::Tensor& x0, const at::Tensor& timesteps,
+                                 LossType type = LossType::l2, const at::Tensor& huber_c = {}) {
   if (model_output.sizes() != x0.sizes() || noisy.sizes() != x0.sizes())
     throw ShapeError("the model output " + c10::str(model_output.sizes()) + ", x_t " +
                          c10::str(noisy.sizes()) + " and x0 " + c10::str(x0.sizes()) +
@@ -135,7 +139,12 @@ inline at::Tensor cogvideox_loss(const NoiseSchedule& schedule, Prediction predi
       break;
   }
   const at::Tensor w = 1.0 / (1.0 - a);
-  return (w * (x0_hat - x0.to(at::kFloat)).square()).reshape({n, -1}).mean(1).mean();
+  if (type == LossType::l2)
+    return (w * (x0_hat - x0.to(at::kFloat)).square()).reshape({n, -1}).mean(1).mean();
+  return (w * conditional_loss(x0_hat, x0.to(at::kFloat), type, huber_c))
+      .reshape({n, -1})
+      .mean(1)
+      .mean();
 }
 
 }  // namespace difftrain::diffusion
