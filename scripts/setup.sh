@@ -13,7 +13,7 @@ apt_packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   libxtensor-dev xtl-dev nlohmann-json3-dev libcli11-dev libfmt-dev
   libpng-dev zlib1g-dev libcairo2-dev dataset-fashion-mnist libgloo-dev libicu-dev
-  libturbojpeg0-dev libwebp-dev libyaml-cpp-dev
+  libturbojpeg0-dev libwebp-dev libyaml-cpp-dev libtomlplusplus-dev
   clang clang-tidy clang-format libclang-rt-14-dev
 )
 missing=()

@@ -185,12 +185,13 @@ inline StepNoise step_noise(const at::Tensor& latents, const KohyaFlags& f) {
   return {noise, df::perturbed_noise(noise, strength, draws)};
 }
 
-/// kohya's loss of a denoising step: the loss type (with its Huber threshold) element-wise, the
-/// mean per sample, then min-SNR (γ > 0), the v-prediction scalings and debiased estimation, in
-/// kohya's order, and the mean over the batch.
-inline at::Tensor step_loss(const at::Tensor& pred, const at::Tensor& target,
-                            const at::Tensor& timesteps, const df::NoiseSchedule& schedule,
-                            df::Prediction prediction, double snr_gamma, const KohyaFlags& f) {
+/// kohya's loss of a denoising step per sample: the loss type (with its Huber threshold)
+/// element-wise, the mean per sample, then min-SNR (γ > 0), the v-prediction scalings and
+/// debiased estimation, in kohya's order. step_loss takes the mean over the batch.
+inline at::Tensor step_loss_per_sample(const at::Tensor& pred, const at::Tensor& target,
+                                       const at::Tensor& timesteps,
+                                       const df::NoiseSchedule& schedule, df::Prediction prediction,
+                                       double snr_gamma, const KohyaFlags& f) {
   const df::LossType type = df::loss_type_from(f.loss_type, "--loss_type");
   at::Tensor c;
   if (type == df::LossType::huber || type == df::LossType::smooth_l1)
@@ -201,14 +202,20 @@ inline at::Tensor step_loss(const at::Tensor& pred, const at::Tensor& target,
       df::conditional_loss(pred.to(at::kFloat), target.to(at::kFloat), type, c).mean({1, 2, 3});
   const bool weighted = snr_gamma > 0 || f.scale_v_pred_loss_like_noise_pred ||
                         f.v_pred_like_loss != 0 || f.debiased_estimation_loss;
-  if (!weighted) return loss.mean();
+  if (!weighted) return loss;
   const bool v = prediction == df::Prediction::v_prediction;
   const at::Tensor snr = schedule.snr(timesteps.cpu()).to(at::kFloat).to(loss.device());
   if (snr_gamma > 0) loss = loss * df::min_snr_weights(snr, snr_gamma, prediction);
   if (f.scale_v_pred_loss_like_noise_pred) loss = df::v_prediction_scaled_like_noise(loss, snr);
   if (f.v_pred_like_loss != 0) loss = df::v_prediction_like_loss(loss, snr, f.v_pred_like_loss);
   if (f.debiased_estimation_loss) loss = df::debiased_estimation(loss, snr, v);
-  return loss.mean();
+  return loss;
+}
+
+inline at::Tensor step_loss(const at::Tensor& pred, const at::Tensor& target,
+                            const at::Tensor& timesteps, const df::NoiseSchedule& schedule,
+                            df::Prediction prediction, double snr_gamma, const KohyaFlags& f) {
+  return step_loss_per_sample(pred, target, timesteps, schedule, prediction, snr_gamma, f).mean();
 }
 
 /// The captions of a micro-batch as kohya processes them: `place` (the micro-batch's place in

@@ -153,7 +153,8 @@ inline void apply_network_args(NetworkFlags& f, sd::LoraFlags& lora) {
 }
 
 /// kohya's block_dims from --block_dims / --block_alphas (alphas default to --lora_alpha).
-inline difftrain::adapters::BlockDims unet_block_dims(const NetworkFlags& f, const sd::LoraFlags& l) {
+inline difftrain::adapters::BlockDims unet_block_dims(const NetworkFlags& f,
+                                                      const sd::LoraFlags& l) {
   return {.dims = f.block_dims,
           .alphas = f.block_alphas,
           .alpha = l.lora_alpha > 0 ? l.lora_alpha : static_cast<double>(l.rank)};

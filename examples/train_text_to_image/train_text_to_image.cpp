@@ -74,6 +74,7 @@
 #include "../common/sd_run.hpp"
 #include "../common/sd_torchrun.hpp"
 #include "../common/training_folder.hpp"
+#include "dreambooth.hpp"
 #include "network_flags.hpp"
 
 namespace {
@@ -93,6 +94,7 @@ struct Settings : SdRunFlags,
                   ImageFolderFlags,
                   LoraFlags,
                   examples::NetworkFlags,
+                  examples::DreamBoothFlags,
                   TorchrunFlags,
                   SingleFileSaveFlags {
   bool enable_bucket = false, bucket_no_upscale = false;
@@ -118,12 +120,27 @@ struct TextToImageImpl : torch::nn::Module {
     std::vector<std::string> captions;  ///< when the text encoders train
     at::Tensor embeds, pooled;          ///< from the frozen encoders otherwise (pooled: SDXL)
     at::Tensor time_ids;                ///< SDXL: original size, crop corner, target size
+    /// Each sample's loss weight (DreamBooth's class images, kohya's regularization images);
+    /// undefined: all 1.
+    at::Tensor loss_weights;
     [[nodiscard]] std::int64_t size() const { return latents.size(0); }
     [[nodiscard]] Batch slice(std::int64_t start, std::int64_t length) const {
       auto part = [&](const at::Tensor& t) { return t.defined() ? t.narrow(0, start, length) : t; };
       std::vector<std::string> c;
       if (!captions.empty()) c.assign(captions.begin() + start, captions.begin() + start + length);
-      return {part(latents), std::move(c), part(embeds), part(pooled), part(time_ids)};
+      return {part(latents), std::move(c),   part(embeds),
+              part(pooled),  part(time_ids), part(loss_weights)};
+    }
+    /// This batch followed by `other` (prior preservation's class images).
+    [[nodiscard]] Batch then(const Batch& other) const {
+      auto join = [](const at::Tensor& a, const at::Tensor& b) {
+        return a.defined() ? at::cat({a, b}) : a;
+      };
+      std::vector<std::string> c = captions;
+      c.insert(c.end(), other.captions.begin(), other.captions.end());
+      return {join(latents, other.latents),   std::move(c),
+              join(embeds, other.embeds),     join(pooled, other.pooled),
+              join(time_ids, other.time_ids), join(loss_weights, other.loss_weights)};
     }
   };
   /// `p`'s text encoders train (and are registered here) when `encoders_train`.
@@ -158,16 +175,24 @@ struct TextToImageImpl : torch::nn::Module {
     const at::Tensor pred =
         unet->forward(schedule_.add_noise(b.latents, noise.input_noise, t), t, embeds, cond);
     const at::Tensor target = schedule_.target(prediction_, b.latents, noise.noise, t);
+    // Per-sample weights (class and regularization images) multiply each sample's loss.
+    auto mean = [&](const at::Tensor& per_sample) {
+      return b.loss_weights.defined() ? (per_sample * b.loss_weights.to(per_sample.device())).mean()
+                                      : per_sample.mean();
+    };
     if (kohya_.changes_loss())
-      return examples::step_loss(pred, target, t, schedule_, prediction_, snr_gamma_, kohya_);
-    if (snr_gamma_ <= 0) return at::mse_loss(pred.to(at::kFloat), target.to(at::kFloat));
+      return mean(examples::step_loss_per_sample(pred, target, t, schedule_, prediction_,
+                                                 snr_gamma_, kohya_));
+    if (snr_gamma_ <= 0 && !b.loss_weights.defined())
+      return at::mse_loss(pred.to(at::kFloat), target.to(at::kFloat));
     // diffusers' min-SNR: per-sample MSE weighted by min(SNR, γ)/SNR (ε) or /(SNR + 1) (v).
     const at::Tensor per_sample =
         (pred.to(at::kFloat) - target.to(at::kFloat)).square().mean({1, 2, 3});
+    if (snr_gamma_ <= 0) return mean(per_sample);
     const at::Tensor w =
         df::min_snr_weights(schedule_.snr(t.cpu()).to(at::kFloat), snr_gamma_, prediction_)
             .to(per_sample.device());
-    return (per_sample * w).mean();
+    return mean(per_sample * w);
   }
   Unet unet{nullptr};
   Pipeline* pipeline_;
@@ -218,10 +243,14 @@ std::size_t epoch_batch_count(const data::ImageFolder& folder, const data::Bucke
 /// the batches the uninterrupted one would have: epoch = place / batches per epoch.
 class BatchStream {
  public:
+  /// `weights`: each record's loss weight (null: all 1); `text_cache` false encodes the captions
+  /// every step (a second stream beside one that owns the cache).
   BatchStream(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
               const data::BucketManager& buckets, data::LatentCache* cache, bool encoder_trains,
-              at::Device device, std::int64_t rank = 0, std::int64_t ranks = 1)
-      : rank_(rank),
+              at::Device device, std::int64_t rank = 0, std::int64_t ranks = 1,
+              const std::vector<float>* weights = nullptr, bool text_cache = true)
+      : weights_(weights),
+        rank_(rank),
         ranks_(ranks),
         s_(s),
         p_(p),
@@ -231,7 +260,7 @@ class BatchStream {
         encoder_trains_(encoder_trains),
         device_(device) {
     per_epoch_ = epoch_batch_count(folder, buckets, s);
-    if (!encoder_trains && !s.kohya.captions.any()) {
+    if (!encoder_trains && !s.kohya.captions.any() && text_cache) {
       text_cache_.emplace(cache_root(s) / "text", text_fingerprint(p),
                           p.xl ? "SDXL text conditioning (hidden states, pooled)"
                                : "CLIP text encoder outputs (last_hidden_state)");
@@ -276,6 +305,7 @@ class BatchStream {
       }
       data::LatentBatch l = *latents_->next();
       b.latents = scale(l.latents.to(device_));
+      b.loss_weights = weights_of(l.indices);
       captions = std::move(l.captions);
       sizes = std::move(l.original_sizes);
       corners = std::move(l.crop_top_left);
@@ -285,6 +315,7 @@ class BatchStream {
       data::ImageBatch i = *pixels_->next();
       at::NoGradGuard no_grad;
       b.latents = p_.vae->encode_latents(i.pixels.to(device_, /*non_blocking=*/true));
+      b.loss_weights = weights_of(i.indices);
       captions = std::move(i.captions);
       sizes = std::move(i.original_sizes);
       corners = std::move(i.crop_top_left);
@@ -308,7 +339,7 @@ class BatchStream {
     }
     if (encoder_trains_) {
       b.captions = std::move(captions);
-    } else if (s_.kohya.captions.any()) {  // captions that change every time: not cached
+    } else if (!text_cache_) {  // captions that change every time (or a second stream): encoded
       const data::TensorCache::Entry e = encode_entry(captions);
       b.embeds = e.at("hidden").to(device_);
       if (p_.xl) b.pooled = e.at("pooled").to(device_);
@@ -348,11 +379,19 @@ class BatchStream {
     if (t.pooled.defined()) entry.emplace("pooled", t.pooled);
     return entry;
   }
+  /// The records' loss weights (undefined without weights).
+  [[nodiscard]] at::Tensor weights_of(const std::vector<std::size_t>& indices) const {
+    if (weights_ == nullptr) return {};
+    std::vector<float> w;
+    for (const std::size_t i : indices) w.push_back(weights_->at(i));
+    return at::tensor(w, at::kFloat).to(device_);
+  }
   at::Tensor scale(const at::Tensor& z) const {
     const auto& c = p_.vae->config();
     return (c.shift_factor ? z - *c.shift_factor : z) * c.scaling_factor;
   }
 
+  const std::vector<float>* weights_;
   std::int64_t rank_, ranks_;
   const Settings& s_;
   Pipeline& p_;
@@ -391,6 +430,7 @@ void check_flags(const Settings& s) {
   if (!s.validation_prompts.empty() && s.num_validation_images < 1)
     throw ConfigError("must be at least 1 with --validation_prompt", "--num_validation_images");
   check_single_file_save_flags(s, s.use_lora);
+  examples::check_dreambooth_flags(s, s.data_dir, s.enable_bucket);
 }
 
 data::BucketOptions bucket_options(const Settings& s) {
@@ -414,7 +454,8 @@ data::BucketOptions bucket_options(const Settings& s) {
 template <class Config>
 int train(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
           const data::BucketManager& buckets, const std::shared_ptr<dt::distributed::World>& world,
-          at::Device device, std::chrono::steady_clock::time_point t0) {
+          at::Device device, std::chrono::steady_clock::time_point t0,
+          const std::vector<float>& weights, const data::ImageFolder* class_folder) {
   using Trainer = tr::Trainer<TextToImageImpl, Config>;
   const fs::path out(s.out);
   const df::NoiseSchedule schedule(p.scheduler.schedule);
@@ -520,6 +561,9 @@ int train(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
       {"use_ema", s.use_ema},
       {"snr_gamma", s.snr_gamma},
       {"kohya", s.kohya.settings()},
+      {"dataset_config", s.dataset_config},
+      {"with_prior_preservation", s.with_prior_preservation},
+      {"prior_loss_weight", s.prior_loss_weight},
       {"prediction_type", std::string(df::to_string(p.scheduler.prediction))},
       {"cache_latents", s.cache_latents},
       {"mixed_precision", s.mixed_precision},
@@ -541,18 +585,35 @@ int train(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
   if (world->rank() > 0 && resumed_from == 0) tr::set_seed(s.seed + 7919 * world->rank());
 
   // A frozen text encoder's outputs: rank 0 fills the cache before the other ranks open it.
-  std::optional<BatchStream> stream;
+  std::optional<BatchStream> stream, class_stream;
   world->rank0_first([&] {
     stream.emplace(s, p, folder, buckets, cache ? &*cache : nullptr, s.train_text_encoder, device,
-                   world->rank(), world->size());
+                   world->rank(), world->size(), weights.empty() ? nullptr : &weights);
     if (main_rank && world->distributed()) stream->encode_every_caption();
   });
+  // Prior preservation: the class images of the same places, their prompt encoded each step;
+  // diffusers' loss as per-sample weights (times kohya's, when the instances carry them).
+  if (class_folder != nullptr)
+    class_stream.emplace(s, p, *class_folder, buckets, nullptr, s.train_text_encoder, device,
+                         world->rank(), world->size(), nullptr, /*text_cache=*/false);
+  auto batch_at = [&](std::int64_t place) {
+    if (!class_stream) return stream->at_place(place);
+    TextToImageImpl::Batch b = stream->at_place(place);
+    const std::int64_t n = b.size();
+    const at::Tensor own = b.loss_weights.defined() ? b.loss_weights.cpu() : at::ones({n});
+    b.loss_weights = at::Tensor();
+    TextToImageImpl::Batch both = b.then(class_stream->at_place(place));
+    both.loss_weights =
+        (df::prior_preservation_weights(n, s.prior_loss_weight) * at::cat({own, at::ones({n})}))
+            .to(both.latents.device());
+    return both;
+  };
+
   if (main_rank) {
     const auto [assigned, repeats] = assigned_buckets(folder, buckets);
     std::fprintf(stderr, "%s", data::describe_buckets(assigned, repeats).c_str());
   }
-  const FitResult fit = fit_until_done_or_stopped(
-      trainer, s, [&](std::int64_t place) { return stream->at_place(place); });
+  const FitResult fit = fit_until_done_or_stopped(trainer, s, batch_at);
   // Every rank: under --sharded_mixed_precision the parameters hold the float32 masters from
   // here on, for what rank 0 writes (nothing otherwise: they are whole between steps), and the
   // EMA's weights are in the model when kept (under --sharding its shadows travel here).
@@ -671,14 +732,24 @@ int run(Settings s) {
   const auto ranks = torchrun_world(s, s.device);
   const auto& world = ranks.first;
   const at::Device device = ranks.second;
-  const data::BucketManager buckets(bucket_options(s));
-  // The images first: a wrong folder or caption column is found before the models load.
-  data::ImageFolderOptions fo;
-  fo.image_column = s.image_column;
-  fo.caption_column = s.caption_column;
+  // The images first: a wrong folder or caption column is found before the models load. kohya's
+  // dataset config names its folders and sets the dataset's batch size, resolution and buckets.
   const bool say = world->is_main();  // every rank scans the same folder; rank 0 reports it
-  data::ImageFolder folder = examples::scan_training_folder(
-      s.data_dir, fo, {.say = say, .limit = s.limit, .require_captions = s.require_captions});
+  data::ImageFolder folder;
+  std::vector<float> weights;  // per record; empty: all 1
+  if (!s.dataset_config.empty()) {
+    examples::TrainingImages images = examples::images_from_dataset_config(s, s, say);
+    folder = std::move(images.folder);
+    weights = std::move(images.weights);
+    check_flags(s);  // the file's settings, checked as the flags are
+  } else {
+    data::ImageFolderOptions fo;
+    fo.image_column = s.image_column;
+    fo.caption_column = s.caption_column;
+    folder = examples::scan_training_folder(
+        s.data_dir, fo, {.say = say, .limit = s.limit, .require_captions = s.require_captions});
+  }
+  const data::BucketManager buckets(bucket_options(s));
   // The epoch's batches (one bucket each) decide the steps of --num_train_epochs; the ranks share
   // them.
   const auto batches = static_cast<std::int64_t>(epoch_batch_count(folder, buckets, s));
@@ -695,8 +766,30 @@ int run(Settings s) {
     throw ConfigError(
         "must be a multiple of the VAE's downscale " + std::to_string(p.vae->downscale()),
         "--resolution");
-  return s.use_ema ? train<EmaConfig>(s, p, folder, buckets, world, device, t0)
-                   : train<NoEmaConfig>(s, p, folder, buckets, world, device, t0);
+  // diffusers' prior preservation: the class images, drawn by the model where too few (rank 0
+  // first; the other ranks find them), beside the instance images.
+  std::optional<data::ImageFolder> class_folder;
+  if (s.with_prior_preservation) {
+    world->rank0_first([&] {
+      const df::NoiseSchedule schedule(p.scheduler.schedule);
+      p.unet->to(device);
+      p.text_encoder->to(device);
+      if (p.xl) p.text_encoder_2->to(device);
+      p.vae->to(device);
+      (void)examples::generate_class_images(p, schedule, s, s.resolution, s.num_inference_steps,
+                                            s.guidance_scale, static_cast<std::uint64_t>(s.seed),
+                                            device, say);
+    });
+    const data::ImageFolder classes = data::scan_image_folder(s.class_data_dir, {});
+    class_folder = examples::aligned_class_folder(folder, classes, s.class_prompt);
+    if (say)
+      std::fprintf(stderr, "%zu class images of \"%s\" (%zu skipped), prior loss weight %g\n",
+                   classes.images.size(), s.class_prompt.c_str(), classes.skipped.size(),
+                   s.prior_loss_weight);
+  }
+  const data::ImageFolder* classes = class_folder ? &*class_folder : nullptr;
+  return s.use_ema ? train<EmaConfig>(s, p, folder, buckets, world, device, t0, weights, classes)
+                   : train<NoEmaConfig>(s, p, folder, buckets, world, device, t0, weights, classes);
 }
 
 }  // namespace
@@ -736,6 +829,8 @@ int main(int argc, char** argv) {
   add_lora_flags(g, s, "UNet");
   t->add_flag("--train_text_encoder", s.train_text_encoder, "LoRA on the text encoders too");
   examples::add_network_flags(t, s);
+  examples::add_dreambooth_flags(app, s);
+  app.get_option("--train_data_dir")->required(false);  // or --dataset_config
   auto* d = add_torchrun_flags(app, s, "each UNet block");
   examples::add_kohya_flags(app, s.kohya);
   last_value_wins({g.run, g.training, g.saving, img, d});

@@ -365,6 +365,70 @@ expect_rc 2 dora-loha -- "$bin" "${base[@]}" --use_lora --use_dora --network_alg
 grep_in "$work/dora-loha.err" "--use_dora"
 expect_rc 2 conv-without-lora -- "$bin" "${base[@]}" --conv_dim 4 --output_dir "$work/bad"
 grep_in "$work/conv-without-lora.err" "--conv_dim"
+# kohya's dataset config: a subset of uncaptioned images under class tokens, repeated twice, and a
+# regularization subset weighted by --prior_loss_weight; the dataset's batch size and resolution
+# come from the file. A misspelt key (with the nearest one), a key in the wrong table, a missing
+# folder and two sets of caption options are refused with the file's line.
+mkdir -p "$work/dc/inst" "$work/dc/reg"
+n=0
+for f in $(ls "$images" | grep -E '\.(png|jpg|webp)$' | grep -v '^broken' | head -n 6); do
+  if [ $n -lt 4 ]; then cp "$images/$f" "$work/dc/inst/"
+  else cp "$images/$f" "$work/dc/reg/" && echo "a shoe, photo" >"$work/dc/reg/${f%.*}.txt"; fi
+  n=$((n + 1))
+done
+dcbase=(--pretrained_model_name_or_path "$sd" --seed 3 --num_inference_steps 3 --dataloader_num_workers 2 --threads 1)
+cat >"$work/dc/dataset.toml" <<TOML
+[general]
+shuffle_caption = true
+caption_extension = ".txt"
+keep_tokens = 1
+color_aug = false
+
+[[datasets]]
+resolution = 32
+batch_size = 2
+
+  [[datasets.subsets]]
+  image_dir = "$work/dc/inst"
+  class_tokens = "sks shoe"
+  num_repeats = 2
+
+  [[datasets.subsets]]
+  image_dir = "$work/dc/reg"
+  is_reg = true
+TOML
+expect_rc 0 dataset-config -- "$bin" "${dcbase[@]}" --dataset_config "$work/dc/dataset.toml" --use_lora \
+  --prior_loss_weight 0.5 --max_train_steps 2 --output_dir "$work/dataset-config"
+grep_in "$work/dataset-config.err" "2 regularization images (8 with repeats) beside 8 training images"
+grep_in "$work/dataset-config/results.json" '"train_batch_size": 2'
+sed 's/num_repeats = 2/num_repeat = 2/' "$work/dc/dataset.toml" >"$work/dc/misspelt.toml"
+expect_rc 2 dataset-config-misspelt -- "$bin" "${dcbase[@]}" --dataset_config "$work/dc/misspelt.toml" --output_dir "$work/bad"
+grep_in "$work/dataset-config-misspelt.err" "misspelt.toml:14:3: 'num_repeat' .*did you mean 'num_repeats'"
+sed 's/^batch_size = 2/batch_size = 2\nimage_dir = "x"/' "$work/dc/dataset.toml" >"$work/dc/wrong-table.toml"
+expect_rc 2 dataset-config-table -- "$bin" "${dcbase[@]}" --dataset_config "$work/dc/wrong-table.toml" --output_dir "$work/bad"
+grep_in "$work/dataset-config-table.err" "does not belong in \[\[datasets\]\]"
+sed "s|$work/dc/reg|$work/dc/nowhere|" "$work/dc/dataset.toml" >"$work/dc/missing.toml"
+expect_rc 2 dataset-config-missing -- "$bin" "${dcbase[@]}" --dataset_config "$work/dc/missing.toml" --output_dir "$work/bad"
+grep_in "$work/dataset-config-missing.err" "nowhere"
+printf '[[datasets]]\n[[datasets.subsets]]\nimage_dir = "%s"\nshuffle_caption = true\n[[datasets.subsets]]\nimage_dir = "%s"\n' \
+  "$work/dc/inst" "$work/dc/reg" >"$work/dc/two-captions.toml"
+expect_rc 2 dataset-config-captions -- "$bin" "${dcbase[@]}" --dataset_config "$work/dc/two-captions.toml" --output_dir "$work/bad"
+grep_in "$work/dataset-config-captions.err" "caption options"
+expect_rc 2 dataset-config-and-dir -- "$bin" "${base[@]}" --dataset_config "$work/dc/dataset.toml" --output_dir "$work/bad"
+grep_in "$work/dataset-config-and-dir.err" "--dataset_config"
+# diffusers' prior preservation: the class images drawn by the model where too few (a second run
+# draws none), each instance batch followed by its class batch.
+expect_rc 0 prior -- "$bin" "${base[@]}" --use_lora --center_crop --with_prior_preservation \
+  --class_data_dir "$work/class" --class_prompt "a photo of a shoe" --num_class_images 3 \
+  --sample_batch_size 2 --max_train_steps 2 --output_dir "$work/prior"
+grep_in "$work/prior.err" "drawing 3 class images"
+[ "$(ls "$work/class" | grep -c '\.png$')" = 3 ] || fail "prior preservation did not draw 3 class images"
+expect_rc 0 prior-again -- "$bin" "${base[@]}" --use_lora --center_crop --with_prior_preservation \
+  --class_data_dir "$work/class" --class_prompt "a photo of a shoe" --num_class_images 3 \
+  --max_train_steps 2 --output_dir "$work/prior-again"
+grep -q "drawing" "$work/prior-again.err" && fail "a second run drew class images again"
+expect_rc 2 prior-no-prompt -- "$bin" "${base[@]}" --with_prior_preservation --class_data_dir "$work/class" --output_dir "$work/bad"
+grep_in "$work/prior-no-prompt.err" "--class_prompt"
 # Full fine-tuning with EMA, min-SNR and offset noise, latents encoded every step, buckets.
 expect_rc 0 full -- "$bin" "${base[@]}" --use_ema --ema_decay 0.9 --snr_gamma 5 --noise_offset 0.05 \
   --enable_bucket --min_bucket_reso 16 --max_bucket_reso 64 --bucket_reso_steps 16 \

@@ -543,6 +543,26 @@ TEST(KohyaOptions, NoiseOffsetAndPyramidNoiseEqualTheReference) {
   EXPECT_THROW((void)df::pyramid_noise_like(at::zeros({1, 1, 4, 4}), 2, -1, none), dt::ConfigError);
 }
 
+// diffusers' train_dreambooth_lora.py: loss = F.mse_loss(instance half) + prior_loss_weight ·
+// F.mse_loss(class half); the per-sample weights give the same number for every batch size and
+// weight swept.
+TEST(KohyaOptions, PriorPreservationWeightsGiveDiffusersLoss) {
+  for (const std::int64_t n : {1, 2, 3, 8})
+    for (const double lambda : {0.0, 0.5, 1.0, 2.5}) {
+      SCOPED_TRACE(std::to_string(n) + " " + std::to_string(lambda));
+      const at::Tensor pred = at::randn({2 * n, 4, 5, 6}), target = at::randn({2 * n, 4, 5, 6});
+      const auto halves_p = pred.chunk(2), halves_t = target.chunk(2);
+      const double diffusers = at::mse_loss(halves_p[0], halves_t[0]).item<double>() +
+                               lambda * at::mse_loss(halves_p[1], halves_t[1]).item<double>();
+      const at::Tensor per_sample = (pred - target).square().mean({1, 2, 3});
+      const double ours =
+          (per_sample * df::prior_preservation_weights(n, lambda)).mean().item<double>();
+      EXPECT_NEAR(ours, diffusers, 1e-5 * std::max(1.0, std::abs(diffusers)));
+    }
+  EXPECT_THROW((void)df::prior_preservation_weights(0, 1.0), dt::ShapeError);
+  EXPECT_THROW((void)df::prior_preservation_weights(2, -1.0), dt::ConfigError);
+}
+
 TEST(KohyaOptions, LossTypesThresholdsAndWeightsEqualTheReference) {
   const auto& index = tst::golden("kohya_options/index.json");
   const df::NoiseSchedule schedule = sd_schedule();

@@ -163,6 +163,19 @@ inline at::Tensor v_prediction_scaled_like_noise(const at::Tensor& per_sample_lo
   return per_sample_loss * (s / (s + 1)).to(per_sample_loss.scalar_type());
 }
 
+/// diffusers' prior preservation (train_dreambooth_lora.py) as per-sample weights: a batch of
+/// `instances` samples followed by as many class samples, whose loss there is the instance half's
+/// mean plus `prior_loss_weight` times the class half's. With these weights (2 for an instance,
+/// 2·prior_loss_weight for a class sample) the mean of weight × per-sample loss is that sum, and
+/// the per-sample form composes with kohya's weights and with a batch split into micro-batches.
+inline at::Tensor prior_preservation_weights(std::int64_t instances, double prior_loss_weight) {
+  if (instances < 1) throw ShapeError("needs at least one instance sample", "prior preservation");
+  if (!std::isfinite(prior_loss_weight) || prior_loss_weight < 0)
+    throw ConfigError("must be a finite number >= 0", "--prior_loss_weight");
+  return at::cat({at::full({instances}, 2.0, at::kFloat),
+                  at::full({instances}, 2.0 * prior_loss_weight, at::kFloat)});
+}
+
 /// kohya's apply_masked_loss: the element-wise loss (B, C, h, w) times the mask (B, H, W), values
 /// in [0, 1] (an alpha channel; a mask image's red channel in [-1, 1] mapped by x/2 + 1/2 first),
 /// resized to (h, w) by area (adaptive average pooling).
