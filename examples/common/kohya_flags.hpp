@@ -187,19 +187,23 @@ inline StepNoise step_noise(const at::Tensor& latents, const KohyaFlags& f) {
 
 /// kohya's loss of a denoising step per sample: the loss type (with its Huber threshold)
 /// element-wise, the mean per sample, then min-SNR (γ > 0), the v-prediction scalings and
-/// debiased estimation, in kohya's order. step_loss takes the mean over the batch.
+/// debiased estimation, in kohya's order; `masks` (B, H, W) in [0, 1], when given, weight the
+/// element-wise loss first (kohya's apply_masked_loss). step_loss takes the mean over the batch.
 inline at::Tensor step_loss_per_sample(const at::Tensor& pred, const at::Tensor& target,
                                        const at::Tensor& timesteps,
                                        const df::NoiseSchedule& schedule, df::Prediction prediction,
-                                       double snr_gamma, const KohyaFlags& f) {
+                                       double snr_gamma, const KohyaFlags& f,
+                                       const at::Tensor& masks = {}) {
   const df::LossType type = df::loss_type_from(f.loss_type, "--loss_type");
   at::Tensor c;
   if (type == df::LossType::huber || type == df::LossType::smooth_l1)
     c = df::huber_threshold(df::huber_schedule_from(f.huber_schedule, "--huber_schedule"),
                             f.huber_c, f.huber_scale, timesteps, schedule)
             .to(pred.device());
-  at::Tensor loss =
-      df::conditional_loss(pred.to(at::kFloat), target.to(at::kFloat), type, c).mean({1, 2, 3});
+  at::Tensor elementwise =
+      df::conditional_loss(pred.to(at::kFloat), target.to(at::kFloat), type, c);
+  if (masks.defined()) elementwise = df::masked_loss(elementwise, masks.to(elementwise.device()));
+  at::Tensor loss = elementwise.mean({1, 2, 3});
   const bool weighted = snr_gamma > 0 || f.scale_v_pred_loss_like_noise_pred ||
                         f.v_pred_like_loss != 0 || f.debiased_estimation_loss;
   if (!weighted) return loss;

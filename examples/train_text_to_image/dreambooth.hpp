@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -41,6 +42,11 @@ struct DreamBoothFlags {
   std::string class_data_dir, class_prompt;
   std::int64_t num_class_images = 100, sample_batch_size = 4;
   double prior_loss_weight = 1.0;
+  // kohya's masked loss: each image's alpha channel, or a mask image of the same stem in
+  // --conditioning_data_dir (its red channel), weights the loss where the image is.
+  bool alpha_mask = false, masked_loss = false;
+  std::string conditioning_data_dir;
+  [[nodiscard]] bool masks() const { return alpha_mask || masked_loss; }
 };
 
 inline void add_dreambooth_flags(CLI::App& app, DreamBoothFlags& f) {
@@ -65,6 +71,33 @@ inline void add_dreambooth_flags(CLI::App& app, DreamBoothFlags& f) {
                 "the class (regularization) images' loss weight")
       ->check(CLI::Range(0.0, 1e6))
       ->capture_default_str();
+  g->add_flag("--alpha_mask", f.alpha_mask,
+              "kohya's: the loss weighted by each image's alpha channel (opaque where none)");
+  g->add_flag("--masked_loss", f.masked_loss,
+              "kohya's: the loss weighted by a mask image per image (--conditioning_data_dir)");
+  g->add_option("--conditioning_data_dir", f.conditioning_data_dir,
+                "with --masked_loss: mask images named as the training images (red channel: 0 "
+                "ignores a pixel, 255 counts it fully)");
+}
+
+/// Each record's mask image: the file of its stem in `dir` (.png, .jpg, .jpeg or .webp); a
+/// ConfigError names the first image without one.
+inline void attach_masks(difftrain::data::ImageFolder& folder, const std::filesystem::path& dir,
+                         const std::string& where) {
+  namespace fs = std::filesystem;
+  if (!fs::is_directory(dir)) throw difftrain::IoError("is not a folder", where);
+  std::map<std::string, fs::path> by_stem;
+  for (const auto& e : fs::directory_iterator(dir))
+    if (e.is_regular_file() && difftrain::data::is_image_name(e.path()))
+      by_stem.emplace(e.path().stem().string(), e.path());
+  for (auto& r : folder.images) {
+    const auto it = by_stem.find(r.path.stem().string());
+    if (it == by_stem.end())
+      throw difftrain::ConfigError("has no mask for " + r.path.string() + " (looked for " +
+                                       r.path.stem().string() + ".png/.jpg/.webp)",
+                                   where);
+    r.mask = it->second;
+  }
 }
 
 /// Refuses combinations that cannot work, naming the flag.
@@ -75,6 +108,10 @@ inline void check_dreambooth_flags(const DreamBoothFlags& f, const std::string& 
     throw ConfigError("names no images: give a folder or --dataset_config", "--train_data_dir");
   if (!data_dir.empty() && !f.dataset_config.empty())
     throw ConfigError("names the folders itself; leave out --train_data_dir", "--dataset_config");
+  if (f.masked_loss && f.conditioning_data_dir.empty() && f.dataset_config.empty())
+    throw ConfigError("needs --conditioning_data_dir (the masks)", "--masked_loss");
+  if (!f.conditioning_data_dir.empty() && !f.masked_loss)
+    throw ConfigError("holds masks; add --masked_loss", "--conditioning_data_dir");
   if (f.with_prior_preservation) {
     if (f.class_data_dir.empty())
       throw ConfigError("needs --class_data_dir (the class images' folder)",
@@ -150,10 +187,15 @@ TrainingImages images_from_dataset_config(Settings& s, const DreamBoothFlags& f,
           sub.where);
     if (sub.flip_aug != first.flip_aug || sub.random_crop != first.random_crop)
       throw ConfigError("has another flip_aug or random_crop than the first subset", sub.where);
-    if (sub.alpha_mask)
-      throw ConfigError("'alpha_mask' masks the loss, which train_text_to_image does not yet do",
-                        sub.where);
+    if (sub.alpha_mask != first.alpha_mask)
+      throw ConfigError("has another alpha_mask than the first subset", sub.where);
+    if (sub.conditioning_data_dir.empty() != first.conditioning_data_dir.empty())
+      throw ConfigError(
+          "has conditioning (mask) images where the first subset has none, or none where it has",
+          sub.where);
   }
+  if (first.alpha_mask) s.alpha_mask = true;
+  if (!first.conditioning_data_dir.empty()) s.masked_loss = true;
   s.kohya.captions = first.captions;
   s.random_flip = first.flip_aug;
   s.center_crop = !first.random_crop;  // kohya crops at the center unless random_crop
@@ -168,6 +210,8 @@ TrainingImages images_from_dataset_config(Settings& s, const DreamBoothFlags& f,
     data::ImageFolder part = data::scan_image_folder(sub.image_dir, fo);
     if (part.images.empty())
       throw ConfigError("'image_dir' " + sub.image_dir.string() + " holds no images", sub.where);
+    if (!sub.conditioning_data_dir.empty())
+      attach_masks(part, sub.conditioning_data_dir, sub.where);
     std::size_t by_tokens = 0;
     for (auto& r : part.images) {
       if (r.caption_source == "filename" || r.caption_source == "folder") {

@@ -123,24 +123,31 @@ struct TextToImageImpl : torch::nn::Module {
     /// Each sample's loss weight (DreamBooth's class images, kohya's regularization images);
     /// undefined: all 1.
     at::Tensor loss_weights;
+    /// Each sample's loss mask (B, H, W) in [0, 1] (kohya's masked loss); undefined: none.
+    at::Tensor masks;
     [[nodiscard]] std::int64_t size() const { return latents.size(0); }
     [[nodiscard]] Batch slice(std::int64_t start, std::int64_t length) const {
       auto part = [&](const at::Tensor& t) { return t.defined() ? t.narrow(0, start, length) : t; };
       std::vector<std::string> c;
       if (!captions.empty()) c.assign(captions.begin() + start, captions.begin() + start + length);
-      return {part(latents), std::move(c),   part(embeds),
-              part(pooled),  part(time_ids), part(loss_weights)};
+      return {part(latents),  std::move(c),       part(embeds), part(pooled),
+              part(time_ids), part(loss_weights), part(masks)};
     }
-    /// This batch followed by `other` (prior preservation's class images).
+    /// This batch followed by `other` (prior preservation's class images; masked where this
+    /// batch is, fully where it has no masks).
     [[nodiscard]] Batch then(const Batch& other) const {
       auto join = [](const at::Tensor& a, const at::Tensor& b) {
         return a.defined() ? at::cat({a, b}) : a;
       };
       std::vector<std::string> c = captions;
       c.insert(c.end(), other.captions.begin(), other.captions.end());
+      at::Tensor other_masks = other.masks;
+      if (masks.defined() && !other_masks.defined())
+        other_masks = at::ones({other.size(), masks.size(1), masks.size(2)}, masks.options());
       return {join(latents, other.latents),   std::move(c),
               join(embeds, other.embeds),     join(pooled, other.pooled),
-              join(time_ids, other.time_ids), join(loss_weights, other.loss_weights)};
+              join(time_ids, other.time_ids), join(loss_weights, other.loss_weights),
+              join(masks, other_masks)};
     }
   };
   /// `p`'s text encoders train (and are registered here) when `encoders_train`.
@@ -180,9 +187,9 @@ struct TextToImageImpl : torch::nn::Module {
       return b.loss_weights.defined() ? (per_sample * b.loss_weights.to(per_sample.device())).mean()
                                       : per_sample.mean();
     };
-    if (kohya_.changes_loss())
+    if (kohya_.changes_loss() || b.masks.defined())
       return mean(examples::step_loss_per_sample(pred, target, t, schedule_, prediction_,
-                                                 snr_gamma_, kohya_));
+                                                 snr_gamma_, kohya_, b.masks));
     if (snr_gamma_ <= 0 && !b.loss_weights.defined())
       return at::mse_loss(pred.to(at::kFloat), target.to(at::kFloat));
     // diffusers' min-SNR: per-sample MSE weighted by min(SNR, γ)/SNR (ε) or /(SNR + 1) (v).
@@ -316,6 +323,7 @@ class BatchStream {
       at::NoGradGuard no_grad;
       b.latents = p_.vae->encode_latents(i.pixels.to(device_, /*non_blocking=*/true));
       b.loss_weights = weights_of(i.indices);
+      if (i.masks.defined()) b.masks = i.masks.to(device_);
       captions = std::move(i.captions);
       sizes = std::move(i.original_sizes);
       corners = std::move(i.crop_top_left);
@@ -370,6 +378,7 @@ class BatchStream {
     o.seed = s_.seed;
     o.workers = static_cast<std::size_t>(s_.dataloader_num_workers);
     o.pin_memory = device_.is_cuda();
+    o.alpha_mask = s_.alpha_mask;
     return o;
   }
   data::TensorCache::Entry encode_entry(const std::vector<std::string>& texts) {
@@ -431,6 +440,9 @@ void check_flags(const Settings& s) {
     throw ConfigError("must be at least 1 with --validation_prompt", "--num_validation_images");
   check_single_file_save_flags(s, s.use_lora);
   examples::check_dreambooth_flags(s, s.data_dir, s.enable_bucket);
+  if (s.masks() && s.cache_latents)
+    throw ConfigError("keeps no masks with the latents; masked loss encodes every step",
+                      s.alpha_mask ? "--alpha_mask" : "--masked_loss");
 }
 
 data::BucketOptions bucket_options(const Settings& s) {
@@ -563,6 +575,8 @@ int train(const Settings& s, Pipeline& p, const data::ImageFolder& folder,
       {"kohya", s.kohya.settings()},
       {"dataset_config", s.dataset_config},
       {"with_prior_preservation", s.with_prior_preservation},
+      {"alpha_mask", s.alpha_mask},
+      {"masked_loss", s.masked_loss},
       {"prior_loss_weight", s.prior_loss_weight},
       {"prediction_type", std::string(df::to_string(p.scheduler.prediction))},
       {"cache_latents", s.cache_latents},
@@ -748,6 +762,8 @@ int run(Settings s) {
     fo.caption_column = s.caption_column;
     folder = examples::scan_training_folder(
         s.data_dir, fo, {.say = say, .limit = s.limit, .require_captions = s.require_captions});
+    if (s.masked_loss)
+      examples::attach_masks(folder, s.conditioning_data_dir, "--conditioning_data_dir");
   }
   const data::BucketManager buckets(bucket_options(s));
   // The epoch's batches (one bucket each) decide the steps of --num_train_epochs; the ranks share

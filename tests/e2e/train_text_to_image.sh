@@ -416,6 +416,46 @@ expect_rc 2 dataset-config-captions -- "$bin" "${dcbase[@]}" --dataset_config "$
 grep_in "$work/dataset-config-captions.err" "caption options"
 expect_rc 2 dataset-config-and-dir -- "$bin" "${base[@]}" --dataset_config "$work/dc/dataset.toml" --output_dir "$work/bad"
 grep_in "$work/dataset-config-and-dir.err" "--dataset_config"
+# kohya's masked loss: mask images of the same stems (--masked_loss --conditioning_data_dir), or
+# each image's alpha channel (--alpha_mask, opaque where an image has none). Masks of zeros leave
+# nothing to learn: the LoRA's up matrices stay zero. Missing masks and cached latents with masks
+# are refused by name.
+mkdir -p "$work/masks-zero" "$work/masks-half"
+"$py" - "$work/dc/inst" "$work/masks-zero" "$work/masks-half" <<'PY'
+import pathlib, sys
+from PIL import Image
+src, zero, half = (pathlib.Path(a) for a in sys.argv[1:])
+for f in src.iterdir():
+    w, h = Image.open(f).size
+    Image.new("RGB", (w, h)).save(zero / (f.stem + ".png"))
+    m = Image.new("RGB", (w, h))
+    m.paste((255, 255, 255), (0, 0, w // 2, h))
+    m.save(half / (f.stem + ".png"))
+PY
+mask=(--pretrained_model_name_or_path "$sd" --train_data_dir "$work/dc/inst" --resolution 32 --train_batch_size 2
+      --seed 3 --num_inference_steps 3 --dataloader_num_workers 2 --threads 1 --use_lora --learning_rate 1e-2
+      --max_train_steps 2 --adam_weight_decay 0)
+expect_rc 0 masked-zero -- "$bin" "${mask[@]}" --masked_loss --conditioning_data_dir "$work/masks-zero" --output_dir "$work/masked-zero"
+expect_rc 0 masked-half -- "$bin" "${mask[@]}" --masked_loss --conditioning_data_dir "$work/masks-half" --output_dir "$work/masked-half"
+expect_rc 0 alpha-mask -- "$bin" "${mask[@]}" --alpha_mask --output_dir "$work/alpha-mask"
+"$py" - "$work" >"$work/mask-check.out" 2>&1 <<'PY' || { cat "$work/mask-check.out"; fail "masked loss"; }
+import pathlib, sys
+from safetensors.torch import load_file
+work = pathlib.Path(sys.argv[1])
+def ups(run):
+    return [v for k, v in load_file(work / run / "lora_kohya.safetensors").items() if k.endswith("lora_up.weight")]
+assert all(float(u.abs().max()) == 0.0 for u in ups("masked-zero")), "a zero mask trained the LoRA"
+assert any(float(u.abs().max()) > 0.0 for u in ups("masked-half")), "a half mask trained nothing"
+assert any(float(u.abs().max()) > 0.0 for u in ups("alpha-mask")), "opaque images trained nothing"
+print("masked loss: zero masks leave the LoRA untrained; half masks and opaque alpha train it")
+PY
+mkdir -p "$work/masks-missing" && cp "$work/masks-half"/* "$work/masks-missing/" && rm "$(ls -d "$work/masks-missing"/* | head -n 1)"
+expect_rc 2 masked-missing -- "$bin" "${mask[@]}" --masked_loss --conditioning_data_dir "$work/masks-missing" --output_dir "$work/bad"
+grep_in "$work/masked-missing.err" "has no mask for"
+expect_rc 2 masked-cache -- "$bin" "${mask[@]}" --alpha_mask --cache_latents --center_crop --output_dir "$work/bad"
+grep_in "$work/masked-cache.err" "--alpha_mask"
+expect_rc 2 masked-no-dir -- "$bin" "${mask[@]}" --masked_loss --output_dir "$work/bad"
+grep_in "$work/masked-no-dir.err" "--conditioning_data_dir"
 # diffusers' prior preservation: the class images drawn by the model where too few (a second run
 # draws none), each instance batch followed by its class batch.
 expect_rc 0 prior -- "$bin" "${base[@]}" --use_lora --center_crop --with_prior_preservation \

@@ -4,12 +4,15 @@
 // non-square resolution, kohya's keys difftrain does not act on set to something) is a typed
 // error naming the file, line and column.
 #include <difftrain/data/dataset_config.hpp>
+#include <difftrain/data/loader.hpp>
 #include <difftrain/io/remove_tree.hpp>
 
 #include <gtest/gtest.h>
+#include <png.h>
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -197,4 +200,92 @@ TEST(DatasetConfig, EveryMistakeIsATypedErrorWithItsPlace) {
   EXPECT_NO_THROW((void)data::read_dataset_config(neutral));
   EXPECT_THROW((void)data::read_dataset_config(f.root / "absent.toml"), dt::IoError);
   EXPECT_THROW((void)data::read_dataset_config(f.write("bad.toml", "a = [")), dt::FormatError);
+}
+
+// Loss masks through the loader (kohya's alpha_mask and conditioning images): a mask takes the
+// pixels' resize, crop and flip. Each image's colour equals its mask here (alpha, or the mask
+// image's red channel), so the loaded pixels must equal the loaded masks exactly, on every
+// random crop and flip; a mask of another size is a FormatError naming it.
+namespace {
+void write_rgba_png(const fs::path& path, std::uint32_t w, std::uint32_t h, bool alpha,
+                    const std::function<std::uint8_t(std::uint32_t, std::uint32_t)>& value) {
+  std::vector<std::uint8_t> px(std::size_t{w} * h * 4);
+  for (std::uint32_t y = 0; y < h; ++y)
+    for (std::uint32_t x = 0; x < w; ++x) {
+      std::uint8_t* p = px.data() + (std::size_t{y} * w + x) * 4;
+      p[0] = p[1] = p[2] = value(x, y);
+      p[3] = alpha ? value(x, y) : 255;
+    }
+  png_image img{};
+  img.version = PNG_IMAGE_VERSION;
+  img.width = w;
+  img.height = h;
+  img.format = alpha ? PNG_FORMAT_RGBA : PNG_FORMAT_RGB;
+  std::vector<std::uint8_t> packed;
+  if (!alpha)
+    for (std::size_t i = 0; i < px.size(); i += 4)
+      packed.insert(packed.end(), px.begin() + i, px.begin() + i + 3);
+  ASSERT_NE(
+      png_image_write_to_file(&img, path.c_str(), 0, alpha ? px.data() : packed.data(), 0, nullptr),
+      0);
+}
+}  // namespace
+
+TEST(DatasetConfig, MasksTakeThePixelsCropsAndFlips) {
+  const Folders f;
+  write_rgba_png(f.root / "a" / "alpha.png", 48, 32, true, [](std::uint32_t x, std::uint32_t y) {
+    return static_cast<std::uint8_t>(x * 5 + y);
+  });
+  write_rgba_png(f.root / "a" / "plain.png", 40, 56, false, [](std::uint32_t x, std::uint32_t y) {
+    return static_cast<std::uint8_t>(y * 4 + x);
+  });
+  write_rgba_png(f.root / "b" / "plain.png", 40, 56, false, [](std::uint32_t x, std::uint32_t y) {
+    return static_cast<std::uint8_t>(y * 4 + x);
+  });
+  data::ImageFolder folder = data::scan_image_folder(f.root / "a");
+  ASSERT_EQ(folder.images.size(), 2U);
+  for (auto& r : folder.images)
+    if (r.path.filename() == "plain.png") r.mask = f.root / "b" / "plain.png";
+  data::BucketOptions bo;
+  bo.max_width = bo.max_height = bo.min_size = bo.max_size = 24;
+  bo.steps = 8;
+  const data::BucketManager buckets(bo);
+  int flipped_or_cropped = 0;
+  for (std::uint64_t epoch = 0; epoch < 6; ++epoch) {
+    data::ImageBatchOptions o;
+    o.batch_size = 2;
+    o.random_crop = true;
+    o.flip_p = 0.5;
+    o.seed = 5;
+    o.alpha_mask = true;
+    data::ImageBatches batches(folder, buckets, o, epoch);
+    const data::ImageBatch b = *batches.next();
+    ASSERT_TRUE(b.masks.defined());
+    ASSERT_EQ(b.masks.sizes(), (at::IntArrayRef{2, 24, 24}));
+    const at::Tensor from_pixels = ((b.pixels.select(1, 0) + 1) * 127.5).round();
+    EXPECT_TRUE(at::equal(from_pixels, (b.masks * 255).round())) << "epoch " << epoch;
+    flipped_or_cropped +=
+        static_cast<int>(b.crop_top_left[0][1] != 0 || b.crop_top_left[1][1] != 0);
+  }
+  EXPECT_GT(flipped_or_cropped, 0);
+  // Without alpha_mask, only the record with a mask image has one: a batch must not mix them.
+  {
+    data::ImageBatchOptions o;
+    o.batch_size = 2;
+    data::ImageBatches batches(folder, buckets, o, 0);
+    EXPECT_THROW((void)batches.next(), dt::ConfigError);
+  }
+  write_rgba_png(f.root / "b" / "plain.png", 12, 12, false,
+                 [](std::uint32_t, std::uint32_t) { return std::uint8_t{9}; });
+  data::ImageBatchOptions o;
+  o.batch_size = 2;
+  o.alpha_mask = true;
+  data::ImageBatches batches(folder, buckets, o, 0);
+  try {
+    (void)batches.next();
+    ADD_FAILURE() << "a mask of another size loaded";
+  } catch (const dt::FormatError& e) {
+    EXPECT_NE(std::string(e.what()).find("a mask has its image's size"), std::string::npos)
+        << e.what();
+  }
 }

@@ -42,6 +42,9 @@ struct DatasetSubsetConfig {
   bool is_reg = false;                         ///< regularization (prior) images
   bool flip_aug = false, random_crop = false;
   bool alpha_mask = false;  ///< the loss masked by each image's alpha channel
+  /// kohya's conditioning images, here masks for the loss (an image's of the same stem; its red
+  /// channel); empty: none.
+  std::filesystem::path conditioning_data_dir{};
   CaptionOptions captions;
   std::string where;  ///< "file:line:column" of the table
 };
@@ -175,8 +178,8 @@ inline void refuse_unsupported(const Scope& scope, const std::filesystem::path& 
       if (key == "color_aug" || key == "cache_info")
         neutral = v.is_boolean() && !*v.value<bool>();
       else if (key == "face_crop_aug_range" || key == "custom_attributes" ||
-               key == "system_prompt" || key == "metadata_file" || key == "conditioning_data_dir" ||
-               key == "validation_split" || key == "validation_seed")
+               key == "system_prompt" || key == "metadata_file" || key == "validation_split" ||
+               key == "validation_seed")
         neutral =
             (v.is_array() && v.as_array()->empty()) || (v.is_table() && v.as_table()->empty()) ||
             (v.is_string() && v.value<std::string>()->empty()) ||
@@ -322,6 +325,14 @@ inline DatasetConfig read_dataset_config(const std::filesystem::path& file,
       take("flip_aug", c.flip_aug);
       take("random_crop", c.random_crop);
       take("alpha_mask", c.alpha_mask);
+      if (const toml::node* n = subset->get("conditioning_data_dir")) {
+        const std::string where = dd::position(file, n->source());
+        c.conditioning_data_dir = dd::get<std::string>(*n, "conditioning_data_dir", where);
+        if (!std::filesystem::is_directory(c.conditioning_data_dir))
+          throw IoError(
+              "'conditioning_data_dir' " + c.conditioning_data_dir.string() + " is not a folder",
+              where);
+      }
       dd::read_captions(scope, c.captions, swhere);
       if (c.num_repeats < 1) throw ConfigError("'num_repeats' must be >= 1", swhere);
       if (c.caption_extension.empty() || c.caption_extension.front() != '.')

@@ -443,4 +443,42 @@ inline DecodedImage read_image(const std::filesystem::path& path, const ImageLim
   return decode_image(bytes, path.string(), limits);
 }
 
+/// An image's alpha channel as kohya's alpha_mask reads it: (height, width) uint8 after the EXIF
+/// orientation `decoded` applied; 255 everywhere for a file without alpha (a JPEG, an RGB PNG or
+/// WebP). `decoded` is decode_image's result for the same bytes.
+inline at::Tensor decode_alpha(std::span<const char> bytes, const DecodedImage& decoded,
+                               const std::string& where, const ImageLimits& limits = {}) {
+  using namespace image_detail;
+  const std::int64_t h = decoded.stored_height, w = decoded.stored_width;
+  at::Tensor alpha;
+  if (decoded.format == ImageFormat::png) {
+    io::PngLimits pl;
+    pl.max_pixels = limits.max_pixels;
+    std::uint32_t pw = 0, ph = 0;
+    const std::vector<char> plain = png_without_color_management(bytes);
+    const std::vector<std::uint8_t> rgba = io::decode_png_rgba(plain, where, pl, pw, ph);
+    alpha = at::from_blob(const_cast<std::uint8_t*>(rgba.data()), {ph, pw, 4}, at::kByte)
+                .select(2, 3)
+                .clone();
+  } else if (decoded.format == ImageFormat::webp) {
+    WebPBitstreamFeatures f;
+    const auto* data = reinterpret_cast<const std::uint8_t*>(bytes.data());
+    if (WebPGetFeatures(data, bytes.size(), &f) != VP8_STATUS_OK || f.has_alpha == 0 ||
+        f.has_animation != 0) {
+      alpha = at::full({h, w}, 255, at::kByte);
+    } else {
+      at::Tensor rgba = at::empty({f.height, f.width, 4}, at::kByte);
+      if (WebPDecodeRGBAInto(data, bytes.size(), rgba.data_ptr<std::uint8_t>(),
+                             static_cast<std::size_t>(rgba.numel()), f.width * 4) == nullptr)
+        throw FormatError("is damaged or truncated (libwebp cannot decode its alpha)", where);
+      alpha = rgba.select(2, 3).clone();
+    }
+  } else {
+    alpha = at::full({h, w}, 255, at::kByte);
+  }
+  if (decoded.exif_orientation != 1)
+    alpha = orient(alpha.unsqueeze(2), decoded.exif_orientation).squeeze(2).contiguous();
+  return alpha;
+}
+
 }  // namespace difftrain::data

@@ -66,6 +66,9 @@ struct ImageRecord {
   std::int64_t repeats = 1;
   std::int64_t width = 0, height = 0;  ///< after the EXIF orientation
   ImageFormat format = ImageFormat::png;
+  /// A mask image for the loss (kohya's conditioning image: its red channel, 0 to 255 for 0 to
+  /// 1), the image's size; empty: none (or the alpha channel, with ImageBatchOptions::alpha_mask).
+  std::filesystem::path mask{};
 };
 
 struct SkippedFile {

@@ -23,6 +23,8 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <span>
+#include <string>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -32,6 +34,7 @@
 #include "difftrain/data/image.hpp"
 #include "difftrain/data/image_folder.hpp"
 #include "difftrain/data/transforms.hpp"
+#include "difftrain/io/read_file.hpp"
 
 namespace difftrain::data {
 
@@ -157,6 +160,9 @@ struct ImageBatch {
   std::vector<std::string> captions;
   std::vector<std::array<std::int64_t, 2>> original_sizes;  ///< (height, width), SDXL
   std::vector<std::array<std::int64_t, 2>> crop_top_left;   ///< (top, left), SDXL
+  /// (B, H, W) float32 in [0, 1], cropped and flipped with the pixels: each image's mask, with
+  /// ImageBatchOptions::alpha_mask or records that name one (undefined otherwise).
+  at::Tensor masks;
 };
 
 struct ImageBatchOptions {
@@ -170,6 +176,9 @@ struct ImageBatchOptions {
   /// copy with the step.
   bool pin_memory = false;
   ImageLimits limits;
+  /// kohya's alpha_mask: each image's alpha channel (opaque where it has none) as its mask; a
+  /// record's own mask image takes precedence.
+  bool alpha_mask = false;
 };
 
 /// An epoch of bucketed batches of an image folder, made on worker threads, delivered in order.
@@ -210,17 +219,26 @@ class ImageBatches {
  private:
   ImageBatch make(std::size_t b) const {
     ImageBatch out;
-    std::vector<at::Tensor> pixels;
+    std::vector<at::Tensor> pixels, masks;
     for (std::size_t k = 0; k < batches_[b].size(); ++k) {
       const std::size_t i = batches_[b][k];
       const ImageRecord& r = folder_.images[i];
       const BucketChoice& c = choices_[i];
       // This sample's draws, whatever thread makes it.
       at::Generator gen = sample_generator(o_.seed, epoch_, b, k);
-      const DecodedImage img = read_image(r.path, o_.limits);
+      const std::vector<char> bytes = io::read_file(r.path);
+      const DecodedImage img = decode_image(bytes, r.path.string(), o_.limits);
+      // A mask travels as a fourth channel through the same resize, crop and flip.
+      at::Tensor mask = image_mask(r, bytes, img);
+      const at::Tensor hwc =
+          mask.defined() ? at::cat({img.pixels, mask.unsqueeze(2)}, 2) : img.pixels;
       CropCorner corner;
-      at::Tensor x = crop_to_bucket(img.pixels, c, o_.random_crop, gen, corner);
+      at::Tensor x = crop_to_bucket(hwc, c, o_.random_crop, gen, corner);
       if (draw_flip(o_.flip_p, gen)) x = mirror(x, c, corner);
+      if (mask.defined()) {
+        masks.push_back(x.select(0, 3).to(at::kFloat) / 255.0);
+        x = x.narrow(0, 0, 3);
+      }
       pixels.push_back(to_unit_range(x.contiguous()));
       out.indices.push_back(i);
       out.captions.push_back(r.caption);
@@ -228,8 +246,32 @@ class ImageBatches {
       out.crop_top_left.push_back({corner.top, corner.left});
     }
     out.pixels = at::stack(pixels);
+    if (!masks.empty()) {
+      if (masks.size() != pixels.size())
+        throw ConfigError("some images of a batch have a mask and some none",
+                          folder_.images[batches_[b].front()].path.string());
+      out.masks = at::stack(masks);
+    }
     if (o_.pin_memory && at::hasCUDA()) out.pixels = out.pixels.pin_memory();
     return out;
+  }
+
+  /// The record's mask (its mask image's red channel, or the alpha channel with alpha_mask) as
+  /// (H, W) uint8 in the image's orientation, or undefined.
+  at::Tensor image_mask(const ImageRecord& r, std::span<const char> bytes,
+                        const DecodedImage& img) const {
+    if (!r.mask.empty()) {
+      const DecodedImage m = read_image(r.mask, o_.limits);
+      if (m.pixels.size(0) != img.pixels.size(0) || m.pixels.size(1) != img.pixels.size(1))
+        throw FormatError("is " + std::to_string(m.pixels.size(1)) + "x" +
+                              std::to_string(m.pixels.size(0)) + ", its image " + r.path.string() +
+                              " " + std::to_string(img.pixels.size(1)) + "x" +
+                              std::to_string(img.pixels.size(0)) + " (a mask has its image's size)",
+                          r.mask.string());
+      return m.pixels.select(2, 0).contiguous();
+    }
+    if (o_.alpha_mask) return decode_alpha(bytes, img, r.path.string(), o_.limits);
+    return {};
   }
 
   const ImageFolder& folder_;

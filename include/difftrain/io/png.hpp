@@ -178,14 +178,18 @@ inline void check_png_chunks(std::span<const char> bytes, std::uint64_t width, s
 }
 
 /// Decodes PNG bytes (named `where` in errors).
-inline PngFile decode_png(std::span<const char> bytes, const std::string& where,
-                          const PngLimits& limits = {}) {
+/// A PNG's pixels as 8-bit RGBA (libpng's simplified reader: grey and palette expanded, an
+/// image without alpha opaque), its size into `width` / `height`; `text` gets its text chunks.
+inline std::vector<std::uint8_t> decode_png_rgba(
+    std::span<const char> bytes, const std::string& where, const PngLimits& limits,
+    std::uint32_t& width, std::uint32_t& height,
+    std::map<std::string, std::string>* text = nullptr) {
   using namespace png_detail;
   if (bytes.size() < 8 || std::memcmp(bytes.data(), kSignature.data(), 8) != 0)
     throw FormatError("is not a PNG file (wrong signature)", where);
-  PngFile out;
   std::uint64_t idat = 0;
-  out.text = read_text_chunks(bytes, limits, where, &idat);
+  auto chunks = read_text_chunks(bytes, limits, where, &idat);
+  if (text != nullptr) *text = std::move(chunks);
   png_image img{};
   img.version = PNG_IMAGE_VERSION;
   if (png_image_begin_read_from_memory(&img, bytes.data(), bytes.size()) == 0)
@@ -203,13 +207,24 @@ inline PngFile decode_png(std::span<const char> bytes, const std::string& where,
     png_image_free(&img);
     throw;
   }
-  // Read as RGBA and drop alpha rather than composite it: PIL's convert('RGB') keeps the stored
-  // RGB values, and the web UI's embedding images are decoded from exactly those values.
   img.format = PNG_FORMAT_RGBA;
   std::vector<std::uint8_t> rgba(pixels * 4);
   if (png_image_finish_read(&img, nullptr, rgba.data(), 0, nullptr) == 0)
     throw FormatError(std::string("cannot be decoded: ") + img.message, where);
-  out.image = RgbImage(img.width, img.height);
+  width = img.width;
+  height = img.height;
+  return rgba;
+}
+
+inline PngFile decode_png(std::span<const char> bytes, const std::string& where,
+                          const PngLimits& limits = {}) {
+  PngFile out;
+  std::uint32_t w = 0, h = 0;
+  // Read as RGBA and drop alpha rather than composite it: PIL's convert('RGB') keeps the stored
+  // RGB values, and the web UI's embedding images are decoded from exactly those values.
+  const std::vector<std::uint8_t> rgba = decode_png_rgba(bytes, where, limits, w, h, &out.text);
+  const std::uint64_t pixels = std::uint64_t{w} * h;
+  out.image = RgbImage(w, h);
   for (std::uint64_t i = 0; i < pixels; ++i)
     std::memcpy(out.image.pixels.data() + i * 3, rgba.data() + i * 4, 3);
   return out;
