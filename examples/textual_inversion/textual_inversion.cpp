@@ -57,6 +57,7 @@
 #include <vector>
 
 #include "../common/cli_checks.hpp"
+#include "../common/kohya_flags.hpp"
 #include "../common/prompt_templates.hpp"
 #include "../common/run_skeleton.hpp"
 #include "../common/sd_pipeline.hpp"
@@ -79,7 +80,8 @@ struct Settings : SdRunFlags, TorchrunFlags {
   bool center_crop = false, scale_lr = false;
   double flip_p = 0.5;
   std::int64_t save_steps = 500;
-  Settings() {  // diffusers' textual_inversion.py defaults
+  examples::KohyaFlags kohya;  // kohya's noise and loss options (the prompts are templates)
+  Settings() {                 // diffusers' textual_inversion.py defaults
     out = "text-inversion-model";
     max_train_steps = 5000;
     lr_warmup_steps = 500;
@@ -101,11 +103,12 @@ struct InversionImpl : torch::nn::Module {
       return {part(latents), part(ids), part(ids_2), part(time_ids)};
     }
   };
-  InversionImpl(Pipeline& p, const df::NoiseSchedule& schedule)
+  InversionImpl(Pipeline& p, const df::NoiseSchedule& schedule, const examples::KohyaFlags& kohya)
       : text_encoder(register_module("text_encoder", p.text_encoder)),
         unet_(p.unet),
         schedule_(schedule),
-        prediction_(p.scheduler.prediction) {
+        prediction_(p.scheduler.prediction),
+        kohya_(kohya) {
     if (p.xl) text_encoder_2 = register_module("text_encoder_2", p.text_encoder_2);
   }
   at::Tensor loss(const Batch& b) {
@@ -122,18 +125,23 @@ struct InversionImpl : torch::nn::Module {
     } else {
       embeds = text_encoder->forward(b.ids).last_hidden_state;
     }
-    const at::Tensor noise = at::randn_like(b.latents);
+    // kohya's noise options (offset, pyramid, input perturbation) and loss types, as
+    // train_textual_inversion.py applies them; without them diffusers' script exactly.
+    const examples::StepNoise noise = examples::step_noise(b.latents, kohya_);
     const at::Tensor t = at::randint(schedule_.num_train_timesteps(), {b.latents.size(0)},
                                      b.latents.options().dtype(at::kLong));
     const at::Tensor pred =
-        unet_->forward(schedule_.add_noise(b.latents, noise, t), t, embeds, cond);
-    return at::mse_loss(pred.to(at::kFloat),
-                        schedule_.target(prediction_, b.latents, noise, t).to(at::kFloat));
+        unet_->forward(schedule_.add_noise(b.latents, noise.input_noise, t), t, embeds, cond);
+    const at::Tensor target = schedule_.target(prediction_, b.latents, noise.noise, t);
+    if (kohya_.changes_loss())
+      return examples::step_loss(pred, target, t, schedule_, prediction_, 0.0, kohya_);
+    return at::mse_loss(pred.to(at::kFloat), target.to(at::kFloat));
   }
   TextEncoder text_encoder{nullptr}, text_encoder_2{nullptr};
   Unet unet_;
   df::NoiseSchedule schedule_;
   df::Prediction prediction_;
+  examples::KohyaFlags kohya_;
 };
 
 /// After every optimizer step: every row of the token tables but the new word's is put back (on
@@ -315,6 +323,12 @@ class Samples {
 };
 
 void check_flags(const Settings& s) {
+  s.kohya.check();
+  if (s.kohya.captions.any())
+    throw ConfigError(
+        "changes captions; textual inversion's prompts come from --learnable_property's "
+        "templates",
+        "--shuffle_caption / --caption_*");
   if (s.learnable_property != "object" && s.learnable_property != "style")
     throw ConfigError("is '" + s.learnable_property + "'; choose object or style",
                       "--learnable_property");
@@ -421,7 +435,7 @@ int run(Settings s) {
     p.unet->set_gradient_checkpointing(true);
   }
   const df::NoiseSchedule schedule(p.scheduler.schedule);
-  InversionImpl trainee(p, schedule);
+  InversionImpl trainee(p, schedule, s.kohya);
   trainee.train();
 
   InversionTrainer::Options o;
@@ -440,6 +454,7 @@ int run(Settings s) {
                                        {"initializer_token", s.initializer_token},
                                        {"num_vectors", s.num_vectors},
                                        {"learnable_property", s.learnable_property},
+                                       {"kohya", s.kohya.settings()},
                                        {"repeats", s.repeats},
                                        {"resolution", s.resolution},
                                        {"train_batch_size", s.train_batch_size},
@@ -529,6 +544,7 @@ int main(int argc, char** argv) {
   using examples::number_in;
   const SdFlagGroups g = add_sd_run_flags(app, s, "folder of images of the concept");
   auto* d = add_torchrun_flags(app, s, "here no module is");
+  examples::add_kohya_flags(app, s.kohya);
   auto* w = app.add_option_group("the word");
   w->add_option("--placeholder_token", s.placeholder_token, "the new word, e.g. \"<cat-toy>\"")
       ->required();

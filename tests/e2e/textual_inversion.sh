@@ -56,6 +56,20 @@ expect_rc 130 stopped -- "$bin" "${base[@]}" --max_train_steps 20 --checkpointin
 expect_rc 0 resumed -- "$bin" "${base[@]}" --max_train_steps 20 --checkpointing_steps 10 \
   --resume_from_checkpoint latest --output_dir "$work/resumed"
 
+# kohya's noise and loss options (train_textual_inversion.py takes them): offset noise, input
+# perturbation and the Huber loss train the word; stopped and resumed, the same embedding. Caption
+# options are refused (the prompts are templates).
+ko=("${base[@]}" --max_train_steps 6 --checkpointing_steps 3 --save_steps 0 --noise_offset 0.05
+    --ip_noise_gamma 0.1 --loss_type huber --huber_schedule exponential --huber_c 0.2)
+expect_rc 0 kohya -- "$bin" "${ko[@]}" --output_dir "$work/kohya"
+grep_in "$work/kohya/results.json" '"loss_type": "huber"'
+expect_rc 130 kohya-stopped -- "$bin" "${ko[@]}" --stop_at 3 --output_dir "$work/kohya-resumed"
+expect_rc 0 kohya-resumed -- "$bin" "${ko[@]}" --resume_from_checkpoint latest --output_dir "$work/kohya-resumed"
+cmp -s "$work/kohya/learned_embeds.safetensors" "$work/kohya-resumed/learned_embeds.safetensors" ||
+  fail "the resumed run with kohya's options ended with another embedding"
+expect_rc 2 kohya-captions -- "$bin" "${base[@]}" --shuffle_caption --output_dir "$work/bad"
+grep_in "$work/kohya-captions.err" "templates"
+
 export GLOO_SOCKET_IFNAME=lo
 launch=("$(dirname "$py")/torchrun" --standalone --nproc-per-node 2 --no-python "$bin")
 ranks=("${base[@]}" --train_batch_size 2 --max_train_steps 8 --checkpointing_steps 4 --save_steps 0

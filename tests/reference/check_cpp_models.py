@@ -43,6 +43,7 @@ def main(binary, golden_dir):
     check_cogvideox_vae(out)
     check_transformer_loras(out, pathlib.Path(golden_dir))
     check_weight_deltas(out, pathlib.Path(golden_dir))
+    check_dora_locon(out, pathlib.Path(golden_dir))
     check_configs(out)
 
 
@@ -234,6 +235,39 @@ def check_weight_deltas(out, golden):
         err2 = float((got2 - want).abs().max())
         assert err2 < 1e-5, (case["name"], "peft", err2)
         print(f"{case['name']}: LyCORIS' parser {err:.1e}, PEFT {err2:.1e} from difftrain's UNet output")
+
+def check_dora_locon(out, golden):
+    """A DoRA + LoCon UNet LoRA difftrain wrote (Models.UNetLoraDoraAndLoconFilesApply...):
+    diffusers' LoRA loader (load_lora_into_unet with the file's adapter metadata) applies the PEFT
+    file and lycoris-lora's parser the kohya file to diffusers' UNet, each giving difftrain's
+    output."""
+    from diffusers import StableDiffusionPipeline
+    from lycoris import create_lycoris_from_weights
+    folder = out / "dora_locon"
+    want = load_file(folder / "output.safetensors")["unet"]
+    io = load_file(golden / "models" / "unet_conv_proj.io.safetensors")
+    args = (io["input.sample"], io["input.timestep"], io["input.encoder_hidden_states"])
+    unet = UNet2DConditionModel.from_pretrained(golden / "models" / "unet_conv_proj").eval()
+    state, alphas, metadata = StableDiffusionPipeline.lora_state_dict(
+        str(folder / "pytorch_lora_weights.safetensors"), return_lora_metadata=True)
+    StableDiffusionPipeline.load_lora_into_unet(state, alphas, unet=unet, metadata=metadata)
+    assert unet.peft_config["default_0"].use_dora
+    with torch.no_grad():
+        got = unet(*args).sample
+    err = float((got - want).abs().max())
+    assert err < 1e-5, ("dora diffusers", err)
+    unet = UNet2DConditionModel.from_pretrained(golden / "models" / "unet_conv_proj").eval()
+    sd = {k.replace("lora_unet_", "lycoris_", 1): v
+          for k, v in load_file(folder / "lora_kohya.safetensors").items()}
+    network, _ = create_lycoris_from_weights(1.0, "", unet, weights_sd=sd)
+    assert len(network.loras) == len({k.split(".")[0] for k in sd}), len(network.loras)
+    network.apply_to()
+    with torch.no_grad():
+        got2 = unet(*args).sample
+    err2 = float((got2 - want).abs().max())
+    assert err2 < 1e-5, ("dora lycoris", err2)
+    print(f"DoRA + LoCon: diffusers' loader {err:.1e}, LyCORIS' parser {err2:.1e} from difftrain's UNet output")
+
 
 def check_configs(out):
     """Every model folder difftrain loaded, fine-tuned and saved (ModelConfigs.*) reads in diffusers

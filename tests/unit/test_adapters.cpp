@@ -3,6 +3,7 @@
 #include <difftrain/adapters/adapters.hpp>
 #include <difftrain/core/python_strings.hpp>
 #include <difftrain/io/safetensors.hpp>
+#include <difftrain/models/models.hpp>
 #include <difftrain/nn/blocks/cross_attention.hpp>
 #include <difftrain/nn/blocks/transformer_block.hpp>
 #include <difftrain/train/optimizer.hpp>
@@ -10,6 +11,8 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -757,3 +760,79 @@ TEST(Embedding, UnidentifiableFilesAreTypedErrorsThatSayWhy) {
 }
 
 }  // namespace
+
+// DoRA with kohya's LoCon on a UNet (the attention projections, and every resnet's and
+// resampler's layers: 3×3 convolutions at the convolution rank, the rest at the linear one), A, B
+// and the magnitudes random: both files read back to the same output; check_cpp_models.py has
+// diffusers' LoRA loader apply the PEFT file and lycoris-lora's parser the kohya file to diffusers'
+// UNet, each giving difftrain's output.
+TEST(Models, UNetLoraDoraAndLoconFilesApplyInDiffusersAndLycoris) {
+  using Unet = dt::models::UNet2DConditionModel<>;
+  const fs::path models = fs::path(DIFFTRAIN_GOLDEN_DIR) / "models";
+  const auto& t = dt::io::load_safetensors(models / "unet_conv_proj.io.safetensors", true).tensors;
+  at::manual_seed(9);
+  auto unet = dt::models::from_pretrained<Unet>(models / "unet_conv_proj");
+  const ad::LoraOptions attn{.rank = 4, .alpha = 2.0, .use_dora = true};
+  auto adapted = ad::inject_lora(*unet, ad::unet_lora_targets(), attn);
+  const auto conv =
+      ad::inject_lora(*unet, ad::unet_conv_lora_targets(),
+                      [&](const std::string& m) -> std::optional<ad::LoraOptions> {
+                        if (ad::kohya_conv_3x3(m))
+                          return ad::LoraOptions{.rank = 2, .alpha = 1.0, .use_dora = true};
+                        return attn;
+                      });
+  EXPECT_GT(conv.size(), 10U);
+  EXPECT_TRUE(std::any_of(conv.begin(), conv.end(),
+                          [](const std::string& m) { return m.ends_with("conv_shortcut"); }));
+  {
+    const at::NoGradGuard no_grad;
+    for (auto& p : unet->named_parameters())
+      if (p.key().find("lora_A") != std::string::npos ||
+          p.key().find("lora_B") != std::string::npos)
+        p.value().normal_(0.0, 0.2);
+      else if (p.key().ends_with("lora_magnitude_vector"))
+        p.value().mul_(at::rand_like(p.value()) + 0.5);
+  }
+  auto run = [&](Unet& u) {
+    u->eval();
+    const at::NoGradGuard no_grad;
+    return u->forward(t.at("input.sample"), t.at("input.timestep"),
+                      t.at("input.encoder_hidden_states"));
+  };
+  const at::Tensor want = run(unet);
+  const ad::LoraKeyOptions peft{ad::LoraLayout::peft, "unet."},
+      kohya{ad::LoraLayout::kohya, "lora_unet_"};
+  const auto peft_sd = ad::lora_state_dict(*unet, peft),
+             kohya_sd = ad::lora_state_dict(*unet, kohya);
+  for (const auto* keys : {&peft, &kohya}) {
+    auto back = dt::models::from_pretrained<Unet>(models / "unet_conv_proj");
+    (void)ad::load_lora_state_dict(*back, keys == &peft ? peft_sd : kohya_sd, *keys);
+    // PEFT's layout keeps no alpha: the file's metadata gives it (diffusers' loader reads it).
+    if (keys == &peft)
+      for (const auto& [name, h] : ad::lora_layers(*back)) {
+        const auto o =
+            ad::peft_lora_defaults(ad::stable_diffusion_peft_metadata({.unet = unet.get()}), "unet",
+                                   name, h->lora_options().rank);
+        auto opts = h->lora_options();
+        opts.alpha = o.alpha;
+        const at::Tensor a = h->lora_a().detach().clone(), b = h->lora_b().detach().clone(),
+                         m = h->lora_magnitude().detach().clone();
+        h->detach_lora();
+        h->attach_lora(opts);
+        const at::NoGradGuard no_grad;
+        h->lora_a().copy_(a);
+        h->lora_b().copy_(b);
+        h->lora_magnitude().copy_(m);
+      }
+    EXPECT_LT((run(back) - want).abs().max().item<double>(), 1e-5)
+        << (keys == &peft ? "PEFT" : "kohya");
+  }
+  if (const char* out_env = std::getenv("DIFFTRAIN_MODELS_OUT")) {
+    const fs::path dir = fs::path(out_env) / "dora_locon";
+    fs::create_directories(dir);
+    dt::io::save_safetensors(dir / "pytorch_lora_weights.safetensors", peft_sd,
+                             ad::stable_diffusion_peft_metadata({.unet = unet.get()}));
+    dt::io::save_safetensors(dir / "lora_kohya.safetensors", kohya_sd);
+    dt::io::save_safetensors(dir / "output.safetensors", {{"unet", want}});
+  }
+}
