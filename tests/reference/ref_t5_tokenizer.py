@@ -109,6 +109,7 @@ def generate(out: pathlib.Path):
     (out / "t5_tokenizer.json").write_text(json.dumps(result, ensure_ascii=False))
     prompt_embeds(out, root)
     sd3_encode_prompt(out, root)
+    flux_encode_prompt(out)
 
 
 def prompt_embeds(out: pathlib.Path, root: pathlib.Path):
@@ -228,3 +229,47 @@ def sd3_encode_prompt(out: pathlib.Path, root: pathlib.Path):
                                   if k != "do_classifier_free_guidance"}}
     save_file(tensors, folder / "outputs.safetensors")
     (out / "sd3_encode_prompt.json").write_text(json.dumps(meta))
+
+
+def flux_encode_prompt(out: pathlib.Path):
+    """FluxPipeline.encode_prompt (on a stand-in holding its two encoders): a tiny CLIPTextModel
+    (its pooler output is Flux's pooled conditioning) with the SD 1.5 CLIP tokenizer, and the tiny
+    T5 of sd3_encode_prompt; dev's 512 and schnell's 256 T5 tokens, prompt_2, two images per
+    prompt."""
+    import types
+    from diffusers import FluxPipeline
+    from safetensors.torch import save_file
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5Tokenizer
+    torch_ = __import__("torch")
+    folder = out / "flux_encode_prompt"
+    folder.mkdir(parents=True, exist_ok=True)
+    torch_.manual_seed(8)
+    te1 = CLIPTextModel(CLIPTextConfig(
+        hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+        hidden_act="quick_gelu", vocab_size=49408, max_position_embeddings=77, bos_token_id=49406,
+        eos_token_id=49407, pad_token_id=1)).eval()
+    te1.save_pretrained(folder / "text_encoder")
+    te2 = T5EncoderModel.from_pretrained(out / "sd3_encode_prompt" / "text_encoder_3").eval()
+    tok1 = CLIPTokenizer.from_pretrained(str(out / "clip_tokenizer" / "sd15"))
+    tok2 = T5Tokenizer.from_pretrained(str(out / "t5_tokenizer" / "t5_both"))
+    pipe = types.SimpleNamespace(tokenizer=tok1, tokenizer_2=tok2, text_encoder=te1,
+                                 text_encoder_2=te2, tokenizer_max_length=77,
+                                 _execution_device="cpu")
+    for method in ("_get_clip_prompt_embeds", "_get_t5_prompt_embeds", "encode_prompt"):
+        setattr(pipe, method, types.MethodType(getattr(FluxPipeline, method), pipe))
+    long = " ".join(clip_ref.CAPTIONS) * 2
+    prompts = ["a photo of a cat", long]
+    cases = {"dev": dict(max_sequence_length=512),
+             "schnell_two_images": dict(max_sequence_length=256, num_images_per_prompt=2),
+             "prompt_2": dict(max_sequence_length=40, prompt_2=["a cat <extra_id_0>", "a dog"])}
+    tensors, meta = {}, {"prompts": prompts, "cases": {}}
+    for name, kw in cases.items():
+        with torch_.no_grad():
+            pe, pooled, text_ids = pipe.encode_prompt(prompt=prompts, device=torch_.device("cpu"),
+                                                      **kw)
+        tensors[name + ".prompt_embeds"] = pe.contiguous()
+        tensors[name + ".pooled_prompt_embeds"] = pooled.contiguous()
+        tensors[name + ".text_ids"] = text_ids.contiguous()
+        meta["cases"][name] = kw
+    save_file(tensors, folder / "outputs.safetensors")
+    (out / "flux_encode_prompt.json").write_text(json.dumps(meta))

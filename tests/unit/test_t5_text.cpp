@@ -503,3 +503,37 @@ TEST(EncodePrompt, SD3EqualsDiffusersPipeline) {
       },
       "CLIP wider than the joint width", {"72", "64"});
 }
+
+// FluxPipeline.encode_prompt on a tiny CLIPTextModel (its pooled output) with the SD 1.5
+// tokenizer and a tiny T5: dev's 512 and schnell's 256 T5 tokens, two images per prompt, prompt_2,
+// a prompt past both encoders' lengths; the text ids are FluxPipeline's zeros.
+TEST(EncodePrompt, FluxEqualsDiffusersPipeline) {
+  const auto& g = tst::golden("flux_encode_prompt.json");
+  const fs::path root = fs::path(DIFFTRAIN_GOLDEN_DIR) / "flux_encode_prompt";
+  const auto want = dt::io::load_safetensors(root / "outputs.safetensors", true).tensors;
+  auto clip = models::from_pretrained<models::CLIPTextModel<>>(root / "text_encoder");
+  auto t5 = models::from_pretrained<models::T5EncoderModel<>>(
+      fs::path(DIFFTRAIN_GOLDEN_DIR) / "sd3_encode_prompt" / "text_encoder_3");
+  clip->eval();
+  t5->eval();
+  const auto tok2 = text::T5Tokenizer::from_folder(t5_dir("t5_both"));
+  const auto prompts = g["prompts"].get<std::vector<std::string>>();
+  at::NoGradGuard no_grad;
+  for (const auto& [name, c] : g["cases"].items()) {
+    SCOPED_TRACE(name);
+    text::FluxPromptOptions o;
+    o.max_sequence_length = c["max_sequence_length"].get<std::int64_t>();
+    if (c.contains("num_images_per_prompt"))
+      o.num_images_per_prompt = c["num_images_per_prompt"].get<std::int64_t>();
+    if (c.contains("prompt_2")) o.prompt_2 = c["prompt_2"].get<std::vector<std::string>>();
+    const auto got = text::encode_prompt_flux(sd15(), clip, tok2, t5, prompts, o);
+    ASSERT_EQ(got.prompt_embeds.sizes(), want.at(name + ".prompt_embeds").sizes());
+    EXPECT_LT(scaled_error(got.prompt_embeds, want.at(name + ".prompt_embeds")), 1e-5);
+    ASSERT_EQ(got.pooled_prompt_embeds.sizes(), want.at(name + ".pooled_prompt_embeds").sizes());
+    EXPECT_LT(scaled_error(got.pooled_prompt_embeds, want.at(name + ".pooled_prompt_embeds")),
+              1e-5);
+    EXPECT_EQ(want.at(name + ".text_ids").sizes(), (at::IntArrayRef{o.max_sequence_length, 3}));
+    EXPECT_EQ(want.at(name + ".text_ids").abs().sum().item<double>(), 0.0);
+  }
+  EXPECT_THROW((void)text::encode_prompt_flux(sd15(), clip, tok2, t5, {}), dt::ConfigError);
+}

@@ -12,6 +12,7 @@
 #include "difftrain/models/dit_transformer_2d.hpp"
 #include "difftrain/models/embeddings.hpp"
 #include "difftrain/models/feed_forward.hpp"
+#include "difftrain/models/flux_transformer_2d.hpp"
 #include "difftrain/models/patch_embed.hpp"
 #include "difftrain/models/pixart_transformer_2d.hpp"
 #include "difftrain/models/pretrained.hpp"

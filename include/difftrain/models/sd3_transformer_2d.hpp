@@ -192,7 +192,7 @@ TORCH_MODULE(RMSNorm);
 class ModulatedNormImpl : public torch::nn::Module {
  public:
   ModulatedNormImpl(std::int64_t dim, std::int64_t chunks) : chunks_(chunks) {
-    linear = register_module("linear", torch::nn::Linear(dim, chunks * dim));
+    linear = register_module("linear", nn::AdaptableLinear(dim, chunks * dim));
     norm = register_module("norm", adaln_layer_norm(dim));
   }
   /// (norm(x), the chunks of linear(silu(temb)), each (B, D)).
@@ -200,7 +200,7 @@ class ModulatedNormImpl : public torch::nn::Module {
                                                          const at::Tensor& temb) {
     return {norm->forward(x), linear->forward(at::silu(temb)).chunk(chunks_, 1)};
   }
-  torch::nn::Linear linear{nullptr};
+  nn::AdaptableLinear linear{nullptr};  // kohya's fp8 base and LoRA reach the modulations too
   torch::nn::LayerNorm norm{nullptr};
 
  private:
@@ -213,14 +213,14 @@ TORCH_MODULE(ModulatedNorm);
 class AdaLayerNormContinuousImpl : public torch::nn::Module {
  public:
   AdaLayerNormContinuousImpl(std::int64_t dim, std::int64_t conditioning_dim) {
-    linear = register_module("linear", torch::nn::Linear(conditioning_dim, 2 * dim));
+    linear = register_module("linear", nn::AdaptableLinear(conditioning_dim, 2 * dim));
     norm = register_module("norm", adaln_layer_norm(dim));
   }
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cond) {
     const auto c = linear->forward(at::silu(cond).to(x.scalar_type())).chunk(2, 1);
     return modulate(norm->forward(x), c[1], c[0]);
   }
-  torch::nn::Linear linear{nullptr};
+  nn::AdaptableLinear linear{nullptr};
   torch::nn::LayerNorm norm{nullptr};
 };
 TORCH_MODULE(AdaLayerNormContinuous);

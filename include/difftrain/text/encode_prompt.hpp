@@ -347,4 +347,35 @@ EncodedPrompt encode_prompt_sd3(const SD3TextEncoders<ClipL, ClipG, T5>& e,
   return out;
 }
 
+struct FluxPromptOptions {
+  std::int64_t num_images_per_prompt = 1;
+  std::int64_t max_sequence_length = 512;  ///< T5's tokens: dev 512, schnell 256
+  /// What T5 reads (default: the prompts); one for all or one per prompt.
+  std::optional<std::vector<std::string>> prompt_2;
+};
+
+/// FluxPipeline.encode_prompt: prompt_embeds (B · n, max_sequence_length, T5's width) from T5 and
+/// pooled_prompt_embeds (B · n, CLIP's width) from CLIPTextModel's pooled output (the end token's
+/// last hidden state), the prompts padded to CLIP's 77 tokens. The text ids are zeros
+/// (max_sequence_length, 3): FluxPipeline's text_ids.
+template <class Clip, class T5>
+EncodedPrompt encode_prompt_flux(const CLIPTokenizer& tokenizer, Clip& text_encoder,
+                                 const T5Tokenizer& tokenizer_2, T5& text_encoder_2,
+                                 const std::vector<std::string>& prompts,
+                                 const FluxPromptOptions& o = {}) {
+  const std::string where = "encode_prompt_flux";
+  if (prompts.empty()) throw ConfigError("no prompts", where);
+  if (o.num_images_per_prompt < 1)
+    throw ConfigError("num_images_per_prompt must be at least 1", where);
+  const std::vector<std::string> prompts_2 =
+      o.prompt_2 ? encode_detail::negatives(o.prompt_2, prompts.size(), "prompt_2") : prompts;
+  EncodedPrompt out;
+  const models::CLIPTextOutput clip = text_encoder->forward(
+      encode_detail::ids_for(tokenizer, text_encoder, prompts, tokenizer.model_max_length()));
+  out.pooled_prompt_embeds = encode_detail::per_image(clip.pooler_output, o.num_images_per_prompt);
+  out.prompt_embeds = t5_prompt_embeds(tokenizer_2, text_encoder_2, prompts_2,
+                                       o.max_sequence_length, o.num_images_per_prompt);
+  return out;
+}
+
 }  // namespace difftrain::text

@@ -13,6 +13,10 @@
 // branch's parameters are the layer's children `lora_A` and `lora_B`, so names read
 // `…to_q.lora_A.weight`, as in diffusers' LoRA files.
 //
+// A frozen base weight can be stored in float8 e4m3 with a per-tensor scale (kohya's --fp8_base:
+// store_frozen_weights_fp8), dequantised per layer in the forward; the adapters stay in the compute
+// dtype.
+//
 // DoRA (Liu et al. 2024, PEFT's `use_dora`) splits the adapted weight W' = W + scale·B·A into a
 // trained magnitude m and a direction: W_eff = m · W' / ‖W'‖. PEFT and diffusers (and LyCORIS'
 // default, `wd_on_output`) take the norm per output row; the web UI and LyCORIS'
@@ -98,6 +102,12 @@ class LoraHost {
   /// DoRA's magnitude, shaped to broadcast over the base weight ((out, 1, ...) per output row,
   /// (1, in, ...) per input column); undefined without DoRA.
   [[nodiscard]] virtual at::Tensor lora_magnitude() const = 0;
+  /// Stores the frozen base weight as float8 e4m3 with a per-tensor scale (absmax / 448, the
+  /// buffer `scale_weight`, as ComfyUI's scaled-fp8 files name it), halving bf16's storage; the
+  /// forward dequantises it to `compute` per call. Adapters stay in `compute`. A weight that
+  /// trains is a ConfigError.
+  virtual void store_weight_fp8(at::ScalarType compute) = 0;
+  [[nodiscard]] virtual bool weight_in_fp8() const = 0;
   /// The change the branch makes to the base weight (scale·B·A; with DoRA, W_eff − W).
   [[nodiscard]] virtual at::Tensor delta_weight() const = 0;
 };
@@ -122,7 +132,9 @@ class AdaptableImpl : public Base, public LoraHost {
   at::Tensor forward(const at::Tensor& x) {
     if (lora_A && !merged_ && o_.use_dora && o_.dora_axis == DoraAxis::input)
       return with_bias(Traits::with_weight(this->options, x, dora_weight()));
-    at::Tensor y = Base::forward(x);
+    at::Tensor y =
+        fp8_ ? with_bias(Traits::with_weight(this->options, x, base_weight().to(x.scalar_type())))
+             : Base::forward(x);
     if (lora_A && !merged_) {
       const bool drop = dropout_ && this->is_training();
       const at::Tensor in = drop ? dropout_->forward(x) : x;
@@ -130,15 +142,38 @@ class AdaptableImpl : public Base, public LoraHost {
         const at::Tensor norm = weight_norm(lora_product().detach()).detach();
         const at::Tensor ratio = Traits::per_output(lora_magnitude_vector / norm);
         const at::Tensor base =
-            drop ? Traits::with_weight(this->options, in, this->weight) : without_bias(y);
+            drop ? Traits::with_weight(this->options, in, base_weight()) : without_bias(y);
         y = y + (ratio - 1) * base + ratio * lora_B->forward(lora_A->forward(in)) * o_.scale();
       } else {
         y = y + lora_B->forward(lora_A->forward(in)) * o_.scale();
       }
     }
     if (delta_)  // the layer's own operation with ΔW, without bias
-      y = y + Traits::with_weight(this->options, x, delta_->delta_weight(this->weight));
+      y = y + Traits::with_weight(this->options, x, delta_->delta_weight(base_weight()));
     return y;
+  }
+
+  void store_weight_fp8(at::ScalarType compute) override {
+    const std::string where = std::string(Traits::name) + "::store_weight_fp8";
+    if (fp8_) return;
+    if (this->weight.requires_grad())
+      throw ConfigError("the weight trains; only a frozen base weight is stored in fp8", where);
+    if (merged_) throw ConfigError("has a merged branch; unmerge it first", where);
+    at::NoGradGuard no_grad;
+    const at::Tensor w = this->weight.detach().to(at::kFloat);
+    const double absmax = w.abs().max().item<double>();
+    const double scale = absmax > 0 ? absmax / 448.0 : 1.0;  // e4m3's largest finite value
+    scale_weight = this->register_buffer("scale_weight",
+                                         at::scalar_tensor(scale, w.options().dtype(at::kFloat)));
+    this->weight.set_data((w / scale).to(at::kFloat8_e4m3fn));
+    compute_ = compute;
+    fp8_ = true;
+  }
+  [[nodiscard]] bool weight_in_fp8() const override { return fp8_; }
+  /// The base weight in the compute dtype (dequantised when stored in fp8).
+  [[nodiscard]] at::Tensor base_weight() const {
+    if (!fp8_) return this->weight;
+    return (this->weight.to(at::kFloat) * scale_weight).to(compute_);
   }
 
   /// Attaches a weight-change adapter (LoHa, LoKr) as the child "adapter"; one per layer, and
@@ -160,8 +195,9 @@ class AdaptableImpl : public Base, public LoraHost {
     o_ = o;
     lora_A = this->register_module("lora_A", Traits::make_a(this->options, o.rank));
     lora_B = this->register_module("lora_B", Traits::make_b(this->options, o.rank));
-    lora_A->to(this->weight.device(), this->weight.scalar_type());
-    lora_B->to(this->weight.device(), this->weight.scalar_type());
+    const at::ScalarType dtype = fp8_ ? compute_ : this->weight.scalar_type();
+    lora_A->to(this->weight.device(), dtype);
+    lora_B->to(this->weight.device(), dtype);
     lora_detail::init_a(lora_A->weight);
     {
       at::NoGradGuard no_grad;
@@ -170,7 +206,10 @@ class AdaptableImpl : public Base, public LoraHost {
     if (o.use_dora) {  // m starts as ‖W‖, so the adapted layer starts as the base layer
       at::NoGradGuard no_grad;
       lora_magnitude_vector = this->register_parameter(
-          "lora_magnitude_vector", weight_norm(at::zeros_like(this->weight)).detach().clone());
+          "lora_magnitude_vector",
+          weight_norm(at::zeros(this->weight.sizes(), this->weight.options().dtype(dtype)))
+              .detach()
+              .clone());
     }
     if (o.dropout > 0)
       dropout_ = this->register_module("lora_dropout", torch::nn::Dropout(o.dropout));
@@ -195,6 +234,9 @@ class AdaptableImpl : public Base, public LoraHost {
   void merge() override {
     require_branch("merge");
     if (merged_) return;
+    if (fp8_)
+      throw ConfigError("keeps its base weight in fp8; a branch cannot be merged into it",
+                        std::string(Traits::name) + "::merge");
     at::NoGradGuard no_grad;
     merged_delta_ = delta_weight();  // kept, so that unmerge restores W even with DoRA
     this->weight.add_(merged_delta_);
@@ -221,7 +263,7 @@ class AdaptableImpl : public Base, public LoraHost {
   [[nodiscard]] at::Tensor delta_weight() const override {
     require_branch("delta_weight");
     if (merged_) return merged_delta_;
-    if (o_.use_dora) return dora_weight() - this->weight;
+    if (o_.use_dora) return dora_weight() - base_weight();
     return lora_product() * o_.scale();
   }
 
@@ -236,7 +278,7 @@ class AdaptableImpl : public Base, public LoraHost {
   /// ‖W + scale·Δ‖ along DoRA's axis, shaped as the magnitude. The input-column form adds
   /// float32's ε as LyCORIS does.
   [[nodiscard]] at::Tensor weight_norm(const at::Tensor& product) const {
-    const at::Tensor w = this->weight + product * o_.scale();
+    const at::Tensor w = base_weight() + product * o_.scale();
     if (o_.dora_axis == DoraAxis::output) {
       std::vector<std::int64_t> dims(static_cast<std::size_t>(w.dim() - 1));
       for (std::size_t i = 0; i < dims.size(); ++i) dims[i] = static_cast<std::int64_t>(i) + 1;
@@ -250,7 +292,7 @@ class AdaptableImpl : public Base, public LoraHost {
   /// W_eff = m · W' / ‖W'‖.
   [[nodiscard]] at::Tensor dora_weight() const {
     const at::Tensor product = lora_product();
-    const at::Tensor w = this->weight + product * o_.scale();
+    const at::Tensor w = base_weight() + product * o_.scale();
     return w * (lora_magnitude_vector / weight_norm(product));
   }
   [[nodiscard]] at::Tensor with_bias(const at::Tensor& y) const {
@@ -269,6 +311,11 @@ class AdaptableImpl : public Base, public LoraHost {
   std::shared_ptr<WeightDelta> delta_;
   at::Tensor merged_delta_{};
   bool merged_ = false;
+  bool fp8_ = false;
+  at::ScalarType compute_ = at::kFloat;
+
+ public:
+  at::Tensor scale_weight{};  ///< fp8 storage's per-tensor scale (undefined otherwise)
 };
 
 /// Linear: A is Linear(in, r), B Linear(r, out), both without bias.
@@ -332,5 +379,32 @@ class AdaptableConv2dImpl : public AdaptableImpl<torch::nn::Conv2dImpl, Conv2dLo
   using AdaptableImpl::AdaptableImpl;
 };
 TORCH_MODULE(AdaptableConv2d);
+
+/// What store_frozen_weights_fp8 did: the layers it converted and the weight bytes before and
+/// after.
+struct Fp8Storage {
+  std::size_t layers = 0;
+  std::int64_t bytes_before = 0, bytes_after = 0;
+};
+
+/// kohya's --fp8_base for any model built of adaptable layers: every frozen base weight of
+/// `root`'s AdaptableLinear / AdaptableConv2d layers stored in float8 e4m3 with a per-tensor
+/// scale, dequantised to `compute` in each forward; trainable weights, adapters, biases and norms
+/// are left as they are.
+inline Fp8Storage store_frozen_weights_fp8(torch::nn::Module& root, at::ScalarType compute) {
+  Fp8Storage out;
+  for (const auto& item : root.named_modules("", /*include_self=*/false)) {
+    auto* host = dynamic_cast<LoraHost*>(item.value().get());
+    if (host == nullptr || host->weight_in_fp8()) continue;
+    const at::Tensor w = item.value()->named_parameters(false)["weight"];
+    if (w.requires_grad()) continue;
+    out.bytes_before += static_cast<std::int64_t>(w.nbytes());
+    host->store_weight_fp8(compute);
+    out.bytes_after += static_cast<std::int64_t>(
+        item.value()->named_parameters(false)["weight"].nbytes() + 4);  // + the scale
+    ++out.layers;
+  }
+  return out;
+}
 
 }  // namespace difftrain::nn

@@ -1,0 +1,246 @@
+// Flux.1's transformer (models/flux_transformer_2d.hpp) against diffusers' FluxTransformer2DModel
+// (tests/reference/ref_flux.py): four tiny configurations (double- and single-stream blocks, none
+// of one kind, guidance embeddings on and off, rotary axes split several ways, another output
+// width, odd latent grids, text of one token) loaded from diffusers' folders give its output and
+// every gradient; checkpointed blocks give the same gradients; Flux.1 dev's and schnell's
+// parameters, by name and shape, from their configs without building them; mistakes are typed.
+#include <difftrain/io/safetensors.hpp>
+#include <difftrain/models/flux_transformer_2d.hpp>
+#include <difftrain/models/pretrained.hpp>
+#include <difftrain/nn/layers/adaptable.hpp>
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <numeric>
+#include <string>
+
+#include "golden.hpp"
+#include "poison_units.hpp"
+
+namespace dt = difftrain;
+namespace models = difftrain::models;
+namespace tst = difftrain::test;
+namespace fs = std::filesystem;
+
+namespace {
+
+using Flux = models::FluxTransformer2DModel<>;
+
+double scaled_error(const at::Tensor& got, const at::Tensor& want) {
+  return (got - want).abs().max().item<double>() / std::max(1.0, want.abs().max().item<double>());
+}
+
+struct FluxRun {
+  at::Tensor output;
+  std::map<std::string, at::Tensor> grads;
+};
+
+FluxRun run_case(Flux& model, const std::map<std::string, at::Tensor>& t) {
+  model->zero_grad();
+  std::map<std::string, at::Tensor> in;
+  for (const char* k : {"hidden_states", "encoder_hidden_states", "pooled_projections"})
+    in[k] = t.at(std::string("input.") + k).clone().requires_grad_();
+  const at::Tensor guidance = t.contains("input.guidance") ? t.at("input.guidance") : at::Tensor();
+  const at::Tensor y = model->forward(in["hidden_states"], in["encoder_hidden_states"],
+                                      in["pooled_projections"], t.at("input.timestep"),
+                                      t.at("input.img_ids"), t.at("input.txt_ids"), guidance);
+  (y * t.at("cotangent")).sum().backward();
+  FluxRun r{y.detach(), {}};
+  for (const auto& [k, v] : in) r.grads["input." + k] = v.grad();
+  for (const auto& p : model->named_parameters())
+    r.grads[p.key()] =
+        p.value().grad().defined() ? p.value().grad().clone() : at::zeros_like(p.value());
+  return r;
+}
+
+}  // namespace
+
+TEST(Flux, MatchesDiffusersOnEverySweptConfig) {
+  const auto& index = tst::golden("flux.json");
+  ASSERT_EQ(index["cases"].size(), 4U);
+  const fs::path root = fs::path(DIFFTRAIN_GOLDEN_DIR) / "models";
+  for (const auto& c : index["cases"]) {
+    const std::string name = c["name"];
+    SCOPED_TRACE(name);
+    const auto t = dt::io::load_safetensors(root / (name + ".io.safetensors"), true).tensors;
+    auto model = models::from_pretrained<Flux>(root / name);
+    model->train();
+    const tst::PoisonUnits units;  // every block a unit: no parameter is used outside its block
+    const FluxRun r = run_case(model, t);
+    EXPECT_LE(scaled_error(r.output, t.at("output")), 1e-5);
+    std::size_t grads = 0;
+    for (const auto& [key, got] : r.grads) {
+      const at::Tensor& want = t.at("grad." + key);
+      EXPECT_LE(scaled_error(got, want), 1e-4) << key;
+      ++grads;
+    }
+    EXPECT_EQ(grads, model->named_parameters().size() + 3);
+    // The table of parameters computed from the config is the model's, in order.
+    const auto table = models::flux_parameter_table(model->config());
+    const auto params = model->named_parameters();
+    ASSERT_EQ(table.size(), params.size());
+    for (std::size_t i = 0; i < table.size(); ++i) {
+      EXPECT_EQ(table[i].first, params[i].key());
+      EXPECT_EQ(at::IntArrayRef(table[i].second), params[i].value().sizes()) << table[i].first;
+    }
+    // Checkpointed blocks: the same output and gradients.
+    model->set_gradient_checkpointing(true);
+    const FluxRun again = run_case(model, t);
+    model->set_gradient_checkpointing(false);
+    EXPECT_LE(scaled_error(again.output, r.output), 1e-6);
+    for (const auto& [key, g] : again.grads)
+      EXPECT_LE(scaled_error(g, r.grads.at(key)), 1e-6) << key;
+  }
+}
+
+TEST(Flux, PublishedConfigsHaveDiffusersParameters) {
+  const auto& tables = tst::golden("flux.json")["tables"];
+  const std::map<std::string, std::int64_t> totals{{"dev", 11'901'408'320},
+                                                   {"schnell", 11'891'178'560}};
+  for (const auto& [label, total] : totals) {
+    SCOPED_TRACE(label);
+    const auto& want = tables[label];
+    const auto config = models::FluxTransformer2DConfig::from_json(want["config"], label);
+    const auto table = models::flux_parameter_table(config);
+    ASSERT_EQ(table.size(), want["parameters"].size());
+    std::int64_t count = 0;
+    for (std::size_t i = 0; i < table.size(); ++i) {
+      EXPECT_EQ(table[i].first, want["parameters"][i][0].get<std::string>());
+      EXPECT_EQ(table[i].second, want["parameters"][i][1].get<std::vector<std::int64_t>>())
+          << table[i].first;
+      count += std::accumulate(table[i].second.begin(), table[i].second.end(), std::int64_t{1},
+                               std::multiplies<>());
+    }
+    EXPECT_EQ(count, total);
+  }
+}
+
+TEST(Flux, MistakesAreTypedErrors) {
+  models::FluxTransformer2DConfig c;
+  c.num_layers = 1;
+  c.num_single_layers = 1;
+  c.attention_head_dim = 8;
+  c.num_attention_heads = 2;
+  c.in_channels = 4;
+  c.joint_attention_dim = 6;
+  c.pooled_projection_dim = 5;
+  c.axes_dims_rope = {2, 2, 4};
+  auto bad = c;
+  bad.axes_dims_rope = {2, 2, 2};
+  EXPECT_THROW(Flux{bad}, dt::ConfigError);  // the axes must fill the head
+  bad = c;
+  bad.axes_dims_rope = {3, 1, 4};
+  EXPECT_THROW(Flux{bad}, dt::ConfigError);  // odd axes
+  bad = c;
+  bad.patch_size = 2;
+  EXPECT_THROW(Flux{bad}, dt::ConfigError);
+  EXPECT_THROW(models::FluxTransformer2DConfig::from_json({{"num_layer", 2}}, "config.json"),
+               dt::ConfigError);  // a misspelt field
+  Flux model(c);
+  const at::Tensor x = at::randn({2, 6, 4}), text = at::randn({2, 3, 6}),
+                   pooled = at::randn({2, 5});
+  const at::Tensor ts = at::rand({2}), img = at::zeros({6, 3}), txt = at::zeros({3, 3});
+  EXPECT_NO_THROW((void)model->forward(x, text, pooled, ts, img, txt));
+  EXPECT_THROW((void)model->forward(x, text, pooled, ts, img, txt, at::ones({2})),
+               dt::ShapeError);  // no guidance embedding
+  EXPECT_THROW((void)model->forward(at::randn({2, 6, 5}), text, pooled, ts, img, txt),
+               dt::ShapeError);
+  EXPECT_THROW((void)model->forward(x, at::randn({2, 3, 7}), pooled, ts, img, txt), dt::ShapeError);
+  EXPECT_THROW((void)model->forward(x, text, pooled, ts, at::zeros({5, 3}), txt), dt::ShapeError);
+  EXPECT_THROW((void)model->forward(x, text, pooled, ts, img, at::zeros({3, 2})), dt::ShapeError);
+  auto guided = c;
+  guided.guidance_embeds = true;
+  Flux with_guidance(guided);
+  EXPECT_THROW((void)with_guidance->forward(x, text, pooled, ts, img, txt), dt::ShapeError);
+}
+
+TEST(Flux, PipelinePiecesMatchFluxPipeline) {
+  const auto t =
+      dt::io::load_safetensors(fs::path(DIFFTRAIN_GOLDEN_DIR) / "flux_pipeline.safetensors", true)
+          .tensors;
+  for (int k = 0; k < 3; ++k) {
+    const std::string p = "pack." + std::to_string(k) + ".";
+    const at::Tensor lat = t.at(p + "latents");
+    const at::Tensor packed = models::flux_pack_latents(lat);
+    EXPECT_TRUE(at::equal(packed, t.at(p + "packed"))) << k;
+    EXPECT_TRUE(at::equal(models::flux_unpack_latents(packed, lat.size(2) * 8, lat.size(3) * 8, 8),
+                          t.at(p + "unpacked")))
+        << k;
+    EXPECT_TRUE(at::equal(models::flux_latent_image_ids(lat.size(2) / 2, lat.size(3) / 2),
+                          t.at("ids." + std::to_string(k))))
+        << k;
+  }
+  const auto& index = tst::golden("flux.json");
+  for (const auto& m : index["mu"])
+    EXPECT_NEAR(models::flux_calculate_shift(m[0].get<std::int64_t>()), m[1].get<double>(), 1e-12);
+  for (const auto& m : index["mu_custom"])
+    EXPECT_NEAR(models::flux_calculate_shift(m[0].get<std::int64_t>(), 128, 2048, 0.3, 1.5),
+                m[1].get<double>(), 1e-12);
+  EXPECT_THROW((void)models::flux_pack_latents(at::zeros({1, 4, 3, 4})), dt::ShapeError);
+  EXPECT_THROW((void)models::flux_unpack_latents(at::zeros({1, 5, 16}), 32, 32, 8), dt::ShapeError);
+}
+
+// kohya's --fp8_base as a library option (nn::store_frozen_weights_fp8): a frozen base weight in
+// float8 e4m3 with a per-tensor scale, one byte a value (half of bf16's), dequantised per layer;
+// the LoRA branch attached after stays in the compute dtype and alone trains; merging and a
+// trainable weight are refused. On a Flux model with LoRA the output stays within a few percent
+// of float32's (the figure docs/models.md states).
+TEST(Flux, Fp8BaseWeightsDequantisePerLayerAndKeepAdaptersTraining) {
+  namespace nn = difftrain::nn;
+  at::manual_seed(4);
+  nn::AdaptableLinear lin(64, 48);
+  const at::Tensor w32 = lin->weight.detach().clone();
+  const at::Tensor x = at::randn({5, 64});
+  const at::Tensor y32 = lin->forward(x).detach();
+  EXPECT_THROW(lin->store_weight_fp8(at::kFloat), dt::ConfigError);  // it trains
+  lin->weight.set_requires_grad(false);
+  lin->store_weight_fp8(at::kFloat);
+  EXPECT_EQ(lin->weight.scalar_type(), at::kFloat8_e4m3fn);
+  EXPECT_EQ(lin->weight.nbytes(), static_cast<std::size_t>(w32.numel()));  // bf16 would be 2×
+  const double scale = w32.abs().max().item<double>() / 448.0;
+  EXPECT_NEAR(lin->scale_weight.item<double>(), scale, 1e-7 * scale);  // kept in float32
+  EXPECT_TRUE(at::equal(lin->base_weight(),
+                        (w32 / scale).to(at::kFloat8_e4m3fn).to(at::kFloat) * lin->scale_weight));
+  const double err = scaled_error(lin->forward(x), y32);
+  EXPECT_GT(err, 0.0);
+  EXPECT_LT(err, 0.05);
+  lin->attach_lora({.rank = 4, .alpha = 4.0});
+  EXPECT_EQ(lin->lora_A->weight.scalar_type(), at::kFloat);
+  {
+    const at::NoGradGuard no_grad;
+    lin->lora_B->weight.normal_(0.0, 0.1);
+  }
+  lin->forward(x).sum().backward();
+  EXPECT_TRUE(lin->lora_A->weight.grad().defined());
+  EXPECT_FALSE(lin->weight.grad().defined());
+  EXPECT_THROW(lin->merge(), dt::ConfigError);
+
+  models::FluxTransformer2DConfig c;
+  c.num_layers = 1;
+  c.num_single_layers = 1;
+  c.attention_head_dim = 16;
+  c.num_attention_heads = 2;
+  c.in_channels = 8;
+  c.joint_attention_dim = 12;
+  c.pooled_projection_dim = 10;
+  c.axes_dims_rope = {4, 6, 6};
+  Flux model(c);
+  for (auto& p : model->parameters()) p.set_requires_grad(false);
+  const at::Tensor h = at::randn({2, 6, 8}), text = at::randn({2, 3, 12}),
+                   pooled = at::randn({2, 10});
+  const at::Tensor ts = at::rand({2}), img = models::flux_latent_image_ids(2, 3),
+                   txt = at::zeros({3, 3});
+  const at::Tensor full = model->forward(h, text, pooled, ts, img, txt).detach();
+  const nn::Fp8Storage stored = nn::store_frozen_weights_fp8(*model, at::kFloat);
+  EXPECT_GT(stored.layers, 20U);
+  EXPECT_LE(stored.bytes_after * 4,
+            stored.bytes_before + 4 * 4 * static_cast<std::int64_t>(stored.layers));
+  const at::Tensor fp8 = model->forward(h, text, pooled, ts, img, txt);
+  const double model_err = scaled_error(fp8, full);
+  EXPECT_LT(model_err, 0.05) << "fp8 base against float32";
+  std::printf("fp8 base: %zu layers, weight bytes %.3f of float32's, output error %.4f of scale\n",
+              stored.layers,
+              static_cast<double>(stored.bytes_after) / static_cast<double>(stored.bytes_before),
+              model_err);
+}
