@@ -22,7 +22,7 @@ def main(binary, golden_dir):
     out = pathlib.Path(tempfile.mkdtemp())
     env = dict(os.environ, DIFFTRAIN_MODELS_OUT=str(out), DIFFTRAIN_GOLDEN_DIR=golden_dir)
     subprocess.run([binary, "--gtest_filter=Models.SavedFoldersRoundTrip:Models.UNetLora*:Models.UNetLohaAndLokr*:Transformers.SavedDiT*:Transformers.CogVideoXLora*:"
-                    "Transformers.TransformerLoraFiles*:CogVideoXVae.SavedFolder*:ModelConfigs.*"],
+                    "Transformers.TransformerLoraFiles*:CogVideoXVae.SavedFolder*:ModelConfigs.*:Flux.LoraFiles*"],
                    check=True, env=env)
     t = load_file(out / "outputs.safetensors")
     unet = UNet2DConditionModel.from_pretrained(out / "unet").eval()
@@ -44,6 +44,7 @@ def main(binary, golden_dir):
     check_transformer_loras(out, pathlib.Path(golden_dir))
     check_weight_deltas(out, pathlib.Path(golden_dir))
     check_dora_locon(out, pathlib.Path(golden_dir))
+    check_flux_loras(out, pathlib.Path(golden_dir))
     check_configs(out)
 
 
@@ -267,6 +268,38 @@ def check_dora_locon(out, golden):
     err2 = float((got2 - want).abs().max())
     assert err2 < 1e-5, ("dora lycoris", err2)
     print(f"DoRA + LoCon: diffusers' loader {err:.1e}, LyCORIS' parser {err2:.1e} from difftrain's UNet output")
+
+
+def check_flux_loras(out, golden):
+    """Flux LoRA files difftrain wrote (Flux.LoraFilesInDiffusersAndKohyasLayouts) in diffusers'
+    layout and in kohya's Flux layout (fused qkv / linear1): FluxPipeline's lora_state_dict (its
+    kohya converter for the second) and load_lora_into_transformer give diffusers' transformer
+    difftrain's output. diffusers' kohya converter assumes Flux.1's full single-block widths, so
+    kohya files are read there for a model of double blocks only."""
+    from diffusers import FluxPipeline, FluxTransformer2DModel
+    for variant in ("targets", "all_blocks", "double_blocks"):
+        folder = out / f"flux_lora_{variant}"
+        case = json.loads((folder / "case.json").read_text())
+        io = load_file(golden / "models" / f"{case['model']}.io.safetensors")
+        want = load_file(folder / "output.safetensors")["transformer"]
+        names = ["pytorch_lora_weights.safetensors"]
+        if case["kohya_in_diffusers"]:
+            names.append("lora_kohya.safetensors")
+        for name in names:
+            model = FluxTransformer2DModel.from_pretrained(golden / "models" / case["model"]).eval()
+            state, alphas, metadata = FluxPipeline.lora_state_dict(
+                str(folder / name), return_alphas=True, return_lora_metadata=True)
+            FluxPipeline.load_lora_into_transformer(state, network_alphas=alphas, transformer=model,
+                                                    metadata=metadata)
+            with torch.no_grad():
+                got = model(hidden_states=io["input.hidden_states"],
+                            encoder_hidden_states=io["input.encoder_hidden_states"],
+                            pooled_projections=io["input.pooled_projections"],
+                            timestep=io["input.timestep"], img_ids=io["input.img_ids"],
+                            txt_ids=io["input.txt_ids"], guidance=io.get("input.guidance")).sample
+            err = float((got - want).abs().max()) / max(1.0, float(want.abs().max()))
+            assert err < 1e-5, (variant, name, err)
+            print(f"Flux LoRA ({variant}, {name}): diffusers gives difftrain's output ({err:.1e})")
 
 
 def check_configs(out):

@@ -4,6 +4,8 @@
 // width, odd latent grids, text of one token) loaded from diffusers' folders give its output and
 // every gradient; checkpointed blocks give the same gradients; Flux.1 dev's and schnell's
 // parameters, by name and shape, from their configs without building them; mistakes are typed.
+#include <difftrain/adapters/flux_lora_files.hpp>
+#include <difftrain/adapters/lora_inject.hpp>
 #include <difftrain/io/safetensors.hpp>
 #include <difftrain/models/flux_transformer_2d.hpp>
 #include <difftrain/models/pretrained.hpp>
@@ -11,7 +13,10 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
 #include <numeric>
 #include <string>
 
@@ -243,4 +248,102 @@ TEST(Flux, Fp8BaseWeightsDequantisePerLayerAndKeepAdaptersTraining) {
               stored.layers,
               static_cast<double>(stored.bytes_after) / static_cast<double>(stored.bytes_before),
               model_err);
+}
+
+// A Flux LoRA in diffusers' layout (PEFT keys with the adapter metadata) and in kohya's Flux
+// layout (BFL's names, fused qkv and linear1 as block-diagonal branches): on diffusers' targets
+// (the single blocks' proj_mlp then has none: zeros in linear1), and on every block layer kohya
+// names (modulations, proj_mlp, the single blocks' proj_out). Fusing keeps ΔW exactly; a branch
+// kohya cannot name and unequal ranks within a fused module are refused. check_cpp_models.py has
+// diffusers load both files and give difftrain's output.
+TEST(Flux, LoraFilesInDiffusersAndKohyasLayouts) {
+  namespace ad = difftrain::adapters;
+  const fs::path root = fs::path(DIFFTRAIN_GOLDEN_DIR) / "models";
+  const ad::LoraTargets every_block{
+      {},
+      R"(.*(attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)|)"
+      R"(ff(_context)?\.net\.(0\.proj|2)|proj_mlp|single_transformer_blocks\.\d+\.proj_out|)"
+      R"(norm1(_context)?\.linear|norm\.linear))"};
+  struct Case {
+    std::string label, model;
+    std::int64_t doubles, singles;
+    ad::LoraTargets targets;
+    bool
+        kohya_in_diffusers;  // diffusers' kohya converter assumes Flux.1's full single-block widths
+  };
+  const std::vector<Case> cases{{"targets", "flux_0", 1, 1, ad::flux_lora_targets(), false},
+                                {"all_blocks", "flux_0", 1, 1, every_block, false},
+                                {"double_blocks", "flux_1", 2, 0, every_block, true}};
+  const char* out_env = std::getenv("DIFFTRAIN_MODELS_OUT");
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.label);
+    const auto t = dt::io::load_safetensors(root / (c.model + ".io.safetensors"), true).tensors;
+    at::manual_seed(12);
+    auto model = models::from_pretrained<Flux>(root / c.model);
+    const auto adapted = ad::inject_lora(*model, c.targets, {.rank = 2, .alpha = 3.0});
+    {
+      const at::NoGradGuard no_grad;
+      for (const auto& [name, h] : ad::lora_layers(*model)) h->lora_b().normal_(0.0, 0.2);
+    }
+    model->eval();
+    const at::NoGradGuard no_grad;
+    const at::Tensor want =
+        model->forward(t.at("input.hidden_states"), t.at("input.encoder_hidden_states"),
+                       t.at("input.pooled_projections"), t.at("input.timestep"),
+                       t.at("input.img_ids"), t.at("input.txt_ids"),
+                       t.contains("input.guidance") ? t.at("input.guidance") : at::Tensor());
+    const auto kohya = ad::flux_kohya_lora_state_dict(*model, c.doubles, c.singles);
+    // Fusing keeps ΔW: the file's scale·up·down equals the separate branches' ΔW stacked.
+    auto fused_delta = [&](const std::string& key, const std::string& block,
+                           const std::vector<std::string>& modules) {
+      const at::Tensor& down = kohya.at(key + ".lora_down.weight");
+      const double scale =
+          kohya.at(key + ".alpha").item<double>() / static_cast<double>(down.size(0));
+      std::vector<at::Tensor> parts;
+      for (const auto& m : modules)
+        parts.push_back(
+            dynamic_cast<dt::nn::LoraHost*>(model->named_modules("", false)[block + m].get())
+                ->delta_weight());
+      EXPECT_EQ(down.size(0), 2 * static_cast<std::int64_t>(modules.size()));
+      return (kohya.at(key + ".lora_up.weight").mm(down) * scale - at::cat(parts))
+          .abs()
+          .max()
+          .item<double>();
+    };
+    if (c.label != "targets") {
+      EXPECT_LT(fused_delta("lora_unet_double_blocks_0_img_attn_qkv", "transformer_blocks.0.",
+                            {"attn.to_q", "attn.to_k", "attn.to_v"}),
+                1e-6);
+      if (c.singles > 0) {
+        EXPECT_LT(fused_delta("lora_unet_single_blocks_0_linear1", "single_transformer_blocks.0.",
+                              {"attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"}),
+                  1e-6);
+      }
+    } else {  // proj_mlp has no branch on diffusers' targets: zeros beside q, k and v
+      EXPECT_EQ(kohya.at("lora_unet_single_blocks_0_linear1.lora_down.weight").size(0), 8);
+    }
+    if (out_env != nullptr) {
+      const fs::path dir = fs::path(out_env) / ("flux_lora_" + c.label);
+      fs::create_directories(dir);
+      nlohmann::json meta;
+      ad::add_peft_adapter_metadata(meta, *model, "transformer");
+      dt::io::save_safetensors(dir / "pytorch_lora_weights.safetensors",
+                               ad::lora_state_dict(*model, {ad::LoraLayout::peft, "transformer."}),
+                               ad::lora_file_metadata(meta));
+      dt::io::save_safetensors(dir / "lora_kohya.safetensors", kohya);
+      dt::io::save_safetensors(dir / "output.safetensors", {{"transformer", want}});
+      std::ofstream(dir / "case.json") << nlohmann::json{
+          {"model", c.model},
+          {"kohya_in_diffusers",
+           c.kohya_in_diffusers}}.dump();
+    }
+  }
+  // Refused: a branch kohya's layout has no name for, unequal ranks inside a fused module.
+  auto model = models::from_pretrained<Flux>(root / "flux_0");
+  (void)ad::inject_lora(*model, {{"x_embedder"}, {}}, {.rank = 2});
+  EXPECT_THROW((void)ad::flux_kohya_lora_state_dict(*model, 1, 1), dt::ConfigError);
+  auto uneven = models::from_pretrained<Flux>(root / "flux_0");
+  (void)ad::inject_lora(*uneven, {{"attn.to_q"}, {}}, {.rank = 2});
+  (void)ad::inject_lora(*uneven, {{"attn.to_k"}, {}}, {.rank = 3});
+  EXPECT_THROW((void)ad::flux_kohya_lora_state_dict(*uneven, 1, 1), dt::ConfigError);
 }
