@@ -9,6 +9,7 @@
 
 #include <gtest/gtest.h>
 #include <png.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -23,9 +24,11 @@ namespace fs = std::filesystem;
 namespace {
 
 struct Folders {
+  // One folder per test and process: CTest runs these tests at once, each its own process.
   fs::path root = fs::temp_directory_path() /
                   ("difftrain-dataset-config-" +
-                   std::to_string(::testing::UnitTest::GetInstance()->random_seed()));
+                   std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()) +
+                   "-" + std::to_string(::getpid()));
   Folders() {
     fs::create_directories(root / "a");
     fs::create_directories(root / "b");

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "difftrain/core/error.hpp"
+#include "difftrain/core/registry.hpp"
 #include "difftrain/data/caption_options.hpp"
 
 namespace difftrain::data {
@@ -98,21 +99,6 @@ inline std::string position(const std::filesystem::path& file, const toml::sourc
   return file.string() + ":" + std::to_string(r.begin.line) + ":" + std::to_string(r.begin.column);
 }
 
-inline std::size_t edit_distance(std::string_view a, std::string_view b) {
-  std::vector<std::size_t> row(b.size() + 1);
-  for (std::size_t j = 0; j <= b.size(); ++j) row[j] = j;
-  for (std::size_t i = 1; i <= a.size(); ++i) {
-    std::size_t diagonal = row[0];
-    row[0] = i;
-    for (std::size_t j = 1; j <= b.size(); ++j) {
-      const std::size_t above = row[j];
-      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
-      diagonal = above;
-    }
-  }
-  return row[b.size()];
-}
-
 /// Refuses a key kohya does not take at `level`, suggesting the nearest one.
 inline void check_key(const std::string& key, Level level, const std::string& where) {
   const bool subset = subset_ascendable().contains(key);
@@ -132,7 +118,8 @@ inline void check_key(const std::string& key, Level level, const std::string& wh
   std::size_t best = 4;  // suggest only a near miss
   for (const auto* keys : {&subset_ascendable(), &subset_distinct(), &dataset_ascendable()})
     for (const auto& k : *keys)
-      if (const std::size_t d = edit_distance(key, k); d < best) best = d, nearest = k;
+      if (const std::size_t d = difftrain::detail::edit_distance(key, k); d < best)
+        best = d, nearest = k;
   throw ConfigError("'" + key + "' is not a key of kohya's dataset config in " + table +
                         (nearest.empty() ? "" : "; did you mean '" + nearest + "'?"),
                     where);

@@ -51,15 +51,10 @@ inline HuberSchedule huber_schedule_from(std::string_view name, const std::strin
 ///   exponential  exp(ln(c) / N · t) · scale      (scale at t = 0, c · scale at t = N)
 ///   snr          (1 − c) / (1 + σ_t)² + c,  σ_t = √((1 − ᾱ_t) / ᾱ_t)   (scale unused, as there)
 /// `huber_c` must lie in (0, 1] for the exponential schedule (its logarithm), in [0, 1] otherwise.
-/// The same for a schedule without ᾱ (flow matching): `timesteps` in [0, N] (σ·N), constant and
-/// exponential only; snr is a ConfigError, as kohya's SD3 and Flux paths raise.
-inline at::Tensor huber_threshold(HuberSchedule schedule, double huber_c, double huber_scale,
-                                  const at::Tensor& timesteps, std::int64_t num_train_timesteps);
-
-inline at::Tensor huber_threshold(HuberSchedule schedule, double huber_c, double huber_scale,
-                                  const at::Tensor& timesteps, const NoiseSchedule& noise) {
-  if (schedule != HuberSchedule::snr)
-    return huber_threshold(schedule, huber_c, huber_scale, timesteps, noise.num_train_timesteps());
+namespace loss_detail {
+/// `huber_c` in (0, 1] for the exponential schedule (its logarithm), in [0, 1] otherwise; a
+/// positive scale.
+inline void check_huber(HuberSchedule schedule, double huber_c, double huber_scale) {
   if (!std::isfinite(huber_c) || huber_c < 0 || huber_c > 1 ||
       (schedule == HuberSchedule::exponential && huber_c <= 0))
     throw ConfigError(
@@ -69,6 +64,19 @@ inline at::Tensor huber_threshold(HuberSchedule schedule, double huber_c, double
   if (!std::isfinite(huber_scale) || huber_scale <= 0)
     throw ConfigError("must be a positive number, got " + std::to_string(huber_scale),
                       "--huber_scale");
+}
+}  // namespace loss_detail
+
+/// The same for a schedule without ᾱ (flow matching): `timesteps` in [0, N] (σ·N), constant and
+/// exponential only; snr is a ConfigError, as kohya's SD3 and Flux paths raise.
+inline at::Tensor huber_threshold(HuberSchedule schedule, double huber_c, double huber_scale,
+                                  const at::Tensor& timesteps, std::int64_t num_train_timesteps);
+
+inline at::Tensor huber_threshold(HuberSchedule schedule, double huber_c, double huber_scale,
+                                  const at::Tensor& timesteps, const NoiseSchedule& noise) {
+  if (schedule != HuberSchedule::snr)
+    return huber_threshold(schedule, huber_c, huber_scale, timesteps, noise.num_train_timesteps());
+  loss_detail::check_huber(schedule, huber_c, huber_scale);
   const at::Tensor abar =
       noise.alphas_cumprod_at(timesteps.cpu(), 1, at::TensorOptions().dtype(at::kDouble));
   const at::Tensor sigmas = ((1.0 - abar) / abar).sqrt();
@@ -79,15 +87,7 @@ inline at::Tensor huber_threshold(HuberSchedule schedule, double huber_c, double
 
 inline at::Tensor huber_threshold(HuberSchedule schedule, double huber_c, double huber_scale,
                                   const at::Tensor& timesteps, std::int64_t num_train_timesteps) {
-  if (!std::isfinite(huber_c) || huber_c < 0 || huber_c > 1 ||
-      (schedule == HuberSchedule::exponential && huber_c <= 0))
-    throw ConfigError(
-        "must lie in " + std::string(schedule == HuberSchedule::exponential ? "(0, 1]" : "[0, 1]") +
-            ", got " + std::to_string(huber_c),
-        "--huber_c");
-  if (!std::isfinite(huber_scale) || huber_scale <= 0)
-    throw ConfigError("must be a positive number, got " + std::to_string(huber_scale),
-                      "--huber_scale");
+  loss_detail::check_huber(schedule, huber_c, huber_scale);
   switch (schedule) {
     case HuberSchedule::constant:
       return at::full({timesteps.size(0)}, huber_c * huber_scale,
