@@ -135,21 +135,6 @@ struct TrainingImages {
   std::vector<float> weights;
 };
 
-namespace dreambooth_detail {
-inline bool same_captions(const difftrain::data::CaptionOptions& a,
-                          const difftrain::data::CaptionOptions& b) {
-  return a.caption_prefix == b.caption_prefix && a.caption_suffix == b.caption_suffix &&
-         a.caption_dropout_rate == b.caption_dropout_rate &&
-         a.caption_dropout_every_n_epochs == b.caption_dropout_every_n_epochs &&
-         a.caption_tag_dropout_rate == b.caption_tag_dropout_rate &&
-         a.shuffle_caption == b.shuffle_caption && a.keep_tokens == b.keep_tokens &&
-         a.keep_tokens_separator == b.keep_tokens_separator &&
-         a.caption_separator == b.caption_separator &&
-         a.secondary_separator == b.secondary_separator && a.enable_wildcard == b.enable_wildcard &&
-         a.token_warmup_min == b.token_warmup_min && a.token_warmup_step == b.token_warmup_step;
-}
-}  // namespace dreambooth_detail
-
 /// kohya's dataset config as one folder of records: each subset scanned with its caption
 /// extension, an image without a caption file captioned with the subset's class tokens (empty
 /// without them, as kohya), repeated num_repeats times; regularization subsets repeated to as
@@ -180,7 +165,7 @@ TrainingImages images_from_dataset_config(Settings& s, const DreamBoothFlags& f,
   if (d.bucket_reso_steps) s.bucket_reso_steps = *d.bucket_reso_steps;
   const data::DatasetSubsetConfig& first = d.subsets.front();
   for (const auto& sub : d.subsets) {
-    if (!dreambooth_detail::same_captions(sub.captions, first.captions))
+    if (sub.captions != first.captions)
       throw ConfigError(
           "has other caption options than the first subset; difftrain applies one set per run "
           "(put them in [general] or the dataset)",

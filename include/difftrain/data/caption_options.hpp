@@ -44,6 +44,9 @@ struct CaptionOptions {
   std::int64_t token_warmup_min = 1;
   double token_warmup_step = 0;  // < 1: a fraction of the run's steps
 
+  /// Every option equal (the dataset config's subsets must agree on them).
+  [[nodiscard]] bool operator==(const CaptionOptions&) const = default;
+
   /// Whether any option changes a caption (a run without them can cache its text encodings).
   [[nodiscard]] bool any() const {
     return !caption_prefix.empty() || !caption_suffix.empty() || caption_dropout_rate > 0 ||
