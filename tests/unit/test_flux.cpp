@@ -9,9 +9,12 @@
 #include <difftrain/io/safetensors.hpp>
 #include <difftrain/models/flux_transformer_2d.hpp>
 #include <difftrain/models/pretrained.hpp>
+#include <difftrain/nn/block_swap.hpp>
 #include <difftrain/nn/layers/adaptable.hpp>
 
 #include <gtest/gtest.h>
+
+#include <ATen/Context.h>
 
 #include <cstdlib>
 #include <filesystem>
@@ -57,6 +60,17 @@ FluxRun run_case(Flux& model, const std::map<std::string, at::Tensor>& t) {
     r.grads[p.key()] =
         p.value().grad().defined() ? p.value().grad().clone() : at::zeros_like(p.value());
   return r;
+}
+
+/// f() throws a ConfigError whose message mentions `mention`.
+template <class F>
+void expect_config_error(F&& f, const std::string& mention) {
+  try {
+    f();
+    ADD_FAILURE() << "accepted; expected an error mentioning '" << mention << "'";
+  } catch (const dt::ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find(mention), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace
@@ -346,4 +360,134 @@ TEST(Flux, LoraFilesInDiffusersAndKohyasLayouts) {
   (void)ad::inject_lora(*uneven, {{"attn.to_q"}, {}}, {.rank = 2});
   (void)ad::inject_lora(*uneven, {{"attn.to_k"}, {}}, {.rank = 3});
   EXPECT_THROW((void)ad::flux_kohya_lora_state_dict(*uneven, 1, 1), dt::ConfigError);
+}
+
+// Block swapping (nn/block_swap.hpp, kohya's --blocks_to_swap): the frozen weights of the last
+// blocks live on the host and come in only while their block runs, in forward and in backward,
+// with and without gradient checkpointing; outputs and every gradient equal the unswapped run's
+// to the bit, at most two swapped blocks are on the device at once, and destroying the swap puts
+// every weight back as it was.
+namespace {
+void check_block_swap(const at::Device device) {
+  namespace nn = difftrain::nn;
+  namespace ad = difftrain::adapters;
+  at::manual_seed(11);
+  models::FluxTransformer2DConfig c;
+  c.num_layers = 4;
+  c.num_single_layers = 6;
+  c.attention_head_dim = 8;
+  c.num_attention_heads = 2;
+  c.in_channels = 8;
+  c.joint_attention_dim = 12;
+  c.pooled_projection_dim = 10;
+  c.axes_dims_rope = {2, 2, 4};
+  c.guidance_embeds = true;
+  Flux model(c);
+  model->to(device);
+  for (auto& p : model->parameters()) p.set_requires_grad(false);
+  ad::inject_lora(*model, ad::flux_lora_targets(), nn::LoraOptions{.rank = 2});
+  {
+    const at::NoGradGuard no_grad;
+    for (auto& p : model->named_parameters())
+      if (p.key().find("lora_B") != std::string::npos) p.value().normal_(0.0, 0.05);
+  }
+  std::map<std::string, at::Tensor> before;
+  for (const auto& p : model->named_parameters()) before[p.key()] = p.value().detach().clone();
+  const auto on = at::TensorOptions().device(device);
+  const at::Tensor h = at::randn({2, 6, 8}, on), text = at::randn({2, 3, 12}, on),
+                   pooled = at::randn({2, 10}, on), ts = at::rand({2}, on),
+                   g = at::full({2}, 3.5, on), img = models::flux_latent_image_ids(2, 3).to(device),
+                   txt = at::zeros({3, 3}, on);
+  auto step = [&] {
+    model->zero_grad();
+    const at::Tensor x = h.clone().requires_grad_();
+    const at::Tensor y = model->forward(x, text, pooled, ts, img, txt, g);
+    y.square().mean().backward();
+    FluxRun r{y.detach(), {{"input", x.grad()}}};
+    for (const auto& p : model->named_parameters())
+      if (p.value().requires_grad()) r.grads[p.key()] = p.value().grad().clone();
+    return r;
+  };
+  for (const bool checkpointing : {false, true}) {
+    SCOPED_TRACE(checkpointing ? "checkpointed" : "plain");
+    model->set_gradient_checkpointing(checkpointing);
+    model->train();
+    const FluxRun want = step();
+    EXPECT_FALSE(want.grads.size() < 20);
+    {
+      const auto swap = models::flux_block_swap(model, 4);  // 2 double, 4 single blocks
+      ASSERT_TRUE(swap);
+      EXPECT_EQ(swap->stats().blocks, 6);
+      // Swapped out from the start: the last double block's weights hold no memory.
+      const at::Tensor w =
+          model->transformer_blocks->ptr(3)->named_parameters()["attn.to_q.weight"];
+      EXPECT_EQ(w.storage().nbytes(), 0U);
+      for (int twice = 0; twice < 2; ++twice) {
+        const FluxRun got = step();
+        EXPECT_TRUE(at::equal(got.output, want.output));
+        for (const auto& [k, v] : want.grads) EXPECT_TRUE(at::equal(got.grads.at(k), v)) << k;
+      }
+      const nn::BlockSwapStats& st = swap->stats();
+      EXPECT_LE(st.peak_resident_bytes, 2 * st.largest_block_bytes);
+      EXPECT_GE(st.copies, 2 * 2 * 6 - 1);  // each block in for forward and backward, twice
+      EXPECT_GT(st.prefetched, 0);
+      EXPECT_LE(st.resident_bytes, st.largest_block_bytes);
+      {  // a no-grad forward leaves nothing resident behind it but what it began with
+        const at::NoGradGuard no_grad;
+        model->eval();
+        const at::Tensor y = model->forward(h, text, pooled, ts, img, txt, g);
+        EXPECT_TRUE(y.isfinite().all().item<bool>());
+        model->train();
+        EXPECT_LE(swap->stats().resident_bytes, st.largest_block_bytes);
+      }
+      {  // every weight readable inside a Whole scope (saving)
+        const auto whole = swap->whole();
+        EXPECT_EQ(swap->stats().resident_bytes, st.host_bytes);
+        for (const auto& p : model->named_parameters())
+          EXPECT_TRUE(at::equal(p.value(), before.at(p.key()))) << p.key();
+      }
+      EXPECT_THROW(models::flux_block_swap(model, 2), dt::ConfigError);  // one per process
+    }
+    for (const auto& p : model->named_parameters())
+      EXPECT_TRUE(at::equal(p.value(), before.at(p.key()))) << p.key();
+  }
+}
+}  // namespace
+
+TEST(Flux, BlockSwapKeepsResultsToTheBitAndTwoBlocksResident) {
+  namespace nn = difftrain::nn;
+  check_block_swap(at::kCPU);
+  // kohya's split and bounds: Flux.1's 19 + 38 blocks allow 35.
+  EXPECT_EQ(nn::split_blocks_to_swap(35, 19, 38, "--blocks_to_swap").double_blocks, 17);
+  EXPECT_EQ(nn::split_blocks_to_swap(35, 19, 38, "--blocks_to_swap").single_blocks, 36);
+  expect_config_error([] { nn::split_blocks_to_swap(36, 19, 38, "--blocks_to_swap"); },
+                      "at most 35");
+  expect_config_error([&] { models::flux_block_swap(model, 5); }, "at most 4");
+  expect_config_error([&] { models::flux_block_swap(model, -1); }, "negative");
+  // A block whose every parameter trains has nothing to keep on the host.
+  models::FluxTransformer2DConfig c;
+  c.num_layers = 4;
+  c.num_single_layers = 6;
+  c.attention_head_dim = 8;
+  c.num_attention_heads = 2;
+  c.in_channels = 8;
+  c.joint_attention_dim = 12;
+  c.pooled_projection_dim = 10;
+  c.axes_dims_rope = {2, 2, 4};
+  Flux model(c);
+  for (auto& p : model->parameters()) p.set_requires_grad(false);
+  for (auto& p : model->single_transformer_blocks->ptr(5)->parameters()) p.set_requires_grad(true);
+  expect_config_error([&] { models::flux_block_swap(model, 1); }, "every parameter trains");
+}
+
+// On a CUDA device the copies run on a side stream ahead of use (gpu-check.sh runs it).
+TEST(Flux, BlockSwapOnCudaCopiesAheadOnASideStream) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  // Bit-equality needs kernels that are deterministic run to run (no atomics in attention's
+  // backward): PyTorch's deterministic mode for the comparison.
+  ::setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", 0);
+  const bool was = at::globalContext().deterministicAlgorithms();
+  at::globalContext().setDeterministicAlgorithms(true, false);
+  check_block_swap(at::Device(at::kCUDA, 0));
+  at::globalContext().setDeterministicAlgorithms(was, false);
 }

@@ -30,6 +30,7 @@
 #include <torch/nn/pimpl.h>
 
 #include <cstdint>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <string>
@@ -44,6 +45,7 @@
 #include "difftrain/models/sd3_transformer_2d.hpp"
 #include "difftrain/nn/attention/concepts.hpp"
 #include "difftrain/nn/attention/sdpa.hpp"
+#include "difftrain/nn/block_swap.hpp"
 #include "difftrain/nn/blocks/checkpoint.hpp"
 #include "difftrain/nn/layers/adaptable.hpp"
 #include "difftrain/nn/unit_scope.hpp"
@@ -579,6 +581,31 @@ inline std::vector<std::pair<std::string, std::vector<std::int64_t>>> flux_param
   linear("norm_out.linear", d, 2 * d);
   linear("proj_out", d, c.out());
   return t;
+}
+
+/// kohya's --blocks_to_swap N for a Flux transformer already on its device: the last N / 2 double
+/// blocks and the last 2·(N − N / 2) single blocks keep their frozen weights in host memory (at
+/// most 35 for Flux.1's 19 + 38). Null for N = 0. Live while the model trains; destroying it puts
+/// every block back on the device.
+template <class Model>
+std::unique_ptr<nn::BlockSwap> flux_block_swap(Model& model, std::int64_t n,
+                                               nn::BlockSwapOptions o = {},
+                                               const std::string& where = "blocks_to_swap") {
+  const auto& c = model->config();
+  const nn::DoubleSingleSwap split =
+      nn::split_blocks_to_swap(n, c.num_layers, c.num_single_layers, where);
+  if (n == 0) return nullptr;
+  std::vector<std::shared_ptr<torch::nn::Module>> blocks;
+  std::vector<std::string> names;
+  for (std::int64_t i = c.num_layers - split.double_blocks; i < c.num_layers; ++i) {
+    blocks.push_back(model->transformer_blocks->ptr(static_cast<std::size_t>(i)));
+    names.push_back("transformer_blocks." + std::to_string(i));
+  }
+  for (std::int64_t i = c.num_single_layers - split.single_blocks; i < c.num_single_layers; ++i) {
+    blocks.push_back(model->single_transformer_blocks->ptr(static_cast<std::size_t>(i)));
+    names.push_back("single_transformer_blocks." + std::to_string(i));
+  }
+  return std::make_unique<nn::BlockSwap>(blocks, std::move(names), o);
 }
 
 }  // namespace difftrain::models

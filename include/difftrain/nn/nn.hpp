@@ -3,6 +3,7 @@
 
 #include "difftrain/nn/activation.hpp"
 #include "difftrain/nn/attention/attention.hpp"
+#include "difftrain/nn/block_swap.hpp"
 #include "difftrain/nn/blocks/blocks.hpp"
 #include "difftrain/nn/init.hpp"
 #include "difftrain/nn/layers/adaptable.hpp"
