@@ -169,13 +169,19 @@ def flow_matching():
         "dynamic_linear": (dict(use_dynamic_shifting=True, time_shift_type="linear"), 2.5),
         "dynamic_terminal": (dict(use_dynamic_shifting=True, shift_terminal=0.02), 0.9),
         "n999": (dict(num_train_timesteps=999, shift=2.0), None),
+        # FluxPipeline's σ's, given: linspace(1, 1/n, n), shifted by μ
+        "given_flux": (dict(use_dynamic_shifting=True), 0.8),
+        "given_shift3": (dict(shift=3.0), None),
     }
     for name, (kw, mu) in configs.items():
         for steps in (1, 4, 28, 50):
             if steps == 1 and "shift_terminal" in kw:
                 continue  # diffusers divides 0 by 0 (one σ, 1 − σ = 0): NaN; difftrain refuses it
             s = FlowMatchEulerDiscreteScheduler(**kw)
-            s.set_timesteps(steps, mu=mu) if mu is not None else s.set_timesteps(steps)
+            if name.startswith("given"):
+                s.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
+            else:
+                s.set_timesteps(steps, mu=mu) if mu is not None else s.set_timesteps(steps)
             x = initial_sample()
             trace = []
             for t in s.timesteps:

@@ -439,7 +439,8 @@ TEST(SamplerSweeps, FlowMatchingShiftsMatchDiffusers) {
     if (name == "shift3" || name == "terminal") o.shift = 3.0;
     if (name == "shift0.7") o.shift = 0.7;
     if (name == "terminal") o.shift_terminal = 0.1;
-    if (name.starts_with("dynamic")) o.use_dynamic_shifting = true;
+    if (name.starts_with("dynamic") || name == "given_flux") o.use_dynamic_shifting = true;
+    if (name == "given_shift3") o.shift = 3.0;
     if (name == "dynamic_linear") o.time_shift_type = df::FlowMatchEuler::TimeShift::linear;
     if (name == "dynamic_terminal") o.shift_terminal = 0.02;
     if (name == "n999") {
@@ -448,7 +449,13 @@ TEST(SamplerSweeps, FlowMatchingShiftsMatchDiffusers) {
     }
     df::FlowMatchEuler s(o);
     const std::int64_t steps = std::stoll(p[1]);
-    if (ref["mu"].is_null()) {
+    if (name.starts_with("given")) {  // FluxPipeline's linspace(1, 1/n, n)
+      std::vector<double> given;
+      for (std::int64_t i = 0; i < steps; ++i)
+        given.push_back(df::numpy::linspace(1.0, 1.0 / static_cast<double>(steps), steps, i));
+      s.set_sigmas(given, ref["mu"].is_null() ? std::nullopt
+                                              : std::optional<double>(ref["mu"].get<double>()));
+    } else if (ref["mu"].is_null()) {
       s.set_timesteps(steps);
     } else {
       EXPECT_THROW(s.set_timesteps(steps), dt::ConfigError);  // μ is required
@@ -468,7 +475,7 @@ TEST(SamplerSweeps, FlowMatchingShiftsMatchDiffusers) {
     expect_close(x, ref["last"], key + " after the last step");
     ++checked;
   }
-  EXPECT_EQ(checked, 9 * 4 - 2);
+  EXPECT_EQ(checked, 11 * 4 - 2);
   EXPECT_THROW(df::FlowMatchEuler({.shift_terminal = 1.0}), dt::ConfigError);
   df::FlowMatchEuler one_step({.shift = 3.0, .shift_terminal = 0.1});
   EXPECT_THROW(one_step.set_timesteps(1), dt::ConfigError);  // diffusers: NaN

@@ -101,44 +101,73 @@ class FlowMatchEuler {
   /// then 0. With dynamic shifting `mu` (or the one set_mu gave) sets the shift.
   void set_timesteps(std::int64_t n, std::optional<double> mu = std::nullopt) {
     if (n <= 0) throw ConfigError("must be > 0", "flow matching num_inference_steps");
+    const auto N = static_cast<double>(o_.num_train_timesteps);
+    const double t_max = static_cast<double>(sigma_max_) * N;
+    const double t_min = static_cast<double>(sigma_min_) * N;
+    std::vector<double> base;
+    for (std::int64_t i = 0; i < n; ++i) base.push_back(numpy::linspace(t_max, t_min, n, i) / N);
+    shift_and_keep<double>(base, mu);
+  }
+
+  /// Sampling from the unshifted σ's given (set_timesteps(sigmas=...); FluxPipeline passes
+  /// linspace(1, 1/n, n)), taken as float32 as diffusers does, shifted as set_timesteps shifts,
+  /// then 0.
+  void set_sigmas(const std::vector<double>& given, std::optional<double> mu = std::nullopt) {
+    if (given.empty()) throw ConfigError("needs at least one σ", "flow matching set_sigmas");
+    std::vector<double> base;
+    for (const double s : given) {
+      if (!(s > 0 && s <= 1))
+        throw ConfigError("σ's must be in (0, 1], got " + std::to_string(s),
+                          "flow matching set_sigmas");
+      base.push_back(static_cast<float>(s));
+    }
+    shift_and_keep<float>(base, mu);
+  }
+  [[nodiscard]] const std::vector<float>& timesteps() const noexcept { return timesteps_; }
+  [[nodiscard]] const std::vector<float>& sigmas() const noexcept { return sigmas_; }
+
+ private:
+  /// The shift in T: double as numpy computes set_timesteps' own σ's, float as it computes given
+  /// float32 σ's (NEP 50: Python scalars take the array's dtype).
+  template <class T>
+  void shift_and_keep(const std::vector<double>& base, std::optional<double> mu) {
+    const auto n = static_cast<std::int64_t>(base.size());
     if (mu) set_mu(*mu);
     if (o_.use_dynamic_shifting && !mu_)
       throw ConfigError("dynamic shifting needs mu: pass it to set_timesteps or call set_mu",
                         "flow matching set_timesteps");
-    const auto N = static_cast<double>(o_.num_train_timesteps);
-    const double t_max = static_cast<double>(sigma_max_) * N;
-    const double t_min = static_cast<double>(sigma_min_) * N;
-    std::vector<double> sigmas;
-    for (std::int64_t i = 0; i < n; ++i) {
-      const double s = numpy::linspace(t_max, t_min, n, i) / N;
+    const T one = 1, shift = static_cast<T>(o_.shift);
+    const T e_mu = mu_ ? static_cast<T>(std::exp(*mu_)) : one, m = mu_ ? static_cast<T>(*mu_) : one;
+    std::vector<T> sigmas;
+    for (const double b : base) {
+      const T s = static_cast<T>(b);
       if (!o_.use_dynamic_shifting) {
-        sigmas.push_back(o_.shift * s / (1 + (o_.shift - 1) * s));
+        sigmas.push_back(shift * s / (one + (shift - one) * s));
       } else if (o_.time_shift_type == TimeShift::exponential) {
-        sigmas.push_back(std::exp(*mu_) / (std::exp(*mu_) + (1 / s - 1)));
+        sigmas.push_back(e_mu / (e_mu + (one / s - one)));
       } else {
-        sigmas.push_back(*mu_ / (*mu_ + (1 / s - 1)));
+        sigmas.push_back(m / (m + (one / s - one)));
       }
     }
     if (o_.shift_terminal) {  // 1 − (1 − σ)·(1 − terminal)/(1 − σ_last)
-      const double scale = (1 - sigmas.back()) / (1 - *o_.shift_terminal);
+      const T scale = (one - sigmas.back()) / (one - static_cast<T>(*o_.shift_terminal));
       if (!(scale > 0))  // one step: σ_last = 1 (diffusers computes 0/0)
         throw ConfigError("shift_terminal needs a last σ below 1 (two steps or more), got " +
                               std::to_string(n) + " step(s)",
                           "flow matching set_timesteps");
-      for (double& s : sigmas) s = 1 - ((1 - s) / scale);
+      for (T& s : sigmas) s = one - ((one - s) / scale);
     }
     sigmas_.clear();
     timesteps_.clear();
-    for (double s : sigmas) {
+    for (const T s : sigmas) {
       sigmas_.push_back(static_cast<float>(s));
       timesteps_.push_back(sigmas_.back() * static_cast<float>(o_.num_train_timesteps));
     }
     sigmas_.push_back(0.0F);
     step_index_ = 0;
   }
-  [[nodiscard]] const std::vector<float>& timesteps() const noexcept { return timesteps_; }
-  [[nodiscard]] const std::vector<float>& sigmas() const noexcept { return sigmas_; }
 
+ public:
   /// One Euler step along the predicted velocity; steps are taken in order.
   [[nodiscard]] at::Tensor step(const at::Tensor& model_output, const at::Tensor& sample) {
     if (sigmas_.empty())
