@@ -415,7 +415,12 @@ void check_block_swap(const at::Device device) {
     const FluxRun want = step();
     EXPECT_FALSE(want.grads.size() < 20);
     {
-      const auto swap = models::flux_block_swap(model, 4);  // 2 double, 4 single blocks
+      // From host memory (as a program reads a model too large for the device): the swapped
+      // blocks never whole on the device, the rest placed after.
+      model->to(at::kCPU);
+      const auto swap =
+          models::flux_block_swap(model, 4, {.device = device});  // 2 double, 4 single blocks
+      model->to(device);
       ASSERT_TRUE(swap);
       EXPECT_EQ(swap->stats().blocks, 6);
       // Swapped out from the start: the last double block's weights hold no memory.
@@ -439,6 +444,19 @@ void check_block_swap(const at::Device device) {
         EXPECT_TRUE(y.isfinite().all().item<bool>());
         model->train();
         EXPECT_LE(swap->stats().resident_bytes, st.largest_block_bytes);
+      }
+      {  // a checkpoint reads and resumes swapped tensors through their host copies
+        const std::string key = "transformer_blocks.3.attn.to_q.weight";
+        EXPECT_EQ(w.storage().nbytes(), 0U);
+        EXPECT_TRUE(at::equal(nn::readable(w).to(device), before.at(key)));
+        nn::assign_tensor(w, before.at(key) * 2);
+        EXPECT_EQ(w.storage().nbytes(), 0U);
+        {
+          const auto whole = swap->whole();
+          EXPECT_TRUE(at::equal(w, before.at(key) * 2));
+          nn::assign_tensor(w, before.at(key));  // resident: both copies
+        }
+        EXPECT_TRUE(at::equal(nn::readable(w).to(device), before.at(key)));
       }
       {  // every weight readable inside a Whole scope (saving)
         const auto whole = swap->whole();

@@ -583,10 +583,11 @@ inline std::vector<std::pair<std::string, std::vector<std::int64_t>>> flux_param
   return t;
 }
 
-/// kohya's --blocks_to_swap N for a Flux transformer already on its device: the last N / 2 double
-/// blocks and the last 2·(N − N / 2) single blocks keep their frozen weights in host memory (at
-/// most 35 for Flux.1's 19 + 38). Null for N = 0. Live while the model trains; destroying it puts
-/// every block back on the device.
+/// kohya's --blocks_to_swap N for a Flux transformer (on its device, or in host memory with
+/// o.device naming the device: then place the rest of the model after this call): the last N / 2
+/// double blocks and the last 2·(N − N / 2) single blocks keep their frozen weights in host memory
+/// (at most 35 for Flux.1's 19 + 38). Null for N = 0. Live while the model trains; destroying it
+/// puts every block back on the device.
 template <class Model>
 std::unique_ptr<nn::BlockSwap> flux_block_swap(Model& model, std::int64_t n,
                                                nn::BlockSwapOptions o = {},

@@ -26,6 +26,7 @@
 #include <torch/nn/module.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -45,6 +46,10 @@ struct BlockSwapOptions {
   bool prefetch = true;
   /// Page-locked host copies (CUDA devices), which asynchronous copies need.
   bool pin_memory = true;
+  /// Where the blocks compute; default: where their tensors are. Tensors elsewhere (a model
+  /// read into host memory) move there without ever being whole on it: place the rest of the
+  /// model after constructing the swap.
+  std::optional<at::Device> device;
 };
 
 /// Bytes and copies of a BlockSwap, for benchmarks and tests.
@@ -59,11 +64,20 @@ struct BlockSwapStats {
   std::int64_t releases = 0;    ///< blocks dropped
 };
 
+class BlockSwap;
+
+namespace block_swap_detail {
+inline std::atomic<BlockSwap*>& active() {
+  static std::atomic<BlockSwap*> current{nullptr};
+  return current;
+}
+}  // namespace block_swap_detail
+
 class BlockSwap : UnitListener {
  public:
-  /// Swaps `blocks` (in the order the model runs them; `names` for messages), whose tensors are
-  /// on the device they compute on: place the model first. Every frozen parameter and buffer of
-  /// each block is copied to the host and its device memory freed.
+  /// Swaps `blocks` (in the order the model runs them; `names` for messages): every frozen
+  /// parameter and buffer of each block is copied to the host, and its memory on the device
+  /// (options.device, or where the tensors are) freed; the tensor objects stay the model's.
   BlockSwap(const std::vector<std::shared_ptr<torch::nn::Module>>& blocks,
             std::vector<std::string> names, BlockSwapOptions o = {})
       : o_(o) {
@@ -88,20 +102,20 @@ class BlockSwap : UnitListener {
         throw ConfigError("has no frozen tensors to keep on the host (every parameter trains)",
                           where + ": " + block.name);
       for (const at::Tensor& t : frozen) {
-        if (!device) device = t.device();
-        if (t.device() != *device)
-          throw ConfigError("holds tensors on " + t.device().str() + " and " + device->str() +
-                                "; place the model on one device before swapping",
-                            where + ": " + block.name);
+        if (!device) device = o_.device.value_or(t.device());
         const auto bytes = static_cast<std::size_t>(t.numel() * t.element_size());
         if (t.storage_offset() != 0 || !t.is_contiguous() || t.storage().nbytes() != bytes)
           throw ConfigError(
               "holds a view into a larger tensor; a swapped tensor must own its memory",
               where + ": " + block.name);
         Slot s;
-        s.device = t;
+        slot_of_.emplace(t.unsafeGetTensorImpl(), std::pair{blocks_.size(), block.slots.size()});
         s.host = t.device().is_cpu() ? t.clone() : t.to(at::kCPU);
-        if (o_.pin_memory && t.device().is_cuda()) s.host = s.host.pin_memory();
+        if (o_.pin_memory && device->is_cuda()) s.host = s.host.pin_memory();
+        // The same tensor object, its memory on the device (freed below).
+        if (t.device() != *device)
+          at::Tensor(t).set_data(at::empty_like(t, t.options().device(*device)));
+        s.device = t;
         block.bytes += static_cast<std::int64_t>(bytes);
         block.slots.push_back(std::move(s));
       }
@@ -126,12 +140,15 @@ class BlockSwap : UnitListener {
           "this process already; one per process",
           where);
     }
+    block_swap_detail::active().store(this);
   }
   BlockSwap(const BlockSwap&) = delete;
   BlockSwap& operator=(const BlockSwap&) = delete;
 
   /// Every block back on the device for good.
   ~BlockSwap() override {
+    BlockSwap* self = this;
+    block_swap_detail::active().compare_exchange_strong(self, nullptr);
     stop_listening_to_units(this);
     const std::lock_guard<std::mutex> lock(mutex_);
     *alive_ = false;
@@ -168,6 +185,36 @@ class BlockSwap : UnitListener {
     BlockSwap* s_;
   };
   [[nodiscard]] Whole whole() { return Whole(*this); }
+
+  /// `t`, or while it is swapped out its host copy (what a checkpoint reads, without bringing
+  /// the block in).
+  [[nodiscard]] at::Tensor readable(const at::Tensor& t) {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    const auto it = slot_of_.find(t.unsafeGetTensorImpl());
+    if (it == slot_of_.end()) return t;
+    Block& block = blocks_[it->second.first];
+    if (!block.resident) return block.slots[it->second.second].host;
+    wait(it->second.first);
+    return t;
+  }
+
+  /// Sets `t` to `value`: its host copy, and the device tensor while resident (a resumed
+  /// checkpoint).
+  void assign(const at::Tensor& t, const at::Tensor& value) {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    at::NoGradGuard no_grad;
+    const auto it = slot_of_.find(t.unsafeGetTensorImpl());
+    if (it == slot_of_.end()) {
+      at::Tensor(t).copy_(value);
+      return;
+    }
+    Block& block = blocks_[it->second.first];
+    block.slots[it->second.second].host.copy_(value);
+    if (block.resident) {
+      wait(it->second.first);
+      at::Tensor(t).copy_(value);
+    }
+  }
 
  private:
   struct Slot {
@@ -284,6 +331,7 @@ class BlockSwap : UnitListener {
   BlockSwapOptions o_;
   std::vector<Block> blocks_;
   std::map<const torch::nn::Module*, std::size_t> index_;
+  std::map<const c10::TensorImpl*, std::pair<std::size_t, std::size_t>> slot_of_;
   at::Device device_{at::kCPU};
   std::optional<c10::Stream> side_;
   std::mutex mutex_;
@@ -292,6 +340,23 @@ class BlockSwap : UnitListener {
   std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
   BlockSwapStats stats_;
 };
+
+/// `t`, or its host copy while a living BlockSwap holds it swapped out: what reads every tensor of
+/// a model (a checkpoint) reads, without bringing blocks in.
+inline at::Tensor readable(const at::Tensor& t) {
+  BlockSwap* s = block_swap_detail::active().load();
+  return s != nullptr ? s->readable(t) : t;
+}
+
+/// t ← value, for a tensor a living BlockSwap may hold on the host (resuming a checkpoint).
+inline void assign_tensor(const at::Tensor& t, const at::Tensor& value) {
+  if (BlockSwap* s = block_swap_detail::active().load()) {
+    s->assign(t, value);
+    return;
+  }
+  at::NoGradGuard no_grad;
+  at::Tensor(t).copy_(value);
+}
 
 /// kohya's split of --blocks_to_swap N for a model of double- and single-stream blocks (Flux):
 /// N / 2 double blocks and twice the rest in single blocks (a single block is about half a double

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "difftrain/nn/block_swap.hpp"
 #include "difftrain/train/trainer.hpp"
 
 namespace difftrain::train {
@@ -50,9 +51,9 @@ c10::IValue Trainer<Model, Config>::make_state(const RankFileRecords* files, boo
   if (contents) {
     for (const auto& item : model_->named_parameters(true))
       if (!in_shards.contains(item.key()))
-        model.insert(item.key(), item.value().detach().cpu().clone());
+        model.insert(item.key(), nn::readable(item.value()).detach().cpu().clone());
     for (const auto& item : model_->named_buffers(true))
-      model.insert(item.key(), item.value().detach().cpu().clone());
+      model.insert(item.key(), nn::readable(item.value()).detach().cpu().clone());
   }
   root.insert("model", model);
   // A sharded optimizer state is in one file per rank beside this one (save_checkpoint); here
@@ -299,9 +300,9 @@ void Trainer<Model, Config>::apply_state(const CheckedState& s) {
   {
     at::NoGradGuard no_grad;
     for (const auto& item : model_->named_parameters(true))
-      item.value().copy_(model_tensors.at(item.key()));
+      nn::assign_tensor(item.value(), model_tensors.at(item.key()));
     for (const auto& item : model_->named_buffers(true))
-      item.value().copy_(model_tensors.at(item.key()));
+      nn::assign_tensor(item.value(), model_tensors.at(item.key()));
   }
   if (o_.take_on_resume.optimizer)
     for (std::size_t i = 0; i < option_groups_.size(); ++i)
