@@ -44,6 +44,7 @@
 // writes the outputs.
 
 #include "cogvideox.hpp"
+#include "flux.hpp"
 #include "run_common.hpp"
 #include "sd3.hpp"
 
@@ -71,7 +72,31 @@ int run(const Settings& s) {
   // the same way before this point.
   auto [world, device] = torchrun_world(s, s.device);
   const Ranks ranks{std::move(world), device};
-  const bool cogvideox = index.value("_class_name", std::string()) == "CogVideoXPipeline";
+  const std::string pipeline = index.value("_class_name", std::string());
+  if (pipeline == "FluxPipeline") {
+    if (single)
+      throw ConfigError(
+          "Flux trains from a FluxPipeline folder; its single files are not read here",
+          "--single_file_config " + s.single_file_config);
+    for (const auto& [set, flag] : std::initializer_list<std::pair<bool, const char*>>{
+             {!s.sat_vae.empty(), "--sat_vae"},
+             {s.save_format == "single_file", "--save_format single_file"},
+             {!s.tokenizer_name.empty(), "--tokenizer_name"},
+             {!s.t5_tokenizer.empty(), "--t5_tokenizer"}})
+      if (set)
+        throw ConfigError("is not a Flux option (the FluxPipeline folder has its own)", flag);
+    return run_flux(s, ranks, root);
+  }
+  for (const auto& [set, flag] : std::initializer_list<std::pair<bool, const char*>>{
+           {s.blocks_to_swap > 0, "--blocks_to_swap"},
+           {s.fp8_base, "--fp8_base"},
+           {s.lora_format != "peft", "--lora_format"},
+           {!s.lora_layers.empty(), "--lora_layers"}})
+    if (set)
+      throw ConfigError("is a Flux option; the model is a " +
+                            (pipeline.empty() ? std::string("single file") : pipeline),
+                        flag);
+  const bool cogvideox = pipeline == "CogVideoXPipeline";
   if (!cogvideox && !s.sat_vae.empty())
     throw ConfigError("is CogVideoX's; the model is not a CogVideoX pipeline",
                       "--sat_vae " + s.sat_vae);
@@ -151,9 +176,29 @@ int main(int argc, char** argv) {
   video->add_option("--skip_frames_end", s.skip_frames_end)
       ->check(count_in(0, 100'000))
       ->capture_default_str();
+  auto* flux = app.add_option_group("Flux (FluxPipeline folders)");
+  flux->add_option("--lora_layers", s.lora_layers,
+                   "comma-separated modules LoRA adapts (PEFT's suffix rule) in place of "
+                   "diffusers' Flux targets");
+  flux->add_option(
+          "--lora_format", s.lora_format,
+          "peft: diffusers' pytorch_lora_weights.safetensors; kohya: flux_lora.safetensors "
+          "in kohya's Flux names (ComfyUI's, the web UI's)")
+      ->capture_default_str();
+  flux->add_option("--blocks_to_swap", s.blocks_to_swap,
+                   "the last N / 2 double and 2(N − N / 2) single blocks keep their frozen weights "
+                   "in host memory, copied to the device per block (at most 35 for Flux.1)")
+      ->check(count_in(0, 1000))
+      ->capture_default_str();
+  flux->add_flag("--fp8_base", s.fp8_base,
+                 "frozen linear weights in float8_e4m3fn with a per-tensor scale");
   auto* d = add_torchrun_flags(app, s, "each transformer block");
   examples::add_kohya_flags(app, s.kohya);
-  last_value_wins({g.run, g.training, g.saving, img, video, d});
+  last_value_wins({g.run, g.training, g.saving, img, video, flux, d});
   if (const auto rc = examples::parse_command_line(app, argc, argv)) return *rc;
+  // The flags whose defaults differ between the families (Flux takes diffusers' Flux scripts').
+  for (const char* flag : {"--precondition_outputs", "--guidance_scale", "--weighting_scheme",
+                           "--max_sequence_length"})
+    if (app.count(flag) > 0) s.given.insert(flag);
   return examples::run_reporting_errors([&] { return run(s); });
 }

@@ -76,6 +76,13 @@ struct Settings : SdRunFlags, ImageFolderFlags, LoraFlags, TorchrunFlags, Single
   std::int64_t height = 480, width = 720, max_num_frames = 49;
   std::int64_t skip_frames_start = 0, skip_frames_end = 0;
   examples::KohyaFlags kohya;  // kohya's caption, input-perturbation and loss-type options
+  // Flux (diffusers' train_dreambooth_lora_flux.py and kohya's flux_train_network.py flags).
+  std::string lora_layers;           // comma-separated modules in place of the family's targets
+  std::string lora_format = "peft";  // or kohya (Flux: lora_unet_double_blocks_...)
+  std::int64_t blocks_to_swap = 0;
+  bool fp8_base = false;
+  std::set<std::string> given;  // the flags on the command line (families differ in defaults)
+  [[nodiscard]] bool was_given(const std::string& flag) const { return given.contains(flag); }
   Settings() {
     out = "runs/finetune_transformer";
     learning_rate = 1e-4;
@@ -99,18 +106,20 @@ struct TrainerConfig : tr::DefaultConfig {
 
 // ---- what both kinds of run write --------------------------------------------------------------
 
-/// Writes a full fine-tune as one file (the family's single-file layout) and names it in `files`.
+/// Writes the trained transformer in a layout of the family's own (a full fine-tune as one file;
+/// a Flux LoRA in kohya's names) in place of the default, and names it in `files`.
 using WriteSingleFile = std::function<void(nlohmann::json& files)>;
 
-/// The trained transformer: with --use_lora, pytorch_lora_weights.safetensors (PEFT keys under
-/// transformer. with diffusers' adapter metadata); with `write_single_file` (--save_format
-/// single_file, or a base read from one file), that; otherwise the pipeline folder at `base` with
+/// The trained transformer: with `write_single_file` (--save_format single_file or a base read
+/// from one file; a Flux LoRA in kohya's layout), that; with --use_lora,
+/// pytorch_lora_weights.safetensors (PEFT keys under transformer. with diffusers' adapter
+/// metadata); otherwise the pipeline folder at `base` with
 /// the trained transformer/.
 template <class Transformer>
 void save_trained_transformer(Transformer& transformer, const fs::path& base, const Settings& s,
                               nlohmann::json& files, const WriteSingleFile& write_single_file) {
   const fs::path out(s.out);
-  if (!s.use_lora && write_single_file) {
+  if (write_single_file) {
     write_single_file(files);
     return;
   }
@@ -197,6 +206,37 @@ void check_flags(const Settings& s) {
                       "--weighting_scheme");
   if (s.resolution % 8 != 0) throw ConfigError("must be a multiple of 8", "--resolution");
   check_single_file_save_flags(s, s.use_lora);
+}
+
+/// The loss of SD3's and Flux's flow matching: w(σ) of --weighting_scheme times the element-wise
+/// loss of --loss_type (kohya's sd3_train and flux_train: Huber's threshold from t = σ·N), mean
+/// per sample, then over the batch.
+inline at::Tensor weighted_flow_loss(const at::Tensor& pred, const at::Tensor& target,
+                                     const at::Tensor& sigmas, const at::Tensor& timesteps,
+                                     std::int64_t steps, df::Sd3Weighting weighting,
+                                     const Settings& s) {
+  const std::int64_t n = pred.size(0);
+  const at::Tensor w = df::sd3_loss_weighting(weighting, sigmas.to(at::kFloat));
+  const df::LossType type = df::loss_type_from(s.kohya.loss_type, "--loss_type");
+  if (type == df::LossType::l2)
+    return (w * (pred - target).square()).reshape({n, -1}).mean(1).mean();
+  at::Tensor c;
+  if (type == df::LossType::huber || type == df::LossType::smooth_l1)
+    c = df::huber_threshold(df::huber_schedule_from(s.kohya.huber_schedule, "--huber_schedule"),
+                            s.kohya.huber_c, s.kohya.huber_scale, timesteps, steps)
+            .to(pred.device());
+  return (w * df::conditional_loss(pred, target, type, c)).reshape({n, -1}).mean(1).mean();
+}
+
+/// Huber's snr schedule needs ᾱ, which flow matching has none of (kohya's sd3_train and
+/// flux_train refuse it too).
+inline void check_flow_loss_flags(const Settings& s) {
+  if ((s.kohya.loss_type == "huber" || s.kohya.loss_type == "smooth_l1") &&
+      s.kohya.huber_schedule == "snr")
+    throw ConfigError(
+        "is snr (the default), which needs a noise schedule with ᾱ; flow matching has none (as in "
+        "kohya's sd3_train and flux_train): give --huber_schedule constant or exponential",
+        "--huber_schedule");
 }
 
 /// The ranks of a torchrun launch (a world of one without it) and this rank's device.

@@ -5,6 +5,7 @@
 
 #include <difftrain/models/single_file/sd3.hpp>
 
+#include "image_batches.hpp"
 #include "run_common.hpp"
 
 namespace {
@@ -266,14 +267,7 @@ Sd3Pipeline load_sd3_pipeline(const std::string& model, const std::string& varia
 
 /// The transformer with SD3's rectified-flow loss on latents.
 struct Sd3TraineeImpl : torch::nn::Module {
-  struct Batch {
-    at::Tensor latents, embeds, pooled;
-    [[nodiscard]] std::int64_t size() const { return latents.size(0); }
-    [[nodiscard]] Batch slice(std::int64_t start, std::int64_t length) const {
-      return {latents.narrow(0, start, length), embeds.narrow(0, start, length),
-              pooled.narrow(0, start, length)};
-    }
-  };
+  using Batch = TextImageBatch;
   Sd3TraineeImpl(Transformer t, const df::FlowMatchEuler::Options& flow, const Settings& s)
       : transformer(register_module("transformer", t)), flow_(flow), s_(s) {
     const std::string& w = s.weighting_scheme;
@@ -307,17 +301,7 @@ struct Sd3TraineeImpl : torch::nn::Module {
     } else {
       target = flow_.target(x0, noise.noise).to(at::kFloat);
     }
-    const at::Tensor w = df::sd3_loss_weighting(weighting_, sigmas.to(at::kFloat));
-    const df::LossType type = df::loss_type_from(s_.kohya.loss_type, "--loss_type");
-    if (type == df::LossType::l2)
-      return (w * (pred - target).square()).reshape({n, -1}).mean(1).mean();
-    // kohya's sd3_train: the element-wise loss (Huber's threshold from t = σ·N), weighted, mean.
-    at::Tensor c;
-    if (type == df::LossType::huber || type == df::LossType::smooth_l1)
-      c = df::huber_threshold(df::huber_schedule_from(s_.kohya.huber_schedule, "--huber_schedule"),
-                              s_.kohya.huber_c, s_.kohya.huber_scale, timesteps, steps)
-              .to(pred.device());
-    return (w * df::conditional_loss(pred, target, type, c)).reshape({n, -1}).mean(1).mean();
+    return weighted_flow_loss(pred, target, sigmas, timesteps, steps, weighting_, s_);
   }
   Transformer transformer{nullptr};
 
@@ -330,103 +314,17 @@ struct Sd3TraineeImpl : torch::nn::Module {
 
 // ---- text and images ----------------------------------------------------------------------------
 
-/// Each caption's conditioning, encoded once by the frozen encoders.
-class CaptionConditioning {
- public:
-  CaptionConditioning(Sd3Pipeline& p, const Settings& s) : p_(p), s_(s) {}
-  /// (embeds, pooled) for `captions`, stacked, on `device`; kept for the next time unless
-  /// `remember` is false (captions that change every step: kohya's shuffling and dropout).
-  std::pair<at::Tensor, at::Tensor> operator()(const std::vector<std::string>& captions,
-                                               at::Device device, bool remember = true) {
-    std::vector<at::Tensor> embeds, pooled;
-    for (const auto& c : captions) {
-      auto it = known_.find(c);
-      std::pair<at::Tensor, at::Tensor> e;
-      if (it != known_.end()) {
-        e = it->second;
-      } else {
-        // One caption at a time: a matrix product's last bits depend on the batch it is in, and
-        // a resumed run meets its captions in other batches than the uninterrupted one.
-        at::NoGradGuard no_grad;
-        text::SD3PromptOptions o;
-        o.do_classifier_free_guidance = false;
-        o.max_sequence_length = s_.max_sequence_length;
-        const text::EncodedPrompt encoded = text::encode_prompt_sd3(p_.encoders(), {c}, o);
-        e = {encoded.prompt_embeds[0].cpu(), encoded.pooled_prompt_embeds[0].cpu()};
-        if (remember) known_[c] = e;
-      }
-      embeds.push_back(e.first);
-      pooled.push_back(e.second);
-    }
-    return {at::stack(embeds).to(device), at::stack(pooled).to(device)};
+/// SD3's encoders on one caption: (embeds, pooled), as encode_prompt_sd3 gives them.
+struct Sd3CaptionEncoder {
+  Sd3Pipeline* p;
+  const Settings* s;
+  std::pair<at::Tensor, at::Tensor> operator()(const std::string& caption) const {
+    text::SD3PromptOptions o;
+    o.do_classifier_free_guidance = false;
+    o.max_sequence_length = s->max_sequence_length;
+    const text::EncodedPrompt e = text::encode_prompt_sd3(p->encoders(), {caption}, o);
+    return {e.prompt_embeds[0], e.pooled_prompt_embeds[0]};
   }
-
- private:
-  Sd3Pipeline& p_;
-  const Settings& s_;
-  std::map<std::string, std::pair<at::Tensor, at::Tensor>> known_;
-};
-
-/// The run's batches as a function of the micro-batch's place in the run (a resumed run sees the
-/// batches the uninterrupted one would have).
-class BatchStream {
- public:
-  BatchStream(const Settings& s, Sd3Pipeline& p, const data::ImageFolder& folder,
-              const data::BucketManager& buckets, at::Device device)
-      : s_(s), p_(p), folder_(folder), buckets_(buckets), text_(p, s), device_(device) {
-    std::vector<data::Bucket> assigned;
-    std::vector<std::int64_t> repeats;
-    for (const auto& r : folder.images) {
-      assigned.push_back(buckets.select(r.width, r.height).bucket);
-      repeats.push_back(r.repeats);
-    }
-    per_epoch_ = data::bucket_batches(assigned, repeats,
-                                      static_cast<std::size_t>(s.train_batch_size), s.seed, 0)
-                     .size();
-  }
-  [[nodiscard]] std::size_t batches_per_epoch() const { return per_epoch_; }
-
-  Sd3TraineeImpl::Batch at_place(std::int64_t place) {
-    const auto epoch = static_cast<std::uint64_t>(place) / per_epoch_;
-    const auto pos = static_cast<std::size_t>(static_cast<std::uint64_t>(place) % per_epoch_);
-    if (!pixels_ || epoch != epoch_ || pixels_->position() != pos) {
-      data::ImageBatchOptions o;
-      o.batch_size = static_cast<std::size_t>(s_.train_batch_size);
-      o.random_crop = !s_.center_crop;
-      o.flip_p = s_.random_flip ? 0.5 : 0.0;
-      o.seed = s_.seed;
-      o.workers = static_cast<std::size_t>(s_.dataloader_num_workers);
-      o.pin_memory = device_.is_cuda();
-      pixels_.emplace(folder_, buckets_, o, epoch, pos);
-    }
-    epoch_ = epoch;
-    data::ImageBatch i = *pixels_->next();
-    Sd3TraineeImpl::Batch b;
-    {
-      at::NoGradGuard no_grad;
-      b.latents = p_.vae->encode_latents(i.pixels.to(device_, /*non_blocking=*/true));
-    }
-    // kohya's caption options, each time an image is used (epochs counted from 1, as kohya does).
-    const bool varied = s_.kohya.captions.any();
-    const std::vector<std::string> captions = examples::processed_captions(
-        std::move(i.captions), s_.kohya, static_cast<std::uint64_t>(s_.seed), place,
-        static_cast<std::int64_t>(epoch) + 1, place / s_.gradient_accumulation_steps,
-        s_.max_train_steps);
-    std::tie(b.embeds, b.pooled) = text_(captions, device_, !varied);
-    return b;
-  }
-  CaptionConditioning& text() { return text_; }
-
- private:
-  const Settings& s_;
-  Sd3Pipeline& p_;
-  const data::ImageFolder& folder_;
-  const data::BucketManager& buckets_;
-  CaptionConditioning text_;
-  at::Device device_;
-  std::size_t per_epoch_ = 1;
-  std::uint64_t epoch_ = 0;
-  std::optional<data::ImageBatches> pixels_;
 };
 
 /// Images of the validation prompts: flow-matching Euler with classifier-free guidance against
@@ -474,12 +372,7 @@ int run_sd3(Settings s, const Ranks& ranks) {
   const auto t0 = std::chrono::steady_clock::now();
   check_sd_run_flags(s);
   check_flags(s);
-  if ((s.kohya.loss_type == "huber" || s.kohya.loss_type == "smooth_l1") &&
-      s.kohya.huber_schedule == "snr")
-    throw ConfigError(
-        "is snr (the default), which needs a noise schedule with ᾱ; SD3's flow has none (as in "
-        "kohya's sd3_train): give --huber_schedule constant or exponential",
-        "--huber_schedule");
+  check_flow_loss_flags(s);
   examples::apply_threads(s);
   const bool main_rank = ranks.main();
   data::BucketOptions bo;  // diffusers' square: the shorter side resized, then cropped
@@ -533,7 +426,8 @@ int run_sd3(Settings s, const Ranks& ranks) {
   p.transformer->to(device);
   if (s.gradient_checkpointing) p.transformer->set_gradient_checkpointing(true);
 
-  BatchStream stream(s, p, folder, buckets, device);
+  BatchStream stream(s, p.vae, folder, buckets, CaptionConditioning(Sd3CaptionEncoder{&p, &s}),
+                     device);
   resolve_max_train_steps(
       s, ranks.batches_each(stream.batches_per_epoch(), "--train_data_dir / --train_batch_size"),
       main_rank);

@@ -501,9 +501,11 @@ class Trainer {
   /// it (the others' error says another rank refused), so they resume from the same one.
   void load_checkpoint(const std::filesystem::path& path);
 
+  /// Whether every trained parameter is finite (frozen ones do not change: an fp8 base or a
+  /// swapped block is not read).
   [[nodiscard]] bool all_finite() const {
     for (const at::Tensor& p : model_->parameters())
-      if (!at::isfinite(p).all().item<bool>()) return false;
+      if (p.requires_grad() && !at::isfinite(p).all().item<bool>()) return false;
     return true;
   }
 
