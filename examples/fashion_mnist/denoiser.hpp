@@ -33,7 +33,10 @@
 // layers start at zero, so each block starts as the identity and the untrained model predicts
 // zero.
 //
-// Either way label 10 is the null class: training drops labels to it with probability `p_uncond`,
+// flux-mini: a small Flux-style transformer on class captions (flux_mini.hpp), trained and
+// sampled with flow matching as dit.
+//
+// Every way label 10 is the null class: training drops labels to it with probability `p_uncond`,
 // so one network gives both halves of classifier-free guidance.
 
 #include <torch/nn/module.h>
@@ -42,6 +45,7 @@
 #include <difftrain/diffusion/noise_schedule.hpp>
 #include <difftrain/diffusion/weighting.hpp>
 #include <difftrain/models/dit_transformer_2d.hpp>
+#include <difftrain/models/flux_transformer_2d.hpp>
 #include <difftrain/models/unet_2d_condition.hpp>
 #include <difftrain/nn/activation/elementwise.hpp>
 
@@ -50,6 +54,8 @@
 #include <optional>
 #include <string>
 #include <string_view>
+
+#include "flux_mini.hpp"
 
 namespace fmnist {
 
@@ -184,10 +190,15 @@ class DenoiserImpl : public torch::nn::Module {
     }
   };
 
-  /// A UNet with `o`, or a DiT with `dit_options` and `o`'s classes and p_uncond.
+  /// A UNet with `o`, or a DiT with `dit_options`, or the Flux-style transformer (`flux_mini`),
+  /// the transformers with `o`'s classes and p_uncond.
   DenoiserImpl(const UNetOptions& o, const dt::diffusion::NoiseSchedule& schedule,
-               std::optional<DiTOptions> dit_options = std::nullopt)
+               std::optional<DiTOptions> dit_options = std::nullopt, bool flux_mini = false)
       : o_(o), schedule_(&schedule) {
+    if (flux_mini) {
+      flux = register_module("flux", FluxMini(o.classes));
+      return;
+    }
     if (dit_options) {
       dit = register_module("dit", DiT(dit_config(*dit_options, o.classes), "fmnist::DiT"));
       // This wrapper drops labels itself (p_uncond), as for the UNet.
@@ -204,11 +215,15 @@ class DenoiserImpl : public torch::nn::Module {
   [[nodiscard]] const UNetOptions& options() const { return o_; }
   [[nodiscard]] std::int64_t null_label() const { return o_.classes; }
   [[nodiscard]] bool is_dit() const { return !dit.is_empty(); }
+  [[nodiscard]] bool is_flux() const { return !flux.is_empty(); }
+  /// A transformer trained with flow matching (DiT or flux-mini).
+  [[nodiscard]] bool is_flow() const { return is_dit() || is_flux(); }
 
   /// The prediction for noisy images x at timesteps t (B,) and labels: the UNet's ε, v or x₀ (per
   /// options) at schedule timesteps, the DiT's velocity ε − x₀ at flow timesteps σ · 1000.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& t, const at::Tensor& labels) {
     const at::Tensor lab = labels.to(x.device(), at::kLong);
+    if (is_flux()) return flux->forward(x, t.to(x.device()), lab);
     if (is_dit()) {
       if (x.dim() != 4 || x.size(1) != 1 || x.size(2) != 28 || x.size(3) != 28)
         throw dt::ShapeError("expects (B, 1, 28, 28) images, got " + c10::str(x.sizes()), "DiT");
@@ -234,7 +249,7 @@ class DenoiserImpl : public torch::nn::Module {
     const at::Tensor drop = at::rand({b}, dev.dtype(at::kFloat)) < o_.p_uncond;
     const at::Tensor labels =
         at::where(drop, at::full_like(batch.labels, null_label()), batch.labels);
-    if (is_dit()) {
+    if (is_flow()) {
       // SD3's logit-normal density over σ, looked up as its training script does.
       const at::Tensor u = dt::diffusion::density_for_timestep_sampling(
           dt::diffusion::TimestepDensity::logit_normal, b, {}, std::nullopt, x0.device());
@@ -259,6 +274,7 @@ class DenoiserImpl : public torch::nn::Module {
   Model unet{nullptr};
   torch::nn::Embedding context_emb{nullptr};
   DiT dit{nullptr};
+  FluxMini flux{nullptr};
 
  private:
   /// The UNet on x with context tokens ctx and the labels for the class embedding.

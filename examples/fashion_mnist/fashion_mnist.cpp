@@ -4,7 +4,8 @@
 //
 // Writes to --out: checkpoints/ (atomic, the latest few), loss.csv, loss.png and lr.png,
 // samples.png (a row per class), classifier.safetensors (cached judge), ema.safetensors (the EMA
-// weights), unet/ (the EMA UNet as a diffusers model folder; transformer/ with --model dit),
+// weights), unet/ (the EMA UNet as a diffusers model folder; transformer/ with --model dit or
+// flux-mini),
 // results.json (class accuracy, Fréchet distance, timings) and tensorboard/ (the run's event file:
 // `tensorboard --logdir OUT/tensorboard`).
 //
@@ -71,7 +72,8 @@ struct Settings : examples::RunFlags, examples::JudgeFlags {
     out = "runs/fashion_mnist";
   }
   // model and training
-  std::string model = "unet";  // or "dit"
+  std::string model = "unet";                                  // or "dit", "flux-mini"
+  [[nodiscard]] bool flow() const { return model != "unet"; }  // a flow-matching transformer
   std::int64_t channels = 16;
   bool attention_14 = false;
   fmnist::DiTOptions dit;
@@ -204,7 +206,7 @@ at::Tensor sample(const Settings& s, fmnist::Denoiser& net, const df::NoiseSched
     bar.finish();
     return x;
   };
-  if (net->is_dit()) {
+  if (net->is_flow()) {
     // The rectified flow from σ = 1 (noise) to 0 in Euler steps, unshifted (28×28 is small).
     df::FlowMatchEuler euler;
     return finish(df::sample(euler, model, noise, opts, cond, uncond));
@@ -224,16 +226,19 @@ at::Tensor sample(const Settings& s, fmnist::Denoiser& net, const df::NoiseSched
 
 /// The flags of one backbone given with the other (each would be silently ignored), as a sentence.
 void refuse_other_models_flags(const Settings& s) {
-  const auto& wrong = s.model == "dit" ? s.unet_flags_given : s.dit_flags_given;
-  if (wrong.empty()) return;
-  std::string names;
-  for (const auto& n : wrong) names += (names.empty() ? "" : ", ") + n;
-  throw ConfigError(names + (wrong.size() == 1 ? " applies" : " apply") + " to --model " +
-                        (s.model == "dit" ? "unet" : "dit") + ", not to --model " + s.model +
-                        (s.model == "dit" ? " (the DiT learns a flow-matching velocity and samples "
-                                            "with the flow Euler sampler)"
-                                          : ""),
-                    "--model");
+  for (const auto& [owner, given] :
+       {std::pair<std::string, const std::vector<std::string>*>{"unet", &s.unet_flags_given},
+        {"dit", &s.dit_flags_given}}) {
+    if (owner == s.model || given->empty()) continue;
+    std::string names;
+    for (const auto& n : *given) names += (names.empty() ? "" : ", ") + n;
+    throw ConfigError(names + (given->size() == 1 ? " applies" : " apply") + " to --model " +
+                          owner + ", not to --model " + s.model +
+                          (s.flow() ? " (the transformer learns a flow-matching velocity and "
+                                      "samples with the flow Euler sampler)"
+                                    : ""),
+                      "--model");
+  }
 }
 
 int run(const Settings& s) {
@@ -247,10 +252,10 @@ int run(const Settings& s) {
   (void)examples::device_from(s.device);  // a name and a device this machine has
   refuse_other_models_flags(s);
   if (s.model == "dit") (void)fmnist::dit_config(s.dit, fmnist::kClasses);  // named before work
-  if (s.model == "dit" ? s.sampler != "euler" : s.sampler != "dpm++" && s.sampler != "ddim")
+  if (s.flow() ? s.sampler != "euler" : s.sampler != "dpm++" && s.sampler != "ddim")
     throw ConfigError(std::string("must be ") +
-                          (s.model == "dit" ? "euler (the flow-matching sampler) for --model dit"
-                                            : "dpm++ or ddim for --model unet") +
+                          (s.flow() ? "euler (the flow-matching sampler) for --model " + s.model
+                                    : "dpm++ or ddim for --model unet") +
                           ", got '" + s.sampler + "'",
                       "--sampler");
   // The ranks of a torchrun launch (a world of one without it). Every rank checks the same flags
@@ -313,7 +318,8 @@ int run(const Settings& s) {
                           .p_uncond = s.p_uncond,
                           .prediction = df::prediction_from(s.prediction_type, "--prediction-type"),
                           .snr_gamma = s.snr_gamma},
-      schedule, s.model == "dit" ? std::optional<fmnist::DiTOptions>(s.dit) : std::nullopt);
+      schedule, s.model == "dit" ? std::optional<fmnist::DiTOptions>(s.dit) : std::nullopt,
+      s.model == "flux-mini");
   net->to(device);
   DenoiserTrainer::Options o;
   o.optimizer.lr = s.lr;
@@ -365,15 +371,15 @@ int run(const Settings& s) {
       {"model", s.model},
       {"sampler", s.sampler},
       {"sampling_steps", s.sample_steps},
-      {"clip_x0", s.model != "dit" && s.clip_x0},
+      {"clip_x0", !s.flow() && s.clip_x0},
       {"guidance_scale", s.guidance},
       {"batch_size", s.batch_size},
       {"lr_scheduler", s.lr_scheduler},
       {"lr", s.lr},
       {"ema", ema_rule_json(s)},
       {"mixed_precision", mixed_precision},
-      {"prediction_type", s.model == "dit" ? "flow_matching" : s.prediction_type},
-      {"snr_gamma", s.model == "dit" ? 0.0 : s.snr_gamma},
+      {"prediction_type", s.flow() ? "flow_matching" : s.prediction_type},
+      {"snr_gamma", s.flow() ? 0.0 : s.snr_gamma},
       {"gradient_accumulation_steps", s.accumulation},
       {"device", s.device},
       {"seed", s.seed}};
@@ -471,7 +477,10 @@ int run(const Settings& s) {
     std::fprintf(
         stderr, "train: %lld steps of %lld images, %s with %lld parameters, on %s%s\n",
         static_cast<long long>(s.steps), static_cast<long long>(s.batch_size),
-        s.model == "dit" ? "DiT" : "UNet", static_cast<long long>([&] {
+        s.model == "dit"         ? "DiT"
+        : s.model == "flux-mini" ? "Flux-mini"
+                                 : "UNet",
+        static_cast<long long>([&] {
           std::int64_t c = 0;
           for (const auto& p : net->parameters()) c += p.numel();
           return c;
@@ -534,6 +543,8 @@ int run(const Settings& s) {
     // ema.safetensors' context_emb.weight.
     if (net->is_dit())
       difftrain::models::save_pretrained(net->dit, out / "transformer");
+    else if (net->is_flux())
+      difftrain::models::save_pretrained(net->flux->transformer, out / "transformer");
     else
       difftrain::models::save_pretrained(net->unet, out / "unet");
     samples = sample(s, net, schedule, sample_labels, device, true).clamp(-1, 1);
@@ -695,8 +706,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   m->add_option("--model", s.model,
                 "the denoiser: unet (diffusers' UNet2DConditionModel, noise-schedule training) or "
-                "dit (diffusers' DiTTransformer2DModel, flow matching)")
-      ->check(CLI::IsMember({"unet", "dit"}))
+                "dit (diffusers' DiTTransformer2DModel, flow matching) or flux-mini (a small "
+                "FluxTransformer2DModel on class captions, flow matching)")
+      ->check(CLI::IsMember({"unet", "dit", "flux-mini"}))
       ->capture_default_str();
   std::vector<CLI::Option*> unet_only, dit_only;
   unet_only.push_back(m->add_option("--channels", s.channels, "UNet width C (multiple of 16)")
@@ -824,6 +836,6 @@ int main(int argc, char** argv) {
     if (o->count() > 0) s.unet_flags_given.push_back(o->get_name());
   for (auto* o : dit_only)
     if (o->count() > 0) s.dit_flags_given.push_back(o->get_name());
-  if (s.sampler == "auto") s.sampler = s.model == "dit" ? "euler" : "dpm++";
+  if (s.sampler == "auto") s.sampler = s.flow() ? "euler" : "dpm++";
   return examples::run_reporting_errors([&] { return run(s); });
 }

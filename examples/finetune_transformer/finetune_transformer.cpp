@@ -1,6 +1,7 @@
-// Fine-tuning a Stable Diffusion 3 / 3.5 transformer on a folder of captioned images, as diffusers'
-// train_dreambooth_lora_sd3.py and train_dreambooth_sd3.py do, or a CogVideoX transformer on
-// captioned videos, as train_cogvideox_lora.py does, with their flag names. The pipeline folder's
+// Fine-tuning a Stable Diffusion 3 / 3.5 or Flux.1 transformer on a folder of captioned images, as
+// diffusers' train_dreambooth_lora_sd3.py / _flux.py and train_dreambooth_sd3.py / _flux.py do,
+// or a CogVideoX transformer on captioned videos, as train_cogvideox_lora.py does, with their flag
+// names. The pipeline folder's
 // model_index.json says which:
 //
 // StableDiffusion3Pipeline: the transformer, the VAE, two CLIP encoders with projection,
@@ -16,6 +17,17 @@
 // weighted by sigma_sqrt or cosmap when asked, against x₀ with --precondition_outputs (diffusers'
 // default) or ε − x₀. Captions are encoded once each by the frozen text encoders
 // (encode_prompt_sd3, as the pipeline does; zeros in place of T5 when the pipeline has none).
+//
+// FluxPipeline (Flux.1 dev or schnell), as train_dreambooth_lora_flux.py and
+// train_dreambooth_flux.py: CLIP-L (pooled) and T5 captions encoded once each, rectified flow on
+// 2×2-packed latents (diffusers' Flux defaults: no loss weighting, --guidance_scale 3.5 into dev's
+// guidance embedding, 512 T5 tokens for dev and 256 for schnell); LoRA on diffusers' Flux targets
+// or --lora_layers, written in PEFT's layout or kohya's (--lora_format kohya:
+// flux_lora.safetensors); kohya's --fp8_base and --blocks_to_swap N for one device.
+//
+//   finetune_transformer --pretrained_model_name_or_path FLUX.1-dev --train_data_dir IMAGES
+//                        --output_dir OUT --use_lora --rank 16 --gradient_checkpointing
+//                        [--fp8_base] [--blocks_to_swap 18]
 //
 // CogVideoXPipeline: T5 and its tokenizer, the 3-D VAE, the transformer and CogVideoX's DDIM or
 // DPM scheduler; a data folder (diffusers' --instance_data_root is --train_data_dir here) whose
@@ -119,8 +131,8 @@ int run(const Settings& s) {
 int main(int argc, char** argv) {
   Settings s;
   CLI::App app{
-      "Fine-tune a Stable Diffusion 3 transformer on captioned images, or a CogVideoX transformer "
-      "on captioned videos (LoRA or full)."};
+      "Fine-tune a Stable Diffusion 3 or Flux.1 transformer on captioned images, or a CogVideoX "
+      "transformer on captioned videos (LoRA or full)."};
   app.get_formatter()->column_width(44);
   using examples::count_in;
   using examples::number_in;

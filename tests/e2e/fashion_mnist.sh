@@ -155,6 +155,51 @@ print("diffusers loads the run's DiT:", sum(p.numel() for p in dit.parameters())
 PY
 fi
 
+# --model flux-mini: diffusers' FluxTransformer2DModel on class captions, flow matching; its
+# transformer/ loads in diffusers and holds the EMA weights; the UNet's and the DiT's flags and
+# the noise-schedule samplers are refused by name.
+expect_rc 0 flux -- "$bin" "${tiny[@]}" --model flux-mini --steps 4 --out "$work/flux"
+grep_in "$work/flux.err" "Flux-mini with [0-9]* parameters"
+grep_in "$work/flux/results.json" '"prediction_type": "flow_matching"'
+expect_rc 2 flux-dit-flag -- "$bin" "${tiny[@]}" --model flux-mini --dit-depth 3 --out "$work/x"
+grep_in "$work/flux-dit-flag.err" "applies to --model dit"
+expect_rc 2 flux-sampler -- "$bin" "${tiny[@]}" --model flux-mini --sampler dpm++ --out "$work/x"
+grep_in "$work/flux-sampler.err" "euler"
+if [ -n "${DIFFTRAIN_PYTHON:-}" ]; then
+  "$DIFFTRAIN_PYTHON" - "$work/flux" >"$work/diffusers-flux.out" 2>&1 <<'PY' || { fail "diffusers Flux-mini check"; cat "$work/diffusers-flux.out"; }
+import sys
+import torch
+from diffusers import FluxTransformer2DModel
+from safetensors.torch import load_file
+run = sys.argv[1]
+flux = FluxTransformer2DModel.from_pretrained(run + "/transformer").eval()
+ema = load_file(run + "/ema.safetensors")
+for k, v in flux.state_dict().items():
+    assert torch.equal(v, ema["flux.transformer." + k]), k
+# The caption "a photo of a sneaker" (label 7): its word tokens (numbered in order of first use
+# over the ten captions, padded with 0 to the longest), their mean the pooled vector.
+names = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker",
+         "Bag", "Ankle boot"]
+vocab = {}
+for name in names:
+    for w in ("a photo of a " + name.lower()).replace("/", " ").split():
+        vocab.setdefault(w, len(vocab) + 1)
+assert ema["flux.token_emb.weight"].shape[0] == len(vocab) + 1
+longest = max(len(("a photo of a " + n).replace("/", " ").split()) for n in names)
+ids = torch.tensor([vocab[w] for w in "a photo of a sneaker".split()] + [0])  # padded to 6
+assert ids.numel() == longest
+states = ema["flux.token_emb.weight"][ids].unsqueeze(0)
+rows, cols = torch.meshgrid(torch.arange(7.0), torch.arange(7.0), indexing="ij")
+img_ids = torch.stack([torch.zeros(49), rows.reshape(-1), cols.reshape(-1)], -1)
+with torch.no_grad():
+    y = flux(hidden_states=torch.randn(1, 49, 16), encoder_hidden_states=states,
+             pooled_projections=states.mean(1), timestep=torch.tensor([0.5]), img_ids=img_ids,
+             txt_ids=torch.zeros(ids.numel(), 3)).sample
+assert y.shape == (1, 49, 16) and torch.isfinite(y).all(), y.shape
+print("diffusers loads the run's Flux-mini:", sum(p.numel() for p in flux.parameters()), "parameters")
+PY
+fi
+
 # A second run in the same place must not replace the first one's checkpoints.
 expect_rc 2 again -- "$bin" "${tiny[@]}" --steps 6 --out "$work/a"
 grep_in "$work/again.err" "--resume"
