@@ -73,6 +73,20 @@ int run(const Settings& s) {
         "--single_file_config FOLDER, a CogVideoXPipeline folder of the same model (its "
         "transformer's weights are not read), and --sat_vae 3d-vae.pt for SAT's VAE",
         "--pretrained_model_name_or_path " + s.model);
+  // A Flux transformer file (Black Forest Labs' or ComfyUI's) holds the transformer alone.
+  if (single && s.single_file_config.empty() && fs::path(s.model).extension() == ".safetensors") {
+    bool flux = false;
+    try {
+      flux = !models::read_flux_single_file(s.model).empty();
+    } catch (const dt::FormatError&) {  // another family's file: its own loader says what it is
+    }
+    if (flux)
+      throw ConfigError(
+          "is a Flux transformer file, which holds no text encoders, VAE or scheduler: pass "
+          "--single_file_config FOLDER, a FluxPipeline folder of the same model (its "
+          "transformer's config is read, not its weights)",
+          "--pretrained_model_name_or_path " + s.model);
+  }
   const fs::path root(single ? s.single_file_config : s.model);
   if (!fs::is_directory(root) && !single)
     throw dt::IoError("is not a folder (name a diffusers pipeline folder)",
@@ -86,18 +100,14 @@ int run(const Settings& s) {
   const Ranks ranks{std::move(world), device};
   const std::string pipeline = index.value("_class_name", std::string());
   if (pipeline == "FluxPipeline") {
-    if (single)
-      throw ConfigError(
-          "Flux trains from a FluxPipeline folder; its single files are not read here",
-          "--single_file_config " + s.single_file_config);
     for (const auto& [set, flag] : std::initializer_list<std::pair<bool, const char*>>{
              {!s.sat_vae.empty(), "--sat_vae"},
-             {s.save_format == "single_file", "--save_format single_file"},
              {!s.tokenizer_name.empty(), "--tokenizer_name"},
              {!s.t5_tokenizer.empty(), "--t5_tokenizer"}})
       if (set)
         throw ConfigError("is not a Flux option (the FluxPipeline folder has its own)", flag);
-    return run_flux(s, ranks, root);
+    return run_flux(s, ranks, root,
+                    single ? std::optional<fs::path>(s.model) : std::optional<fs::path>());
   }
   for (const auto& [set, flag] : std::initializer_list<std::pair<bool, const char*>>{
            {s.blocks_to_swap > 0, "--blocks_to_swap"},

@@ -8,6 +8,7 @@
 // --blocks_to_swap N (the last blocks' frozen weights in host memory, brought in per block).
 
 #include <difftrain/adapters/flux_lora_files.hpp>
+#include <difftrain/models/single_file/flux.hpp>
 #include <difftrain/nn/block_swap.hpp>
 
 #include "image_batches.hpp"
@@ -62,8 +63,11 @@ void read_flux_scheduler(FluxPipelineParts& p, const fs::path& file) {
     throw ConfigError("max_image_seq_len must exceed base_image_seq_len", file.string());
 }
 
-/// A FluxPipeline folder (black-forest-labs/FLUX.1-dev's or -schnell's layout).
-FluxPipelineParts load_flux_pipeline(const fs::path& root, const std::string& variant) {
+/// A FluxPipeline folder (black-forest-labs/FLUX.1-dev's or -schnell's layout); with
+/// `single_file`, the transformer from that file (Black Forest Labs' or ComfyUI's layout), its
+/// config from the folder's transformer/ (whose weights are not read).
+FluxPipelineParts load_flux_pipeline(const fs::path& root, const std::string& variant,
+                                     const std::optional<fs::path>& single_file = std::nullopt) {
   models::LoadOptions lo;
   if (!variant.empty()) lo.variant = variant;
   FluxPipelineParts p;
@@ -83,7 +87,14 @@ FluxPipelineParts load_flux_pipeline(const fs::path& root, const std::string& va
   p.text_encoder = models::from_pretrained<Clip>(root / "text_encoder", lo);
   p.text_encoder_2 = models::from_pretrained<T5>(root / "text_encoder_2", lo);
   p.vae = models::from_pretrained<Vae>(root / "vae", lo);
-  p.transformer = models::from_pretrained<FluxTransformer>(root / "transformer", lo);
+  if (single_file) {
+    p.transformer = models::flux_transformer_from_single_file<FluxTransformer>(
+        models::read_flux_single_file(*single_file),
+        component_config<models::FluxTransformer2DConfig>(root / "transformer"),
+        single_file->string());
+  } else {
+    p.transformer = models::from_pretrained<FluxTransformer>(root / "transformer", lo);
+  }
   const auto& tc = p.transformer->config();
   const std::string where = (root / "transformer").string();
   if (tc.in_channels != 4 * p.vae->config().latent_channels)
@@ -270,7 +281,8 @@ ad::LoraTargets flux_targets(const Settings& s) {
   return t;
 }
 
-int run_flux(Settings s, const Ranks& ranks, const fs::path& root) {
+int run_flux(Settings s, const Ranks& ranks, const fs::path& root,
+             const std::optional<fs::path>& single_file) {
   const auto t0 = std::chrono::steady_clock::now();
   check_sd_run_flags(s);
   check_flags(s);
@@ -287,7 +299,8 @@ int run_flux(Settings s, const Ranks& ranks, const fs::path& root) {
   data::ImageFolder folder = examples::scan_training_folder(
       s.data_dir, fo, {.say = main_rank, .limit = s.limit, .require_captions = s.require_captions});
   tr::set_seed(s.seed);
-  FluxPipelineParts p = load_flux_pipeline(root, s.variant);
+  check_single_file_save_flags(s, s.use_lora);
+  FluxPipelineParts p = load_flux_pipeline(root, s.variant, single_file);
   check_flux_flags(s, p.dev());
   const auto& tc = p.transformer->config();
   // Caught before the output folder exists.
@@ -381,9 +394,18 @@ int run_flux(Settings s, const Ranks& ranks, const fs::path& root) {
       {"seed", s.seed}};
   // kohya's layout in place of PEFT's: the same branches under BFL's names (fused qkv and linear1
   // as block-diagonal branches), read by diffusers' load_lora_weights and ComfyUI.
-  WriteSingleFile write_kohya;
+  WriteSingleFile write_own;
+  // A full fine-tune as one file in Black Forest Labs' layout (ComfyUI's diffusion model;
+  // diffusers' FluxTransformer2DModel.from_single_file), when asked or when the base was one.
+  if (!s.use_lora && (single_file || s.save_format == "single_file"))
+    write_own = [&](nlohmann::json& files) {
+      dt::io::save_safetensors(fs::path(s.out) / "flux_transformer.safetensors",
+                               models::flux_single_file_tensors(*p.transformer, s.save_dtype()),
+                               {{"format", "pt"}});
+      files["single_file"] = "flux_transformer.safetensors";
+    };
   if (s.use_lora && s.lora_format == "kohya")
-    write_kohya = [&](nlohmann::json& files) {
+    write_own = [&](nlohmann::json& files) {
       dt::io::save_safetensors(
           fs::path(s.out) / "flux_lora.safetensors",
           ad::flux_kohya_lora_state_dict(*p.transformer, tc.num_layers, tc.num_single_layers),
@@ -400,7 +422,7 @@ int run_flux(Settings s, const Ranks& ranks, const fs::path& root) {
         write_validation_images(flux_validation_images(p, s, device),
                                 validation_options(s, s.resolution), out);
       },
-      t0, write_kohya);
+      t0, write_own);
 }
 
 }  // namespace

@@ -6,7 +6,9 @@
 # in kohya's Flux layout (lora_unet_double_blocks_...) through diffusers' kohya converter; kohya's
 # memory options (fp8 base weights, block swapping, checkpointed blocks) end with the LoRA of the
 # run without swapping to the bit, also when stopped and resumed; schnell fully fine-tuned writes
-# a pipeline folder that FluxPipeline loads and draws the same image from.
+# a pipeline folder that FluxPipeline loads and draws the same image from; dev fully fine-tuned
+# as one file in Black Forest Labs' layout, which diffusers' converter reads, and trained again
+# from it.
 #
 #   finetune_transformer_flux.sh PROGRAM PYTHON GOLDEN_DIR WORKDIR [FASHION_MNIST_DIR]
 set -uo pipefail
@@ -72,6 +74,20 @@ expect_rc 0 schnell-full -- "$bin" "${base[@]}" --pretrained_model_name_or_path 
   --output_dir "$work/schnell-full"
 grep_in "$work/schnell-full/results.json" '"flux": "schnell"'
 
+# dev fully fine-tuned as one file in Black Forest Labs' layout (ComfyUI's diffusion model), then
+# trained again from that file (its configs from --single_file_config), written back as one.
+expect_rc 0 file -- "$bin" "${base[@]}" --learning_rate 5e-4 --max_train_steps 4 "${prompt[@]}" \
+  --save_format single_file --output_dir "$work/file"
+grep_in "$work/file/results.json" '"single_file": "flux_transformer.safetensors"'
+expect_rc 0 from-file -- "$bin" "${base[@]}" --pretrained_model_name_or_path "$work/file/flux_transformer.safetensors" \
+  --single_file_config "$dev" --learning_rate 5e-4 --max_train_steps 2 --output_dir "$work/from-file"
+grep_in "$work/from-file/results.json" '"single_file": "flux_transformer.safetensors"'
+expect_rc 2 file-alone -- "$bin" "${base[@]}" --pretrained_model_name_or_path "$work/file/flux_transformer.safetensors" \
+  --output_dir "$work/bad2"
+grep_in "$work/file-alone.err" "--single_file_config"
+expect_rc 2 file-lora -- "$bin" "${base[@]}" --use_lora --save_format single_file --output_dir "$work/bad2"
+grep_in "$work/file-lora.err" "--save_format single_file"
+
 "$py" - "$work" >"$work/python.out" 2>&1 <<'PY' || { cat "$work/python.out"; fail "Python check"; }
 import json, math, pathlib, sys
 import numpy as np, torch
@@ -117,6 +133,26 @@ if True:
     diff = np.abs(validation_image("schnell-full") - np.round(generate(full, 256) * 255).astype(np.int64)).max()
     print(f"schnell, full fine-tuning: {moved} tensors changed; the image differs by at most {diff}/255")
     assert diff <= 1, diff
+# diffusers' own Flux converter (its widths set to the tiny model's: it assumes Flux.1's 3072)
+# reads difftrain's single file, and FluxPipeline with it draws difftrain's validation image.
+import inspect
+from diffusers import FluxTransformer2DModel
+import diffusers.loaders.single_file_utils as sfu
+from safetensors.torch import load_file
+config = FluxTransformer2DModel.load_config(str(work / "data" / "flux_dev" / "transformer"))
+width = config["num_attention_heads"] * config["attention_head_dim"]
+source = inspect.getsource(sfu.convert_flux_transformer_checkpoint_to_diffusers)
+assert "inner_dim = 3072" in source
+space = {}
+exec(source.replace("inner_dim = 3072", f"inner_dim = {width}"), sfu.__dict__, space)
+converted = space["convert_flux_transformer_checkpoint_to_diffusers"](
+    load_file(work / "file" / "flux_transformer.safetensors"))
+transformer = FluxTransformer2DModel.from_config(config)
+transformer.load_state_dict(converted, strict=True)
+pipe = FluxPipeline.from_pretrained(str(work / "data" / "flux_dev"), transformer=transformer)
+diff = np.abs(validation_image("file") - np.round(generate(pipe, 512) * 255).astype(np.int64)).max()
+print(f"single file: diffusers' converter reads it; FluxPipeline's image differs by {diff}/255")
+assert diff <= 1, diff
 PY
 cat "$work/python.out"
 for run in lora kohya schnell-full; do

@@ -6,15 +6,19 @@
 // parameters, by name and shape, from their configs without building them; mistakes are typed.
 #include <difftrain/adapters/flux_lora_files.hpp>
 #include <difftrain/adapters/lora_inject.hpp>
+#include <difftrain/io/remove_tree.hpp>
 #include <difftrain/io/safetensors.hpp>
 #include <difftrain/models/flux_transformer_2d.hpp>
 #include <difftrain/models/pretrained.hpp>
+#include <difftrain/models/single_file/flux.hpp>
 #include <difftrain/nn/block_swap.hpp>
 #include <difftrain/nn/layers/adaptable.hpp>
 
 #include <gtest/gtest.h>
 
 #include <ATen/Context.h>
+
+#include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
@@ -69,6 +73,19 @@ void expect_config_error(F&& f, const std::string& mention) {
     f();
     ADD_FAILURE() << "accepted; expected an error mentioning '" << mention << "'";
   } catch (const dt::ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find(mention), std::string::npos) << e.what();
+  }
+}
+
+/// f() throws a ConfigError or FormatError whose message mentions `mention`.
+template <class F>
+void expect_config_error_or_format(F&& f, const std::string& mention) {
+  try {
+    f();
+    ADD_FAILURE() << "accepted; expected an error mentioning '" << mention << "'";
+  } catch (const dt::ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find(mention), std::string::npos) << e.what();
+  } catch (const dt::FormatError& e) {
     EXPECT_NE(std::string(e.what()).find(mention), std::string::npos) << e.what();
   }
 }
@@ -508,4 +525,83 @@ TEST(Flux, BlockSwapOnCudaCopiesAheadOnASideStream) {
   at::globalContext().setDeterministicAlgorithms(true, false);
   check_block_swap(at::Device(at::kCUDA, 0));
   at::globalContext().setDeterministicAlgorithms(was, false);
+}
+
+// Flux single files (models/single_file/flux.hpp): a model written in Black Forest Labs' layout
+// and read back, bare and under ComfyUI's prefix, is the same model; a file's config told from
+// its keys is the model's; a missing, extra or misshapen tensor and adapters are typed errors.
+// (check_cpp_models.py has diffusers' own converter read the file.)
+TEST(Flux, SingleFilesInBlackForestLabsLayoutRoundTrip) {
+  namespace ad = difftrain::adapters;
+  at::manual_seed(5);
+  models::FluxTransformer2DConfig c;  // heads of 128: the rotary axes are told from the keys
+  c.num_layers = 2;
+  c.num_single_layers = 1;
+  c.attention_head_dim = 128;
+  c.num_attention_heads = 1;
+  c.in_channels = 8;
+  c.joint_attention_dim = 12;
+  c.pooled_projection_dim = 10;
+  c.guidance_embeds = true;
+  Flux model(c);
+  {
+    const at::NoGradGuard no_grad;
+    for (auto& p : model->parameters()) p.normal_();
+  }
+  const auto tensors = models::flux_single_file_tensors(*model);
+  EXPECT_EQ(tensors.at("double_blocks.1.img_attn.qkv.weight").sizes(),
+            (at::IntArrayRef{3 * 128, 128}));
+  EXPECT_EQ(tensors.at("single_blocks.0.linear1.weight").size(0), 3 * 128 + 4 * 128);
+  // final_layer.adaLN_modulation keeps shift before scale.
+  EXPECT_TRUE(at::equal(tensors.at("final_layer.adaLN_modulation.1.weight").narrow(0, 0, 128),
+                        model->norm_out->named_parameters()["linear.weight"].narrow(0, 128, 128)));
+  const fs::path dir =
+      fs::temp_directory_path() / ("difftrain-flux-file-" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  std::map<std::string, at::Tensor> comfy;
+  for (const auto& [k, v] : tensors) comfy["model.diffusion_model." + k] = v;
+  comfy["first_stage_model.decoder.conv_in.weight"] = at::zeros({2, 2});  // ComfyUI's VAE beside
+  dt::io::save_safetensors(dir / "bfl.safetensors", tensors);
+  dt::io::save_safetensors(dir / "comfy.safetensors", comfy);
+  const auto told = models::FluxTransformer2DConfig::from_json(
+      models::flux_transformer_config_from_single_file(
+          models::read_flux_single_file(dir / "bfl.safetensors")),
+      "told");
+  EXPECT_EQ(told.num_layers, 2);
+  EXPECT_EQ(told.num_single_layers, 1);
+  EXPECT_EQ(told.num_attention_heads, 1);
+  EXPECT_EQ(told.joint_attention_dim, 12);
+  EXPECT_EQ(told.pooled_projection_dim, 10);
+  EXPECT_TRUE(told.guidance_embeds);
+  EXPECT_EQ(told.axes_dims_rope, (std::vector<std::int64_t>{16, 56, 56}));
+  for (const char* name : {"bfl.safetensors", "comfy.safetensors"}) {
+    SCOPED_TRACE(name);
+    std::map<std::string, at::Tensor> leftovers;
+    const auto read = models::read_flux_single_file(dir / name, &leftovers);
+    EXPECT_EQ(leftovers.size(), std::string(name) == "comfy.safetensors" ? 1U : 0U);
+    auto back = models::flux_transformer_from_single_file(read, told);
+    auto want = model->named_parameters();
+    for (const auto& p : back->named_parameters())
+      EXPECT_TRUE(at::equal(p.value(), want[p.key()])) << p.key();
+  }
+  // Mistakes, each named.
+  auto broken = tensors;
+  broken.erase("double_blocks.1.txt_mlp.2.bias");
+  expect_config_error_or_format([&] { (void)models::flux_transformer_from_single_file(broken, c); },
+                                "double_blocks.1.txt_mlp.2.bias");
+  broken = tensors;
+  broken["double_blocks.2.img_mod.lin.weight"] = at::zeros({6, 128});
+  expect_config_error_or_format([&] { (void)models::flux_transformer_from_single_file(broken, c); },
+                                "double_blocks.2.img_mod.lin.weight");
+  broken = tensors;
+  broken["img_in.weight"] = at::zeros({128, 9});
+  expect_config_error_or_format([&] { (void)models::flux_transformer_from_single_file(broken, c); },
+                                "img_in.weight");
+  dt::io::save_safetensors(dir / "other.safetensors", {{"conv.weight", at::zeros({2})}});
+  expect_config_error_or_format(
+      [&] { (void)models::read_flux_single_file(dir / "other.safetensors"); },
+      "no Flux transformer");
+  ad::inject_lora(*model, ad::flux_lora_targets(), difftrain::nn::LoraOptions{.rank = 2});
+  expect_config_error_or_format([&] { (void)models::flux_single_file_tensors(*model); }, "adapter");
+  dt::io::remove_tree(dir);
 }
