@@ -14,6 +14,7 @@ apt_packages=(
   libxtensor-dev xtl-dev nlohmann-json3-dev libcli11-dev libfmt-dev
   libpng-dev zlib1g-dev libcairo2-dev dataset-fashion-mnist libgloo-dev libicu-dev
   libturbojpeg0-dev libwebp-dev libyaml-cpp-dev libtomlplusplus-dev
+  libavformat-dev libavcodec-dev libswscale-dev libavutil-dev
   clang clang-tidy clang-format libclang-rt-14-dev
 )
 missing=()

@@ -10,3 +10,6 @@
 #include "difftrain/data/loader.hpp"
 #include "difftrain/data/tensor_cache.hpp"
 #include "difftrain/data/transforms.hpp"
+#if defined(DIFFTRAIN_HAS_VIDEO)
+#include "difftrain/data/video_file.hpp"
+#endif

@@ -1,0 +1,474 @@
+#pragma once
+// Video files in and out through FFmpeg's libraries (libavformat, libavcodec, libswscale: the
+// decoders torchvision.io, decord and PyAV wrap): MP4, MOV, WebM, MKV and AVI with whatever video
+// codecs the system's FFmpeg decodes (H.264, H.265, VP9, AV1, MPEG-4, ...), 8- and 10-bit, 4:2:0 to
+// 4:4:4, converted to 8-bit RGB as PyAV's `frame.to_ndarray(format="rgb24")` converts them
+// (bilinear, the frame's own colorspace and range). Validation videos go out as H.264 MP4
+// (MPEG-4 Part 2 where the system's FFmpeg has no H.264 encoder).
+//
+//   data::VideoInfo info = data::probe_video("clip.mp4");       // frames, size, fps, codec
+//   data::VideoFrames v = data::read_video("clip.mp4", {.frames = {0, 4, 8}});
+//   v.pixels;                                                    // (3, H, W, 3) uint8 RGB
+//   data::write_video("sample.mp4", frames, {.fps = 8});         // (T, H, W, 3) uint8
+//
+// Bounded and typed: a missing file is an IoError; a file FFmpeg cannot open, one without a video
+// stream, a size or frame count past the limits, a decoder error and a file that ends before a
+// frame asked for are FormatErrors naming the file. Memory holds the kept frames only.
+
+extern "C" {
+#include <libavcodec/avcodec.h>
+#include <libavformat/avformat.h>
+#include <libavutil/display.h>
+#include <libavutil/error.h>
+#include <libavutil/log.h>
+#include <libavutil/opt.h>
+#include <libswscale/swscale.h>
+}
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <string>
+#include <system_error>
+#include <vector>
+
+#include "difftrain/core/error.hpp"
+
+namespace difftrain::data {
+
+struct VideoLimits {
+  std::int64_t max_frames = 100'000;        ///< frames in the file (its packets)
+  std::int64_t max_pixels = 8192LL * 8192;  ///< width × height of a frame
+};
+
+struct VideoInfo {
+  std::int64_t frames = 0;  ///< the video stream's packets (one per frame for these codecs)
+  std::int64_t width = 0, height = 0;  ///< as displayed (rotation applied)
+  double fps = 0;                      ///< average frame rate
+  int rotation = 0;  ///< degrees clockwise the display matrix asks (0, 90, 180, 270)
+  std::string codec;
+};
+
+struct VideoReadOptions {
+  /// Frame indices to keep, in display order (any order, repeats allowed); empty: every frame.
+  std::vector<std::int64_t> frames{};
+  /// Turn frames upright by the file's display matrix (phones' portrait clips), as ffmpeg's
+  /// command line does; torchvision, decord and PyAV return the stored orientation.
+  bool apply_rotation = true;
+  VideoLimits limits{};
+};
+
+struct VideoFrames {
+  at::Tensor pixels;  ///< (T, H, W, 3) uint8 RGB
+  VideoInfo info;
+};
+
+/// Video file names the readers take, by extension (case-insensitive).
+inline bool is_video_name(const std::filesystem::path& p) {
+  std::string e = p.extension().string();
+  std::transform(e.begin(), e.end(), e.begin(), [](unsigned char c) { return std::tolower(c); });
+  return e == ".mp4" || e == ".mov" || e == ".m4v" || e == ".webm" || e == ".mkv" || e == ".avi";
+}
+
+namespace video_detail {
+
+inline std::string av_message(int code) {
+  char buf[AV_ERROR_MAX_STRING_SIZE] = {};
+  av_strerror(code, buf, sizeof buf);
+  return buf;
+}
+
+struct FormatCloser {
+  void operator()(AVFormatContext* f) const { avformat_close_input(&f); }
+};
+struct CodecCloser {
+  void operator()(AVCodecContext* c) const { avcodec_free_context(&c); }
+};
+struct FrameFree {
+  void operator()(AVFrame* f) const { av_frame_free(&f); }
+};
+struct PacketFree {
+  void operator()(AVPacket* p) const { av_packet_free(&p); }
+};
+struct SwsFree {
+  void operator()(SwsContext* s) const { sws_freeContext(s); }
+};
+using Format = std::unique_ptr<AVFormatContext, FormatCloser>;
+using Codec = std::unique_ptr<AVCodecContext, CodecCloser>;
+using Frame = std::unique_ptr<AVFrame, FrameFree>;
+using Packet = std::unique_ptr<AVPacket, PacketFree>;
+using Sws = std::unique_ptr<SwsContext, SwsFree>;
+
+/// The opened file and its best video stream.
+struct Input {
+  Format format;
+  int stream = -1;
+  const AVCodec* decoder = nullptr;
+  int rotation = 0;
+};
+
+inline int rotation_of(const AVStream* st) {
+#if LIBAVFORMAT_VERSION_MAJOR < 61
+  const auto* m = reinterpret_cast<const int32_t*>(
+      av_stream_get_side_data(st, AV_PKT_DATA_DISPLAYMATRIX, nullptr));
+#else
+  const AVPacketSideData* sd = av_packet_side_data_get(
+      st->codecpar->coded_side_data, st->codecpar->nb_coded_side_data, AV_PKT_DATA_DISPLAYMATRIX);
+  const auto* m = sd != nullptr ? reinterpret_cast<const int32_t*>(sd->data) : nullptr;
+#endif
+  if (m == nullptr) return 0;
+  const double theta = -av_display_rotation_get(m);  // counter-clockwise → clockwise
+  if (!std::isfinite(theta)) return 0;
+  const int deg = ((static_cast<int>(std::lround(theta / 90.0)) * 90) % 360 + 360) % 360;
+  return deg;
+}
+
+/// FFmpeg logs every encoder's statistics at its default level: errors only, unless the program
+/// chose a level itself.
+inline void quiet_logs() {
+  if (av_log_get_level() == AV_LOG_INFO) av_log_set_level(AV_LOG_ERROR);
+}
+
+inline Input open(const std::filesystem::path& path, const VideoLimits& limits) {
+  quiet_logs();
+  const std::string where = path.string();
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec)) throw IoError("does not exist", where);
+  AVFormatContext* raw = nullptr;
+  if (const int r = avformat_open_input(&raw, where.c_str(), nullptr, nullptr); r < 0)
+    throw FormatError("is not a video FFmpeg can open (" + av_message(r) + ")", where);
+  Input in;
+  in.format.reset(raw);
+  if (const int r = avformat_find_stream_info(raw, nullptr); r < 0)
+    throw FormatError("has no readable streams (" + av_message(r) + ")", where);
+  const AVCodec* decoder = nullptr;
+  in.stream = av_find_best_stream(raw, AVMEDIA_TYPE_VIDEO, -1, -1, &decoder, 0);
+  if (in.stream == AVERROR_STREAM_NOT_FOUND) throw FormatError("holds no video stream", where);
+  if (in.stream < 0 || decoder == nullptr)
+    throw FormatError("has a video stream no decoder of this FFmpeg reads (" +
+                          av_message(in.stream < 0 ? in.stream : AVERROR_DECODER_NOT_FOUND) + ")",
+                      where);
+  in.decoder = decoder;
+  const AVCodecParameters* par = raw->streams[in.stream]->codecpar;
+  if (par->width <= 0 || par->height <= 0 ||
+      static_cast<std::int64_t>(par->width) * par->height > limits.max_pixels)
+    throw FormatError("declares frames of " + std::to_string(par->width) + "x" +
+                          std::to_string(par->height) + " (at most " +
+                          std::to_string(limits.max_pixels) + " pixels)",
+                      where);
+  in.rotation = rotation_of(raw->streams[in.stream]);
+  return in;
+}
+
+/// PyAV's to_ndarray("rgb24") conversion: bilinear, the frame's colorspace and range.
+inline SwsContext* rgb_converter(SwsContext* ctx, const AVFrame* f) {
+  // FFmpeg 5.1's x86 YUV-to-RGB kernels overrun rows whose width is not a multiple of 16; the
+  // accurate path (C) converts those instead.
+  const int flags = SWS_BILINEAR | (f->width % 16 != 0 ? SWS_ACCURATE_RND : 0);
+  SwsContext* s =
+      sws_getCachedContext(ctx, f->width, f->height, static_cast<AVPixelFormat>(f->format),
+                           f->width, f->height, AV_PIX_FMT_RGB24, flags, nullptr, nullptr, nullptr);
+  if (s == nullptr) return nullptr;
+  int cs = SWS_CS_DEFAULT;
+  switch (f->colorspace) {
+    case AVCOL_SPC_BT709:
+      cs = SWS_CS_ITU709;
+      break;
+    case AVCOL_SPC_FCC:
+      cs = SWS_CS_FCC;
+      break;
+    case AVCOL_SPC_SMPTE240M:
+      cs = SWS_CS_SMPTE240M;
+      break;
+    case AVCOL_SPC_BT2020_NCL:
+    case AVCOL_SPC_BT2020_CL:
+      cs = SWS_CS_BT2020;
+      break;
+    default:
+      break;
+  }
+  sws_setColorspaceDetails(s, sws_getCoefficients(cs), f->color_range == AVCOL_RANGE_JPEG ? 1 : 0,
+                           sws_getCoefficients(SWS_CS_DEFAULT), 1, 0, 1 << 16, 1 << 16);
+  return s;
+}
+
+/// A (H, W, 3) frame turned `deg` degrees clockwise.
+inline at::Tensor rotated(const at::Tensor& hwc, int deg) {
+  if (deg == 90) return hwc.transpose(0, 1).flip(1).contiguous();
+  if (deg == 180) return hwc.flip({0, 1}).contiguous();
+  if (deg == 270) return hwc.transpose(0, 1).flip(0).contiguous();
+  return hwc;
+}
+
+}  // namespace video_detail
+
+/// The file's video stream: its frame count (packets, counted without decoding), size, rate and
+/// codec.
+inline VideoInfo probe_video(const std::filesystem::path& path, const VideoLimits& limits = {}) {
+  using namespace video_detail;
+  Input in = open(path, limits);
+  const AVStream* st = in.format->streams[in.stream];
+  VideoInfo info;
+  info.rotation = in.rotation;
+  const bool sideways = in.rotation == 90 || in.rotation == 270;
+  info.width = sideways ? st->codecpar->height : st->codecpar->width;
+  info.height = sideways ? st->codecpar->width : st->codecpar->height;
+  info.fps = st->avg_frame_rate.den > 0 ? av_q2d(st->avg_frame_rate) : 0.0;
+  info.codec = in.decoder->name;
+  Packet pkt(av_packet_alloc());
+  while (av_read_frame(in.format.get(), pkt.get()) >= 0) {
+    if (pkt->stream_index == in.stream && ++info.frames > limits.max_frames)
+      throw FormatError("holds more than " + std::to_string(limits.max_frames) + " frames",
+                        path.string());
+    av_packet_unref(pkt.get());
+  }
+  return info;
+}
+
+/// Decodes the frames `o.frames` names (every frame when empty) as (T, H, W, 3) uint8 RGB.
+inline VideoFrames read_video(const std::filesystem::path& path, const VideoReadOptions& o = {}) {
+  using namespace video_detail;
+  const std::string where = path.string();
+  Input in = open(path, o.limits);
+  Codec codec(avcodec_alloc_context3(in.decoder));
+  if (!codec) throw FormatError("could not make a decoder", where);
+  avcodec_parameters_to_context(codec.get(), in.format->streams[in.stream]->codecpar);
+  codec->thread_count = 0;  // FFmpeg's choice
+  if (const int r = avcodec_open2(codec.get(), in.decoder, nullptr); r < 0)
+    throw FormatError(
+        "could not open its " + std::string(in.decoder->name) + " decoder (" + av_message(r) + ")",
+        where);
+  // Which output slots each decoded frame fills.
+  std::map<std::int64_t, std::vector<std::size_t>> wanted;
+  for (std::size_t k = 0; k < o.frames.size(); ++k) {
+    if (o.frames[k] < 0 || o.frames[k] >= o.limits.max_frames)
+      throw ConfigError("frame " + std::to_string(o.frames[k]) + " is outside [0, " +
+                            std::to_string(o.limits.max_frames) + ")",
+                        where);
+    wanted[o.frames[k]].push_back(k);
+  }
+  const std::int64_t last = wanted.empty() ? o.limits.max_frames - 1 : wanted.rbegin()->first;
+  std::vector<at::Tensor> out(o.frames.size());
+  std::vector<at::Tensor> all;
+  Packet pkt(av_packet_alloc());
+  Frame frame(av_frame_alloc());
+  Sws sws;
+  std::int64_t index = 0;
+  bool done = false;
+  const int deg = o.apply_rotation ? in.rotation : 0;
+  auto take = [&]() {
+    const bool keep_all = wanted.empty();
+    const auto it = wanted.find(index);
+    if (keep_all || it != wanted.end()) {
+      sws.reset(rgb_converter(sws.release(), frame.get()));
+      if (!sws) throw FormatError("has frames swscale cannot convert to RGB", where);
+      // swscale's SIMD converters write whole vectors: rows 64-byte aligned, cut after.
+      const int row = 3 * frame->width, padded = (row + 63) / 64 * 64;
+      at::Tensor buffer = at::empty({frame->height, padded}, at::kByte);
+      uint8_t* dst[1] = {buffer.data_ptr<uint8_t>()};
+      const int stride[1] = {padded};
+      sws_scale(sws.get(), frame->data, frame->linesize, 0, frame->height, dst, stride);
+      at::Tensor rgb = buffer.narrow(1, 0, row).reshape({frame->height, frame->width, 3});
+      rgb = rotated(rgb, deg);
+      if (keep_all) {
+        all.push_back(rgb);
+      } else {
+        for (const std::size_t k : it->second) out[k] = rgb;
+      }
+    }
+    ++index;
+    if (index > o.limits.max_frames)
+      throw FormatError("holds more than " + std::to_string(o.limits.max_frames) + " frames",
+                        where);
+    done = index > last;
+  };
+  auto drain = [&]() {
+    while (!done) {
+      const int r = avcodec_receive_frame(codec.get(), frame.get());
+      if (r == AVERROR(EAGAIN) || r == AVERROR_EOF) return;
+      if (r < 0)
+        throw FormatError(
+            "fails to decode after frame " + std::to_string(index) + " (" + av_message(r) + ")",
+            where);
+      take();
+      av_frame_unref(frame.get());
+    }
+  };
+  while (!done) {
+    const int r = av_read_frame(in.format.get(), pkt.get());
+    if (r == AVERROR_EOF) break;
+    if (r < 0) break;  // a truncated file: what decoded so far counts
+    if (pkt->stream_index == in.stream) {
+      const int s = avcodec_send_packet(codec.get(), pkt.get());
+      av_packet_unref(pkt.get());
+      if (s < 0 && s != AVERROR(EAGAIN))
+        throw FormatError(
+            "fails to decode after frame " + std::to_string(index) + " (" + av_message(s) + ")",
+            where);
+      drain();
+    } else {
+      av_packet_unref(pkt.get());
+    }
+  }
+  if (!done) {  // the decoder's last frames
+    avcodec_send_packet(codec.get(), nullptr);
+    drain();
+  }
+  VideoFrames v;
+  v.info.rotation = in.rotation;
+  v.info.codec = in.decoder->name;
+  const AVStream* st = in.format->streams[in.stream];
+  v.info.fps = st->avg_frame_rate.den > 0 ? av_q2d(st->avg_frame_rate) : 0.0;
+  v.info.frames = index;
+  if (wanted.empty()) {
+    if (all.empty()) throw FormatError("holds no decodable frame", where);
+    v.pixels = at::stack(all);
+  } else {
+    if (!done)
+      throw FormatError("ends after " + std::to_string(index) + " frames; frame " +
+                            std::to_string(last) + " was asked for (a truncated file?)",
+                        where);
+    v.pixels = at::stack(out);
+  }
+  v.info.height = v.pixels.size(1);
+  v.info.width = v.pixels.size(2);
+  return v;
+}
+
+struct VideoWriteOptions {
+  double fps = 8;
+  int crf = 18;      ///< H.264's constant rate factor (lower: better); MPEG-4 uses quantiser 2
+  int rotation = 0;  ///< degrees clockwise players turn the frames (a display matrix); 0: none
+};
+
+/// Writes (T, H, W, 3) uint8 RGB frames as an MP4 (H.264 yuv420p, or MPEG-4 Part 2 where there is
+/// no H.264 encoder); an odd width or height is padded by repeating the last column or row
+/// (4:2:0 needs even sizes). Written to a temporary name and renamed, so a reader never sees half
+/// a file. Returns the encoder's name.
+inline std::string write_video(const std::filesystem::path& path, const at::Tensor& frames,
+                               const VideoWriteOptions& o = {}) {
+  using namespace video_detail;
+  const std::string where = path.string();
+  if (frames.dim() != 4 || frames.size(3) != 3 || frames.scalar_type() != at::kByte ||
+      frames.size(0) < 1)
+    throw ShapeError("frames must be (T, H, W, 3) uint8 with T ≥ 1, got " +
+                         c10::str(frames.sizes()) + " " + c10::toString(frames.scalar_type()),
+                     where);
+  if (!(o.fps > 0 && o.fps <= 1000)) throw ConfigError("fps must be in (0, 1000]", where);
+  if (o.rotation % 90 != 0) throw ConfigError("rotation must be a multiple of 90", where);
+  at::Tensor x = frames.cpu().contiguous();
+  if (x.size(1) % 2 != 0) x = at::cat({x, x.narrow(1, x.size(1) - 1, 1)}, 1);
+  if (x.size(2) % 2 != 0) x = at::cat({x, x.narrow(2, x.size(2) - 1, 1)}, 2);
+  x = x.contiguous();
+  const int h = static_cast<int>(x.size(1)), w = static_cast<int>(x.size(2));
+  quiet_logs();
+  const std::filesystem::path tmp = path.string() + ".partial.mp4";
+  struct RemoveUnlessDone {  // a failed write leaves nothing behind
+    const std::filesystem::path& file;
+    bool done = false;
+    ~RemoveUnlessDone() {
+      std::error_code ignored;
+      if (!done) std::filesystem::remove(file, ignored);
+    }
+  } cleanup{tmp};
+  AVFormatContext* raw = nullptr;
+  if (avformat_alloc_output_context2(&raw, nullptr, "mp4", tmp.string().c_str()) < 0 || !raw)
+    throw FormatError("FFmpeg has no MP4 muxer", where);
+  struct OutputCloser {
+    void operator()(AVFormatContext* f) const {
+      if (f->pb != nullptr) avio_closep(&f->pb);
+      avformat_free_context(f);
+    }
+  };
+  std::unique_ptr<AVFormatContext, OutputCloser> oc(raw);
+  const AVCodec* enc = avcodec_find_encoder_by_name("libx264");
+  if (enc == nullptr) enc = avcodec_find_encoder(AV_CODEC_ID_MPEG4);
+  if (enc == nullptr) throw FormatError("FFmpeg has neither an H.264 nor an MPEG-4 encoder", where);
+  AVStream* st = avformat_new_stream(oc.get(), nullptr);
+  Codec ctx(avcodec_alloc_context3(enc));
+  const AVRational rate = av_d2q(o.fps, 100000);
+  ctx->width = w;
+  ctx->height = h;
+  ctx->pix_fmt = AV_PIX_FMT_YUV420P;
+  ctx->time_base = av_inv_q(rate);
+  ctx->framerate = rate;
+  ctx->gop_size = 12;
+  if (std::string(enc->name) == "libx264") {
+    av_opt_set(ctx->priv_data, "crf", std::to_string(o.crf).c_str(), 0);
+    av_opt_set(ctx->priv_data, "preset", "medium", 0);
+  } else {
+    ctx->flags |= AV_CODEC_FLAG_QSCALE;
+    ctx->global_quality = FF_QP2LAMBDA * 2;
+  }
+  if ((oc->oformat->flags & AVFMT_GLOBALHEADER) != 0) ctx->flags |= AV_CODEC_FLAG_GLOBAL_HEADER;
+  if (const int r = avcodec_open2(ctx.get(), enc, nullptr); r < 0)
+    throw FormatError(
+        "could not open the " + std::string(enc->name) + " encoder (" + av_message(r) + ")", where);
+  avcodec_parameters_from_context(st->codecpar, ctx.get());
+  st->time_base = ctx->time_base;
+  if (o.rotation % 360 != 0) {
+    std::vector<int32_t> m(9);
+    av_display_rotation_set(m.data(), static_cast<double>(o.rotation));  // clockwise
+#if LIBAVFORMAT_VERSION_MAJOR < 61
+    uint8_t* sd = av_stream_new_side_data(st, AV_PKT_DATA_DISPLAYMATRIX, 9 * sizeof(int32_t));
+    if (sd == nullptr) throw FormatError("out of memory", where);
+    std::memcpy(sd, m.data(), 9 * sizeof(int32_t));
+#else
+    AVPacketSideData* sd =
+        av_packet_side_data_new(&st->codecpar->coded_side_data, &st->codecpar->nb_coded_side_data,
+                                AV_PKT_DATA_DISPLAYMATRIX, 9 * sizeof(int32_t), 0);
+    if (sd == nullptr) throw FormatError("out of memory", where);
+    std::memcpy(sd->data, m.data(), 9 * sizeof(int32_t));
+#endif
+  }
+  if (const int r = avio_open(&oc->pb, tmp.string().c_str(), AVIO_FLAG_WRITE); r < 0)
+    throw IoError("cannot be written (" + av_message(r) + ")", where);
+  if (const int r = avformat_write_header(oc.get(), nullptr); r < 0)
+    throw FormatError("the MP4 header could not be written (" + av_message(r) + ")", where);
+  Frame frame(av_frame_alloc());
+  frame->format = AV_PIX_FMT_YUV420P;
+  frame->width = w;
+  frame->height = h;
+  if (av_frame_get_buffer(frame.get(), 0) < 0) throw FormatError("out of memory", where);
+  Sws sws(sws_getContext(w, h, AV_PIX_FMT_RGB24, w, h, AV_PIX_FMT_YUV420P, SWS_BILINEAR, nullptr,
+                         nullptr, nullptr));
+  Packet pkt(av_packet_alloc());
+  auto send = [&](AVFrame* f) {
+    if (const int r = avcodec_send_frame(ctx.get(), f); r < 0)
+      throw FormatError("the encoder refused a frame (" + av_message(r) + ")", where);
+    while (true) {
+      const int r = avcodec_receive_packet(ctx.get(), pkt.get());
+      if (r == AVERROR(EAGAIN) || r == AVERROR_EOF) return;
+      if (r < 0) throw FormatError("the encoder failed (" + av_message(r) + ")", where);
+      // Every frame lasts one frame period: without it MP4's edit list ends before the last one.
+      if (pkt->duration <= 0) pkt->duration = 1;
+      av_packet_rescale_ts(pkt.get(), ctx->time_base, st->time_base);
+      pkt->stream_index = st->index;
+      if (const int m = av_interleaved_write_frame(oc.get(), pkt.get()); m < 0)
+        throw IoError("could not be written (" + av_message(m) + ")", where);
+    }
+  };
+  for (std::int64_t t = 0; t < x.size(0); ++t) {
+    av_frame_make_writable(frame.get());
+    const uint8_t* src[1] = {x[t].data_ptr<uint8_t>()};
+    const int stride[1] = {3 * w};
+    sws_scale(sws.get(), src, stride, 0, h, frame->data, frame->linesize);
+    frame->pts = t;
+    send(frame.get());
+  }
+  send(nullptr);
+  if (const int r = av_write_trailer(oc.get()); r < 0)
+    throw IoError("could not be finished (" + av_message(r) + ")", where);
+  avio_closep(&oc->pb);
+  std::filesystem::rename(tmp, path);
+  cleanup.done = true;
+  return enc->name;
+}
+
+}  // namespace difftrain::data
