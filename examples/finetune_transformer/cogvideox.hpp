@@ -6,6 +6,7 @@
 #include <difftrain/models/single_file/cogvideox_sat.hpp>
 
 #include "run_common.hpp"
+#include "video_clips.hpp"
 
 namespace {
 
@@ -90,115 +91,6 @@ CogPipeline load_cogvideox_pipeline(const std::string& model, const std::string&
                           std::to_string(p.text_encoder->config().d_model),
                       (p.root / "transformer").string());
   return p;
-}
-
-/// One training video: the frames chosen from its folder (or a single image) and its caption.
-struct VideoClip {
-  fs::path source;
-  std::vector<fs::path> frames;
-  std::string caption;
-};
-
-std::vector<std::string> read_lines(const fs::path& file, const std::string& flag) {
-  if (!fs::is_regular_file(file))
-    throw dt::IoError(
-        "does not exist (" + flag + " names a file of the data folder, one entry per line)",
-        file.string());
-  const std::vector<char> bytes = dt::io::read_file(file);
-  std::vector<std::string> lines;
-  std::string line;
-  for (const char c : bytes) {
-    if (c != '\n') {
-      line += c;
-      continue;
-    }
-    if (!line.empty() && line.back() == '\r') line.pop_back();
-    lines.push_back(line);
-    line.clear();
-  }
-  if (!line.empty()) lines.push_back(line);
-  while (!lines.empty() && lines.back().empty()) lines.pop_back();
-  return lines;
-}
-
-/// diffusers' frame choice: skip the first and last frames asked, take every k-th frame when more
-/// than max_num_frames remain, cut to max_num_frames and then to 4k + 1 (what the VAE compresses).
-std::vector<std::size_t> chosen_frames(std::size_t count, const Settings& s) {
-  const auto start = std::min<std::size_t>(static_cast<std::size_t>(s.skip_frames_start), count);
-  const std::size_t end =
-      count > static_cast<std::size_t>(s.skip_frames_end) ? count - s.skip_frames_end : 0;
-  const auto max = static_cast<std::size_t>(s.max_num_frames);
-  std::vector<std::size_t> idx;
-  if (end <= start) {
-    idx.push_back(std::min(start, count - 1));
-  } else if (end - start <= max) {
-    for (std::size_t i = start; i < end; ++i) idx.push_back(i);
-  } else {
-    const std::size_t step = (end - start) / max;
-    for (std::size_t i = start; i < end; i += step) idx.push_back(i);
-  }
-  if (idx.size() > max) idx.resize(max);
-  const std::size_t remainder = (3 + idx.size() % 4) % 4;
-  idx.resize(idx.size() - remainder);
-  return idx;
-}
-
-/// diffusers' local dataset layout: `--caption_column` and `--video_column` name two files in the
-/// data folder, one caption and one video per line. A video is a folder of its frames (JPEG, PNG
-/// or WebP, in name order) or one image; every clip is cut to the shortest clip's frame count so
-/// clips batch together.
-std::vector<VideoClip> scan_videos(const Settings& s) {
-  const fs::path root(s.data_dir);
-  if (!fs::is_directory(root))
-    throw dt::IoError("is not a folder", "--train_data_dir " + s.data_dir);
-  const auto captions = read_lines(root / s.caption_column, "--caption_column");
-  const auto videos = read_lines(root / s.video_column, "--video_column");
-  if (captions.size() != videos.size())
-    throw ConfigError(std::to_string(captions.size()) + " captions for " +
-                          std::to_string(videos.size()) + " videos",
-                      (root / s.caption_column).string());
-  if (videos.empty()) throw ConfigError("lists no videos", (root / s.video_column).string());
-  std::vector<VideoClip> clips;
-  std::size_t shortest = std::numeric_limits<std::size_t>::max();
-  for (std::size_t i = 0; i < videos.size(); ++i) {
-    VideoClip c{root / videos[i], {}, captions[i]};
-    const std::string where = (root / s.video_column).string() + " line " + std::to_string(i + 1);
-    if (fs::is_directory(c.source)) {
-      for (const auto& e : fs::directory_iterator(c.source))
-        if (e.is_regular_file() && data::is_image_name(e.path())) c.frames.push_back(e.path());
-      std::sort(c.frames.begin(), c.frames.end());
-      if (c.frames.empty())
-        throw ConfigError("names " + c.source.string() + ", a folder without frames", where);
-    } else if (fs::is_regular_file(c.source) && data::is_image_name(c.source)) {
-      c.frames.push_back(c.source);
-    } else {
-      throw ConfigError("names " + c.source.string() +
-                            ", which is not a folder of frames or an image (decode a video file "
-                            "to frames first, e.g. ffmpeg -i clip.mp4 clip/%04d.png)",
-                        where);
-    }
-    std::vector<fs::path> kept;
-    for (const std::size_t k : chosen_frames(c.frames.size(), s)) kept.push_back(c.frames[k]);
-    c.frames = std::move(kept);
-    shortest = std::min(shortest, c.frames.size());
-    clips.push_back(std::move(c));
-    if (s.limit > 0 && static_cast<std::int64_t>(clips.size()) >= s.limit) break;
-  }
-  for (auto& c : clips) c.frames.resize(shortest);
-  return clips;
-}
-
-/// A clip's frames (1, 3, F, height, width) in [−1, 1], each resized to the training size (as
-/// decord's reader does: no crop), mirrored when asked.
-at::Tensor load_clip(const VideoClip& c, const Settings& s, bool flip) {
-  std::vector<at::Tensor> frames;
-  for (const auto& f : c.frames) {
-    const at::Tensor chw = data::read_image(f).pixels.permute({2, 0, 1});
-    at::Tensor x = data::resize(chw, {s.height, s.width});
-    if (flip) x = data::horizontal_flip(x);
-    frames.push_back(data::to_unit_range(x));
-  }
-  return at::stack(frames, 1).unsqueeze(0);
 }
 
 /// The transformer with CogVideoX's v-prediction loss on video latents (B, F, C, h, w).
@@ -375,8 +267,8 @@ at::Tensor validation_videos(CogPipeline& p, const Settings& s, std::int64_t fra
   return videos;
 }
 
-/// validation/video-<i>/frame-<k>.png for every frame, and validation.png: one row per video of
-/// up to eight evenly spaced frames.
+/// validation/video-<i>/frame-<k>.png for every frame, validation/video-<i>.mp4 (with FFmpeg),
+/// and validation.png: one row per video of up to eight evenly spaced frames.
 void write_validation_videos(const at::Tensor& videos, const Settings& s, const fs::path& out) {
   const std::int64_t frames = videos.size(2);
   const std::int64_t shown = std::min<std::int64_t>(frames, 8);
@@ -394,6 +286,13 @@ void write_validation_videos(const at::Tensor& videos, const Settings& s, const 
                         dt::io::image_grid(v.narrow(0, k, 1), {.columns = 1, .padding = 0}),
                         {{"Description", prompt}});
     }
+#if defined(DIFFTRAIN_HAS_VIDEO)
+    // And the video itself: H.264 MP4 at CogVideoX's 8 frames a second (export_to_video's).
+    const at::Tensor rgb =
+        ((v.permute({0, 2, 3, 1}) + 1) * 127.5).round().clamp(0, 255).to(at::kByte).contiguous();
+    data::write_video(out / "validation" / ("video-" + std::to_string(i) + ".mp4"), rgb,
+                      {.fps = 8});
+#endif
     for (std::int64_t j = 0; j < shown; ++j)
       strip.push_back(v[shown == 1 ? 0 : j * (frames - 1) / (shown - 1)]);
   }

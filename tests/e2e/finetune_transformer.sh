@@ -272,7 +272,10 @@ grep_in "$work/cog-height.err" "--height"
 mkdir -p "$work/cog/mp4" && printf 'a clip\n' >"$work/cog/mp4/prompts.txt" &&
   printf 'clip.mp4\n' >"$work/cog/mp4/videos.txt" && : >"$work/cog/mp4/clip.mp4"
 expect_rc 2 cog-mp4 -- "$bin" "${cog[@]}" --train_data_dir "$work/cog/mp4" --output_dir "$work/bad-cog"
-grep_in "$work/cog-mp4.err" "folder of frames"
+grep_in "$work/cog-mp4.err" "clip.mp4"
+mkdir -p "$work/cog/nothing"
+expect_rc 2 cog-nothing -- "$bin" "${cog[@]}" --train_data_dir "$work/cog/nothing" --output_dir "$work/bad-cog"
+grep_in "$work/cog-nothing.err" "labels/"
 [ -e "$work/bad-cog/checkpoints" ] && fail "a refused CogVideoX run left checkpoints"
 cog_lora=("${cog[@]}" --use_lora --rank 4 --lora_alpha 8 --learning_rate 2e-3 --max_train_steps 24
           --checkpointing_steps 4)
@@ -280,6 +283,48 @@ expect_rc 0 cog-lora -- "$bin" "${cog_lora[@]}" --output_dir "$work/cog-lora"
 expect_rc 130 cog-lora-stopped -- "$bin" "${cog_lora[@]}" --output_dir "$work/cog-lora-resumed" --stop_at 8
 expect_rc 0 cog-lora-resumed -- "$bin" "${cog_lora[@]}" --output_dir "$work/cog-lora-resumed" \
   --resume_from_checkpoint latest
+# Video files: the same clips as lossless FFV1 MKVs in SAT's layout (videos/ + labels/) train the
+# LoRA the frame folders train, to the bit; validation videos are also H.264 MP4s PyAV plays.
+"$py" - "$videos" "$work/cog/sat_layout" >"$work/make-mkv.out" 2>&1 <<'PY' || { cat "$work/make-mkv.out"; fail "making the MKV clips"; }
+import pathlib, sys
+import av
+import numpy as np
+from PIL import Image
+src, dst = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+(dst / "videos").mkdir(parents=True)
+(dst / "labels").mkdir()
+names = (src / "videos.txt").read_text().splitlines()
+prompts = (src / "prompts.txt").read_text().splitlines()
+for name, prompt in zip(names, prompts):
+    with av.open(str(dst / "videos" / f"{name}.mkv"), "w") as out:
+        s = out.add_stream("ffv1", rate=8)
+        s.width, s.height, s.pix_fmt = 40, 40, "bgr0"
+        for f in sorted((src / name).glob("*.png")):
+            rgb = np.asarray(Image.open(f).convert("RGB"))
+            for p in s.encode(av.VideoFrame.from_ndarray(rgb, format="rgb24")):
+                out.mux(p)
+        for p in s.encode():
+            out.mux(p)
+    (dst / "labels" / f"{name}.txt").write_text(prompt + "\n")
+PY
+cog_short=("${cog[@]}" --use_lora --rank 4 --learning_rate 2e-3 --max_train_steps 3 --num_validation_images 1)
+expect_rc 0 cog-frames3 -- "$bin" "${cog_short[@]}" --output_dir "$work/cog-frames3"
+expect_rc 0 cog-sat-layout -- "$bin" "${cog_short[@]}" --train_data_dir "$work/cog/sat_layout" \
+  --output_dir "$work/cog-sat-layout"
+cmp -s "$work/cog-frames3/pytorch_lora_weights.safetensors" \
+  "$work/cog-sat-layout/pytorch_lora_weights.safetensors" ||
+  fail "the MKV clips in SAT's layout trained another LoRA than their frame folders"
+"$py" - "$work/cog-sat-layout/validation/video-0.mp4" >"$work/mp4-check.out" 2>&1 <<'PY' || { cat "$work/mp4-check.out"; fail "validation MP4"; }
+import sys
+import av
+with av.open(sys.argv[1]) as f:
+    s = f.streams.video[0]
+    frames = [fr.to_ndarray(format="rgb24") for fr in f.decode(s)]
+assert s.codec_context.name in ("h264", "mpeg4") and len(frames) == 9, (s.codec_context.name, len(frames))
+assert frames[0].shape == (32, 32, 3), frames[0].shape
+print(f"validation MP4: {len(frames)} frames of {s.codec_context.name}, {float(s.average_rate)} fps")
+PY
+cat "$work/mp4-check.out"
 # kohya's options on CogVideoX: caption dropout, ip_noise_gamma and the L1 loss in its weighting.
 expect_rc 0 cog-kohya -- "$bin" "${cog[@]}" --use_lora --rank 4 --max_train_steps 2 --loss_type l1 \
   --ip_noise_gamma 0.05 --caption_dropout_rate 0.5 --output_dir "$work/cog-kohya"

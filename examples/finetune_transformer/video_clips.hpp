@@ -1,0 +1,243 @@
+#pragma once
+// finetune_transformer's training videos: where they are listed, which of their frames train, and
+// the frames as tensors. Three layouts of --train_data_dir:
+//
+//   diffusers'  --caption_column and --video_column name two files in the folder, one caption and
+//               one video per line (train_cogvideox_lora.py's local layout);
+//   SAT's       videos/ and labels/ with matching stems: videos/1.mp4 and labels/1.txt (the
+//               CogVideoX SAT fine-tuning guide's layout);
+//   beside      videos with a caption file of the same stem beside each: clip.mp4 + clip.txt.
+//
+// A video is a video file (MP4, MOV, WebM, MKV, AVI: data/video_file.hpp, with FFmpeg), a folder
+// of its frames (JPEG, PNG or WebP, in name order) or one image.
+
+#include "run_common.hpp"
+
+#if defined(DIFFTRAIN_HAS_VIDEO)
+#include <difftrain/data/video_file.hpp>
+#endif
+
+namespace {
+
+/// One training video: its source, the frames chosen (image files, or indices into the video
+/// file) and its caption.
+struct VideoClip {
+  fs::path source;
+  std::vector<fs::path> frames;           // a folder's frames or one image
+  std::vector<std::int64_t> file_frames;  // a video file's frame indices
+  std::string caption;
+  [[nodiscard]] bool is_file() const { return frames.empty(); }
+  [[nodiscard]] std::size_t count() const { return is_file() ? file_frames.size() : frames.size(); }
+  void keep_first(std::size_t n) {
+    if (is_file())
+      file_frames.resize(n);
+    else
+      frames.resize(n);
+  }
+};
+
+std::vector<std::string> read_lines(const fs::path& file, const std::string& flag) {
+  if (!fs::is_regular_file(file))
+    throw dt::IoError(
+        "does not exist (" + flag + " names a file of the data folder, one entry per line)",
+        file.string());
+  const std::vector<char> bytes = dt::io::read_file(file);
+  std::vector<std::string> lines;
+  std::string line;
+  for (const char c : bytes) {
+    if (c != '\n') {
+      line += c;
+      continue;
+    }
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    lines.push_back(line);
+    line.clear();
+  }
+  if (!line.empty()) lines.push_back(line);
+  while (!lines.empty() && lines.back().empty()) lines.pop_back();
+  return lines;
+}
+
+/// A caption file's text, its lines joined by spaces (SAT's labels hold one line).
+std::string read_caption(const fs::path& file) {
+  std::string text;
+  for (const auto& line : read_lines(file, "the caption file"))
+    text += (text.empty() ? "" : " ") + line;
+  return text;
+}
+
+/// diffusers' frame choice: skip the first and last frames asked, take every k-th frame when more
+/// than max_num_frames remain, cut to max_num_frames and then to 4k + 1 (what the VAE compresses).
+std::vector<std::size_t> chosen_frames(std::size_t count, const Settings& s) {
+  const auto start = std::min<std::size_t>(static_cast<std::size_t>(s.skip_frames_start), count);
+  const std::size_t end =
+      count > static_cast<std::size_t>(s.skip_frames_end) ? count - s.skip_frames_end : 0;
+  const auto max = static_cast<std::size_t>(s.max_num_frames);
+  std::vector<std::size_t> idx;
+  if (end <= start) {
+    idx.push_back(std::min(start, count - 1));
+  } else if (end - start <= max) {
+    for (std::size_t i = start; i < end; ++i) idx.push_back(i);
+  } else {
+    const std::size_t step = (end - start) / max;
+    for (std::size_t i = start; i < end; i += step) idx.push_back(i);
+  }
+  if (idx.size() > max) idx.resize(max);
+  const std::size_t remainder = (3 + idx.size() % 4) % 4;
+  idx.resize(idx.size() - remainder);
+  return idx;
+}
+
+bool is_video_file_name(const fs::path& p) {
+#if defined(DIFFTRAIN_HAS_VIDEO)
+  return data::is_video_name(p);
+#else
+  std::string e = p.extension().string();
+  std::transform(e.begin(), e.end(), e.begin(), [](unsigned char c) { return std::tolower(c); });
+  return e == ".mp4" || e == ".mov" || e == ".m4v" || e == ".webm" || e == ".mkv" || e == ".avi";
+#endif
+}
+
+/// `source` as a clip: its frames, chosen as diffusers chooses them. `where` names it in errors.
+VideoClip clip_of(const fs::path& source, std::string caption, const Settings& s,
+                  const std::string& where) {
+  VideoClip c{source, {}, {}, std::move(caption)};
+  std::size_t count = 0;
+  bool file = false;
+  if (fs::is_directory(source)) {
+    for (const auto& e : fs::directory_iterator(source))
+      if (e.is_regular_file() && data::is_image_name(e.path())) c.frames.push_back(e.path());
+    std::sort(c.frames.begin(), c.frames.end());
+    if (c.frames.empty())
+      throw ConfigError("names " + source.string() + ", a folder without frames", where);
+    count = c.frames.size();
+  } else if (fs::is_regular_file(source) && data::is_image_name(source)) {
+    c.frames.push_back(source);
+    count = 1;
+  } else if (fs::is_regular_file(source) && is_video_file_name(source)) {
+#if defined(DIFFTRAIN_HAS_VIDEO)
+    count = static_cast<std::size_t>(data::probe_video(source).frames);
+    if (count == 0) throw dt::FormatError("holds no frames", source.string());
+    file = true;
+#else
+    throw ConfigError("names " + source.string() +
+                          ", a video file; this build has no FFmpeg (Debian: libavformat-dev "
+                          "libavcodec-dev libswscale-dev): decode it to frames first, e.g. "
+                          "ffmpeg -i clip.mp4 clip/%04d.png",
+                      where);
+#endif
+  } else {
+    throw ConfigError(
+        "names " + source.string() + ", which is not a video file, a folder of frames or an image",
+        where);
+  }
+  const std::vector<std::size_t> chosen = chosen_frames(count, s);
+  if (file) {
+    for (const std::size_t k : chosen) c.file_frames.push_back(static_cast<std::int64_t>(k));
+  } else {
+    std::vector<fs::path> kept;
+    for (const std::size_t k : chosen) kept.push_back(c.frames[k]);
+    c.frames = std::move(kept);
+  }
+  return c;
+}
+
+/// The training videos of --train_data_dir in whichever of the three layouts it has; every clip
+/// cut to the shortest clip's frame count so clips batch together.
+std::vector<VideoClip> scan_videos(const Settings& s) {
+  const fs::path root(s.data_dir);
+  if (!fs::is_directory(root))
+    throw dt::IoError("is not a folder", "--train_data_dir " + s.data_dir);
+  std::vector<std::pair<fs::path, std::string>> listed;  // (video, caption)
+  std::vector<std::string> wheres;
+  const bool columns =
+      fs::is_regular_file(root / s.caption_column) || fs::is_regular_file(root / s.video_column);
+  const bool sat = fs::is_directory(root / "videos") && fs::is_directory(root / "labels");
+  if (columns || !sat) {
+    std::vector<fs::path> beside;  // videos with a caption file beside them
+    if (!columns)
+      for (const auto& e : fs::directory_iterator(root))
+        if (e.is_regular_file() && is_video_file_name(e.path()) &&
+            fs::is_regular_file(fs::path(e.path()).replace_extension(".txt")))
+          beside.push_back(e.path());
+    if (!columns && beside.empty())
+      throw ConfigError(
+          "holds no videos: list them in --video_column and --caption_column files (" +
+              s.video_column + ", " + s.caption_column +
+              "), or put them in videos/ with captions in labels/ (SAT's layout), or put each "
+              "video beside a .txt caption of the same name",
+          "--train_data_dir " + s.data_dir);
+    if (!columns) {
+      std::sort(beside.begin(), beside.end());
+      for (const auto& v : beside) {
+        listed.emplace_back(v, read_caption(fs::path(v).replace_extension(".txt")));
+        wheres.push_back(v.string());
+      }
+    } else {
+      const auto captions = read_lines(root / s.caption_column, "--caption_column");
+      const auto videos = read_lines(root / s.video_column, "--video_column");
+      if (captions.size() != videos.size())
+        throw ConfigError(std::to_string(captions.size()) + " captions for " +
+                              std::to_string(videos.size()) + " videos",
+                          (root / s.caption_column).string());
+      for (std::size_t i = 0; i < videos.size(); ++i) {
+        listed.emplace_back(root / videos[i], captions[i]);
+        wheres.push_back((root / s.video_column).string() + " line " + std::to_string(i + 1));
+      }
+    }
+  } else {  // SAT's videos/ + labels/
+    std::vector<fs::path> videos;
+    for (const auto& e : fs::directory_iterator(root / "videos"))
+      if ((e.is_regular_file() &&
+           (is_video_file_name(e.path()) || data::is_image_name(e.path()))) ||
+          e.is_directory())
+        videos.push_back(e.path());
+    std::sort(videos.begin(), videos.end());
+    for (const auto& v : videos) {
+      const fs::path label = root / "labels" / (v.stem().string() + ".txt");
+      if (!fs::is_regular_file(label))
+        throw ConfigError("has no caption " + label.string() + " (SAT's layout: labels/<stem>.txt)",
+                          v.string());
+      listed.emplace_back(v, read_caption(label));
+      wheres.push_back(v.string());
+    }
+  }
+  if (listed.empty())
+    throw ConfigError(
+        "holds no videos: list them in --video_column and --caption_column files, or put them in "
+        "videos/ with captions in labels/ (SAT's layout), or put each video beside a .txt "
+        "caption of the same name",
+        "--train_data_dir " + s.data_dir);
+  std::vector<VideoClip> clips;
+  std::size_t shortest = std::numeric_limits<std::size_t>::max();
+  for (std::size_t i = 0; i < listed.size(); ++i) {
+    clips.push_back(clip_of(listed[i].first, listed[i].second, s, wheres[i]));
+    shortest = std::min(shortest, clips.back().count());
+    if (s.limit > 0 && static_cast<std::int64_t>(clips.size()) >= s.limit) break;
+  }
+  for (auto& c : clips) c.keep_first(shortest);
+  return clips;
+}
+
+/// A clip's frames (1, 3, F, height, width) in [−1, 1], each resized to the training size (as
+/// decord's reader does: no crop), mirrored when asked.
+at::Tensor load_clip(const VideoClip& c, const Settings& s, bool flip) {
+  std::vector<at::Tensor> hwc;
+  if (c.is_file()) {
+#if defined(DIFFTRAIN_HAS_VIDEO)
+    const at::Tensor all = data::read_video(c.source, {.frames = c.file_frames}).pixels;
+    for (std::int64_t k = 0; k < all.size(0); ++k) hwc.push_back(all[k]);
+#endif
+  } else {
+    for (const auto& f : c.frames) hwc.push_back(data::read_image(f).pixels);
+  }
+  std::vector<at::Tensor> frames;
+  for (const at::Tensor& f : hwc) {
+    at::Tensor x = data::resize(f.permute({2, 0, 1}), {s.height, s.width});
+    if (flip) x = data::horizontal_flip(x);
+    frames.push_back(data::to_unit_range(x));
+  }
+  return at::stack(frames, 1).unsqueeze(0);
+}
+
+}  // namespace
