@@ -28,6 +28,7 @@ extern "C" {
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
