@@ -174,7 +174,7 @@ class VideoBatchStream {
 
   /// Frames the training videos have (the same for every clip).
   [[nodiscard]] std::int64_t frames() const {
-    return static_cast<std::int64_t>(clips_.front().frames.size());
+    return static_cast<std::int64_t>(clips_.front().count());
   }
 
  private:
@@ -324,7 +324,7 @@ int run_cogvideox(Settings s, const Ranks& ranks) {
     throw ConfigError(
         "must be a multiple of " + std::to_string(unit) + " (the VAE's downscale × the patch size)",
         "--width");
-  const auto frames = static_cast<std::int64_t>(clips.front().frames.size());
+  const auto frames = static_cast<std::int64_t>(clips.front().count());
   const std::int64_t latent_frames =
       (frames - 1) / static_cast<std::int64_t>(p.vae->config().temporal_compression_ratio) + 1;
   if (latent_frames % tc.frame_patch() != 0)
@@ -355,29 +355,15 @@ int run_cogvideox(Settings s, const Ranks& ranks) {
       main_rank);
   CogTraineeImpl trainee(p.transformer, p.scheduler, s.kohya);
   trainee.train();
-  const nlohmann::json run_settings = {
-      {"pretrained_model_name_or_path", s.model},
-      {"train_data_dir", s.data_dir},
-      {"videos", clips.size()},
-      {"frames", frames},
-      {"latent_frames", latent_frames},
-      {"height", s.height},
-      {"width", s.width},
-      {"train_batch_size", s.train_batch_size},
-      {"gradient_accumulation_steps", s.gradient_accumulation_steps},
-      {"max_train_steps", s.max_train_steps},
-      {"learning_rate", s.learning_rate},
-      {"lr_scheduler", s.lr_scheduler},
-      {"use_lora", s.use_lora},
-      {"rank", s.rank},
-      {"kohya", s.kohya.settings()},
-      {"scheduler", std::string(p.dpm ? "CogVideoXDPMScheduler" : "CogVideoXDDIMScheduler")},
-      {"snr_shift_scale", p.scheduler.schedule.snr_shift_scale.value_or(1.0)},
-      {"mixed_precision", s.mixed_precision},
-      {"gradient_checkpointing", s.gradient_checkpointing},
-      {"ranks", ranks.world->size()},
-      {"sharding", s.sharding},
-      {"seed", s.seed}};
+  nlohmann::json run_settings = common_run_settings(s, ranks);
+  run_settings.update(
+      {{"videos", clips.size()},
+       {"frames", frames},
+       {"latent_frames", latent_frames},
+       {"height", s.height},
+       {"width", s.width},
+       {"scheduler", std::string(p.dpm ? "CogVideoXDPMScheduler" : "CogVideoXDDIMScheduler")},
+       {"snr_shift_scale", p.scheduler.schedule.snr_shift_scale.value_or(1.0)}});
   if (main_rank)
     std::printf("%zu videos of %lld frames (%lld latent frames) at %lldx%lld\n", clips.size(),
                 static_cast<long long>(frames), static_cast<long long>(latent_frames),

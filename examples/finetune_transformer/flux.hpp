@@ -362,36 +362,22 @@ int run_flux(Settings s, const Ranks& ranks, const fs::path& root,
       main_rank);
   FluxTraineeImpl trainee(p.transformer, p, s);
   trainee.train();
-  const nlohmann::json run_settings = {
-      {"pretrained_model_name_or_path", s.model},
-      {"model_type", "flux"},
-      {"flux", p.dev() ? "dev" : "schnell"},
-      {"train_data_dir", s.data_dir},
-      {"images", folder.images.size()},
-      {"resolution", s.resolution},
-      {"train_batch_size", s.train_batch_size},
-      {"gradient_accumulation_steps", s.gradient_accumulation_steps},
-      {"max_train_steps", s.max_train_steps},
-      {"learning_rate", s.learning_rate},
-      {"lr_scheduler", s.lr_scheduler},
-      {"use_lora", s.use_lora},
-      {"rank", s.rank},
-      {"lora_format", s.lora_format},
-      {"weighting_scheme", s.weighting_scheme},
-      {"guidance_scale", s.guidance_scale},
-      {"max_sequence_length", s.max_sequence_length},
-      {"kohya", s.kohya.settings()},
-      {"fp8_base", s.fp8_base},
-      {"fp8_layers", fp8.layers},
-      {"fp8_weight_bytes", {{"before", fp8.bytes_before}, {"after", fp8.bytes_after}}},
-      {"blocks_to_swap", s.blocks_to_swap},
-      {"swapped_blocks", swap ? swap->stats().blocks : 0},
-      {"swapped_bytes", swap ? swap->stats().host_bytes : 0},
-      {"mixed_precision", s.mixed_precision},
-      {"gradient_checkpointing", s.gradient_checkpointing},
-      {"ranks", ranks.world->size()},
-      {"sharding", s.sharding},
-      {"seed", s.seed}};
+  nlohmann::json run_settings = common_run_settings(s, ranks);
+  run_settings.update(
+      {{"model_type", "flux"},
+       {"flux", p.dev() ? "dev" : "schnell"},
+       {"images", folder.images.size()},
+       {"resolution", s.resolution},
+       {"lora_format", s.lora_format},
+       {"weighting_scheme", s.weighting_scheme},
+       {"guidance_scale", s.guidance_scale},
+       {"max_sequence_length", s.max_sequence_length},
+       {"fp8_base", s.fp8_base},
+       {"fp8_layers", fp8.layers},
+       {"fp8_weight_bytes", {{"before", fp8.bytes_before}, {"after", fp8.bytes_after}}},
+       {"blocks_to_swap", s.blocks_to_swap},
+       {"swapped_blocks", swap ? swap->stats().blocks : 0},
+       {"swapped_bytes", swap ? swap->stats().host_bytes : 0}});
   // kohya's layout in place of PEFT's: the same branches under BFL's names (fused qkv and linear1
   // as block-diagonal branches), read by diffusers' load_lora_weights and ComfyUI.
   WriteSingleFile write_own;

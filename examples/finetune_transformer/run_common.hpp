@@ -264,6 +264,26 @@ struct Ranks {
   }
 };
 
+/// The run's settings every family records (results.json, TensorBoard's run config); a family
+/// adds its own.
+inline nlohmann::json common_run_settings(const Settings& s, const Ranks& ranks) {
+  return {{"pretrained_model_name_or_path", s.model},
+          {"train_data_dir", s.data_dir},
+          {"train_batch_size", s.train_batch_size},
+          {"gradient_accumulation_steps", s.gradient_accumulation_steps},
+          {"max_train_steps", s.max_train_steps},
+          {"learning_rate", s.learning_rate},
+          {"lr_scheduler", s.lr_scheduler},
+          {"use_lora", s.use_lora},
+          {"rank", s.rank},
+          {"kohya", s.kohya.settings()},
+          {"mixed_precision", s.mixed_precision},
+          {"gradient_checkpointing", s.gradient_checkpointing},
+          {"ranks", ranks.world->size()},
+          {"sharding", s.sharding},
+          {"seed", s.seed}};
+}
+
 /// The loop every family shares: the trainer (AdamW, the schedule, clipping and sharding from
 /// the flags, the program's callbacks), resumed when asked with each rank its own noise, stepped
 /// until done or stopped; then rank 0 writes the trained transformer, the validation

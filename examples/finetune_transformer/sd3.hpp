@@ -433,28 +433,13 @@ int run_sd3(Settings s, const Ranks& ranks) {
       main_rank);
   Sd3TraineeImpl trainee(p.transformer, p.flow, s);
   trainee.train();
-  const nlohmann::json run_settings = {
-      {"pretrained_model_name_or_path", s.model},
-      {"train_data_dir", s.data_dir},
-      {"images", folder.images.size()},
-      {"resolution", s.resolution},
-      {"train_batch_size", s.train_batch_size},
-      {"gradient_accumulation_steps", s.gradient_accumulation_steps},
-      {"max_train_steps", s.max_train_steps},
-      {"learning_rate", s.learning_rate},
-      {"lr_scheduler", s.lr_scheduler},
-      {"use_lora", s.use_lora},
-      {"rank", s.rank},
-      {"weighting_scheme", s.weighting_scheme},
-      {"kohya", s.kohya.settings()},
-      {"precondition_outputs", s.precondition_outputs},
-      {"shift", p.flow.shift},
-      {"t5", static_cast<bool>(p.text_encoder_3)},
-      {"mixed_precision", s.mixed_precision},
-      {"gradient_checkpointing", s.gradient_checkpointing},
-      {"ranks", ranks.world->size()},
-      {"sharding", s.sharding},
-      {"seed", s.seed}};
+  nlohmann::json run_settings = common_run_settings(s, ranks);
+  run_settings.update({{"images", folder.images.size()},
+                       {"resolution", s.resolution},
+                       {"weighting_scheme", s.weighting_scheme},
+                       {"precondition_outputs", s.precondition_outputs},
+                       {"shift", p.flow.shift},
+                       {"t5", static_cast<bool>(p.text_encoder_3)}});
   // A full fine-tune of a single file goes back as one (with what the file held beyond the
   // models), as --save_format single_file writes one of a folder.
   WriteSingleFile write_single_file;

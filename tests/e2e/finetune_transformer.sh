@@ -314,6 +314,9 @@ expect_rc 0 cog-sat-layout -- "$bin" "${cog_short[@]}" --train_data_dir "$work/c
 cmp -s "$work/cog-frames3/pytorch_lora_weights.safetensors" \
   "$work/cog-sat-layout/pytorch_lora_weights.safetensors" ||
   fail "the MKV clips in SAT's layout trained another LoRA than their frame folders"
+grep_in "$work/cog-sat-layout/results.json" '"frames": 9'
+cmp -s "$work/cog-frames3/validation.png" "$work/cog-sat-layout/validation.png" ||
+  fail "the MKV clips' run drew another validation video than the frame folders' run"
 "$py" - "$work/cog-sat-layout/validation/video-0.mp4" >"$work/mp4-check.out" 2>&1 <<'PY' || { cat "$work/mp4-check.out"; fail "validation MP4"; }
 import sys
 import av
