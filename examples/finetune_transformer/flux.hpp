@@ -299,7 +299,6 @@ int run_flux(Settings s, const Ranks& ranks, const fs::path& root,
   data::ImageFolder folder = examples::scan_training_folder(
       s.data_dir, fo, {.say = main_rank, .limit = s.limit, .require_captions = s.require_captions});
   tr::set_seed(s.seed);
-  check_single_file_save_flags(s, s.use_lora);
   FluxPipelineParts p = load_flux_pipeline(root, s.variant, single_file);
   check_flux_flags(s, p.dev());
   const auto& tc = p.transformer->config();

@@ -66,26 +66,13 @@ FluxRun run_case(Flux& model, const std::map<std::string, at::Tensor>& t) {
   return r;
 }
 
-/// f() throws a ConfigError whose message mentions `mention`.
-template <class F>
-void expect_config_error(F&& f, const std::string& mention) {
+/// f() throws an E whose message mentions `mention`.
+template <class E, class F>
+void expect_error(F&& f, const std::string& mention) {
   try {
     f();
     ADD_FAILURE() << "accepted; expected an error mentioning '" << mention << "'";
-  } catch (const dt::ConfigError& e) {
-    EXPECT_NE(std::string(e.what()).find(mention), std::string::npos) << e.what();
-  }
-}
-
-/// f() throws a ConfigError or FormatError whose message mentions `mention`.
-template <class F>
-void expect_config_error_or_format(F&& f, const std::string& mention) {
-  try {
-    f();
-    ADD_FAILURE() << "accepted; expected an error mentioning '" << mention << "'";
-  } catch (const dt::ConfigError& e) {
-    EXPECT_NE(std::string(e.what()).find(mention), std::string::npos) << e.what();
-  } catch (const dt::FormatError& e) {
+  } catch (const E& e) {
     EXPECT_NE(std::string(e.what()).find(mention), std::string::npos) << e.what();
   }
 }
@@ -495,8 +482,8 @@ TEST(Flux, BlockSwapKeepsResultsToTheBitAndTwoBlocksResident) {
   // kohya's split and bounds: Flux.1's 19 + 38 blocks allow 35.
   EXPECT_EQ(nn::split_blocks_to_swap(35, 19, 38, "--blocks_to_swap").double_blocks, 17);
   EXPECT_EQ(nn::split_blocks_to_swap(35, 19, 38, "--blocks_to_swap").single_blocks, 36);
-  expect_config_error([] { nn::split_blocks_to_swap(36, 19, 38, "--blocks_to_swap"); },
-                      "at most 35");
+  expect_error<dt::ConfigError>([] { nn::split_blocks_to_swap(36, 19, 38, "--blocks_to_swap"); },
+                                "at most 35");
   // A block whose every parameter trains has nothing to keep on the host.
   models::FluxTransformer2DConfig c;
   c.num_layers = 4;
@@ -509,10 +496,11 @@ TEST(Flux, BlockSwapKeepsResultsToTheBitAndTwoBlocksResident) {
   c.axes_dims_rope = {2, 2, 4};
   Flux model(c);
   for (auto& p : model->parameters()) p.set_requires_grad(false);
-  expect_config_error([&] { models::flux_block_swap(model, 5); }, "at most 4");
-  expect_config_error([&] { models::flux_block_swap(model, -1); }, "negative");
+  expect_error<dt::ConfigError>([&] { models::flux_block_swap(model, 5); }, "at most 4");
+  expect_error<dt::ConfigError>([&] { models::flux_block_swap(model, -1); }, "negative");
   for (auto& p : model->single_transformer_blocks->ptr(5)->parameters()) p.set_requires_grad(true);
-  expect_config_error([&] { models::flux_block_swap(model, 1); }, "every parameter trains");
+  expect_error<dt::ConfigError>([&] { models::flux_block_swap(model, 1); },
+                                "every parameter trains");
 }
 
 // On a CUDA device the copies run on a side stream ahead of use (gpu-check.sh runs it).
@@ -587,21 +575,21 @@ TEST(Flux, SingleFilesInBlackForestLabsLayoutRoundTrip) {
   // Mistakes, each named.
   auto broken = tensors;
   broken.erase("double_blocks.1.txt_mlp.2.bias");
-  expect_config_error_or_format([&] { (void)models::flux_transformer_from_single_file(broken, c); },
+  expect_error<dt::FormatError>([&] { (void)models::flux_transformer_from_single_file(broken, c); },
                                 "double_blocks.1.txt_mlp.2.bias");
   broken = tensors;
   broken["double_blocks.2.img_mod.lin.weight"] = at::zeros({6, 128});
-  expect_config_error_or_format([&] { (void)models::flux_transformer_from_single_file(broken, c); },
+  expect_error<dt::FormatError>([&] { (void)models::flux_transformer_from_single_file(broken, c); },
                                 "double_blocks.2.img_mod.lin.weight");
   broken = tensors;
   broken["img_in.weight"] = at::zeros({128, 9});
-  expect_config_error_or_format([&] { (void)models::flux_transformer_from_single_file(broken, c); },
+  expect_error<dt::ConfigError>([&] { (void)models::flux_transformer_from_single_file(broken, c); },
                                 "img_in.weight");
   dt::io::save_safetensors(dir / "other.safetensors", {{"conv.weight", at::zeros({2})}});
-  expect_config_error_or_format(
+  expect_error<dt::FormatError>(
       [&] { (void)models::read_flux_single_file(dir / "other.safetensors"); },
       "no Flux transformer");
   ad::inject_lora(*model, ad::flux_lora_targets(), difftrain::nn::LoraOptions{.rank = 2});
-  expect_config_error_or_format([&] { (void)models::flux_single_file_tensors(*model); }, "adapter");
+  expect_error<dt::ConfigError>([&] { (void)models::flux_single_file_tensors(*model); }, "adapter");
   dt::io::remove_tree(dir);
 }

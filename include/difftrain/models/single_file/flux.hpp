@@ -111,8 +111,8 @@ inline at::Tensor swap_halves(const at::Tensor& t) {
   const auto halves = t.chunk(2, 0);
   return at::cat({halves[1], halves[0]});
 }
-/// The model's parameters and buffers by name (an fp8 base's weights dequantised: a single
-/// file holds plain weights).
+/// The model's parameters by name (a Flux transformer has no buffers but an fp8 base's scales,
+/// which flux_single_file_tensors refuses).
 template <class Model>
 std::map<std::string, at::Tensor> named_tensors(Model& model) {
   std::map<std::string, at::Tensor> out;
