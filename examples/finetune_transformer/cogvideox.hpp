@@ -1,7 +1,7 @@
 #pragma once
-// finetune_transformer's CogVideoX family: the CogVideoXPipeline folder, a data folder of captioned
-// videos (frames chosen as diffusers' train_cogvideox_lora.py does), the v-prediction trainee and
-// the validation videos.
+// finetune_transformer's CogVideoX family: the CogVideoXPipeline or CogVideoXImageToVideoPipeline
+// folder, a data folder of captioned videos (video_clips.hpp), the v-prediction trainee (text- or
+// image-to-video, CogVideoX 1.5's latent frames padded to patch_size_t) and the validation videos.
 
 #include <difftrain/models/single_file/cogvideox_sat.hpp>
 
@@ -17,6 +17,14 @@ namespace {
 // sample × scaling_factor per step), captions by the frozen T5 (max_text_seq_length tokens, no
 // mask), t ~ U{0, …, N−1}, x_t = add_noise, the v-prediction turned into x̂₀ (get_velocity(out,
 // x_t, t)) and the loss (1/(1 − ᾱ_t))·|x̂₀ − x₀|².
+//
+// Image-to-video (a transformer taking twice the VAE's channels: CogVideoX-5B-I2V, 1.5-I2V) as
+// train_cogvideox_image_to_video_lora.py: each clip's first frame, noised by σ = exp(N(−3, 0.5²))
+// per clip, encoded and scaled, zero-padded to the clip's latent frames and concatenated on the
+// channels (zeros instead at --noised_image_dropout of the steps); 1.5's ofs embedding gets --ofs.
+// CogVideoX 1.5 (patch_size_t) trains on latent frames padded to a multiple of patch_size_t by
+// repeating the first (CogVideo's fine-tuning code) and samples as its pipelines do: the noise
+// padded at the front, the padding dropped before decoding.
 
 using CogTransformer = models::CogVideoXTransformer3DModel<>;
 using CogVae = models::AutoencoderKLCogVideoX<>;
@@ -29,6 +37,20 @@ struct CogPipeline {
   CogTransformer transformer{nullptr};
   examples::SchedulerConfig scheduler;
   bool dpm = false;  // CogVideoXDPMScheduler (else DDIM) samples the validation videos
+  bool i2v = false;  // the transformer takes the first frame's latents beside the video's
+
+  /// Latent frames CogVideoX 1.5 adds so `latent_frames` is a multiple of patch_size_t.
+  [[nodiscard]] std::int64_t frame_padding(std::int64_t latent_frames) const {
+    const std::int64_t pt = transformer->config().frame_patch();
+    return (pt - latent_frames % pt) % pt;
+  }
+  /// The ofs input CogVideoX 1.5 I2V's transformer takes (undefined for the others).
+  [[nodiscard]] models::CogVideoXConditions conditions(double ofs, at::Device device) const {
+    models::CogVideoXConditions c;
+    if (transformer->config().ofs_embed_dim)
+      c.ofs = at::full({1}, ofs, at::TensorOptions().dtype(at::kFloat).device(device));
+    return c;
+  }
 
   [[nodiscard]] std::int64_t text_length() const {
     return transformer->config().max_text_seq_length;
@@ -62,6 +84,7 @@ CogPipeline load_cogvideox_pipeline(const std::string& model, const std::string&
   check_component(index, "scheduler", {"CogVideoXDDIMScheduler", "CogVideoXDPMScheduler"},
                   index_file);
   p.dpm = index["scheduler"][1].get<std::string>() == "CogVideoXDPMScheduler";
+  const bool i2v_pipeline = index.value("_class_name", "") == "CogVideoXImageToVideoPipeline";
   p.scheduler = examples::read_scheduler_config(p.root / "scheduler" / "scheduler_config.json");
   p.tokenizer.emplace(text::T5Tokenizer::from_folder(p.root / "tokenizer"));
   p.text_encoder = models::from_pretrained<T5>(p.root / "text_encoder", lo);
@@ -79,13 +102,18 @@ CogPipeline load_cogvideox_pipeline(const std::string& model, const std::string&
                 sat.lora_alpha);
   const auto& tc = p.transformer->config();
   const std::int64_t latent = p.vae->config().latent_channels;
-  if (tc.in_channels != latent)
-    throw ConfigError("takes " + std::to_string(tc.in_channels) + " channels, the VAE's latents " +
-                          std::to_string(latent) +
-                          (tc.in_channels == 2 * latent
-                               ? " (an image-to-video model: this program trains text-to-video)"
-                               : std::string()),
+  p.i2v = tc.in_channels == 2 * latent;
+  if (tc.in_channels != latent && !p.i2v)
+    throw ConfigError("takes " + std::to_string(tc.in_channels) + " channels; the VAE's latents " +
+                          std::to_string(latent) + " (text-to-video) or " +
+                          std::to_string(2 * latent) + " (image-to-video) would do",
                       (p.root / "transformer").string());
+  if (p.i2v != i2v_pipeline)
+    throw ConfigError(std::string("is a ") +
+                          (i2v_pipeline ? "CogVideoXImageToVideoPipeline" : "CogVideoXPipeline") +
+                          " whose transformer takes " + std::to_string(tc.in_channels) +
+                          " channels, a " + (p.i2v ? "image" : "text") + "-to-video model's",
+                      index_file.string());
   if (tc.text_embed_dim != p.text_encoder->config().d_model)
     throw ConfigError("reads text of width " + std::to_string(tc.text_embed_dim) + ", T5 writes " +
                           std::to_string(p.text_encoder->config().d_model),
@@ -93,21 +121,32 @@ CogPipeline load_cogvideox_pipeline(const std::string& model, const std::string&
   return p;
 }
 
+/// What image-to-video training adds: the frozen VAE that encodes each step's noised first frames.
+struct ImageToVideoTraining {
+  CogVae vae{nullptr};
+  double noised_image_dropout = 0.05;
+};
+
 /// The transformer with CogVideoX's v-prediction loss on video latents (B, F, C, h, w).
 struct CogTraineeImpl : torch::nn::Module {
   struct Batch {
     at::Tensor latents, embeds;
+    at::Tensor images;  // image-to-video: the clips' first frames (B, 3, 1, H, W) in [−1, 1]
     [[nodiscard]] std::int64_t size() const { return latents.size(0); }
     [[nodiscard]] Batch slice(std::int64_t start, std::int64_t length) const {
-      return {latents.narrow(0, start, length), embeds.narrow(0, start, length)};
+      return {latents.narrow(0, start, length), embeds.narrow(0, start, length),
+              images.defined() ? images.narrow(0, start, length) : at::Tensor()};
     }
   };
   CogTraineeImpl(CogTransformer t, const examples::SchedulerConfig& c,
-                 const examples::KohyaFlags& kohya)
+                 const examples::KohyaFlags& kohya, models::CogVideoXConditions conditions,
+                 std::optional<ImageToVideoTraining> i2v)
       : transformer(register_module("transformer", t)),
         schedule_(c.schedule),
         prediction_(c.prediction),
-        kohya_(kohya) {}
+        kohya_(kohya),
+        conditions_(std::move(conditions)),
+        i2v_(std::move(i2v)) {}
   at::Tensor loss(const Batch& b) {
     const at::Tensor& x0 = b.latents;
     const std::int64_t n = x0.size(0);
@@ -121,15 +160,35 @@ struct CogTraineeImpl : torch::nn::Module {
       c = df::huber_threshold(df::huber_schedule_from(kohya_.huber_schedule, "--huber_schedule"),
                               kohya_.huber_c, kohya_.huber_scale, t, schedule_)
               .to(x0.device());
-    return df::cogvideox_loss(schedule_, prediction_, transformer->forward(noisy, b.embeds, t),
-                              noisy, x0, t, type, c);
+    const at::Tensor input = i2v_ ? at::cat({noisy, image_latents(b.images, x0)}, 2) : noisy;
+    return df::cogvideox_loss(schedule_, prediction_,
+                              transformer->forward(input, b.embeds, t, conditions_), noisy, x0, t,
+                              type, c);
   }
   CogTransformer transformer{nullptr};
 
  private:
+  /// train_cogvideox_image_to_video_lora.py's image latents: the first frames noised by
+  /// σ = exp(N(−3, 0.5²)) each, a posterior sample × scaling_factor, zero-padded to the video's
+  /// latent frames; all zeros at --noised_image_dropout of the steps.
+  at::Tensor image_latents(const at::Tensor& images, const at::Tensor& x0) {
+    at::NoGradGuard no_grad;
+    const std::int64_t n = images.size(0);
+    const at::Tensor sigma = at::normal(-3.0, 0.5, {n}, std::nullopt, images.options()).exp();
+    const at::Tensor noised = images + at::randn_like(images) * sigma.view({n, 1, 1, 1, 1});
+    at::Tensor z = i2v_->vae->encode_latents(noised).permute({0, 2, 1, 3, 4}).to(x0.dtype());
+    z = at::cat({z, at::zeros({n, x0.size(1) - z.size(1), x0.size(2), x0.size(3), x0.size(4)},
+                              x0.options())},
+                1);
+    if (at::rand({1}).item<double>() < i2v_->noised_image_dropout) z = at::zeros_like(z);
+    return z;
+  }
+
   df::NoiseSchedule schedule_;
   df::Prediction prediction_;
   examples::KohyaFlags kohya_;
+  models::CogVideoXConditions conditions_;
+  std::optional<ImageToVideoTraining> i2v_;
 };
 
 /// The run's batches by place in the run: shuffled clips per epoch (the same for a seed), their
@@ -151,7 +210,7 @@ class VideoBatchStream {
     }
     const std::vector<std::size_t> batch =
         epoch_batches_.at(static_cast<std::size_t>(place) % per_epoch);
-    std::vector<at::Tensor> latents, embeds;
+    std::vector<at::Tensor> latents, embeds, images;
     for (const std::size_t i : batch) {
       // The flip draw belongs to (seed, place, clip), so a resumed run flips as the first did.
       const bool flip =
@@ -159,17 +218,24 @@ class VideoBatchStream {
                                               static_cast<std::uint64_t>(s_.seed) * 1'000'003 +
                                               static_cast<std::uint64_t>(place) * 131 + i))
                                     .item<double>() < 0.5;
-      const auto& [mean, std] = posterior(i, flip);
+      const Encoded& e = posterior(i, flip);
       at::Tensor z;
       {
         at::NoGradGuard no_grad;
-        z = (mean + std * at::randn(mean.sizes(), mean.options())) *
+        z = (e.mean + e.std * at::randn(e.mean.sizes(), e.mean.options())) *
             p_.vae->config().scaling_factor;
+        z = z.permute({0, 2, 1, 3, 4});  // (1, F, C, h, w), as the transformer reads
+        // CogVideoX 1.5: the first latent frame repeated in front up to a multiple of
+        // patch_size_t, as CogVideo's fine-tuning code pads.
+        if (const std::int64_t pad = p_.frame_padding(z.size(1)); pad > 0)
+          z = at::cat({z.narrow(1, 0, 1).expand({-1, pad, -1, -1, -1}), z}, 1);
       }
-      latents.push_back(z.permute({0, 2, 1, 3, 4}));  // (1, F, C, h, w), as the transformer reads
+      latents.push_back(z);
       embeds.push_back(caption(i, place, epoch));
+      if (p_.i2v) images.push_back(e.first_frame);
     }
-    return {at::cat(latents).to(device_), at::cat(embeds).to(device_)};
+    return {at::cat(latents).to(device_), at::cat(embeds).to(device_),
+            p_.i2v ? at::cat(images).to(device_) : at::Tensor()};
   }
 
   /// Frames the training videos have (the same for every clip).
@@ -183,13 +249,20 @@ class VideoBatchStream {
     return data::bucket_batches(one, {}, static_cast<std::size_t>(s_.train_batch_size), s_.seed,
                                 epoch);
   }
-  const std::pair<at::Tensor, at::Tensor>& posterior(std::size_t i, bool flip) {
+  /// A clip's posterior (and, for image-to-video, its first frame), computed once per flip.
+  struct Encoded {
+    at::Tensor mean, std, first_frame;
+  };
+  const Encoded& posterior(std::size_t i, bool flip) {
     const auto key = std::make_pair(i, flip);
     auto it = posteriors_.find(key);
     if (it != posteriors_.end()) return it->second;
     at::NoGradGuard no_grad;
-    const auto d = p_.vae->encode(load_clip(clips_[i], s_, flip).to(device_));
-    return posteriors_.emplace(key, std::make_pair(d.mean, d.std)).first->second;
+    const at::Tensor clip = load_clip(clips_[i], s_, flip).to(device_);
+    const auto d = p_.vae->encode(clip);
+    return posteriors_
+        .emplace(key, Encoded{d.mean, d.std, p_.i2v ? clip.narrow(2, 0, 1).cpu() : at::Tensor()})
+        .first->second;
   }
   /// Clip `i`'s caption encoded, as kohya's caption options make it at `place` (then encoded
   /// afresh each time), or as written (encoded once).
@@ -214,15 +287,44 @@ class VideoBatchStream {
   at::Device device_;
   std::vector<std::vector<std::size_t>> epoch_batches_;  // epoch_'s order
   std::uint64_t epoch_ = 0;
-  std::map<std::pair<std::size_t, bool>, std::pair<at::Tensor, at::Tensor>> posteriors_;
+  std::map<std::pair<std::size_t, bool>, Encoded> posteriors_;
   std::map<std::string, at::Tensor> text_;
 };
 
-/// Videos of the validation prompts, as CogVideoXPipeline samples them (its scheduler, classifier-
-/// free guidance against the empty prompt), decoded by the VAE: (n, 3, F, height, width) in
-/// [−1, 1] on the CPU.
+/// The first frame of each validation video of an image-to-video run, (3, height, width) in
+/// [−1, 1]: --validation_images (one per prompt, or one for all; resized to the training size
+/// when they differ), or else the training clips' first frames in turn.
+std::vector<at::Tensor> validation_first_frames(const Settings& s,
+                                                const std::vector<VideoClip>& clips) {
+  const std::size_t prompts = s.validation_prompts.size();
+  if (!s.validation_images.empty() && s.validation_images.size() != 1 &&
+      s.validation_images.size() != prompts)
+    throw ConfigError(std::to_string(s.validation_images.size()) + " images for " +
+                          std::to_string(prompts) +
+                          " --validation_prompt (give one per prompt, "
+                          "or one for all)",
+                      "--validation_images");
+  std::vector<at::Tensor> frames;
+  for (std::size_t k = 0; k < prompts; ++k) {
+    if (s.validation_images.empty()) {
+      frames.push_back(load_clip(clips[k % clips.size()], s, false)[0].select(1, 0));
+      continue;
+    }
+    const std::string& file = s.validation_images[s.validation_images.size() == 1 ? 0 : k];
+    if (!fs::is_regular_file(file))
+      throw dt::IoError("does not exist", "--validation_images " + file);
+    frames.push_back(data::to_unit_range(
+        data::resize(data::read_image(file).pixels.permute({2, 0, 1}), {s.height, s.width})));
+  }
+  return frames;
+}
+
+/// Videos of the validation prompts, as CogVideoXPipeline (or CogVideoXImageToVideoPipeline,
+/// from `first_frames`) samples them: its scheduler, classifier-free guidance against the empty
+/// prompt (by the cosine schedule with --use_dynamic_cfg), CogVideoX 1.5's padded noise, decoded
+/// by the VAE: (n, 3, F, height, width) in [−1, 1] on the CPU.
 at::Tensor validation_videos(CogPipeline& p, const Settings& s, std::int64_t frames,
-                             at::Device device) {
+                             const std::vector<at::Tensor>& first_frames, at::Device device) {
   at::NoGradGuard no_grad;
   const bool was_training = p.transformer->is_training();
   p.transformer->eval();
@@ -237,23 +339,43 @@ at::Tensor validation_videos(CogPipeline& p, const Settings& s, std::int64_t fra
   const auto& vc = p.vae->config();
   const std::int64_t latent_frames =
       (frames - 1) / static_cast<std::int64_t>(vc.temporal_compression_ratio) + 1;
-  const std::int64_t down = p.vae->spatial_downscale();
+  const std::int64_t padding = p.frame_padding(latent_frames), padded = latent_frames + padding;
+  const std::int64_t down = p.vae->spatial_downscale(), c = vc.latent_channels;
+  const std::int64_t h = s.height / down, w = s.width / down;
   auto gen = at::make_generator<at::CPUGeneratorImpl>(s.seed + 7);
-  const at::Tensor noise =
-      at::randn({n, latent_frames, vc.latent_channels, s.height / down, s.width / down}, gen)
-          .to(device);
+  const at::Tensor noise = at::randn({n, padded, c, h, w}, gen).to(device);
+  // Image-to-video: each first frame's posterior sampled (the pipeline's generator, after the
+  // noise), scaled as the pipeline scales it, then zero frames up to the video's length.
+  at::Tensor image_latents;
+  if (p.i2v) {
+    std::vector<at::Tensor> zs;
+    for (std::int64_t k = 0; k < n; ++k) {
+      const at::Tensor image = first_frames[static_cast<std::size_t>(k / s.num_validation_images)];
+      at::Tensor z = p.vae->encode(image.unsqueeze(0).unsqueeze(2).to(device)).sample(gen);
+      z = p.vae->image_latents_scaled(z).permute({0, 2, 1, 3, 4});
+      zs.push_back(at::cat({z, at::zeros({1, padded - 1, c, h, w}, z.options())}, 1));
+    }
+    image_latents = at::cat(zs);
+  }
   const df::NoiseSchedule schedule(p.scheduler.schedule);
   df::CogVideoXSamplerOptions so;
   so.prediction_type = p.scheduler.prediction;
   so.set_alpha_to_one = p.scheduler.ddim.set_alpha_to_one;
   so.steps_offset = p.scheduler.ddim.steps_offset;
   so.timestep_spacing = p.scheduler.ddim.timestep_spacing;
+  const models::CogVideoXConditions cond = p.conditions(s.ofs, device);
   auto model = [&](const at::Tensor& x, const at::Tensor& t, const at::Tensor& row) {
-    return p.transformer->forward(x, embeds.index_select(0, row), t);
+    const at::Tensor in =
+        p.i2v ? at::cat({x, image_latents.index_select(0, row.remainder(n))}, 2) : x;
+    return p.transformer->forward(in, embeds.index_select(0, row), t, cond);
   };
-  const df::SampleOptions o{.num_inference_steps = s.num_inference_steps,
-                            .guidance_scale = s.guidance_scale,
-                            .chunk_size = n};
+  df::SampleOptions o{.num_inference_steps = s.num_inference_steps,
+                      .guidance_scale = s.guidance_scale,
+                      .chunk_size = n};
+  if (s.use_dynamic_cfg)
+    o.guidance_at = [&](std::size_t, std::int64_t t) {
+      return df::cogvideox_dynamic_guidance(s.guidance_scale, s.num_inference_steps, t);
+    };
   at::Tensor z;
   if (p.dpm) {
     df::CogVideoXDpm sampler(schedule, so);
@@ -262,14 +384,20 @@ at::Tensor validation_videos(CogPipeline& p, const Settings& s, std::int64_t fra
     df::CogVideoXDdim sampler(schedule, so);
     z = df::sample(sampler, model, noise, o, rows, rows + n);
   }
+  // CogVideoX 1.5: the padding frames (in front) are dropped before decoding.
+  z = z.narrow(1, padding, latent_frames);
   const at::Tensor videos = p.vae->decode_latents(z.permute({0, 2, 1, 3, 4})).clamp(-1, 1).cpu();
   p.transformer->train(was_training);
   return videos;
 }
 
-/// validation/video-<i>/frame-<k>.png for every frame, validation/video-<i>.mp4 (with FFmpeg),
-/// and validation.png: one row per video of up to eight evenly spaced frames.
-void write_validation_videos(const at::Tensor& videos, const Settings& s, const fs::path& out) {
+/// validation/video-<i>/frame-<k>.png for every frame, validation/video-<i>.mp4 and .gif (with
+/// FFmpeg), and validation.png: one row per video of up to eight evenly spaced frames. An
+/// image-to-video run also says how close each video's first frame is to the image it started
+/// from (PSNR), in validation/videos.json.
+void write_validation_videos(const at::Tensor& videos, const Settings& s, const fs::path& out,
+                             const std::vector<at::Tensor>& first_frames) {
+  nlohmann::json report = nlohmann::json::array();
   const std::int64_t frames = videos.size(2);
   const std::int64_t shown = std::min<std::int64_t>(frames, 8);
   std::vector<at::Tensor> strip;
@@ -292,13 +420,26 @@ void write_validation_videos(const at::Tensor& videos, const Settings& s, const 
         ((v.permute({0, 2, 3, 1}) + 1) * 127.5).round().clamp(0, 255).to(at::kByte).contiguous();
     data::write_video(out / "validation" / ("video-" + std::to_string(i) + ".mp4"), rgb,
                       {.fps = 8});
+    data::write_video(out / "validation" / ("video-" + std::to_string(i) + ".gif"), rgb,
+                      {.fps = 8});
 #endif
+    nlohmann::json entry{{"video", i}, {"prompt", prompt}};
+    if (!first_frames.empty()) {
+      const at::Tensor given =
+          first_frames[static_cast<std::size_t>(i / s.num_validation_images)].clamp(-1, 1);
+      const double mse = ((v[0] - given) * 127.5).square().mean().item<double>();
+      entry["first_frame_psnr"] = 10 * std::log10(255.0 * 255.0 / std::max(mse, 1e-12));
+    }
+    report.push_back(entry);
     for (std::int64_t j = 0; j < shown; ++j)
       strip.push_back(v[shown == 1 ? 0 : j * (frames - 1) / (shown - 1)]);
   }
   dt::io::write_png(out / "validation.png",
                     dt::io::image_grid(at::stack(strip), {.columns = shown, .padding = 2}),
                     {{"Description", "one row per validation video, frames left to right"}});
+  const std::string text = report.dump(1) + "\n";
+  dt::io::write_file_atomic(out / "validation" / "videos.json",
+                            std::span<const char>(text.data(), text.size()));
 }
 
 int run_cogvideox(Settings s, const Ranks& ranks) {
@@ -307,6 +448,7 @@ int run_cogvideox(Settings s, const Ranks& ranks) {
   examples::apply_threads(s);
   const bool main_rank = ranks.main();
   // The videos first: a wrong data folder is found before the models load.
+  check_frame_sampling(s);
   const std::vector<VideoClip> clips = scan_videos(s);
   const examples::OutputFolder output_folder(s.out, main_rank);
   tr::set_seed(s.seed);
@@ -327,11 +469,6 @@ int run_cogvideox(Settings s, const Ranks& ranks) {
   const auto frames = static_cast<std::int64_t>(clips.front().count());
   const std::int64_t latent_frames =
       (frames - 1) / static_cast<std::int64_t>(p.vae->config().temporal_compression_ratio) + 1;
-  if (latent_frames % tc.frame_patch() != 0)
-    throw ConfigError(std::to_string(frames) + " frames give " + std::to_string(latent_frames) +
-                          " latent frames, not a multiple of patch_size_t " +
-                          std::to_string(tc.frame_patch()) + "; choose another --max_num_frames",
-                      "--max_num_frames");
   const at::Device device = ranks.device;
 
   freeze(*p.vae);
@@ -353,13 +490,31 @@ int run_cogvideox(Settings s, const Ranks& ranks) {
   resolve_max_train_steps(
       s, ranks.batches_each(stream.batches_per_epoch(), "--train_data_dir / --train_batch_size"),
       main_rank);
-  CogTraineeImpl trainee(p.transformer, p.scheduler, s.kohya);
+  std::optional<ImageToVideoTraining> i2v;
+  if (p.i2v) i2v = ImageToVideoTraining{p.vae, s.noised_image_dropout};
+  CogTraineeImpl trainee(p.transformer, p.scheduler, s.kohya, p.conditions(s.ofs, device), i2v);
+  if (!p.i2v && !s.validation_images.empty())
+    throw ConfigError(
+        "are first frames for an image-to-video model; " + s.model + " is text-to-video",
+        "--validation_images");
+  if (!p.i2v && s.was_given("--noised_image_dropout"))
+    throw ConfigError("is for image-to-video models; " + s.model + " is text-to-video",
+                      "--noised_image_dropout");
+  if (!tc.ofs_embed_dim && s.was_given("--ofs"))
+    throw ConfigError("is for CogVideoX 1.5's image-to-video model (ofs_embed_dim); " + s.model +
+                          " has no ofs embedding",
+                      "--ofs");
+  const std::vector<at::Tensor> first_frames =
+      p.i2v ? validation_first_frames(s, clips) : std::vector<at::Tensor>();
   trainee.train();
   nlohmann::json run_settings = common_run_settings(s, ranks);
   run_settings.update(
       {{"videos", clips.size()},
        {"frames", frames},
        {"latent_frames", latent_frames},
+       {"padded_latent_frames", latent_frames + p.frame_padding(latent_frames)},
+       {"image_to_video", p.i2v},
+       {"frame_sampling", s.frame_sampling},
        {"height", s.height},
        {"width", s.width},
        {"scheduler", std::string(p.dpm ? "CogVideoXDPMScheduler" : "CogVideoXDDIMScheduler")},
@@ -385,7 +540,8 @@ int run_cogvideox(Settings s, const Ranks& ranks) {
   return train_and_write(
       trainee, s, ranks, run_settings, stream, p.transformer, p.root, adapted.size(),
       [&](const fs::path& out) {
-        write_validation_videos(validation_videos(p, s, frames, device), s, out);
+        write_validation_videos(validation_videos(p, s, frames, first_frames, device), s, out,
+                                first_frames);
       },
       t0, write_sat_folder);
 }

@@ -29,12 +29,17 @@
 //                        --output_dir OUT --use_lora --rank 16 --gradient_checkpointing
 //                        [--fp8_base] [--blocks_to_swap 18]
 //
-// CogVideoXPipeline: T5 and its tokenizer, the 3-D VAE, the transformer and CogVideoX's DDIM or
-// DPM scheduler; a data folder (diffusers' --instance_data_root is --train_data_dir here) whose
-// --caption_column and --video_column files list one caption and one video per line, a video being
-// a folder of its frames (or one image); frames chosen as diffusers does (--skip_frames_start/end,
-// --max_num_frames, then 4k + 1), resized to --height × --width. LoRA on the attention projections
-// (to_q, to_k, to_v, to_out.0) or full fine-tuning with CogVideoX's v-prediction loss.
+// CogVideoXPipeline or CogVideoXImageToVideoPipeline (1.0 or 1.5): T5 and its tokenizer, the 3-D
+// VAE, the transformer and CogVideoX's DDIM or DPM scheduler; a data folder (diffusers'
+// --instance_data_root is --train_data_dir here) in diffusers' layout (--caption_column and
+// --video_column files), SAT's (videos/ + labels/) or videos with .txt captions beside them, a
+// video being a video file, a folder of its frames or one image; frames chosen as diffusers does
+// (--skip_frames_start/end, --max_num_frames, then 4k + 1) or as SAT's dataset does
+// (--frame_sampling sat at --video_fps), resized to --height × --width. LoRA on the attention
+// projections (to_q, to_k, to_v, to_out.0) or full fine-tuning with CogVideoX's v-prediction loss;
+// image-to-video with the noised first frame's latents beside the video's; CogVideoX 1.5's latent
+// frames padded to patch_size_t; validation videos as PNG frames, MP4 and GIF
+// (--use_dynamic_cfg for the pipelines' guidance schedule).
 //
 //   finetune_transformer --pretrained_model_name_or_path COGVIDEOX --train_data_dir VIDEOS
 //                        --caption_column prompts.txt --video_column videos.txt
@@ -118,10 +123,17 @@ int run(const Settings& s) {
       throw ConfigError("is a Flux option; the model is a " +
                             (pipeline.empty() ? std::string("single file") : pipeline),
                         flag);
-  const bool cogvideox = pipeline == "CogVideoXPipeline";
-  if (!cogvideox && !s.sat_vae.empty())
-    throw ConfigError("is CogVideoX's; the model is not a CogVideoX pipeline",
-                      "--sat_vae " + s.sat_vae);
+  const bool cogvideox =
+      pipeline == "CogVideoXPipeline" || pipeline == "CogVideoXImageToVideoPipeline";
+  if (!cogvideox)
+    for (const auto& [set, flag] : std::initializer_list<std::pair<bool, const char*>>{
+             {!s.sat_vae.empty(), "--sat_vae"},
+             {s.use_dynamic_cfg, "--use_dynamic_cfg"},
+             {!s.validation_images.empty(), "--validation_images"},
+             {s.frame_sampling != "diffusers", "--frame_sampling"},
+             {s.was_given("--ofs"), "--ofs"},
+             {s.was_given("--noised_image_dropout"), "--noised_image_dropout"}})
+      if (set) throw ConfigError("is CogVideoX's; the model is not a CogVideoX pipeline", flag);
   if (cogvideox) {
     if (s.save_format == "single_file")
       throw ConfigError(
@@ -198,6 +210,30 @@ int main(int argc, char** argv) {
   video->add_option("--skip_frames_end", s.skip_frames_end)
       ->check(count_in(0, 100'000))
       ->capture_default_str();
+  video
+      ->add_option("--frame_sampling", s.frame_sampling,
+                   "diffusers: train_cogvideox_lora.py's frames, resized; sat: the SAT code's "
+                   "window at --video_fps padded to --max_num_frames, resized to cover and "
+                   "centre-cropped (SAT's skip_frms_num is --skip_frames_start)")
+      ->capture_default_str();
+  video
+      ->add_option("--video_fps", s.video_fps,
+                   "the frame rate --frame_sampling sat trains at (a stride of the file's rate / "
+                   "this); folders of frames are taken at it")
+      ->check(number_in(0, 1000, true))
+      ->capture_default_str();
+  video->add_option("--validation_images", s.validation_images,
+                    "image-to-video: the first frame of each --validation_prompt's video (one per "
+                    "prompt, or one for all; default: the training clips' first frames)");
+  video
+      ->add_option("--noised_image_dropout", s.noised_image_dropout,
+                   "image-to-video: the chance a step trains without its first frame")
+      ->check(number_in(0, 1))
+      ->capture_default_str();
+  video->add_option("--ofs", s.ofs, "CogVideoX 1.5 image-to-video: the ofs embedding's input")
+      ->capture_default_str();
+  video->add_flag("--use_dynamic_cfg", s.use_dynamic_cfg,
+                  "validation videos with the pipelines' cosine guidance schedule");
   auto* flux = app.add_option_group("Flux (FluxPipeline folders)");
   flux->add_option("--lora_layers", s.lora_layers,
                    "comma-separated modules LoRA adapts (PEFT's suffix rule) in place of "
@@ -220,7 +256,7 @@ int main(int argc, char** argv) {
   if (const auto rc = examples::parse_command_line(app, argc, argv)) return *rc;
   // The flags whose defaults differ between the families (Flux takes diffusers' Flux scripts').
   for (const char* flag : {"--precondition_outputs", "--guidance_scale", "--weighting_scheme",
-                           "--max_sequence_length"})
+                           "--max_sequence_length", "--ofs", "--noised_image_dropout"})
     if (app.count(flag) > 0) s.given.insert(flag);
   return examples::run_reporting_errors([&] { return run(s); });
 }

@@ -75,6 +75,13 @@ struct Settings : SdRunFlags, ImageFolderFlags, LoraFlags, TorchrunFlags, Single
   std::string video_column = "video";
   std::int64_t height = 480, width = 720, max_num_frames = 49;
   std::int64_t skip_frames_start = 0, skip_frames_end = 0;
+  std::string frame_sampling = "diffusers";  // or sat (the SAT SFTDataset's window and crop)
+  double video_fps = 8;                      // the rate SAT's sampling trains at
+  // CogVideoX image-to-video (diffusers' train_cogvideox_image_to_video_lora.py) and sampling.
+  std::vector<std::string> validation_images;  // one per --validation_prompt (or one for all)
+  double noised_image_dropout = 0.05;          // the chance a step trains without its first frame
+  double ofs = 2.0;                            // CogVideoX 1.5 I2V's ofs embedding input
+  bool use_dynamic_cfg = false;                // CogVideoX pipelines' cosine guidance schedule
   examples::KohyaFlags kohya;  // kohya's caption, input-perturbation and loss-type options
   // Flux (diffusers' train_dreambooth_lora_flux.py and kohya's flux_train_network.py flags).
   std::string lora_layers;           // comma-separated modules in place of the family's targets

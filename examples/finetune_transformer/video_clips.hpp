@@ -11,6 +11,8 @@
 // A video is a video file (MP4, MOV, WebM, MKV, AVI: data/video_file.hpp, with FFmpeg), a folder
 // of its frames (JPEG, PNG or WebP, in name order) or one image.
 
+#include <difftrain/data/video_sampling.hpp>
+
 #include "run_common.hpp"
 
 #if defined(DIFFTRAIN_HAS_VIDEO)
@@ -66,26 +68,38 @@ std::string read_caption(const fs::path& file) {
   return text;
 }
 
-/// diffusers' frame choice: skip the first and last frames asked, take every k-th frame when more
-/// than max_num_frames remain, cut to max_num_frames and then to 4k + 1 (what the VAE compresses).
-std::vector<std::size_t> chosen_frames(std::size_t count, const Settings& s) {
-  const auto start = std::min<std::size_t>(static_cast<std::size_t>(s.skip_frames_start), count);
-  const std::size_t end =
-      count > static_cast<std::size_t>(s.skip_frames_end) ? count - s.skip_frames_end : 0;
-  const auto max = static_cast<std::size_t>(s.max_num_frames);
-  std::vector<std::size_t> idx;
-  if (end <= start) {
-    idx.push_back(std::min(start, count - 1));
-  } else if (end - start <= max) {
-    for (std::size_t i = start; i < end; ++i) idx.push_back(i);
-  } else {
-    const std::size_t step = (end - start) / max;
-    for (std::size_t i = start; i < end; i += step) idx.push_back(i);
-  }
-  if (idx.size() > max) idx.resize(max);
-  const std::size_t remainder = (3 + idx.size() % 4) % 4;
-  idx.resize(idx.size() - remainder);
-  return idx;
+/// The frames of a clip of `count` frames at `fps` (0: a folder of frames, which has no rate)
+/// that train: --frame_sampling diffusers (train_cogvideox_lora.py's choice) or sat (the SAT
+/// SFTDataset's window at --video_fps, padded with the last frame to --max_num_frames).
+std::vector<std::int64_t> chosen_frames(std::int64_t count, double fps, const Settings& s) {
+  if (s.frame_sampling == "sat")
+    // A folder of frames has no rate of its own: it is taken at the training rate (stride 1).
+    return data::sat_frame_indices(
+        count, fps > 0 ? fps : s.video_fps,
+        {.max_num_frames = s.max_num_frames, .fps = s.video_fps, .skip = s.skip_frames_start});
+  return data::diffusers_frame_indices(count, {.max_num_frames = s.max_num_frames,
+                                               .skip_start = s.skip_frames_start,
+                                               .skip_end = s.skip_frames_end});
+}
+
+/// --frame_sampling and the flags it reads, checked before any video is opened.
+void check_frame_sampling(const Settings& s) {
+  if (s.frame_sampling != "diffusers" && s.frame_sampling != "sat")
+    throw ConfigError(
+        "must be diffusers (train_cogvideox_lora.py's frame choice) or sat (the SAT "
+        "fine-tuning code's: a window at --video_fps)",
+        "--frame_sampling " + s.frame_sampling);
+  if (s.frame_sampling != "sat") return;
+  if ((s.max_num_frames - 1) % 4 != 0)
+    throw ConfigError(
+        "must be 4k + 1 with --frame_sampling sat (every clip is padded to it, and "
+        "the 3-D VAE takes 4k + 1 frames)",
+        "--max_num_frames " + std::to_string(s.max_num_frames));
+  if (s.skip_frames_end != 0 && s.skip_frames_end != s.skip_frames_start)
+    throw ConfigError(
+        "SAT's sampling skips --skip_frames_start frames at both ends (its "
+        "skip_frms_num); leave --skip_frames_end at 0 or equal to it",
+        "--skip_frames_end " + std::to_string(s.skip_frames_end));
 }
 
 bool is_video_file_name(const fs::path& p) {
@@ -102,7 +116,8 @@ bool is_video_file_name(const fs::path& p) {
 VideoClip clip_of(const fs::path& source, std::string caption, const Settings& s,
                   const std::string& where) {
   VideoClip c{source, {}, {}, std::move(caption)};
-  std::size_t count = 0;
+  std::int64_t count = 0;
+  double fps = 0;  // a video file's average rate
   bool file = false;
   if (fs::is_directory(source)) {
     for (const auto& e : fs::directory_iterator(source))
@@ -110,13 +125,15 @@ VideoClip clip_of(const fs::path& source, std::string caption, const Settings& s
     std::sort(c.frames.begin(), c.frames.end());
     if (c.frames.empty())
       throw ConfigError("names " + source.string() + ", a folder without frames", where);
-    count = c.frames.size();
+    count = static_cast<std::int64_t>(c.frames.size());
   } else if (fs::is_regular_file(source) && data::is_image_name(source)) {
     c.frames.push_back(source);
     count = 1;
   } else if (fs::is_regular_file(source) && is_video_file_name(source)) {
 #if defined(DIFFTRAIN_HAS_VIDEO)
-    count = static_cast<std::size_t>(data::probe_video(source).frames);
+    const data::VideoInfo info = data::probe_video(source);
+    count = info.frames;
+    fps = info.fps;
     if (count == 0) throw dt::FormatError("holds no frames", source.string());
     file = true;
 #else
@@ -131,12 +148,12 @@ VideoClip clip_of(const fs::path& source, std::string caption, const Settings& s
         "names " + source.string() + ", which is not a video file, a folder of frames or an image",
         where);
   }
-  const std::vector<std::size_t> chosen = chosen_frames(count, s);
+  const std::vector<std::int64_t> chosen = chosen_frames(count, fps, s);
   if (file) {
-    for (const std::size_t k : chosen) c.file_frames.push_back(static_cast<std::int64_t>(k));
+    c.file_frames = chosen;
   } else {
     std::vector<fs::path> kept;
-    for (const std::size_t k : chosen) kept.push_back(c.frames[k]);
+    for (const std::int64_t k : chosen) kept.push_back(c.frames[static_cast<std::size_t>(k)]);
     c.frames = std::move(kept);
   }
   return c;
@@ -219,8 +236,9 @@ std::vector<VideoClip> scan_videos(const Settings& s) {
   return clips;
 }
 
-/// A clip's frames (1, 3, F, height, width) in [−1, 1], each resized to the training size (as
-/// decord's reader does: no crop), mirrored when asked.
+/// A clip's frames (1, 3, F, height, width) in [−1, 1] at the training size, mirrored when asked:
+/// resized to it (diffusers' sampling: decord's reader, no crop) or resized bicubically to cover
+/// it and centre-cropped (SAT's resize_for_rectangle_crop).
 at::Tensor load_clip(const VideoClip& c, const Settings& s, bool flip) {
   std::vector<at::Tensor> hwc;
   if (c.is_file()) {
@@ -231,13 +249,17 @@ at::Tensor load_clip(const VideoClip& c, const Settings& s, bool flip) {
   } else {
     for (const auto& f : c.frames) hwc.push_back(data::read_image(f).pixels);
   }
-  std::vector<at::Tensor> frames;
-  for (const at::Tensor& f : hwc) {
-    at::Tensor x = data::resize(f.permute({2, 0, 1}), {s.height, s.width});
-    if (flip) x = data::horizontal_flip(x);
-    frames.push_back(data::to_unit_range(x));
+  at::Tensor x;
+  if (s.frame_sampling == "sat") {
+    x = data::sat_resize_crop(at::stack(hwc).permute({0, 3, 1, 2}), s.height, s.width);
+  } else {
+    std::vector<at::Tensor> frames;
+    for (const at::Tensor& f : hwc)
+      frames.push_back(data::resize(f.permute({2, 0, 1}), {s.height, s.width}));
+    x = at::stack(frames);
   }
-  return at::stack(frames, 1).unsqueeze(0);
+  if (flip) x = data::horizontal_flip(x);
+  return data::to_unit_range(x.contiguous()).permute({1, 0, 2, 3}).unsqueeze(0);
 }
 
 }  // namespace

@@ -20,11 +20,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import make_text_to_image_data as t2i  # noqa: E402
 
 
-def write_pipeline(root: pathlib.Path, golden: pathlib.Path, rotary: bool):
-    from diffusers import (AutoencoderKLCogVideoX, CogVideoXDDIMScheduler, CogVideoXDPMScheduler,
-                           CogVideoXPipeline, CogVideoXTransformer3DModel)
+def tiny_text_and_vae(golden: pathlib.Path, scaling_factor: float, invert_scale_latents=False):
+    """The T5 tokenizer of the tests, a 2-layer T5 of width 32 and a 3-level CogVideoX VAE with 4
+    latent channels compressing time 4x (random weights from torch's current seed)."""
+    from diffusers import AutoencoderKLCogVideoX
     from transformers import T5Config, T5EncoderModel, T5TokenizerFast
-    torch.manual_seed(1 if rotary else 2)
     tokenizer = T5TokenizerFast.from_pretrained(str(golden / "t5_tokenizer" / "t5_both"))
     text_encoder = T5EncoderModel(T5Config(vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=48,
                                            num_layers=2, num_heads=2,
@@ -34,7 +34,15 @@ def write_pipeline(root: pathlib.Path, golden: pathlib.Path, rotary: bool):
         block_out_channels=[8, 8, 16], down_block_types=["CogVideoXDownBlock3D"] * 3,
         up_block_types=["CogVideoXUpBlock3D"] * 3, latent_channels=4, layers_per_block=1,
         norm_num_groups=4, temporal_compression_ratio=4, sample_height=32, sample_width=32,
-        scaling_factor=0.7 if rotary else 1.15258426)
+        scaling_factor=scaling_factor, invert_scale_latents=invert_scale_latents)
+    return tokenizer, text_encoder, vae
+
+
+def write_pipeline(root: pathlib.Path, golden: pathlib.Path, rotary: bool):
+    from diffusers import (CogVideoXDDIMScheduler, CogVideoXDPMScheduler, CogVideoXPipeline,
+                           CogVideoXTransformer3DModel)
+    torch.manual_seed(1 if rotary else 2)
+    tokenizer, text_encoder, vae = tiny_text_and_vae(golden, 0.7 if rotary else 1.15258426)
     transformer = CogVideoXTransformer3DModel(
         num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
         time_embed_dim=16, text_embed_dim=32, num_layers=2, sample_width=8, sample_height=8,

@@ -5,6 +5,12 @@ several containers, codecs, bit depths and chroma layouts, and every frame as Py
     video/<name>                  the clips
     video/frames.safetensors      <name> -> (T, H, W, 3) uint8
     video.json                    per clip: frames, fps, codec, size
+    video_vfr.mp4 + video_vfr.json  a variable-frame-rate clip: its frame times, PyAV's average
+                                  rate and every frame
+    video_sampling.json           frame indices as train_cogvideox_lora.py and the SAT
+                                  SFTDataset choose them, over a sweep of clip lengths, frame
+                                  rates, windows and skips
+    video/sat_crops.safetensors   resize_for_rectangle_crop(center) of the H.264 clip's frames
 """
 import json
 import math
@@ -70,6 +76,114 @@ def decode(path):
         return np.stack(frames), float(s.average_rate or 0), s.codec_context.name
 
 
+def write_vfr(path):
+    """H.264 in MP4 whose frame durations vary (1/30 s to 1/5 s): a variable frame rate."""
+    import av
+    from fractions import Fraction
+    gaps = [1, 1, 2, 6, 1, 3, 1, 1, 4, 2, 1, 5]  # in 1/30 s
+    times = np.concatenate([[0], np.cumsum(gaps)])
+    with av.open(str(path), "w", format="mp4") as out:
+        s = out.add_stream("libx264", rate=30)
+        s.width, s.height, s.pix_fmt = 48, 32, "yuv420p"
+        s.codec_context.time_base = Fraction(1, 30)
+        s.options = {"crf": "18"}
+        for t, pts in enumerate(times):
+            f = av.VideoFrame.from_ndarray(picture(t, 48, 32), format="rgb24")
+            f.pts, f.time_base = int(pts), Fraction(1, 30)
+            for p in s.encode(f):
+                out.mux(p)
+        for p in s.encode():
+            out.mux(p)
+    with av.open(str(path)) as f:
+        st = f.streams.video[0]
+        frames, stamps = [], []
+        for fr in f.decode(st):
+            frames.append(fr.to_ndarray(format="rgb24"))
+            stamps.append(float(fr.time))
+        return np.stack(frames), stamps, float(st.average_rate)
+
+
+def diffusers_indices(count, max_num_frames, skip_start, skip_end):
+    """train_cogvideox_lora.py's VideoDataset._preprocess_data (frame choice), as indices."""
+    start = min(skip_start, count)
+    end = max(0, count - skip_end)
+    if end <= start:
+        idx = [min(start, count - 1)]  # the script reads frame `start`: the last one at most
+    elif end - start <= max_num_frames:
+        idx = list(range(start, end))
+    else:
+        idx = list(range(start, end, (end - start) // max_num_frames))
+    idx = idx[:max_num_frames]
+    remainder = (3 + (len(idx) % 4)) % 4
+    return idx[:len(idx) - remainder] if remainder else idx
+
+
+def sat_indices(count, actual_fps, fps, max_num_frames, skip):
+    """The SAT SFTDataset.__getitem__'s frame choice and pad_last_frame, as indices. Where SAT
+    fails (a zero stride, an index past the clip, an empty span) the last frame / stride 1 / the
+    frame at the skip is taken instead."""
+    if count / actual_fps * fps > max_num_frames:
+        num_frames = max_num_frames
+        start = int(skip)
+        end = int(start + num_frames / fps * actual_fps)
+        idx = np.arange(start, end, max((end - start) // num_frames, 1)).astype(int)
+    elif count > max_num_frames:
+        start = int(skip)
+        end = int(count - skip)
+        idx = np.arange(start, end, max((end - start) // max_num_frames, 1)).astype(int)
+    else:
+        def nearest_smaller_4k_plus_1(n):
+            remainder = n % 4
+            return n - 3 if remainder == 0 else n - remainder + 1
+        start = int(skip)
+        end = int(count - skip)
+        n = end - start
+        idx = np.arange(start, start + (nearest_smaller_4k_plus_1(n) if n >= 1 else 0))
+    idx = [min(int(i), count - 1) for i in idx] or [min(skip, count - 1)]
+    if len(idx) < max_num_frames:
+        idx = idx + [idx[-1]] * (max_num_frames - len(idx))
+    return idx[:max_num_frames]
+
+
+def sampling_sweep():
+    cases = []
+    for count in [1, 2, 3, 4, 5, 8, 9, 12, 13, 17, 25, 48, 49, 50, 51, 60, 97, 98, 100, 147, 150,
+                  200, 301]:
+        for actual in [5.0, 8.0, 23.976023976023978, 24.0, 30.0, 60.0]:
+            for fps in [8.0, 16.0]:
+                for m in [9, 13, 49]:
+                    for skip in [0, 3]:
+                        cases.append({"count": count, "actual_fps": actual, "fps": fps,
+                                      "max_num_frames": m, "skip": skip,
+                                      "sat": sat_indices(count, actual, fps, m, skip)})
+    for count in [1, 2, 3, 5, 9, 10, 48, 49, 50, 100, 201]:
+        for m in [1, 5, 9, 49]:
+            for a, b in [(0, 0), (3, 0), (0, 3), (2, 5), (60, 0)]:
+                cases.append({"count": count, "max_num_frames": m, "skip_start": a,
+                              "skip_end": b, "diffusers": diffusers_indices(count, m, a, b)})
+    return cases
+
+
+def sat_crops(frames):
+    """resize_for_rectangle_crop(arr, size, reshape_mode="center") of the SAT data code."""
+    import torch
+    from torchvision.transforms import InterpolationMode
+    from torchvision.transforms.functional import resize
+    arr = torch.from_numpy(frames).permute(0, 3, 1, 2).contiguous()
+    out = {}
+    for h, w in [(32, 32), (24, 40), (40, 24), (48, 64), (20, 30), (96, 80)]:
+        x = arr
+        if x.shape[3] / x.shape[2] > w / h:
+            x = resize(x, size=[h, int(x.shape[3] * h / x.shape[2])],
+                       interpolation=InterpolationMode.BICUBIC)
+        else:
+            x = resize(x, size=[int(x.shape[2] * w / x.shape[3]), w],
+                       interpolation=InterpolationMode.BICUBIC)
+        top, left = (x.shape[2] - h) // 2, (x.shape[3] - w) // 2
+        out[f"{h}x{w}"] = x[:, :, top:top + h, left:left + w].contiguous().numpy()
+    return out
+
+
 def generate(out: pathlib.Path):
     from safetensors.numpy import save_file
     folder = out / "video"
@@ -84,6 +198,11 @@ def generate(out: pathlib.Path):
     write_audio_only(folder / "audio_only.m4a")
     save_file(tensors, str(folder / "frames.safetensors"))
     (out / "video.json").write_text(json.dumps(info, indent=1))
+    save_file(sat_crops(tensors["h264_420.mp4"]), str(folder / "sat_crops.safetensors"))
+    vfr, stamps, rate = write_vfr(folder / "vfr.mp4")
+    save_file({"frames": np.ascontiguousarray(vfr)}, str(folder / "vfr_frames.safetensors"))
+    (out / "video_vfr.json").write_text(json.dumps({"times": stamps, "average_rate": rate}))
+    (out / "video_sampling.json").write_text(json.dumps(sampling_sweep()))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
 // without decoding; MP4 out (H.264) reads back close to what was written, upright by its display
 // matrix; a missing, garbage, truncated or audio-only file is a typed error naming it.
 #include <difftrain/data/video_file.hpp>
+#include <difftrain/data/video_sampling.hpp>
 #include <difftrain/io/remove_tree.hpp>
 #include <difftrain/io/safetensors.hpp>
 
@@ -157,5 +158,112 @@ TEST(Video, WritesMp4ThatReadsBackUprightAndRefusesBadFiles) {
   expect_error<dt::FormatError>(
       [&] { (void)data::read_video(clips() / "h264_420.mp4", {.limits = {.max_pixels = 100}}); },
       "64x48");
+  dt::io::remove_tree(dir);
+}
+
+TEST(Video, VariableFrameRateClipKeepsEveryFrameAndItsTime) {
+  // Frame durations from 1/30 s to 1/5 s: the probe counts frames and gives the average rate
+  // (decord's get_avg_fps, PyAV's average_rate); frames are indexed in order, each with its time.
+  const auto& g = tst::golden("video_vfr.json");
+  const fs::path clip = clips() / "vfr.mp4";
+  const auto want = dt::io::load_safetensors(clips() / "vfr_frames.safetensors", true).tensors;
+  const std::vector<double> times = g["times"].get<std::vector<double>>();
+  const data::VideoInfo info = data::probe_video(clip);
+  EXPECT_EQ(info.frames, static_cast<std::int64_t>(times.size()));
+  EXPECT_NEAR(info.fps, g["average_rate"].get<double>(), 1e-9);
+  const data::VideoFrames v = data::read_video(clip);
+  ASSERT_TRUE(at::equal(v.pixels, want.at("frames")));
+  ASSERT_EQ(v.times.size(), times.size());
+  for (std::size_t k = 0; k < times.size(); ++k) EXPECT_NEAR(v.times[k], times[k], 1e-9) << k;
+  const data::VideoFrames some = data::read_video(clip, {.frames = {4, 0, 4}});
+  ASSERT_EQ(some.times.size(), 3U);
+  EXPECT_NEAR(some.times[0], times[4], 1e-9);
+  EXPECT_NEAR(some.times[1], 0.0, 1e-9);
+  EXPECT_TRUE(at::equal(some.pixels[2], want.at("frames")[4]));
+}
+
+TEST(VideoSampling, FrameIndicesAreTheTrainingScriptsOverASweep) {
+  // train_cogvideox_lora.py's and the SAT SFTDataset's choices (tests/reference/ref_video.py)
+  // over clip lengths 1–301, source rates 5–60 fps, training rates 8 and 16, windows 1–49 and
+  // skips at either end.
+  const auto& g = tst::golden("video_sampling.json");
+  int sat = 0, diffusers = 0;
+  for (const auto& c : g) {
+    const auto count = c["count"].get<std::int64_t>();
+    const auto max = c["max_num_frames"].get<std::int64_t>();
+    if (c.contains("sat")) {
+      const auto got = data::sat_frame_indices(
+          count, c["actual_fps"].get<double>(),
+          {.max_num_frames = max, .fps = c["fps"].get<double>(), .skip = c["skip"].get<int>()});
+      EXPECT_EQ(got, c["sat"].get<std::vector<std::int64_t>>()) << c.dump();
+      EXPECT_EQ(static_cast<std::int64_t>(got.size()), max);
+      ++sat;
+    } else {
+      const auto got =
+          data::diffusers_frame_indices(count, {.max_num_frames = max,
+                                                .skip_start = c["skip_start"].get<std::int64_t>(),
+                                                .skip_end = c["skip_end"].get<std::int64_t>()});
+      EXPECT_EQ(got, c["diffusers"].get<std::vector<std::int64_t>>()) << c.dump();
+      EXPECT_EQ(got.size() % 4, 1U);
+      ++diffusers;
+    }
+  }
+  EXPECT_GT(sat, 1000);
+  EXPECT_GT(diffusers, 200);
+  // A stride of actual / training fps: 30 fps at 8 takes every third frame.
+  EXPECT_EQ(data::sat_frame_indices(300, 30, {.max_num_frames = 5, .fps = 8, .skip = 0}),
+            (std::vector<std::int64_t>{0, 3, 6, 9, 12}));
+  expect_error<dt::ShapeError>([] { (void)data::sat_frame_indices(10, 0.0, {}); }, "frame rate");
+  expect_error<dt::ConfigError>([] { (void)data::sat_frame_indices(10, 8, {.max_num_frames = 0}); },
+                                "max_num_frames");
+  expect_error<dt::ShapeError>([] { (void)data::diffusers_frame_indices(0, {}); }, "0 frames");
+}
+
+TEST(VideoSampling, SatResizeCropIsTorchvisionsToTheLevel) {
+  // resize_for_rectangle_crop(center) of the SAT data code on the H.264 clip's frames, to sizes
+  // wider, taller, smaller and larger than 64×48.
+  const auto want = dt::io::load_safetensors(clips() / "sat_crops.safetensors", true).tensors;
+  const at::Tensor frames = dt::io::load_safetensors(clips() / "frames.safetensors", true)
+                                .tensors.at("h264_420.mp4")
+                                .permute({0, 3, 1, 2})
+                                .contiguous();
+  ASSERT_EQ(want.size(), 6U);
+  for (const auto& [size, ref] : want) {
+    SCOPED_TRACE(size);
+    const at::Tensor got = data::sat_resize_crop(frames, ref.size(2), ref.size(3));
+    ASSERT_EQ(got.sizes(), ref.sizes());
+    EXPECT_LE((got.to(at::kInt) - ref.to(at::kInt)).abs().max().item<int>(), 0);
+  }
+  expect_error<dt::ShapeError>([&] { (void)data::sat_resize_crop(frames[0], 8, 8); }, "(T, C");
+}
+
+TEST(Video, WritesLoopingGifsInOnePaletteThatReadBackClose) {
+  // A GIF of the moving-square clip: one median-cut palette of ≤ 256 colours, every frame at
+  // the same size, its frame rate in centiseconds; read back by FFmpeg's GIF decoder.
+  const fs::path dir = scratch();
+  const auto want = dt::io::load_safetensors(clips() / "frames.safetensors", true).tensors;
+  const at::Tensor frames = want.at("vp9_444_odd.webm");  // 33×27: odd sizes stay as they are
+  EXPECT_EQ(data::write_video(dir / "clip.gif", frames, {.fps = 10}), "gif");
+  EXPECT_FALSE(fs::exists(dir / "clip.gif.partial.gif"));
+  const data::VideoInfo info = data::probe_video(dir / "clip.gif");
+  EXPECT_EQ(info.codec, "gif");
+  EXPECT_EQ(info.frames, frames.size(0));
+  const data::VideoFrames back = data::read_video(dir / "clip.gif");
+  ASSERT_EQ(back.pixels.sizes(), frames.sizes());
+  const double mse =
+      (back.pixels.to(at::kFloat) - frames.to(at::kFloat)).square().mean().item<double>();
+  const double psnr = 10 * std::log10(255.0 * 255.0 / std::max(mse, 1e-12));
+  // A gradient of ~900 colours a frame in 256 entries without dithering: 26.7 dB here.
+  EXPECT_GT(psnr, 25.0);
+  ASSERT_EQ(back.times.size(), 6U);
+  EXPECT_NEAR(back.times[1] - back.times[0], 0.1, 1e-9);
+  std::printf("GIF written and read back: PSNR %.1f dB over %lld frames\n", psnr,
+              static_cast<long long>(frames.size(0)));
+  // Few colours come back exactly.
+  at::Tensor flat = at::zeros({3, 8, 8, 3}, at::kByte);
+  flat.select(3, 0).fill_(200);
+  flat[1].select(2, 1).fill_(90);
+  data::write_video(dir / "flat.gif", flat, {.fps = 4});
+  EXPECT_TRUE(at::equal(data::read_video(dir / "flat.gif").pixels, flat));
   dt::io::remove_tree(dir);
 }

@@ -28,6 +28,7 @@ extern "C" {
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <array>
 #include <cctype>
 #include <cmath>
 #include <cstdint>
@@ -67,6 +68,9 @@ struct VideoReadOptions {
 
 struct VideoFrames {
   at::Tensor pixels;  ///< (T, H, W, 3) uint8 RGB
+  /// Each kept frame's presentation time in seconds (PyAV's frame.time): uneven in a clip of
+  /// variable frame rate, where frame indices still count frames as decord's do.
+  std::vector<double> times;
   VideoInfo info;
 };
 
@@ -207,13 +211,8 @@ inline at::Tensor rotated(const at::Tensor& hwc, int deg) {
   return hwc;
 }
 
-}  // namespace video_detail
-
-/// The file's video stream: its frame count (packets, counted without decoding), size, rate and
-/// codec.
-inline VideoInfo probe_video(const std::filesystem::path& path, const VideoLimits& limits = {}) {
-  using namespace video_detail;
-  Input in = open(path, limits);
+/// The stream's rotation, stored size turned by it, average rate and decoder; frames left to count.
+inline VideoInfo stream_info(const Input& in) {
   const AVStream* st = in.format->streams[in.stream];
   VideoInfo info;
   info.rotation = in.rotation;
@@ -222,6 +221,17 @@ inline VideoInfo probe_video(const std::filesystem::path& path, const VideoLimit
   info.height = sideways ? st->codecpar->width : st->codecpar->height;
   info.fps = st->avg_frame_rate.den > 0 ? av_q2d(st->avg_frame_rate) : 0.0;
   info.codec = in.decoder->name;
+  return info;
+}
+
+}  // namespace video_detail
+
+/// The file's video stream: its frame count (packets, counted without decoding), size, rate and
+/// codec.
+inline VideoInfo probe_video(const std::filesystem::path& path, const VideoLimits& limits = {}) {
+  using namespace video_detail;
+  Input in = open(path, limits);
+  VideoInfo info = stream_info(in);
   Packet pkt(av_packet_alloc());
   while (av_read_frame(in.format.get(), pkt.get()) >= 0) {
     if (pkt->stream_index == in.stream && ++info.frames > limits.max_frames)
@@ -256,7 +266,9 @@ inline VideoFrames read_video(const std::filesystem::path& path, const VideoRead
   }
   const std::int64_t last = wanted.empty() ? o.limits.max_frames - 1 : wanted.rbegin()->first;
   std::vector<at::Tensor> out(o.frames.size());
+  std::vector<double> out_times(o.frames.size()), all_times;
   std::vector<at::Tensor> all;
+  const AVRational time_base = in.format->streams[in.stream]->time_base;
   Packet pkt(av_packet_alloc());
   Frame frame(av_frame_alloc());
   Sws sws;
@@ -277,10 +289,16 @@ inline VideoFrames read_video(const std::filesystem::path& path, const VideoRead
       sws_scale(sws.get(), frame->data, frame->linesize, 0, frame->height, dst, stride);
       at::Tensor rgb = buffer.narrow(1, 0, row).reshape({frame->height, frame->width, 3});
       rgb = rotated(rgb, deg);
+      const std::int64_t pts = frame->best_effort_timestamp;
+      const double seconds = pts == AV_NOPTS_VALUE ? std::nan("") : av_q2d(time_base) * pts;
       if (keep_all) {
         all.push_back(rgb);
+        all_times.push_back(seconds);
       } else {
-        for (const std::size_t k : it->second) out[k] = rgb;
+        for (const std::size_t k : it->second) {
+          out[k] = rgb;
+          out_times[k] = seconds;
+        }
       }
     }
     ++index;
@@ -322,20 +340,19 @@ inline VideoFrames read_video(const std::filesystem::path& path, const VideoRead
     drain();
   }
   VideoFrames v;
-  v.info.rotation = in.rotation;
-  v.info.codec = in.decoder->name;
-  const AVStream* st = in.format->streams[in.stream];
-  v.info.fps = st->avg_frame_rate.den > 0 ? av_q2d(st->avg_frame_rate) : 0.0;
+  v.info = stream_info(in);
   v.info.frames = index;
   if (wanted.empty()) {
     if (all.empty()) throw FormatError("holds no decodable frame", where);
     v.pixels = at::stack(all);
+    v.times = std::move(all_times);
   } else {
     if (!done)
       throw FormatError("ends after " + std::to_string(index) + " frames; frame " +
                             std::to_string(last) + " was asked for (a truncated file?)",
                         where);
     v.pixels = at::stack(out);
+    v.times = std::move(out_times);
   }
   v.info.height = v.pixels.size(1);
   v.info.width = v.pixels.size(2);
@@ -348,10 +365,197 @@ struct VideoWriteOptions {
   int rotation = 0;  ///< degrees clockwise players turn the frames (a display matrix); 0: none
 };
 
+namespace video_detail {
+
+/// Sends one frame (nullptr: the end) to the encoder and writes the packets it gives.
+inline void encode_and_mux(AVCodecContext* ctx, AVFormatContext* oc, AVStream* st, AVPacket* pkt,
+                           AVFrame* f, const std::string& where) {
+  if (const int r = avcodec_send_frame(ctx, f); r < 0)
+    throw FormatError("the encoder refused a frame (" + av_message(r) + ")", where);
+  while (true) {
+    const int r = avcodec_receive_packet(ctx, pkt);
+    if (r == AVERROR(EAGAIN) || r == AVERROR_EOF) return;
+    if (r < 0) throw FormatError("the encoder failed (" + av_message(r) + ")", where);
+    // Every frame lasts one frame period: without it MP4's edit list ends before the last one.
+    if (pkt->duration <= 0) pkt->duration = 1;
+    av_packet_rescale_ts(pkt, ctx->time_base, st->time_base);
+    pkt->stream_index = st->index;
+    if (const int m = av_interleaved_write_frame(oc, pkt); m < 0)
+      throw IoError("could not be written (" + av_message(m) + ")", where);
+  }
+}
+
+struct OutputCloser {
+  void operator()(AVFormatContext* f) const {
+    if (f->pb != nullptr) avio_closep(&f->pb);
+    avformat_free_context(f);
+  }
+};
+using Output = std::unique_ptr<AVFormatContext, OutputCloser>;
+
+/// A file name that vanishes unless the write finished (then renamed over the target).
+struct PartialFile {
+  std::filesystem::path file;
+  bool done = false;
+  ~PartialFile() {
+    std::error_code ignored;
+    if (!done) std::filesystem::remove(file, ignored);
+  }
+};
+
+/// A palette of at most 256 colours for all the frames (T, H, W, 3) by median cut over a 5-bit
+/// histogram (as PIL's adaptive palette, which diffusers' export_to_gif uses), and the palette
+/// index of every 5-bit colour: the nearest entry.
+struct GifPalette {
+  std::vector<std::uint32_t> argb;  // the palette as the GIF encoder takes it
+  std::vector<std::uint8_t> index;  // 32768 entries, by (r >> 3) << 10 | (g >> 3) << 5 | b >> 3
+};
+inline GifPalette median_cut_palette(const at::Tensor& rgb) {
+  constexpr int bins = 1 << 15;
+  std::vector<std::int64_t> count(bins, 0);
+  std::vector<std::array<std::int64_t, 3>> sum(bins, {0, 0, 0});
+  const std::uint8_t* px = rgb.data_ptr<std::uint8_t>();
+  for (std::int64_t i = 0, n = rgb.numel() / 3; i < n; ++i, px += 3) {
+    const int b = (px[0] >> 3) << 10 | (px[1] >> 3) << 5 | px[2] >> 3;
+    ++count[b];
+    for (int c = 0; c < 3; ++c) sum[b][c] += px[c];
+  }
+  auto channel = [](int bin, int c) { return (bin >> (10 - 5 * c)) & 31; };
+  std::vector<std::vector<int>> boxes(1);
+  for (int b = 0; b < bins; ++b)
+    if (count[b] > 0) boxes[0].push_back(b);
+  while (boxes.size() < 256) {
+    // The box spanning the widest channel range is cut at its median pixel along that channel.
+    int best = -1, best_channel = 0, best_range = 0;
+    for (std::size_t k = 0; k < boxes.size(); ++k) {
+      if (boxes[k].size() < 2) continue;
+      for (int c = 0; c < 3; ++c) {
+        int lo = 31, hi = 0;
+        for (const int b : boxes[k]) {
+          lo = std::min(lo, channel(b, c));
+          hi = std::max(hi, channel(b, c));
+        }
+        if (hi - lo > best_range) {
+          best = static_cast<int>(k);
+          best_channel = c;
+          best_range = hi - lo;
+        }
+      }
+    }
+    if (best < 0) break;
+    std::vector<int>& box = boxes[static_cast<std::size_t>(best)];
+    std::sort(box.begin(), box.end(),
+              [&](int a, int b) { return channel(a, best_channel) < channel(b, best_channel); });
+    std::int64_t total = 0, seen = 0;
+    for (const int b : box) total += count[b];
+    std::size_t cut = 1;
+    for (; cut < box.size(); ++cut) {
+      seen += count[box[cut - 1]];
+      if (2 * seen >= total) break;
+    }
+    cut = std::min(cut, box.size() - 1);
+    std::vector<int> upper(box.begin() + static_cast<std::ptrdiff_t>(cut), box.end());
+    box.resize(cut);
+    boxes.push_back(std::move(upper));
+  }
+  GifPalette p;
+  std::vector<std::array<double, 3>> colours;
+  for (const auto& box : boxes) {
+    std::array<std::int64_t, 3> s{0, 0, 0};
+    std::int64_t n = 0;
+    for (const int b : box) {
+      n += count[b];
+      for (int c = 0; c < 3; ++c) s[c] += sum[b][c];
+    }
+    std::array<double, 3> mean{};
+    for (int c = 0; c < 3; ++c)
+      mean[c] = n > 0 ? std::round(static_cast<double>(s[c]) / static_cast<double>(n)) : 0.0;
+    colours.push_back(mean);
+    p.argb.push_back(0xFF000000U | static_cast<std::uint32_t>(mean[0]) << 16 |
+                     static_cast<std::uint32_t>(mean[1]) << 8 |
+                     static_cast<std::uint32_t>(mean[2]));
+  }
+  p.index.resize(bins);
+  for (int b = 0; b < bins; ++b) {
+    std::array<double, 3> x{};
+    for (int c = 0; c < 3; ++c)
+      x[c] = count[b] > 0 ? static_cast<double>(sum[b][c]) / static_cast<double>(count[b])
+                          : channel(b, c) * 8 + 4;
+    double nearest = 1e30;
+    for (std::size_t k = 0; k < colours.size(); ++k) {
+      const double d = (x[0] - colours[k][0]) * (x[0] - colours[k][0]) +
+                       (x[1] - colours[k][1]) * (x[1] - colours[k][1]) +
+                       (x[2] - colours[k][2]) * (x[2] - colours[k][2]);
+      if (d < nearest) {
+        nearest = d;
+        p.index[static_cast<std::size_t>(b)] = static_cast<std::uint8_t>(k);
+      }
+    }
+  }
+  return p;
+}
+
+/// Frames (T, H, W, 3) uint8 as an endlessly looping GIF at `fps` (GIF keeps centiseconds).
+inline std::string write_gif(const std::filesystem::path& path, const at::Tensor& x, double fps) {
+  const std::string where = path.string();
+  const int h = static_cast<int>(x.size(1)), w = static_cast<int>(x.size(2));
+  PartialFile partial{path.string() + ".partial.gif"};
+  AVFormatContext* raw = nullptr;
+  if (avformat_alloc_output_context2(&raw, nullptr, "gif", partial.file.string().c_str()) < 0 ||
+      raw == nullptr)
+    throw FormatError("FFmpeg has no GIF muxer", where);
+  Output oc(raw);
+  const AVCodec* enc = avcodec_find_encoder(AV_CODEC_ID_GIF);
+  if (enc == nullptr) throw FormatError("FFmpeg has no GIF encoder", where);
+  AVStream* st = avformat_new_stream(oc.get(), nullptr);
+  Codec ctx(avcodec_alloc_context3(enc));
+  ctx->width = w;
+  ctx->height = h;
+  ctx->pix_fmt = AV_PIX_FMT_PAL8;
+  ctx->time_base = AVRational{1, 100};
+  if (const int r = avcodec_open2(ctx.get(), enc, nullptr); r < 0)
+    throw FormatError("could not open the GIF encoder (" + av_message(r) + ")", where);
+  avcodec_parameters_from_context(st->codecpar, ctx.get());
+  st->time_base = ctx->time_base;
+  if (const int r = avio_open(&oc->pb, partial.file.string().c_str(), AVIO_FLAG_WRITE); r < 0)
+    throw IoError("cannot be written (" + av_message(r) + ")", where);
+  if (const int r = avformat_write_header(oc.get(), nullptr); r < 0)
+    throw FormatError("the GIF header could not be written (" + av_message(r) + ")", where);
+  const GifPalette palette = median_cut_palette(x);
+  Frame frame(av_frame_alloc());
+  frame->format = AV_PIX_FMT_PAL8;
+  frame->width = w;
+  frame->height = h;
+  if (av_frame_get_buffer(frame.get(), 0) < 0) throw FormatError("out of memory", where);
+  Packet pkt(av_packet_alloc());
+  for (std::int64_t t = 0; t < x.size(0); ++t) {
+    av_frame_make_writable(frame.get());
+    std::memset(frame->data[1], 0, 1024);
+    std::memcpy(frame->data[1], palette.argb.data(), palette.argb.size() * 4);
+    const std::uint8_t* px = x[t].data_ptr<std::uint8_t>();
+    for (int r = 0; r < h; ++r)
+      for (int c = 0; c < w; ++c, px += 3)
+        frame->data[0][r * frame->linesize[0] + c] = palette.index[static_cast<std::size_t>(
+            (px[0] >> 3) << 10 | (px[1] >> 3) << 5 | px[2] >> 3)];
+    frame->pts = static_cast<std::int64_t>(std::llround(static_cast<double>(t) * 100.0 / fps));
+    encode_and_mux(ctx.get(), oc.get(), st, pkt.get(), frame.get(), where);
+  }
+  encode_and_mux(ctx.get(), oc.get(), st, pkt.get(), nullptr, where);
+  if (const int r = av_write_trailer(oc.get()); r < 0)
+    throw IoError("could not be finished (" + av_message(r) + ")", where);
+  avio_closep(&oc->pb);
+  std::filesystem::rename(partial.file, path);
+  partial.done = true;
+  return enc->name;
+}
+
+}  // namespace video_detail
+
 /// Writes (T, H, W, 3) uint8 RGB frames as an MP4 (H.264 yuv420p, or MPEG-4 Part 2 where there is
 /// no H.264 encoder); an odd width or height is padded by repeating the last column or row
 /// (4:2:0 needs even sizes). Written to a temporary name and renamed, so a reader never sees half
-/// a file. Returns the encoder's name.
+/// a file. A path ending in .gif gets an endlessly looping GIF instead, in a median-cut palette
+/// of 256 colours shared by all frames. Returns the encoder's name.
 inline std::string write_video(const std::filesystem::path& path, const at::Tensor& frames,
                                const VideoWriteOptions& o = {}) {
   using namespace video_detail;
@@ -364,30 +568,24 @@ inline std::string write_video(const std::filesystem::path& path, const at::Tens
   if (!(o.fps > 0 && o.fps <= 1000)) throw ConfigError("fps must be in (0, 1000]", where);
   if (o.rotation % 90 != 0) throw ConfigError("rotation must be a multiple of 90", where);
   at::Tensor x = frames.cpu().contiguous();
+  std::string ext = path.extension().string();
+  std::transform(ext.begin(), ext.end(), ext.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  if (ext == ".gif") {
+    quiet_logs();
+    return write_gif(path, x, o.fps);
+  }
   if (x.size(1) % 2 != 0) x = at::cat({x, x.narrow(1, x.size(1) - 1, 1)}, 1);
   if (x.size(2) % 2 != 0) x = at::cat({x, x.narrow(2, x.size(2) - 1, 1)}, 2);
   x = x.contiguous();
   const int h = static_cast<int>(x.size(1)), w = static_cast<int>(x.size(2));
   quiet_logs();
-  const std::filesystem::path tmp = path.string() + ".partial.mp4";
-  struct RemoveUnlessDone {  // a failed write leaves nothing behind
-    const std::filesystem::path& file;
-    bool done = false;
-    ~RemoveUnlessDone() {
-      std::error_code ignored;
-      if (!done) std::filesystem::remove(file, ignored);
-    }
-  } cleanup{tmp};
+  PartialFile cleanup{path.string() + ".partial.mp4"};  // a failed write leaves nothing behind
+  const std::filesystem::path& tmp = cleanup.file;
   AVFormatContext* raw = nullptr;
   if (avformat_alloc_output_context2(&raw, nullptr, "mp4", tmp.string().c_str()) < 0 || !raw)
     throw FormatError("FFmpeg has no MP4 muxer", where);
-  struct OutputCloser {
-    void operator()(AVFormatContext* f) const {
-      if (f->pb != nullptr) avio_closep(&f->pb);
-      avformat_free_context(f);
-    }
-  };
-  std::unique_ptr<AVFormatContext, OutputCloser> oc(raw);
+  Output oc(raw);
   const AVCodec* enc = avcodec_find_encoder_by_name("libx264");
   if (enc == nullptr) enc = avcodec_find_encoder(AV_CODEC_ID_MPEG4);
   if (enc == nullptr) throw FormatError("FFmpeg has neither an H.264 nor an MPEG-4 encoder", where);
@@ -440,21 +638,7 @@ inline std::string write_video(const std::filesystem::path& path, const at::Tens
   Sws sws(sws_getContext(w, h, AV_PIX_FMT_RGB24, w, h, AV_PIX_FMT_YUV420P, SWS_BILINEAR, nullptr,
                          nullptr, nullptr));
   Packet pkt(av_packet_alloc());
-  auto send = [&](AVFrame* f) {
-    if (const int r = avcodec_send_frame(ctx.get(), f); r < 0)
-      throw FormatError("the encoder refused a frame (" + av_message(r) + ")", where);
-    while (true) {
-      const int r = avcodec_receive_packet(ctx.get(), pkt.get());
-      if (r == AVERROR(EAGAIN) || r == AVERROR_EOF) return;
-      if (r < 0) throw FormatError("the encoder failed (" + av_message(r) + ")", where);
-      // Every frame lasts one frame period: without it MP4's edit list ends before the last one.
-      if (pkt->duration <= 0) pkt->duration = 1;
-      av_packet_rescale_ts(pkt.get(), ctx->time_base, st->time_base);
-      pkt->stream_index = st->index;
-      if (const int m = av_interleaved_write_frame(oc.get(), pkt.get()); m < 0)
-        throw IoError("could not be written (" + av_message(m) + ")", where);
-    }
-  };
+  auto send = [&](AVFrame* f) { encode_and_mux(ctx.get(), oc.get(), st, pkt.get(), f, where); };
   for (std::int64_t t = 0; t < x.size(0); ++t) {
     av_frame_make_writable(frame.get());
     const uint8_t* src[1] = {x[t].data_ptr<uint8_t>()};

@@ -96,4 +96,15 @@ class CogVideoXDdim : public cogvideox_detail::Steps {
   }
 };
 
+/// CogVideoX pipelines' use_dynamic_cfg: the guidance scale at timestep t of a run of
+/// num_inference_steps steps, 1 + s·(1 − cos(π·((N − t) / N)^5)) / 2. The pipelines put the
+/// timestep itself (not the step's index) in the formula; so does this, so samples match theirs.
+inline double cogvideox_dynamic_guidance(double guidance_scale, std::int64_t num_inference_steps,
+                                         std::int64_t t) {
+  const double n = static_cast<double>(num_inference_steps);
+  const double pi = 3.14159265358979323846;
+  return 1 + guidance_scale *
+                 ((1 - std::cos(pi * std::pow((n - static_cast<double>(t)) / n, 5.0))) / 2);
+}
+
 }  // namespace difftrain::diffusion

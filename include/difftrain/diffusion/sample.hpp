@@ -40,6 +40,9 @@ struct SampleOptions {
   double guidance_scale = 1.0;  ///< 1: no guidance (one model call per step)
   double guidance_rescale = 0.0;
   std::int64_t chunk_size = 64;  ///< samples per model call batch
+  /// The guidance scale at step `i` (timestep `t`) in place of guidance_scale, which still says
+  /// whether to guide (CogVideoX's use_dynamic_cfg: cogvideox_dynamic_guidance).
+  std::function<double(std::size_t i, std::int64_t t)> guidance_at{};
   /// Called after every sampler step with the steps done and to do over all chunks (a progress
   /// line, train::ProgressLine).
   std::function<void(std::int64_t done, std::int64_t total)> on_step{};
@@ -88,7 +91,8 @@ at::Tensor sample(S& sampler, Model&& model, const at::Tensor& noise, const Samp
         const at::Tensor both =
             model(at::cat({in, in}), at::cat({t, t}), at::cat({c, uncond->slice(0, begin, end)}));
         const auto halves = both.chunk(2, 0);
-        out = classifier_free_guidance(halves[0], halves[1], o.guidance_scale, o.guidance_rescale);
+        const double scale = o.guidance_at ? o.guidance_at(i, timesteps[i]) : o.guidance_scale;
+        out = classifier_free_guidance(halves[0], halves[1], scale, o.guidance_rescale);
       } else {
         out = model(in, t, c);
       }
