@@ -199,6 +199,43 @@ class VideoBatchStream {
                    at::Device device)
       : s_(s), p_(p), clips_(clips), device_(device), epoch_batches_(batches(0)) {}
 
+  /// --cache_latents: opens the latent cache (the VAE's posteriors of every clip, and its mirror
+  /// with --random_flip) and the text cache (T5's states of every caption) under --cache_dir,
+  /// and encodes what they lack. Rank 0 calls it before the other ranks, which then only read.
+  void open_caches(const std::string& vae_fingerprint, const std::string& text_fingerprint) {
+    const fs::path root =
+        s_.cache_dir.empty() ? fs::path(s_.out) / "cache" : fs::path(s_.cache_dir);
+    latent_cache_.emplace(root / "video_latents", vae_fingerprint,
+                          "CogVideoX VAE posteriors of video clips (mean, std; I2V first frames)");
+    if (!s_.kohya.captions.any())
+      text_cache_.emplace(root / "text", text_fingerprint, "T5 prompt embeddings (CogVideoX)");
+    for (auto* cache : {&*latent_cache_, text_cache_ ? &*text_cache_ : nullptr})
+      if (cache != nullptr)
+        for (const auto& d : cache->damaged())
+          std::fprintf(stderr, "cache: %s was damaged (%s); its entries are computed again\n",
+                       d.path.string().c_str(), d.reason.c_str());
+    std::size_t encoded = 0;
+    for (std::size_t i = 0; i < clips_.size(); ++i)
+      for (const bool flip : {false, true}) {
+        if (flip && !s_.random_flip) continue;
+        if (!latent_cache_->contains(clip_cache_key(clips_[i], s_, flip))) ++encoded;
+        (void)posterior(i, flip);
+      }
+    if (text_cache_) {
+      std::vector<std::string> captions;
+      for (const auto& c : clips_) captions.push_back(c.caption);
+      std::sort(captions.begin(), captions.end());
+      captions.erase(std::unique(captions.begin(), captions.end()), captions.end());
+      (void)text_cache_->entries_for_texts(
+          captions, [&](const auto& texts) { return text_entry(texts); },
+          1);  // one at a time, as the run without the cache encodes them: the same bits
+      text_cache_->flush();
+    }
+    latent_cache_->flush();
+    std::fprintf(stderr, "latent cache: %zu entries, %zu encoded now, in %s\n",
+                 latent_cache_->size(), encoded, latent_cache_->folder().string().c_str());
+  }
+
   [[nodiscard]] std::size_t batches_per_epoch() const { return epoch_batches_.size(); }
 
   CogTraineeImpl::Batch at_place(std::int64_t place) {
@@ -218,7 +255,7 @@ class VideoBatchStream {
                                               static_cast<std::uint64_t>(s_.seed) * 1'000'003 +
                                               static_cast<std::uint64_t>(place) * 131 + i))
                                     .item<double>() < 0.5;
-      const Encoded& e = posterior(i, flip);
+      const Encoded e = posterior(i, flip);
       at::Tensor z;
       {
         at::NoGradGuard no_grad;
@@ -238,31 +275,51 @@ class VideoBatchStream {
             p_.i2v ? at::cat(images).to(device_) : at::Tensor()};
   }
 
-  /// Frames the training videos have (the same for every clip).
-  [[nodiscard]] std::int64_t frames() const {
-    return static_cast<std::int64_t>(clips_.front().count());
+  [[nodiscard]] std::size_t latents_cached() const {
+    return latent_cache_ ? latent_cache_->size() : 0;
   }
 
  private:
+  /// One shape per batch: the clips' buckets (all one shape without --video_resolution_buckets).
   [[nodiscard]] std::vector<std::vector<std::size_t>> batches(std::uint64_t epoch) const {
-    const std::vector<data::Bucket> one(clips_.size(), data::Bucket{s_.width, s_.height});
-    return data::bucket_batches(one, {}, static_cast<std::size_t>(s_.train_batch_size), s_.seed,
-                                epoch);
+    std::vector<data::VideoShape> shapes;
+    for (const auto& c : clips_) shapes.push_back(c.shape());
+    return data::video_bucket_batches(shapes, static_cast<std::size_t>(s_.train_batch_size),
+                                      s_.seed, epoch);
   }
-  /// A clip's posterior (and, for image-to-video, its first frame), computed once per flip.
+  /// A clip's posterior (and, for image-to-video, its first frame), computed once per flip: kept
+  /// in memory, or with --cache_latents in the cache on disk.
   struct Encoded {
     at::Tensor mean, std, first_frame;
   };
-  const Encoded& posterior(std::size_t i, bool flip) {
-    const auto key = std::make_pair(i, flip);
-    auto it = posteriors_.find(key);
-    if (it != posteriors_.end()) return it->second;
+  Encoded posterior(std::size_t i, bool flip) {
+    std::string key;
+    if (latent_cache_) {
+      key = clip_cache_key(clips_[i], s_, flip);
+      if (latent_cache_->contains(key)) {
+        const auto e = latent_cache_->get(key);
+        return {e.at("mean").unsqueeze(0).to(device_), e.at("std").unsqueeze(0).to(device_),
+                p_.i2v ? e.at("first_frame").unsqueeze(0) : at::Tensor()};
+      }
+    } else if (auto it = posteriors_.find({i, flip}); it != posteriors_.end()) {
+      return it->second;
+    }
     at::NoGradGuard no_grad;
     const at::Tensor clip = load_clip(clips_[i], s_, flip).to(device_);
     const auto d = p_.vae->encode(clip);
-    return posteriors_
-        .emplace(key, Encoded{d.mean, d.std, p_.i2v ? clip.narrow(2, 0, 1).cpu() : at::Tensor()})
-        .first->second;
+    Encoded e{d.mean, d.std, p_.i2v ? clip.narrow(2, 0, 1).cpu() : at::Tensor()};
+    if (latent_cache_) {
+      data::TensorCache::Entry entry{{"mean", e.mean[0].to(at::kFloat).cpu().contiguous()},
+                                     {"std", e.std[0].to(at::kFloat).cpu().contiguous()}};
+      if (p_.i2v) entry["first_frame"] = e.first_frame[0].contiguous();
+      latent_cache_->put(key, entry);
+      return posterior(i, flip);  // as a cached run reads it, so both runs train alike
+    }
+    return posteriors_.emplace(std::make_pair(i, flip), e).first->second;
+  }
+  data::TensorCache::Entry text_entry(const std::vector<std::string>& texts) {
+    at::NoGradGuard no_grad;
+    return {{"embeds", p_.encode(texts).to(at::kFloat).cpu().contiguous()}};
   }
   /// Clip `i`'s caption encoded, as kohya's caption options make it at `place` (then encoded
   /// afresh each time), or as written (encoded once).
@@ -276,6 +333,13 @@ class VideoBatchStream {
           s_.max_train_steps);
       return p_.encode(processed).cpu();
     }
+    if (text_cache_)
+      return text_cache_
+          ->entries_for_texts(
+              {c}, [&](const auto& texts) { return text_entry(texts); }, 1)
+          .front()
+          .at("embeds")
+          .unsqueeze(0);
     auto it = text_.find(c);
     if (it != text_.end()) return it->second;
     return text_.emplace(c, p_.encode({c}).cpu()).first->second;
@@ -289,13 +353,15 @@ class VideoBatchStream {
   std::uint64_t epoch_ = 0;
   std::map<std::pair<std::size_t, bool>, Encoded> posteriors_;
   std::map<std::string, at::Tensor> text_;
+  std::optional<data::TensorCache> latent_cache_, text_cache_;
 };
 
 /// The first frame of each validation video of an image-to-video run, (3, height, width) in
 /// [−1, 1]: --validation_images (one per prompt, or one for all; resized to the training size
 /// when they differ), or else the training clips' first frames in turn.
 std::vector<at::Tensor> validation_first_frames(const Settings& s,
-                                                const std::vector<VideoClip>& clips) {
+                                                const std::vector<VideoClip>& clips,
+                                                const data::VideoShape& shape) {
   const std::size_t prompts = s.validation_prompts.size();
   if (!s.validation_images.empty() && s.validation_images.size() != 1 &&
       s.validation_images.size() != prompts)
@@ -307,14 +373,18 @@ std::vector<at::Tensor> validation_first_frames(const Settings& s,
   std::vector<at::Tensor> frames;
   for (std::size_t k = 0; k < prompts; ++k) {
     if (s.validation_images.empty()) {
-      frames.push_back(load_clip(clips[k % clips.size()], s, false)[0].select(1, 0));
+      at::Tensor first = load_clip(clips[k % clips.size()], s, false)[0].select(1, 0);
+      if (first.size(1) != shape.height || first.size(2) != shape.width)  // another bucket's
+        first =
+            at::_upsample_bilinear2d_aa(first.unsqueeze(0), {shape.height, shape.width}, false)[0];
+      frames.push_back(first);
       continue;
     }
     const std::string& file = s.validation_images[s.validation_images.size() == 1 ? 0 : k];
     if (!fs::is_regular_file(file))
       throw dt::IoError("does not exist", "--validation_images " + file);
-    frames.push_back(data::to_unit_range(
-        data::resize(data::read_image(file).pixels.permute({2, 0, 1}), {s.height, s.width})));
+    frames.push_back(data::to_unit_range(data::resize(
+        data::read_image(file).pixels.permute({2, 0, 1}), {shape.height, shape.width})));
   }
   return frames;
 }
@@ -323,8 +393,9 @@ std::vector<at::Tensor> validation_first_frames(const Settings& s,
 /// from `first_frames`) samples them: its scheduler, classifier-free guidance against the empty
 /// prompt (by the cosine schedule with --use_dynamic_cfg), CogVideoX 1.5's padded noise, decoded
 /// by the VAE: (n, 3, F, height, width) in [−1, 1] on the CPU.
-at::Tensor validation_videos(CogPipeline& p, const Settings& s, std::int64_t frames,
+at::Tensor validation_videos(CogPipeline& p, const Settings& s, const data::VideoShape& shape,
                              const std::vector<at::Tensor>& first_frames, at::Device device) {
+  const std::int64_t frames = shape.frames;
   at::NoGradGuard no_grad;
   const bool was_training = p.transformer->is_training();
   p.transformer->eval();
@@ -341,7 +412,7 @@ at::Tensor validation_videos(CogPipeline& p, const Settings& s, std::int64_t fra
       (frames - 1) / static_cast<std::int64_t>(vc.temporal_compression_ratio) + 1;
   const std::int64_t padding = p.frame_padding(latent_frames), padded = latent_frames + padding;
   const std::int64_t down = p.vae->spatial_downscale(), c = vc.latent_channels;
-  const std::int64_t h = s.height / down, w = s.width / down;
+  const std::int64_t h = shape.height / down, w = shape.width / down;
   auto gen = at::make_generator<at::CPUGeneratorImpl>(s.seed + 7);
   const at::Tensor noise = at::randn({n, padded, c, h, w}, gen).to(device);
   // Image-to-video: each first frame's posterior sampled (the pipeline's generator, after the
@@ -449,7 +520,16 @@ int run_cogvideox(Settings s, const Ranks& ranks) {
   const bool main_rank = ranks.main();
   // The videos first: a wrong data folder is found before the models load.
   check_frame_sampling(s);
-  const std::vector<VideoClip> clips = scan_videos(s);
+  const std::vector<data::VideoShape> buckets =
+      s.video_resolution_buckets.empty()
+          ? std::vector<data::VideoShape>()
+          : data::parse_video_buckets(s.video_resolution_buckets, "--video_resolution_buckets");
+  for (const auto& b : buckets)
+    if ((b.frames - 1) % 4 != 0)
+      throw ConfigError(
+          "has " + std::to_string(b.frames) + " frames; the 3-D VAE takes 4k + 1 (e.g. 49, 17)",
+          "--video_resolution_buckets " + b.str());
+  const std::vector<VideoClip> clips = scan_videos(s, buckets);
   const examples::OutputFolder output_folder(s.out, main_rank);
   tr::set_seed(s.seed);
   const bool sat = fs::is_regular_file(s.model);
@@ -458,15 +538,21 @@ int run_cogvideox(Settings s, const Ranks& ranks) {
                               {sat ? s.model : std::string(), s.sat_vae, s.sat_lora_alpha});
   const auto& tc = p.transformer->config();
   const std::int64_t unit = p.vae->spatial_downscale() * tc.patch_size;
-  if (s.height % unit != 0)
-    throw ConfigError(
-        "must be a multiple of " + std::to_string(unit) + " (the VAE's downscale × the patch size)",
-        "--height");
-  if (s.width % unit != 0)
-    throw ConfigError(
-        "must be a multiple of " + std::to_string(unit) + " (the VAE's downscale × the patch size)",
-        "--width");
-  const auto frames = static_cast<std::int64_t>(clips.front().count());
+  // The sizes clips train at: --height × --width, or each bucket's.
+  std::vector<std::pair<std::int64_t, std::string>> sides{{s.height, "--height"},
+                                                          {s.width, "--width"}};
+  for (const auto& b : buckets) {
+    sides.emplace_back(b.height, "--video_resolution_buckets " + b.str());
+    sides.emplace_back(b.width, "--video_resolution_buckets " + b.str());
+  }
+  for (const auto& [side, flag] : sides)
+    if (side % unit != 0)
+      throw ConfigError("must be a multiple of " + std::to_string(unit) +
+                            " (the VAE's downscale × the patch size)",
+                        flag);
+  // Validation videos: the first bucket's shape, or the clips' frames at --height × --width.
+  const data::VideoShape shape = buckets.empty() ? clips.front().shape() : buckets.front();
+  const std::int64_t frames = shape.frames;
   const std::int64_t latent_frames =
       (frames - 1) / static_cast<std::int64_t>(p.vae->config().temporal_compression_ratio) + 1;
   const at::Device device = ranks.device;
@@ -487,6 +573,21 @@ int run_cogvideox(Settings s, const Ranks& ranks) {
   if (s.gradient_checkpointing) p.transformer->set_gradient_checkpointing(true);
 
   VideoBatchStream stream(s, p, clips, device);
+  if (s.cache_latents)
+    ranks.world->rank0_first([&] {
+      const fs::path root = p.root;
+      const std::optional<std::string> variant =
+          s.variant.empty() ? std::nullopt : std::optional<std::string>(s.variant);
+      const std::string vae_fp =
+          s.sat_vae.empty()
+              ? data::tensors_fingerprint(models::read_model_weights(root / "vae", variant))
+              : data::module_fingerprint(*p.vae);
+      const std::string text_fp = dt::io::sha256_hex(
+          data::tensors_fingerprint(models::read_model_weights(root / "text_encoder", variant,
+                                                               models::kTransformersWeights)) +
+          "|" + std::to_string(p.tokenizer->size()) + "|" + std::to_string(p.text_length()));
+      stream.open_caches(vae_fp, text_fp);
+    });
   resolve_max_train_steps(
       s, ranks.batches_each(stream.batches_per_epoch(), "--train_data_dir / --train_batch_size"),
       main_rank);
@@ -505,7 +606,7 @@ int run_cogvideox(Settings s, const Ranks& ranks) {
                           " has no ofs embedding",
                       "--ofs");
   const std::vector<at::Tensor> first_frames =
-      p.i2v ? validation_first_frames(s, clips) : std::vector<at::Tensor>();
+      p.i2v ? validation_first_frames(s, clips, shape) : std::vector<at::Tensor>();
   trainee.train();
   nlohmann::json run_settings = common_run_settings(s, ranks);
   run_settings.update(
@@ -515,14 +616,25 @@ int run_cogvideox(Settings s, const Ranks& ranks) {
        {"padded_latent_frames", latent_frames + p.frame_padding(latent_frames)},
        {"image_to_video", p.i2v},
        {"frame_sampling", s.frame_sampling},
-       {"height", s.height},
-       {"width", s.width},
+       {"height", shape.height},
+       {"width", shape.width},
+       {"video_buckets", data::describe_video_buckets([&] {
+          std::vector<data::VideoShape> all;
+          for (const auto& c : clips) all.push_back(c.shape());
+          return all;
+        }())},
+       {"latents_cached", stream.latents_cached()},
        {"scheduler", std::string(p.dpm ? "CogVideoXDPMScheduler" : "CogVideoXDDIMScheduler")},
        {"snr_shift_scale", p.scheduler.schedule.snr_shift_scale.value_or(1.0)}});
-  if (main_rank)
-    std::printf("%zu videos of %lld frames (%lld latent frames) at %lldx%lld\n", clips.size(),
-                static_cast<long long>(frames), static_cast<long long>(latent_frames),
-                static_cast<long long>(s.width), static_cast<long long>(s.height));
+  if (main_rank) {
+    if (buckets.empty())
+      std::printf("%zu videos of %lld frames (%lld latent frames) at %lldx%lld\n", clips.size(),
+                  static_cast<long long>(frames), static_cast<long long>(latent_frames),
+                  static_cast<long long>(s.width), static_cast<long long>(s.height));
+    else
+      std::printf("%zu videos in buckets (frames x height x width):\n%s", clips.size(),
+                  run_settings["video_buckets"].get<std::string>().c_str());
+  }
   // A full fine-tune of SAT checkpoints: the folder (its configs, T5, scheduler) with the trained
   // transformer and, with --sat_vae, the VAE the videos were encoded by.
   WriteSingleFile write_sat_folder;
@@ -540,7 +652,7 @@ int run_cogvideox(Settings s, const Ranks& ranks) {
   return train_and_write(
       trainee, s, ranks, run_settings, stream, p.transformer, p.root, adapted.size(),
       [&](const fs::path& out) {
-        write_validation_videos(validation_videos(p, s, frames, first_frames, device), s, out,
+        write_validation_videos(validation_videos(p, s, shape, first_frames, device), s, out,
                                 first_frames);
       },
       t0, write_sat_folder);

@@ -131,6 +131,8 @@ int run(const Settings& s) {
              {s.use_dynamic_cfg, "--use_dynamic_cfg"},
              {!s.validation_images.empty(), "--validation_images"},
              {s.frame_sampling != "diffusers", "--frame_sampling"},
+             {!s.video_resolution_buckets.empty(), "--video_resolution_buckets"},
+             {s.cache_latents, "--cache_latents"},
              {s.was_given("--ofs"), "--ofs"},
              {s.was_given("--noised_image_dropout"), "--noised_image_dropout"}})
       if (set) throw ConfigError("is CogVideoX's; the model is not a CogVideoX pipeline", flag);
@@ -234,6 +236,13 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   video->add_flag("--use_dynamic_cfg", s.use_dynamic_cfg,
                   "validation videos with the pipelines' cosine guidance schedule");
+  video->add_option("--video_resolution_buckets", s.video_resolution_buckets,
+                    "FRAMESxHEIGHTxWIDTH buckets (finetrainers'): each clip takes the nearest "
+                    "frame count and size, batches hold one shape; validation uses the first");
+  video->add_flag("--cache_latents", s.cache_latents,
+                  "encode each clip (and caption) once into a cache on disk");
+  video->add_option("--cache_dir", s.cache_dir,
+                    "the latent and text cache (default OUTPUT_DIR/cache)");
   auto* flux = app.add_option_group("Flux (FluxPipeline folders)");
   flux->add_option("--lora_layers", s.lora_layers,
                    "comma-separated modules LoRA adapts (PEFT's suffix rule) in place of "

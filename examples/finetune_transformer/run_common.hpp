@@ -82,6 +82,9 @@ struct Settings : SdRunFlags, ImageFolderFlags, LoraFlags, TorchrunFlags, Single
   double noised_image_dropout = 0.05;          // the chance a step trains without its first frame
   double ofs = 2.0;                            // CogVideoX 1.5 I2V's ofs embedding input
   bool use_dynamic_cfg = false;                // CogVideoX pipelines' cosine guidance schedule
+  std::vector<std::string> video_resolution_buckets;  // finetrainers' FxHxW buckets
+  bool cache_latents = false;  // CogVideoX: posteriors and T5 states kept on disk
+  std::string cache_dir;       // default OUTPUT_DIR/cache
   examples::KohyaFlags kohya;  // kohya's caption, input-perturbation and loss-type options
   // Flux (diffusers' train_dreambooth_lora_flux.py and kohya's flux_train_network.py flags).
   std::string lora_layers;           // comma-separated modules in place of the family's targets

@@ -11,7 +11,9 @@
 // A video is a video file (MP4, MOV, WebM, MKV, AVI: data/video_file.hpp, with FFmpeg), a folder
 // of its frames (JPEG, PNG or WebP, in name order) or one image.
 
+#include <difftrain/data/video_buckets.hpp>
 #include <difftrain/data/video_sampling.hpp>
+#include <difftrain/io/sha256.hpp>
 
 #include "run_common.hpp"
 
@@ -22,12 +24,16 @@
 namespace {
 
 /// One training video: its source, the frames chosen (image files, or indices into the video
-/// file) and its caption.
+/// file), its caption and the size it trains at (its bucket's, or --height × --width).
 struct VideoClip {
   fs::path source;
   std::vector<fs::path> frames;           // a folder's frames or one image
   std::vector<std::int64_t> file_frames;  // a video file's frame indices
   std::string caption;
+  std::int64_t height = 0, width = 0;
+  [[nodiscard]] data::VideoShape shape() const {
+    return {static_cast<std::int64_t>(count()), height, width};
+  }
   [[nodiscard]] bool is_file() const { return frames.empty(); }
   [[nodiscard]] std::size_t count() const { return is_file() ? file_frames.size() : frames.size(); }
   void keep_first(std::size_t n) {
@@ -89,6 +95,11 @@ void check_frame_sampling(const Settings& s) {
         "must be diffusers (train_cogvideox_lora.py's frame choice) or sat (the SAT "
         "fine-tuning code's: a window at --video_fps)",
         "--frame_sampling " + s.frame_sampling);
+  if (s.frame_sampling == "sat" && !s.video_resolution_buckets.empty())
+    throw ConfigError(
+        "chooses frames and sizes as finetrainers does; --frame_sampling sat "
+        "cannot apply as well",
+        "--video_resolution_buckets");
   if (s.frame_sampling != "sat") return;
   if ((s.max_num_frames - 1) % 4 != 0)
     throw ConfigError(
@@ -114,8 +125,9 @@ bool is_video_file_name(const fs::path& p) {
 
 /// `source` as a clip: its frames, chosen as diffusers chooses them. `where` names it in errors.
 VideoClip clip_of(const fs::path& source, std::string caption, const Settings& s,
-                  const std::string& where) {
-  VideoClip c{source, {}, {}, std::move(caption)};
+                  const std::vector<data::VideoShape>& buckets, const std::string& where) {
+  VideoClip c{source, {}, {}, std::move(caption), s.height, s.width};
+  std::int64_t height = 0, width = 0;  // the source's size (buckets are chosen by it)
   std::int64_t count = 0;
   double fps = 0;  // a video file's average rate
   bool file = false;
@@ -126,14 +138,26 @@ VideoClip clip_of(const fs::path& source, std::string caption, const Settings& s
     if (c.frames.empty())
       throw ConfigError("names " + source.string() + ", a folder without frames", where);
     count = static_cast<std::int64_t>(c.frames.size());
+    if (!buckets.empty()) {
+      const at::Tensor first = data::read_image(c.frames.front()).pixels;
+      height = first.size(0);
+      width = first.size(1);
+    }
   } else if (fs::is_regular_file(source) && data::is_image_name(source)) {
     c.frames.push_back(source);
     count = 1;
+    if (!buckets.empty()) {
+      const at::Tensor first = data::read_image(source).pixels;
+      height = first.size(0);
+      width = first.size(1);
+    }
   } else if (fs::is_regular_file(source) && is_video_file_name(source)) {
 #if defined(DIFFTRAIN_HAS_VIDEO)
     const data::VideoInfo info = data::probe_video(source);
     count = info.frames;
     fps = info.fps;
+    height = info.height;
+    width = info.width;
     if (count == 0) throw dt::FormatError("holds no frames", source.string());
     file = true;
 #else
@@ -148,7 +172,16 @@ VideoClip clip_of(const fs::path& source, std::string caption, const Settings& s
         "names " + source.string() + ", which is not a video file, a folder of frames or an image",
         where);
   }
-  const std::vector<std::int64_t> chosen = chosen_frames(count, fps, s);
+  std::vector<std::int64_t> chosen;
+  if (buckets.empty()) {
+    chosen = chosen_frames(count, fps, s);
+  } else {  // finetrainers' bucket: its frames and the nearest listed size
+    const data::VideoBucketChoice b =
+        data::choose_video_bucket(count, height, width, buckets, s.max_num_frames);
+    chosen = b.frames;
+    c.height = b.shape.height;
+    c.width = b.shape.width;
+  }
   if (file) {
     c.file_frames = chosen;
   } else {
@@ -160,8 +193,10 @@ VideoClip clip_of(const fs::path& source, std::string caption, const Settings& s
 }
 
 /// The training videos of --train_data_dir in whichever of the three layouts it has; every clip
-/// cut to the shortest clip's frame count so clips batch together.
-std::vector<VideoClip> scan_videos(const Settings& s) {
+/// cut to the shortest clip's frame count so clips batch together, unless video buckets batch
+/// clips of one shape together.
+std::vector<VideoClip> scan_videos(const Settings& s,
+                                   const std::vector<data::VideoShape>& buckets) {
   const fs::path root(s.data_dir);
   if (!fs::is_directory(root))
     throw dt::IoError("is not a folder", "--train_data_dir " + s.data_dir);
@@ -228,17 +263,19 @@ std::vector<VideoClip> scan_videos(const Settings& s) {
   std::vector<VideoClip> clips;
   std::size_t shortest = std::numeric_limits<std::size_t>::max();
   for (std::size_t i = 0; i < listed.size(); ++i) {
-    clips.push_back(clip_of(listed[i].first, listed[i].second, s, wheres[i]));
+    clips.push_back(clip_of(listed[i].first, listed[i].second, s, buckets, wheres[i]));
     shortest = std::min(shortest, clips.back().count());
     if (s.limit > 0 && static_cast<std::int64_t>(clips.size()) >= s.limit) break;
   }
-  for (auto& c : clips) c.keep_first(shortest);
+  if (buckets.empty())
+    for (auto& c : clips) c.keep_first(shortest);
   return clips;
 }
 
-/// A clip's frames (1, 3, F, height, width) in [−1, 1] at the training size, mirrored when asked:
-/// resized to it (diffusers' sampling: decord's reader, no crop) or resized bicubically to cover
-/// it and centre-cropped (SAT's resize_for_rectangle_crop).
+/// A clip's frames (1, 3, F, height, width) in [−1, 1] at the clip's training size, mirrored when
+/// asked: resized to it (diffusers' sampling: decord's reader, no crop), resized bicubically to
+/// cover it and centre-cropped (SAT's resize_for_rectangle_crop), or in a video bucket resized in
+/// float and never rounded (finetrainers' transform of float frames).
 at::Tensor load_clip(const VideoClip& c, const Settings& s, bool flip) {
   std::vector<at::Tensor> hwc;
   if (c.is_file()) {
@@ -250,16 +287,38 @@ at::Tensor load_clip(const VideoClip& c, const Settings& s, bool flip) {
     for (const auto& f : c.frames) hwc.push_back(data::read_image(f).pixels);
   }
   at::Tensor x;
+  if (!s.video_resolution_buckets.empty()) {
+    x = at::stack(hwc).permute({0, 3, 1, 2}).to(at::kFloat);
+    if (x.size(2) != c.height || x.size(3) != c.width)
+      x = at::_upsample_bilinear2d_aa(x, {c.height, c.width}, false);
+    if (flip) x = data::horizontal_flip(x);
+    return (x / 255.0 * 2.0 - 1.0).permute({1, 0, 2, 3}).contiguous().unsqueeze(0);
+  }
   if (s.frame_sampling == "sat") {
-    x = data::sat_resize_crop(at::stack(hwc).permute({0, 3, 1, 2}), s.height, s.width);
+    x = data::sat_resize_crop(at::stack(hwc).permute({0, 3, 1, 2}), c.height, c.width);
   } else {
     std::vector<at::Tensor> frames;
     for (const at::Tensor& f : hwc)
-      frames.push_back(data::resize(f.permute({2, 0, 1}), {s.height, s.width}));
+      frames.push_back(data::resize(f.permute({2, 0, 1}), {c.height, c.width}));
     x = at::stack(frames);
   }
   if (flip) x = data::horizontal_flip(x);
   return data::to_unit_range(x.contiguous()).permute({1, 0, 2, 3}).unsqueeze(0);
+}
+
+/// What a clip's latents are computed from, as a key for the latent cache: the bytes of its
+/// source (the video file, or each frame file), the frames kept, how they were sized and the flip.
+std::string clip_cache_key(const VideoClip& c, const Settings& s, bool flip) {
+  std::string what = "video latent v1|";
+  if (c.is_file()) {
+    what += dt::io::sha256_file(c.source) + "|frames";
+    for (const auto k : c.file_frames) what += " " + std::to_string(k);
+  } else {
+    for (const auto& f : c.frames) what += dt::io::sha256_file(f) + " ";
+  }
+  what += "|" + (s.video_resolution_buckets.empty() ? s.frame_sampling : std::string("bucket")) +
+          "|" + c.shape().str() + (flip ? "|flip" : "");
+  return dt::io::sha256_hex(what);
 }
 
 }  // namespace

@@ -8,8 +8,9 @@ H.264 MP4 files in the SAT fine-tuning guide's layout (videos/ + labels/).
                 embedding, a VAE with invert_scale_latents), DPM;
     cog_i2v     CogVideoXImageToVideoPipeline of 1.0 (5B-I2V's learned position table beside
                 rotary positions), DDIM;
-    clips/      four clips of 24 frames at 10 fps, 48×40 (wider than the 32×32 trained, so SAT's
-                crop matters), a Fashion-MNIST item sliding left or right;
+    clips/      four clips at 10 fps, a Fashion-MNIST item sliding left or right: two of 24
+                frames at 48×40 (wider than the 32×32 trained, so SAT's crop matters) and two of
+                14 frames at 32×40 (taller), so video buckets have two shapes to sort them into;
     first.png   a 32×32 first frame for the image-to-video validation.
 
     make_cogvideox_video_data.py OUT GOLDEN_DIR FASHION_MNIST_DIR
@@ -52,11 +53,12 @@ def write_pipeline(root, golden, seed, *, i2v, v15, dpm, learned=False):
          scheduler=scheduler).save_pretrained(root)
 
 
-def frame(image, k, t):
+def frame(image, k, t, width=48):
     """Frame t of clip k: the item sliding right (even k) or left (odd k) over a tinted canvas."""
-    canvas = np.zeros((40, 48), np.uint8)
+    canvas = np.zeros((40, width), np.uint8)
     step = t // 2
-    x = min(max(step if k % 2 == 0 else 20 - step, 0), 20)
+    room = width - 28
+    x = min(max(step if k % 2 == 0 else room - step, 0), room)
     canvas[6:34, x:x + 28] = image
     return np.stack([canvas, canvas // 2 + 40, 255 - canvas], -1)
 
@@ -66,12 +68,13 @@ def write_clips(root: pathlib.Path, fmnist: pathlib.Path):
     (root / "videos").mkdir(parents=True)
     (root / "labels").mkdir()
     for k, (image, label) in enumerate(t2i.fashion_mnist(fmnist, 2)[:4]):
+        width, frames = (48, 24) if k < 2 else (32, 14)
         with av.open(str(root / "videos" / f"{k}.mp4"), "w") as out:
             s = out.add_stream("libx264", rate=10)
-            s.width, s.height, s.pix_fmt = 48, 40, "yuv420p"
+            s.width, s.height, s.pix_fmt = width, 40, "yuv420p"
             s.options = {"crf": "12"}
-            for t in range(24):
-                f = av.VideoFrame.from_ndarray(frame(image, k, t), format="rgb24")
+            for t in range(frames):
+                f = av.VideoFrame.from_ndarray(frame(image, k, t, width), format="rgb24")
                 for p in s.encode(f):
                     out.mux(p)
             for p in s.encode():

@@ -11,6 +11,8 @@ several containers, codecs, bit depths and chroma layouts, and every frame as Py
                                   SFTDataset choose them, over a sweep of clip lengths, frame
                                   rates, windows and skips
     video/sat_crops.safetensors   resize_for_rectangle_crop(center) of the H.264 clip's frames
+    video_buckets.json            finetrainers' video bucket choice (frames, size, frame indices)
+                                  over clip lengths, sizes, bucket lists and frame limits
 """
 import json
 import math
@@ -145,6 +147,33 @@ def sat_indices(count, actual_fps, fps, max_num_frames, skip):
     return idx[:max_num_frames]
 
 
+def finetrainers_bucket(count, height, width, buckets, max_num_frames):
+    """finetrainers' VideoDatasetWithResizing._preprocess_video: the frame bucket, the frame
+    indices and the nearest resolution."""
+    filtered = [res for res in buckets if res[0] <= count]
+    nearest_frames = min(filtered, key=lambda x: abs(x[0] - min(count, max_num_frames)),
+                         default=[1])[0]
+    indices = list(range(0, count, count // nearest_frames))[:nearest_frames]
+    nearest = min(buckets, key=lambda x: abs(x[1] - height) + abs(x[2] - width))
+    return [nearest_frames, nearest[1], nearest[2]], indices
+
+
+def bucket_sweep():
+    lists = [[(49, 480, 720)],
+             [(49, 480, 720), (49, 720, 480), (17, 480, 720), (33, 512, 512)],
+             [(9, 32, 32), (13, 32, 48), (5, 48, 32), (9, 64, 64)],
+             [(81, 768, 1360), (49, 768, 1360), (17, 768, 1360), (49, 1360, 768)]]
+    cases = []
+    for buckets in lists:
+        for count in [1, 4, 5, 9, 12, 13, 17, 30, 49, 50, 100, 240]:
+            for h, w in [(32, 32), (40, 48), (480, 720), (720, 480), (1080, 1920), (500, 500)]:
+                for m in [9, 49, 81]:
+                    shape, idx = finetrainers_bucket(count, h, w, buckets, m)
+                    cases.append({"buckets": buckets, "count": count, "height": h, "width": w,
+                                  "max_num_frames": m, "shape": shape, "frames": idx})
+    return cases
+
+
 def sampling_sweep():
     cases = []
     for count in [1, 2, 3, 4, 5, 8, 9, 12, 13, 17, 25, 48, 49, 50, 51, 60, 97, 98, 100, 147, 150,
@@ -203,6 +232,7 @@ def generate(out: pathlib.Path):
     save_file({"frames": np.ascontiguousarray(vfr)}, str(folder / "vfr_frames.safetensors"))
     (out / "video_vfr.json").write_text(json.dumps({"times": stamps, "average_rate": rate}))
     (out / "video_sampling.json").write_text(json.dumps(sampling_sweep()))
+    (out / "video_buckets.json").write_text(json.dumps(bucket_sweep()))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 // RGB frames; chosen frames equal the same frames of the whole clip; the probe counts frames
 // without decoding; MP4 out (H.264) reads back close to what was written, upright by its display
 // matrix; a missing, garbage, truncated or audio-only file is a typed error naming it.
+#include <difftrain/data/video_buckets.hpp>
 #include <difftrain/data/video_file.hpp>
 #include <difftrain/data/video_sampling.hpp>
 #include <difftrain/io/remove_tree.hpp>
@@ -266,4 +267,43 @@ TEST(Video, WritesLoopingGifsInOnePaletteThatReadBackClose) {
   data::write_video(dir / "flat.gif", flat, {.fps = 4});
   EXPECT_TRUE(at::equal(data::read_video(dir / "flat.gif").pixels, flat));
   dt::io::remove_tree(dir);
+}
+
+TEST(VideoSampling, VideoBucketsAreFinetrainersChoiceOverASweep) {
+  // finetrainers' VideoDatasetWithResizing (tests/reference/ref_video.py): the frame bucket, the
+  // frame indices and the nearest size, for 864 clips over four bucket lists.
+  const auto& g = tst::golden("video_buckets.json");
+  int checked = 0;
+  for (const auto& c : g) {
+    std::vector<data::VideoShape> buckets;
+    for (const auto& b : c["buckets"])
+      buckets.push_back(
+          {b[0].get<std::int64_t>(), b[1].get<std::int64_t>(), b[2].get<std::int64_t>()});
+    const auto got = data::choose_video_bucket(
+        c["count"].get<std::int64_t>(), c["height"].get<std::int64_t>(),
+        c["width"].get<std::int64_t>(), buckets, c["max_num_frames"].get<std::int64_t>());
+    const auto shape = c["shape"].get<std::vector<std::int64_t>>();
+    EXPECT_EQ(got.shape, (data::VideoShape{shape[0], shape[1], shape[2]})) << c.dump();
+    EXPECT_EQ(got.frames, c["frames"].get<std::vector<std::int64_t>>()) << c.dump();
+    ++checked;
+  }
+  EXPECT_EQ(checked, 864);
+  // The strings finetrainers takes, and mistakes in them.
+  EXPECT_EQ(data::parse_video_buckets({"49x480x720", "17x32x48"}),
+            (std::vector<data::VideoShape>{{49, 480, 720}, {17, 32, 48}}));
+  for (const std::string bad :
+       {"49x480", "49x480x720x1", "ax480x720", "0x480x720", "49x-1x720", ""})
+    expect_error<dt::ConfigError>([&] { (void)data::parse_video_buckets({bad}); }, "FRAMES");
+  // Batches hold one shape; the order is the seed's and the epoch's.
+  const std::vector<data::VideoShape> shapes{{9, 32, 32}, {5, 32, 32}, {9, 32, 32},
+                                             {9, 32, 48}, {5, 32, 32}, {9, 32, 32}};
+  const auto batches = data::video_bucket_batches(shapes, 2, 7, 0);
+  std::size_t seen = 0;
+  for (const auto& b : batches) {
+    for (const auto i : b) EXPECT_EQ(shapes[i], shapes[b[0]]);
+    seen += b.size();
+  }
+  EXPECT_EQ(seen, shapes.size());
+  EXPECT_EQ(batches, data::video_bucket_batches(shapes, 2, 7, 0));
+  EXPECT_NE(data::describe_video_buckets(shapes).find("9x32x32: 3 clips"), std::string::npos);
 }
