@@ -37,8 +37,8 @@ finish() {  # waits for the oldest running target, prints its summary, remembers
   tail -n "$lines" "build/fuzz/logs/$name.log"
 }
 failed=()
-for target in safetensors torch_file embedded_png image; do
-  # image: built where the data layer's decoders are installed
+for target in safetensors torch_file embedded_png image video; do
+  # image, video: built where the data layer's decoders (and FFmpeg) are installed
   [ -x "build/fuzz/tests/fuzz/fuzz_$target" ] || continue
   found=build/fuzz/found/$target
   mkdir -p "$found"

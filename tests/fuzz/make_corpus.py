@@ -260,13 +260,67 @@ def image_cases():
                 for f in sorted((root / kind).iterdir()) if f.stat().st_size <= 65536}
 
 
+def video_cases():
+    """The video reader's inputs: small clips in each container and codec ref_video.py writes (and
+    a GIF, a variable-frame-rate MP4, an audio-only file), then hostile ones: truncated, garbage
+    after a real header, a zeroed middle, a GIF declaring 65535 x 65535 frames (an MP4 container
+    saying so, which the decoder overrules), a clip longer than the target's frame limit, nothing."""
+    import tempfile
+    import av
+    import numpy as np
+    import ref_video
+    with tempfile.TemporaryDirectory() as tmp:
+        root = pathlib.Path(tmp)
+        out = {}
+        for name, (fmt, codec, pix, w, h, n, fps) in ref_video.CLIPS.items():
+            ref_video.write_clip(root / name, fmt, codec, pix, w, h, n, fps)
+            out[f"good_{name}"] = (root / name).read_bytes()
+        ref_video.write_vfr(root / "vfr.mp4")
+        out["good_vfr.mp4"] = (root / "vfr.mp4").read_bytes()
+        ref_video.write_audio_only(root / "audio.m4a")
+        out["bad_audio_only.m4a"] = (root / "audio.m4a").read_bytes()
+        with av.open(str(root / "clip.gif"), "w", format="gif") as f:
+            s = f.add_stream("gif", rate=5)
+            s.width, s.height, s.pix_fmt = 16, 12, "rgb8"
+            for t in range(4):
+                frame = av.VideoFrame.from_ndarray(ref_video.picture(t, 16, 12), format="rgb24")
+                for p in s.encode(frame.reformat(format="rgb8")):
+                    f.mux(p)
+            for p in s.encode():
+                f.mux(p)
+        out["good_clip.gif"] = (root / "clip.gif").read_bytes()
+        # 100 frames of 16 x 16: past the fuzz target's limit of 64 frames.
+        ref_video.write_clip(root / "long.mp4", "mp4", "libx264", "yuv420p", 16, 16, 100, 25)
+        out["bad_too_many_frames.mp4"] = (root / "long.mp4").read_bytes()
+    mp4 = out["good_h264_420.mp4"]
+    out["bad_truncated.mp4"] = mp4[: len(mp4) // 2]
+    out["bad_garbage.mp4"] = mp4[:32] + bytes(range(256)) * 4
+    middle = bytearray(mp4)
+    mdat = middle.find(b"mdat")
+    middle[mdat + 64:mdat + 1024] = bytes(len(middle[mdat + 64:mdat + 1024]))
+    out["zeroed_middle.mp4"] = bytes(middle)
+    huge = bytearray(mp4)
+    avc1 = huge.find(b"avc1")
+    huge[avc1 + 28:avc1 + 32] = struct.pack(">HH", 65535, 65535)  # width, height in the sample entry
+    tkhd = huge.find(b"tkhd")
+    huge[tkhd + 80:tkhd + 88] = struct.pack(">II", 65535 << 16, 65535 << 16)  # the track's size
+    out["container_says_huge.mp4"] = bytes(huge)  # the decoder's SPS wins: it decodes at 64x48
+    gif = bytearray(out["good_clip.gif"])
+    gif[6:10] = struct.pack("<HH", 65535, 65535)  # the logical screen: 2^32 pixels a frame
+    out["bad_huge_size.gif"] = bytes(gif)
+    out["bad_empty.mp4"] = b""
+    out["bad_text.webm"] = b"not a video at all\n" * 8
+    return out
+
+
 def main(out):
     out = pathlib.Path(out)
     for folder, cases in [("safetensors", safetensors_cases() | adapter_safetensors_cases()
                            | many_entries_safetensors()),
                           ("torch_file", torch_file_cases() | adapter_torch_cases()),
                           ("embedded_png", png_cases()),
-                          ("image", image_cases())]:
+                          ("image", image_cases()),
+                          ("video", video_cases())]:
         (out / folder).mkdir(parents=True, exist_ok=True)
         for name, data in cases.items():
             (out / folder / name).write_bytes(data)

@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "../fuzz/video_target.hpp"
 #include "golden.hpp"
 
 namespace dt = difftrain;
@@ -306,4 +307,42 @@ TEST(VideoSampling, VideoBucketsAreFinetrainersChoiceOverASweep) {
   EXPECT_EQ(seen, shapes.size());
   EXPECT_EQ(batches, data::video_bucket_batches(shapes, 2, 7, 0));
   EXPECT_NE(data::describe_video_buckets(shapes).find("9x32x32: 3 clips"), std::string::npos);
+}
+
+TEST(VideoFuzzCorpus, EveryKeptInputRunsCleanlyAndHostileOnesSayWhy) {
+  // Every kept input (tests/fuzz/corpus/video, made by tests/fuzz/make_corpus.py) runs through the
+  // fuzz target (typed errors only); the good ones decode under its limits, the bad_ ones are
+  // refused by a typed error naming the file, and a clip with its middle zeroed decodes or says so.
+  const fs::path corpus = fs::path(DIFFTRAIN_FUZZ_CORPUS_DIR) / "video";
+  const data::VideoLimits limits = dt::fuzz::video_limits();
+  std::size_t files = 0, good = 0, refused = 0;
+  for (const auto& f : fs::directory_iterator(corpus)) {
+    const std::vector<char> b = dt::io::read_file(f.path());
+    dt::fuzz::video_input(reinterpret_cast<const std::uint8_t*>(b.data()), b.size());
+    ++files;
+    const std::string name = f.path().filename().string();
+    SCOPED_TRACE(name);
+    try {
+      const data::VideoFrames v = data::read_video(f.path(), {.limits = limits});
+      EXPECT_EQ(name.rfind("bad_", 0), std::string::npos) << "decoded " << v.pixels.sizes();
+      std::printf(
+          "%s: %lld frames of %lldx%lld\n", name.c_str(), static_cast<long long>(v.pixels.size(0)),
+          static_cast<long long>(v.pixels.size(2)), static_cast<long long>(v.pixels.size(1)));
+      good += name.rfind("good_", 0) == 0 ? 1 : 0;
+    } catch (const dt::Error& e) {
+      EXPECT_EQ(name.rfind("good_", 0), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(name), std::string::npos) << e.what();
+      refused += name.rfind("bad_", 0) == 0 ? 1 : 0;
+      std::printf("%s: %s\n", name.c_str(), e.what());
+    }
+  }
+  EXPECT_GE(files, 14U);
+  EXPECT_EQ(good, 6U);
+  EXPECT_GE(refused, 7U);
+  // What the limits say, for the two that stand for a 100,000-frame and a 2^31-pixel file.
+  expect_error<dt::FormatError>([&] { (void)data::probe_video(corpus / "bad_huge_size.gif"); },
+                                "frame size");
+  expect_error<dt::FormatError>(
+      [&] { (void)data::probe_video(corpus / "bad_too_many_frames.mp4", limits); },
+      "more than 64 frames");
 }

@@ -161,8 +161,12 @@ inline Input open(const std::filesystem::path& path, const VideoLimits& limits) 
                       where);
   in.decoder = decoder;
   const AVCodecParameters* par = raw->streams[in.stream]->codecpar;
-  if (par->width <= 0 || par->height <= 0 ||
-      static_cast<std::int64_t>(par->width) * par->height > limits.max_pixels)
+  if (par->width <= 0 || par->height <= 0)
+    throw FormatError("declares no usable frame size (" + std::to_string(par->width) + "x" +
+                          std::to_string(par->height) +
+                          "; FFmpeg refuses a header it cannot allocate, e.g. 65535x65535)",
+                      where);
+  if (static_cast<std::int64_t>(par->width) * par->height > limits.max_pixels)
     throw FormatError("declares frames of " + std::to_string(par->width) + "x" +
                           std::to_string(par->height) + " (at most " +
                           std::to_string(limits.max_pixels) + " pixels)",
@@ -264,7 +268,8 @@ inline VideoFrames read_video(const std::filesystem::path& path, const VideoRead
                         where);
     wanted[o.frames[k]].push_back(k);
   }
-  const std::int64_t last = wanted.empty() ? o.limits.max_frames - 1 : wanted.rbegin()->first;
+  // Every frame: decoding goes one past the limit, so a longer file is refused, not cut.
+  const std::int64_t last = wanted.empty() ? o.limits.max_frames : wanted.rbegin()->first;
   std::vector<at::Tensor> out(o.frames.size());
   std::vector<double> out_times(o.frames.size()), all_times;
   std::vector<at::Tensor> all;
