@@ -310,6 +310,11 @@ def video_cases():
     out["bad_huge_size.gif"] = bytes(gif)
     out["bad_empty.mp4"] = b""
     out["bad_text.webm"] = b"not a video at all\n" * 8
+    # What the fuzzer found: a Matroska stream whose frames change size midway (the frames did not
+    # stack). Kept as it was found.
+    found = pathlib.Path(__file__).parent / "corpus" / "video" / "bad_size_change.mkv"
+    if found.exists():
+        out["bad_size_change.mkv"] = found.read_bytes()
     return out
 
 

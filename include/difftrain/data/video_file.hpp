@@ -280,6 +280,7 @@ inline VideoFrames read_video(const std::filesystem::path& path, const VideoRead
   std::int64_t index = 0;
   bool done = false;
   const int deg = o.apply_rotation ? in.rotation : 0;
+  std::pair<int, int> size{0, 0};  // the first kept frame's width and height
   auto take = [&]() {
     const bool keep_all = wanted.empty();
     const auto it = wanted.find(index);
@@ -294,6 +295,16 @@ inline VideoFrames read_video(const std::filesystem::path& path, const VideoRead
       sws_scale(sws.get(), frame->data, frame->linesize, 0, frame->height, dst, stride);
       at::Tensor rgb = buffer.narrow(1, 0, row).reshape({frame->height, frame->width, 3});
       rgb = rotated(rgb, deg);
+      // A stream may change size midway (Matroska allows it); the frames must stack.
+      if (size.first == 0) {
+        size = {frame->width, frame->height};
+      } else if (size != std::make_pair(frame->width, frame->height)) {
+        throw FormatError("changes its frame size at frame " + std::to_string(index) + " (" +
+                              std::to_string(size.first) + "x" + std::to_string(size.second) +
+                              " to " + std::to_string(frame->width) + "x" +
+                              std::to_string(frame->height) + ")",
+                          where);
+      }
       const std::int64_t pts = frame->best_effort_timestamp;
       const double seconds = pts == AV_NOPTS_VALUE ? std::nan("") : av_q2d(time_base) * pts;
       if (keep_all) {
