@@ -113,16 +113,6 @@ void check_frame_sampling(const Settings& s) {
         "--skip_frames_end " + std::to_string(s.skip_frames_end));
 }
 
-bool is_video_file_name(const fs::path& p) {
-#if defined(DIFFTRAIN_HAS_VIDEO)
-  return data::is_video_name(p);
-#else
-  std::string e = p.extension().string();
-  std::transform(e.begin(), e.end(), e.begin(), [](unsigned char c) { return std::tolower(c); });
-  return e == ".mp4" || e == ".mov" || e == ".m4v" || e == ".webm" || e == ".mkv" || e == ".avi";
-#endif
-}
-
 /// `source` as a clip: its frames, chosen as diffusers chooses them. `where` names it in errors.
 VideoClip clip_of(const fs::path& source, std::string caption, const Settings& s,
                   const std::vector<data::VideoShape>& buckets, const std::string& where) {
@@ -151,7 +141,7 @@ VideoClip clip_of(const fs::path& source, std::string caption, const Settings& s
       height = first.size(0);
       width = first.size(1);
     }
-  } else if (fs::is_regular_file(source) && is_video_file_name(source)) {
+  } else if (fs::is_regular_file(source) && data::is_video_name(source)) {
 #if defined(DIFFTRAIN_HAS_VIDEO)
     const data::VideoInfo info = data::probe_video(source);
     count = info.frames;
@@ -209,7 +199,7 @@ std::vector<VideoClip> scan_videos(const Settings& s,
     std::vector<fs::path> beside;  // videos with a caption file beside them
     if (!columns)
       for (const auto& e : fs::directory_iterator(root))
-        if (e.is_regular_file() && is_video_file_name(e.path()) &&
+        if (e.is_regular_file() && data::is_video_name(e.path()) &&
             fs::is_regular_file(fs::path(e.path()).replace_extension(".txt")))
           beside.push_back(e.path());
     if (!columns && beside.empty())
@@ -241,7 +231,7 @@ std::vector<VideoClip> scan_videos(const Settings& s,
     std::vector<fs::path> videos;
     for (const auto& e : fs::directory_iterator(root / "videos"))
       if ((e.is_regular_file() &&
-           (is_video_file_name(e.path()) || data::is_image_name(e.path()))) ||
+           (data::is_video_name(e.path()) || data::is_image_name(e.path()))) ||
           e.is_directory())
         videos.push_back(e.path());
     std::sort(videos.begin(), videos.end());

