@@ -19,9 +19,11 @@ grep_in "$work/lr.err" "--lr"
 [ -e "$work/bad" ] && fail "a refused run left an output folder"
 
 # One intra-op thread: CTest runs two tests at a time on two cores. The program's defaults (1,400
-# steps of 32 clips) for text-to-video; image-to-video learns to keep its first frame sooner.
-expect_rc 0 t2v -- "$bin" --threads 1 --min_accuracy 0.8 --output_dir "$work/t2v"
-expect_rc 0 i2v -- "$bin" --steps 600 --threads 1 --image_to_video --output_dir "$work/i2v"
+# steps of 32 clips) for text-to-video; image-to-video learns to keep its first frame sooner, and
+# 300 steps show it (docs/results.md has longer runs).
+expect_rc 0 t2v -- "$bin" --threads 1 --classifier_steps 200 --min_accuracy 0.8 --output_dir "$work/t2v"
+expect_rc 0 i2v -- "$bin" --steps 300 --threads 1 --classifier_steps 200 --image_to_video \
+  --output_dir "$work/i2v"
 
 "$py" - "$work" >"$work/python.out" 2>&1 <<'PY' || { cat "$work/python.out"; fail "Python checks"; }
 import json, pathlib, sys
@@ -40,7 +42,7 @@ for run in ("t2v", "i2v"):
 r = json.loads((work / "t2v" / "results.json").read_text())
 assert r["direction_accuracy"] >= 0.8, r["direction_accuracy"]
 i = json.loads((work / "i2v" / "results.json").read_text())
-assert i["first_frame_psnr"] >= 18, i["first_frame_psnr"]
+assert i["first_frame_psnr"] >= 15, i["first_frame_psnr"]
 print(f"image-to-video: first frames at {i['first_frame_psnr']:.1f} dB PSNR against the given ones, "
       f"directions {100 * i['direction_accuracy']:.1f} % right")
 PY
