@@ -422,7 +422,10 @@ at::Tensor validation_videos(CogPipeline& p, const Settings& s, const data::Vide
     std::vector<at::Tensor> zs;
     for (std::int64_t k = 0; k < n; ++k) {
       const at::Tensor image = first_frames[static_cast<std::size_t>(k / s.num_validation_images)];
-      at::Tensor z = p.vae->encode(image.unsqueeze(0).unsqueeze(2).to(device)).sample(gen);
+      // Drawn on the CPU from the CPU generator and moved, as diffusers' randn_tensor does.
+      const auto d = p.vae->encode(image.unsqueeze(0).unsqueeze(2).to(device));
+      at::Tensor z =
+          d.mean + d.std * at::randn(d.mean.sizes(), gen, at::kFloat).to(d.mean.options());
       z = p.vae->image_latents_scaled(z).permute({0, 2, 1, 3, 4});
       zs.push_back(at::cat({z, at::zeros({1, padded - 1, c, h, w}, z.options())}, 1));
     }
