@@ -112,7 +112,7 @@ CogPipeline load_cogvideox_pipeline(const std::string& model, const std::string&
     throw ConfigError(std::string("is a ") +
                           (i2v_pipeline ? "CogVideoXImageToVideoPipeline" : "CogVideoXPipeline") +
                           " whose transformer takes " + std::to_string(tc.in_channels) +
-                          " channels, a " + (p.i2v ? "image" : "text") + "-to-video model's",
+                          " channels, " + (p.i2v ? "an image" : "a text") + "-to-video model's",
                       index_file.string());
   if (tc.text_embed_dim != p.text_encoder->config().d_model)
     throw ConfigError("reads text of width " + std::to_string(tc.text_embed_dim) + ", T5 writes " +
@@ -218,7 +218,7 @@ class VideoBatchStream {
     for (std::size_t i = 0; i < clips_.size(); ++i)
       for (const bool flip : {false, true}) {
         if (flip && !s_.random_flip) continue;
-        if (!latent_cache_->contains(clip_cache_key(clips_[i], s_, flip))) ++encoded;
+        if (!latent_cache_->contains(cache_key(i, flip))) ++encoded;
         (void)posterior(i, flip);
       }
     if (text_cache_) {
@@ -295,7 +295,7 @@ class VideoBatchStream {
   Encoded posterior(std::size_t i, bool flip) {
     std::string key;
     if (latent_cache_) {
-      key = clip_cache_key(clips_[i], s_, flip);
+      key = cache_key(i, flip);
       if (latent_cache_->contains(key)) {
         const auto e = latent_cache_->get(key);
         return {e.at("mean").unsqueeze(0).to(device_), e.at("std").unsqueeze(0).to(device_),
@@ -316,6 +316,12 @@ class VideoBatchStream {
       return posterior(i, flip);  // as a cached run reads it, so both runs train alike
     }
     return posteriors_.emplace(std::make_pair(i, flip), e).first->second;
+  }
+  /// Clip `i`'s latent cache key: its source is read and hashed once, not at every step.
+  const std::string& cache_key(std::size_t i, bool flip) {
+    auto [it, fresh] = cache_keys_.try_emplace(std::make_pair(i, flip));
+    if (fresh) it->second = clip_cache_key(clips_[i], s_, flip);
+    return it->second;
   }
   data::TensorCache::Entry text_entry(const std::vector<std::string>& texts) {
     at::NoGradGuard no_grad;
@@ -354,6 +360,7 @@ class VideoBatchStream {
   std::map<std::pair<std::size_t, bool>, Encoded> posteriors_;
   std::map<std::string, at::Tensor> text_;
   std::optional<data::TensorCache> latent_cache_, text_cache_;
+  std::map<std::pair<std::size_t, bool>, std::string> cache_keys_;
 };
 
 /// The first frame of each validation video of an image-to-video run, (3, height, width) in

@@ -128,19 +128,9 @@ VideoClip clip_of(const fs::path& source, std::string caption, const Settings& s
     if (c.frames.empty())
       throw ConfigError("names " + source.string() + ", a folder without frames", where);
     count = static_cast<std::int64_t>(c.frames.size());
-    if (!buckets.empty()) {
-      const at::Tensor first = data::read_image(c.frames.front()).pixels;
-      height = first.size(0);
-      width = first.size(1);
-    }
   } else if (fs::is_regular_file(source) && data::is_image_name(source)) {
     c.frames.push_back(source);
     count = 1;
-    if (!buckets.empty()) {
-      const at::Tensor first = data::read_image(source).pixels;
-      height = first.size(0);
-      width = first.size(1);
-    }
   } else if (fs::is_regular_file(source) && data::is_video_name(source)) {
 #if defined(DIFFTRAIN_HAS_VIDEO)
     const data::VideoInfo info = data::probe_video(source);
@@ -161,6 +151,11 @@ VideoClip clip_of(const fs::path& source, std::string caption, const Settings& s
     throw ConfigError(
         "names " + source.string() + ", which is not a video file, a folder of frames or an image",
         where);
+  }
+  if (!file && !buckets.empty()) {  // a folder's (or one image's) size is its first frame's
+    const at::Tensor first = data::read_image(c.frames.front()).pixels;
+    height = first.size(0);
+    width = first.size(1);
   }
   std::vector<std::int64_t> chosen;
   if (buckets.empty()) {

@@ -331,7 +331,11 @@ int run(const Settings& s) {
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
 
   // Samples for the held-out captions (and first frames), judged.
-  const Clips asked = make_clips(s.samples, s.seed + 77);
+  // The first of the held-out clips (their captions and first frames): the same draws, not redone.
+  const Clips asked{
+      held_out.videos.narrow(0, 0, s.samples), held_out.words.narrow(0, 0, s.samples),
+      held_out.directions.narrow(0, 0, s.samples),
+      std::vector<std::string>(held_out.captions.begin(), held_out.captions.begin() + s.samples)};
   const auto t2 = std::chrono::steady_clock::now();
   const at::Tensor condition = first_frame_condition(asked.videos);
   const at::Tensor clips =
