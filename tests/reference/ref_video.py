@@ -26,6 +26,7 @@ CLIPS = {
     "hevc_10bit.mkv": ("matroska", "libx265", "yuv420p10le", 32, 32, 6, 12),
     "vp9_444_odd.webm": ("webm", "libvpx-vp9", "yuv444p", 33, 27, 6, 10),
     "mpeg4.avi": ("avi", "mpeg4", "yuv420p", 32, 24, 5, 5),
+    "av1.mp4": ("mp4", "libsvtav1", "yuv420p", 48, 40, 6, 8),
 }
 
 
@@ -41,7 +42,9 @@ def picture(t, w, h):
 
 
 def write_clip(path, fmt, codec, pix_fmt, w, h, frames, fps):
+    import os
     import av
+    os.environ.setdefault("SVT_LOG", "1")  # SVT-AV1's banner and warnings: errors only
     with av.open(str(path), "w", format=fmt) as out:
         s = out.add_stream(codec, rate=fps)
         s.width, s.height, s.pix_fmt = w, h, pix_fmt
@@ -49,6 +52,8 @@ def write_clip(path, fmt, codec, pix_fmt, w, h, frames, fps):
             s.options = {"crf": "18"}
         if codec == "libx265":
             s.options = {"x265-params": "log-level=error"}
+        if codec == "libsvtav1":
+            s.options = {"crf": "20"}
         for t in range(frames):
             f = av.VideoFrame.from_ndarray(picture(t, w, h), format="rgb24")
             for p in s.encode(f):

@@ -64,6 +64,10 @@ struct VideoReadOptions {
   /// Turn frames upright by the file's display matrix (phones' portrait clips), as ffmpeg's
   /// command line does; torchvision, decord and PyAV return the stored orientation.
   bool apply_rotation = true;
+  /// Decoder threads. 1 decodes in the calling thread, what a loader reading one clip per worker
+  /// wants: at training sizes FFmpeg's frame threads cost more to start and hand frames between
+  /// than they save (video_reader_vs_pyav). 0: FFmpeg's choice, for one long high-resolution clip.
+  int threads = 1;
   VideoLimits limits{};
 };
 
@@ -169,37 +173,49 @@ inline Input open(const std::filesystem::path& path, const VideoLimits& limits) 
   return in;
 }
 
-/// PyAV's to_ndarray("rgb24") conversion: bilinear, the frame's colorspace and range.
-inline SwsContext* rgb_converter(SwsContext* ctx, const AVFrame* f) {
-  // FFmpeg 5.1's x86 YUV-to-RGB kernels overrun rows whose width is not a multiple of 16; the
-  // accurate path (C) converts those instead.
-  const int flags = SWS_BILINEAR | (f->width % 16 != 0 ? SWS_ACCURATE_RND : 0);
-  SwsContext* s =
-      sws_getCachedContext(ctx, f->width, f->height, static_cast<AVPixelFormat>(f->format),
-                           f->width, f->height, AV_PIX_FMT_RGB24, flags, nullptr, nullptr, nullptr);
-  if (s == nullptr) return nullptr;
-  int cs = SWS_CS_DEFAULT;
-  switch (f->colorspace) {
-    case AVCOL_SPC_BT709:
-      cs = SWS_CS_ITU709;
-      break;
-    case AVCOL_SPC_FCC:
-      cs = SWS_CS_FCC;
-      break;
-    case AVCOL_SPC_SMPTE240M:
-      cs = SWS_CS_SMPTE240M;
-      break;
-    case AVCOL_SPC_BT2020_NCL:
-    case AVCOL_SPC_BT2020_CL:
-      cs = SWS_CS_BT2020;
-      break;
-    default:
-      break;
+/// PyAV's to_ndarray("rgb24") conversion: bilinear, the frame's colorspace and range. The
+/// context is made again only when the frame's size, format, colorspace or range changes (setting
+/// the colorspace rebuilds swscale's tables, a cost per frame otherwise).
+struct RgbConverter {
+  Sws sws;
+  std::array<int, 5> made_for{-1, -1, -1, -1, -1};  // width, height, format, colorspace, range
+
+  SwsContext* operator()(const AVFrame* f) {
+    const std::array<int, 5> key{f->width, f->height, f->format, static_cast<int>(f->colorspace),
+                                 static_cast<int>(f->color_range)};
+    if (sws && key == made_for) return sws.get();
+    // FFmpeg 5.1's x86 YUV-to-RGB kernels overrun rows whose width is not a multiple of 16; the
+    // accurate path (C) converts those instead.
+    const int flags = SWS_BILINEAR | (f->width % 16 != 0 ? SWS_ACCURATE_RND : 0);
+    sws.reset(sws_getCachedContext(sws.release(), f->width, f->height,
+                                   static_cast<AVPixelFormat>(f->format), f->width, f->height,
+                                   AV_PIX_FMT_RGB24, flags, nullptr, nullptr, nullptr));
+    if (!sws) return nullptr;
+    int cs = SWS_CS_DEFAULT;
+    switch (f->colorspace) {
+      case AVCOL_SPC_BT709:
+        cs = SWS_CS_ITU709;
+        break;
+      case AVCOL_SPC_FCC:
+        cs = SWS_CS_FCC;
+        break;
+      case AVCOL_SPC_SMPTE240M:
+        cs = SWS_CS_SMPTE240M;
+        break;
+      case AVCOL_SPC_BT2020_NCL:
+      case AVCOL_SPC_BT2020_CL:
+        cs = SWS_CS_BT2020;
+        break;
+      default:
+        break;
+    }
+    sws_setColorspaceDetails(sws.get(), sws_getCoefficients(cs),
+                             f->color_range == AVCOL_RANGE_JPEG ? 1 : 0,
+                             sws_getCoefficients(SWS_CS_DEFAULT), 1, 0, 1 << 16, 1 << 16);
+    made_for = key;
+    return sws.get();
   }
-  sws_setColorspaceDetails(s, sws_getCoefficients(cs), f->color_range == AVCOL_RANGE_JPEG ? 1 : 0,
-                           sws_getCoefficients(SWS_CS_DEFAULT), 1, 0, 1 << 16, 1 << 16);
-  return s;
-}
+};
 
 /// A (H, W, 3) frame turned `deg` degrees clockwise.
 inline at::Tensor rotated(const at::Tensor& hwc, int deg) {
@@ -221,6 +237,92 @@ inline VideoInfo stream_info(const Input& in) {
   info.codec = in.decoder->name;
   return info;
 }
+
+/// The kept frames, decoded straight into one (T, H, W, 3) tensor: no frame is allocated or
+/// stacked on its own, and no copy goes through ATen's thread pool (whose spinning workers take
+/// a core from the decoder). Without a frame count to size it by, it doubles as frames arrive.
+class FrameStore {
+ public:
+  /// Room for `slots` frames; `grows`: more may arrive (every frame of the file is kept).
+  FrameStore(std::int64_t slots, bool grows)
+      : slots_(std::max<std::int64_t>(slots, 1)), grows_(grows) {}
+
+  /// Converts `f` (turned `deg` degrees) into slot `k`, making room first when it grows.
+  void put(std::int64_t k, const AVFrame* f, int deg, RgbConverter& convert,
+           const std::string& where) {
+    SwsContext* sws = convert(f);
+    if (sws == nullptr) throw FormatError("has frames swscale cannot convert to RGB", where);
+    const bool sideways = deg == 90 || deg == 270;
+    const std::int64_t h = sideways ? f->width : f->height, w = sideways ? f->height : f->width;
+    if (!pixels_.defined()) {
+      // At most 1 GiB up front: a header's frame count is not trusted with memory.
+      const std::int64_t frame_bytes = h * w * 3;
+      if (grows_)
+        slots_ = std::clamp<std::int64_t>(slots_, 1,
+                                          std::max<std::int64_t>(1, (1LL << 30) / frame_bytes));
+      pixels_ = at::empty({slots_, h, w, 3}, at::kByte);
+    } else if (h != pixels_.size(1) || w != pixels_.size(2)) {
+      throw FormatError("changes its frame size at frame " + std::to_string(k) + " (" +
+                            std::to_string(pixels_.size(2)) + "x" +
+                            std::to_string(pixels_.size(1)) + " to " + std::to_string(w) + "x" +
+                            std::to_string(h) + ")",
+                        where);
+    }
+    if (k >= slots_) grow(k + 1);
+    std::uint8_t* slot = pixels_.data_ptr<std::uint8_t>() + k * h * w * 3;
+    // swscale's SIMD converters write whole 64-byte vectors: a row of such a length goes straight
+    // into its slot; any other row goes through a padded scratch frame and is cut after.
+    const int row = 3 * f->width, padded = (row + 63) / 64 * 64;
+    if (deg == 0 && row == padded) {
+      std::uint8_t* dst[1] = {slot};
+      const int stride[1] = {row};
+      sws_scale(sws, f->data, f->linesize, 0, f->height, dst, stride);
+      return;
+    }
+    scratch_.resize(static_cast<std::size_t>(padded) * f->height + 64);
+    auto* aligned = reinterpret_cast<std::uint8_t*>(
+        (reinterpret_cast<std::uintptr_t>(scratch_.data()) + 63) & ~std::uintptr_t{63});
+    std::uint8_t* dst[1] = {aligned};
+    const int stride[1] = {padded};
+    sws_scale(sws, f->data, f->linesize, 0, f->height, dst, stride);
+    if (deg == 0) {
+      for (int y = 0; y < f->height; ++y)
+        std::memcpy(slot + static_cast<std::ptrdiff_t>(y) * row, aligned + y * padded, row);
+      return;
+    }
+    const at::Tensor stored = at::from_blob(aligned, {f->height, f->width, 3}, {padded, 3, 1},
+                                            at::TensorOptions(at::kByte));
+    pixels_[k].copy_(rotated(stored, deg));
+  }
+
+  /// Slot `from`'s frame into slot `to` (a frame asked for twice).
+  void repeat(std::int64_t from, std::int64_t to) {
+    const std::int64_t bytes = pixels_.size(1) * pixels_.size(2) * 3;
+    std::uint8_t* base = pixels_.data_ptr<std::uint8_t>();
+    std::memcpy(base + to * bytes, base + from * bytes, static_cast<std::size_t>(bytes));
+  }
+
+  /// The first `count` frames, holding no memory beyond them.
+  at::Tensor take(std::int64_t count) {
+    if (count == pixels_.size(0)) return std::move(pixels_);
+    return pixels_.narrow(0, 0, count).clone();
+  }
+
+ private:
+  void grow(std::int64_t need) {
+    std::int64_t slots = slots_;
+    while (slots < need) slots *= 2;
+    at::Tensor bigger = at::empty({slots, pixels_.size(1), pixels_.size(2), 3}, at::kByte);
+    std::memcpy(bigger.data_ptr(), pixels_.data_ptr(), static_cast<std::size_t>(pixels_.nbytes()));
+    pixels_ = std::move(bigger);
+    slots_ = slots;
+  }
+
+  std::int64_t slots_;
+  bool grows_;
+  at::Tensor pixels_;
+  std::vector<std::uint8_t> scratch_;
+};
 
 }  // namespace video_detail
 
@@ -247,68 +349,56 @@ inline VideoFrames read_video(const std::filesystem::path& path, const VideoRead
   Input in = open(path, o.limits);
   Codec codec(avcodec_alloc_context3(in.decoder));
   if (!codec) throw FormatError("could not make a decoder", where);
-  avcodec_parameters_to_context(codec.get(), in.format->streams[in.stream]->codecpar);
-  codec->thread_count = 0;  // FFmpeg's choice
+  const AVStream* stream = in.format->streams[in.stream];
+  avcodec_parameters_to_context(codec.get(), stream->codecpar);
+  if (o.threads < 0)
+    throw ConfigError(
+        "decoder threads must be 0 (FFmpeg's choice) or more, not " + std::to_string(o.threads),
+        where);
+  codec->thread_count = o.threads;
   if (const int r = avcodec_open2(codec.get(), in.decoder, nullptr); r < 0)
     throw FormatError(
         "could not open its " + std::string(in.decoder->name) + " decoder (" + av_message(r) + ")",
         where);
   // Which output slots each decoded frame fills.
-  std::map<std::int64_t, std::vector<std::size_t>> wanted;
+  std::map<std::int64_t, std::vector<std::int64_t>> wanted;
   for (std::size_t k = 0; k < o.frames.size(); ++k) {
     if (o.frames[k] < 0 || o.frames[k] >= o.limits.max_frames)
       throw ConfigError("frame " + std::to_string(o.frames[k]) + " is outside [0, " +
                             std::to_string(o.limits.max_frames) + ")",
                         where);
-    wanted[o.frames[k]].push_back(k);
+    wanted[o.frames[k]].push_back(static_cast<std::int64_t>(k));
   }
+  const bool keep_all = wanted.empty();
   // Every frame: decoding goes one past the limit, so a longer file is refused, not cut.
-  const std::int64_t last = wanted.empty() ? o.limits.max_frames : wanted.rbegin()->first;
-  std::vector<at::Tensor> out(o.frames.size());
-  std::vector<double> out_times(o.frames.size()), all_times;
-  std::vector<at::Tensor> all;
-  const AVRational time_base = in.format->streams[in.stream]->time_base;
+  const std::int64_t last = keep_all ? o.limits.max_frames : wanted.rbegin()->first;
+  FrameStore store(keep_all ? (stream->nb_frames > 0 ? stream->nb_frames : 16)
+                            : static_cast<std::int64_t>(o.frames.size()),
+                   keep_all);
+  std::vector<double> times(o.frames.size());
+  const AVRational time_base = stream->time_base;
   Packet pkt(av_packet_alloc());
   Frame frame(av_frame_alloc());
-  Sws sws;
-  std::int64_t index = 0;
+  RgbConverter convert;
+  std::int64_t index = 0, kept = 0;
   bool done = false;
   const int deg = o.apply_rotation ? in.rotation : 0;
-  std::pair<int, int> size{0, 0};  // the first kept frame's width and height
   auto take = [&]() {
-    const bool keep_all = wanted.empty();
     const auto it = wanted.find(index);
     if (keep_all || it != wanted.end()) {
-      sws.reset(rgb_converter(sws.release(), frame.get()));
-      if (!sws) throw FormatError("has frames swscale cannot convert to RGB", where);
-      // swscale's SIMD converters write whole vectors: rows 64-byte aligned, cut after.
-      const int row = 3 * frame->width, padded = (row + 63) / 64 * 64;
-      at::Tensor buffer = at::empty({frame->height, padded}, at::kByte);
-      uint8_t* dst[1] = {buffer.data_ptr<uint8_t>()};
-      const int stride[1] = {padded};
-      sws_scale(sws.get(), frame->data, frame->linesize, 0, frame->height, dst, stride);
-      at::Tensor rgb = buffer.narrow(1, 0, row).reshape({frame->height, frame->width, 3});
-      rgb = rotated(rgb, deg);
-      // A stream may change size midway (Matroska allows it); the frames must stack.
-      if (size.first == 0) {
-        size = {frame->width, frame->height};
-      } else if (size != std::make_pair(frame->width, frame->height)) {
-        throw FormatError("changes its frame size at frame " + std::to_string(index) + " (" +
-                              std::to_string(size.first) + "x" + std::to_string(size.second) +
-                              " to " + std::to_string(frame->width) + "x" +
-                              std::to_string(frame->height) + ")",
-                          where);
-      }
       const std::int64_t pts = frame->best_effort_timestamp;
       const double seconds = pts == AV_NOPTS_VALUE ? std::nan("") : av_q2d(time_base) * pts;
       if (keep_all) {
-        all.push_back(rgb);
-        all_times.push_back(seconds);
+        store.put(kept++, frame.get(), deg, convert, where);
+        times.push_back(seconds);
       } else {
-        for (const std::size_t k : it->second) {
-          out[k] = rgb;
-          out_times[k] = seconds;
+        const std::vector<std::int64_t>& slots = it->second;
+        store.put(slots.front(), frame.get(), deg, convert, where);
+        for (const std::int64_t k : slots) {
+          if (k != slots.front()) store.repeat(slots.front(), k);
+          times[static_cast<std::size_t>(k)] = seconds;
         }
+        kept += static_cast<std::int64_t>(slots.size());
       }
     }
     ++index;
@@ -352,18 +442,15 @@ inline VideoFrames read_video(const std::filesystem::path& path, const VideoRead
   VideoFrames v;
   v.info = stream_info(in);
   v.info.frames = index;
-  if (wanted.empty()) {
-    if (all.empty()) throw FormatError("holds no decodable frame", where);
-    v.pixels = at::stack(all);
-    v.times = std::move(all_times);
-  } else {
-    if (!done)
-      throw FormatError("ends after " + std::to_string(index) + " frames; frame " +
-                            std::to_string(last) + " was asked for (a truncated file?)",
-                        where);
-    v.pixels = at::stack(out);
-    v.times = std::move(out_times);
+  if (keep_all) {
+    if (kept == 0) throw FormatError("holds no decodable frame", where);
+  } else if (!done) {
+    throw FormatError("ends after " + std::to_string(index) + " frames; frame " +
+                          std::to_string(last) + " was asked for (a truncated file?)",
+                      where);
   }
+  v.pixels = store.take(kept);
+  v.times = std::move(times);
   v.info.height = v.pixels.size(1);
   v.info.width = v.pixels.size(2);
   return v;
