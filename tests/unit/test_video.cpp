@@ -389,4 +389,10 @@ TEST(VideoFuzzCorpus, EveryKeptInputRunsCleanlyAndHostileOnesSayWhy) {
   expect_error<dt::FormatError>(
       [&] { (void)data::probe_video(corpus / "bad_too_many_frames.mp4", limits); },
       "more than 64 frames");
+  // A size change names the file's frame, not the output slot it was asked into.
+  expect_error<dt::FormatError>(
+      [&] {
+        (void)data::read_video(corpus / "bad_size_change.mkv", {.frames = {1, 0}});
+      },
+      "changes its frame size at frame 1 (33x27 to 33x26)");
 }

@@ -247,8 +247,9 @@ class FrameStore {
   FrameStore(std::int64_t slots, bool grows)
       : slots_(std::max<std::int64_t>(slots, 1)), grows_(grows) {}
 
-  /// Converts `f` (turned `deg` degrees) into slot `k`, making room first when it grows.
-  void put(std::int64_t k, const AVFrame* f, int deg, RgbConverter& convert,
+  /// Converts `f`, the file's frame `index`, turned `deg` degrees, into slot `k`, making room
+  /// first when it grows.
+  void put(std::int64_t k, std::int64_t index, const AVFrame* f, int deg, RgbConverter& convert,
            const std::string& where) {
     SwsContext* sws = convert(f);
     if (sws == nullptr) throw FormatError("has frames swscale cannot convert to RGB", where);
@@ -262,7 +263,7 @@ class FrameStore {
                                           std::max<std::int64_t>(1, (1LL << 30) / frame_bytes));
       pixels_ = at::empty({slots_, h, w, 3}, at::kByte);
     } else if (h != pixels_.size(1) || w != pixels_.size(2)) {
-      throw FormatError("changes its frame size at frame " + std::to_string(k) + " (" +
+      throw FormatError("changes its frame size at frame " + std::to_string(index) + " (" +
                             std::to_string(pixels_.size(2)) + "x" +
                             std::to_string(pixels_.size(1)) + " to " + std::to_string(w) + "x" +
                             std::to_string(h) + ")",
@@ -389,11 +390,11 @@ inline VideoFrames read_video(const std::filesystem::path& path, const VideoRead
       const std::int64_t pts = frame->best_effort_timestamp;
       const double seconds = pts == AV_NOPTS_VALUE ? std::nan("") : av_q2d(time_base) * pts;
       if (keep_all) {
-        store.put(kept++, frame.get(), deg, convert, where);
+        store.put(kept++, index, frame.get(), deg, convert, where);
         times.push_back(seconds);
       } else {
         const std::vector<std::int64_t>& slots = it->second;
-        store.put(slots.front(), frame.get(), deg, convert, where);
+        store.put(slots.front(), index, frame.get(), deg, convert, where);
         for (const std::int64_t k : slots) {
           if (k != slots.front()) store.repeat(slots.front(), k);
           times[static_cast<std::size_t>(k)] = seconds;
