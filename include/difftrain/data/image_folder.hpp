@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "difftrain/core/error.hpp"
+#include "difftrain/data/file_names.hpp"  // is_image_name
 #include "difftrain/data/image.hpp"
 #include "difftrain/io/json_parse.hpp"
 #include "difftrain/io/read_file.hpp"
@@ -93,21 +94,6 @@ struct ImageFolder {
     return n;
   }
 };
-
-namespace folder_detail {
-
-inline std::string lower(std::string s) {
-  for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return s;
-}
-
-}  // namespace folder_detail
-
-/// Whether `p` names a file the folder scan reads: .jpg, .jpeg, .png or .webp, in any case.
-inline bool is_image_name(const std::filesystem::path& p) {
-  const std::string e = folder_detail::lower(p.extension().string());
-  return e == ".jpg" || e == ".jpeg" || e == ".png" || e == ".webp";
-}
 
 namespace folder_detail {
 

@@ -29,7 +29,6 @@ extern "C" {
 
 #include <algorithm>
 #include <array>
-#include <cctype>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -41,7 +40,7 @@ extern "C" {
 #include <vector>
 
 #include "difftrain/core/error.hpp"
-#include "difftrain/data/video_sampling.hpp"  // is_video_name
+#include "difftrain/data/file_names.hpp"
 
 namespace difftrain::data {
 
@@ -666,10 +665,7 @@ inline std::string write_video(const std::filesystem::path& path, const at::Tens
   if (!(o.fps > 0 && o.fps <= 1000)) throw ConfigError("fps must be in (0, 1000]", where);
   if (o.rotation % 90 != 0) throw ConfigError("rotation must be a multiple of 90", where);
   at::Tensor x = frames.cpu().contiguous();
-  std::string ext = path.extension().string();
-  std::transform(ext.begin(), ext.end(), ext.begin(),
-                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-  if (ext == ".gif") {
+  if (lower_extension(path) == ".gif") {
     quiet_logs();
     return write_gif(path, x, o.fps);
   }

@@ -16,7 +16,6 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
-#include <cctype>
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
@@ -24,19 +23,9 @@
 #include <vector>
 
 #include "difftrain/core/error.hpp"
+#include "difftrain/data/file_names.hpp"  // is_video_name, for the programs' scans
 
 namespace difftrain::data {
-
-/// Video file names the readers and the programs' folder scans take, by extension in any case:
-/// MP4, MOV, M4V, WebM, MKV, AVI and GIF. Here, not in video_file.hpp, so that a build without
-/// FFmpeg tells a video it cannot read from a file it does not know.
-inline bool is_video_name(const std::filesystem::path& p) {
-  std::string e = p.extension().string();
-  std::transform(e.begin(), e.end(), e.begin(),
-                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-  return e == ".mp4" || e == ".mov" || e == ".m4v" || e == ".webm" || e == ".mkv" || e == ".avi" ||
-         e == ".gif";
-}
 
 /// The window of a clip that trains.
 struct FrameWindow {
