@@ -48,7 +48,14 @@ double pyav_seconds(const std::string& mode, std::string& why) {
   return it->second.first;
 }
 
-std::vector<std::filesystem::path> clips() {
+/// The clips, once the Python side in `mode` has run (it writes them); none, with the case
+/// skipped and the reason given, when it did not.
+std::vector<std::filesystem::path> clips(benchmark::State& state, const std::string& mode) {
+  std::string why;
+  if (pyav_seconds(mode, why) <= 0) {
+    state.SkipWithError(("no clips: the Python baseline did not run: " + why).c_str());
+    return {};
+  }
   std::vector<std::filesystem::path> files;
   for (const auto& e : std::filesystem::directory_iterator(clip_folder()))
     if (e.path().extension() == ".mp4") files.push_back(e.path());
@@ -62,12 +69,8 @@ void pyav_loader(benchmark::State& state) {
 }
 
 void difftrain_loader(benchmark::State& state) {
-  std::string why;
-  if (pyav_seconds("loader", why) <= 0) {
-    state.SkipWithError(("no clips: the Python baseline did not run: " + why).c_str());
-    return;
-  }
-  const std::vector<std::filesystem::path> files = clips();
+  const std::vector<std::filesystem::path> files = clips(state, "loader");
+  if (files.empty()) return;
   const int threads = at::get_num_threads();
   at::set_num_threads(1);  // one core per worker, as each Python worker process has
   auto pass = [&] {
@@ -97,12 +100,8 @@ void pyav_reader(benchmark::State& state) {
 }
 
 void difftrain_reader(benchmark::State& state) {
-  std::string why;
-  if (pyav_seconds("reader", why) <= 0) {
-    state.SkipWithError(("no clips: the Python baseline did not run: " + why).c_str());
-    return;
-  }
-  std::vector<std::filesystem::path> files = clips();
+  std::vector<std::filesystem::path> files = clips(state, "reader");
+  if (files.empty()) return;
   files.resize(std::min<std::size_t>(files.size(), 8));
   double best = std::numeric_limits<double>::infinity();
   std::int64_t frames = 0;

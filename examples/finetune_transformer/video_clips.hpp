@@ -262,29 +262,31 @@ std::vector<VideoClip> scan_videos(const Settings& s,
 /// cover it and centre-cropped (SAT's resize_for_rectangle_crop), or in a video bucket resized in
 /// float and never rounded (finetrainers' transform of float frames).
 at::Tensor load_clip(const VideoClip& c, const Settings& s, bool flip) {
-  std::vector<at::Tensor> hwc;
+  at::Tensor
+      thwc;  // (T, H, W, 3) uint8: as the video reader returns it, or the frame files stacked
   if (c.is_file()) {
 #if defined(DIFFTRAIN_HAS_VIDEO)
-    const at::Tensor all = data::read_video(c.source, {.frames = c.file_frames}).pixels;
-    for (std::int64_t k = 0; k < all.size(0); ++k) hwc.push_back(all[k]);
+    thwc = data::read_video(c.source, {.frames = c.file_frames}).pixels;
 #endif
   } else {
+    std::vector<at::Tensor> hwc;
     for (const auto& f : c.frames) hwc.push_back(data::read_image(f).pixels);
+    thwc = at::stack(hwc);
   }
   at::Tensor x;
   if (!s.video_resolution_buckets.empty()) {
-    x = at::stack(hwc).permute({0, 3, 1, 2}).to(at::kFloat);
+    x = thwc.permute({0, 3, 1, 2}).to(at::kFloat);
     if (x.size(2) != c.height || x.size(3) != c.width)
       x = at::_upsample_bilinear2d_aa(x, {c.height, c.width}, false);
     if (flip) x = data::horizontal_flip(x);
     return (x / 255.0 * 2.0 - 1.0).permute({1, 0, 2, 3}).contiguous().unsqueeze(0);
   }
   if (s.frame_sampling == "sat") {
-    x = data::sat_resize_crop(at::stack(hwc).permute({0, 3, 1, 2}), c.height, c.width);
+    x = data::sat_resize_crop(thwc.permute({0, 3, 1, 2}), c.height, c.width);
   } else {
     std::vector<at::Tensor> frames;
-    for (const at::Tensor& f : hwc)
-      frames.push_back(data::resize(f.permute({2, 0, 1}), {c.height, c.width}));
+    for (std::int64_t k = 0; k < thwc.size(0); ++k)
+      frames.push_back(data::resize(thwc[k].permute({2, 0, 1}), {c.height, c.width}));
     x = at::stack(frames);
   }
   if (flip) x = data::horizontal_flip(x);

@@ -346,15 +346,15 @@ inline VideoInfo probe_video(const std::filesystem::path& path, const VideoLimit
 inline VideoFrames read_video(const std::filesystem::path& path, const VideoReadOptions& o = {}) {
   using namespace video_detail;
   const std::string where = path.string();
+  if (o.threads < 0)
+    throw ConfigError(
+        "decoder threads must be 0 (FFmpeg's choice) or more, not " + std::to_string(o.threads),
+        where);
   Input in = open(path, o.limits);
   Codec codec(avcodec_alloc_context3(in.decoder));
   if (!codec) throw FormatError("could not make a decoder", where);
   const AVStream* stream = in.format->streams[in.stream];
   avcodec_parameters_to_context(codec.get(), stream->codecpar);
-  if (o.threads < 0)
-    throw ConfigError(
-        "decoder threads must be 0 (FFmpeg's choice) or more, not " + std::to_string(o.threads),
-        where);
   codec->thread_count = o.threads;
   if (const int r = avcodec_open2(codec.get(), in.decoder, nullptr); r < 0)
     throw FormatError(
@@ -372,8 +372,12 @@ inline VideoFrames read_video(const std::filesystem::path& path, const VideoRead
   const bool keep_all = wanted.empty();
   // Every frame: decoding goes one past the limit, so a longer file is refused, not cut.
   const std::int64_t last = keep_all ? o.limits.max_frames : wanted.rbegin()->first;
-  FrameStore store(keep_all ? (stream->nb_frames > 0 ? stream->nb_frames : 16)
-                            : static_cast<std::int64_t>(o.frames.size()),
+  // Every frame: room for the header's count, but never past the limit (one more frame is refused).
+  FrameStore store(keep_all
+                       ? (stream->nb_frames > 0
+                              ? std::min<std::int64_t>(stream->nb_frames, o.limits.max_frames + 1)
+                              : 16)
+                       : static_cast<std::int64_t>(o.frames.size()),
                    keep_all);
   std::vector<double> times(o.frames.size());
   const AVRational time_base = stream->time_base;
